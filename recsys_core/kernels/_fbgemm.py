@@ -38,6 +38,14 @@ def fbgemm_available() -> bool:
     return _TBE_TRAINING is not None
 
 
+def fbgemm_optim_type(value: str) -> object:
+    """FBGEMM's ``EmbOptimType`` member with this string value."""
+    tbe_training_module()
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return EmbOptimType(value)
+
+
 def fbgemm_supports(device: torch.device) -> bool:
     """True when FBGEMM has kernels for tensors on ``device`` (the CPU build has no CUDA ops)."""
     if _TBE_TRAINING is None:

@@ -1,0 +1,99 @@
+"""FBGEMM ``SplitTableBatchedEmbeddingBagsCodegen`` behind the same small interface as the torch
+fallback (``forward``, ``split_embedding_weights``, ``split_optimizer_states``, learning rate)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from recsys_core.kernels._fbgemm import fbgemm_optim_type, tbe_training_module
+from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
+
+# Optimizers with an FBGEMM kernel, per device type (FBGEMM 1.8; the CPU build refuses the rest).
+FBGEMM_OPTIMIZERS: dict[str, frozenset[EmbOptimType]] = {
+    "cpu": frozenset(
+        {EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+    ),
+    "cuda": frozenset(m.canonical for m in EmbOptimType),
+}
+
+
+class FbgemmTableBatchedEmbedding(nn.Module):
+    """All tables in one FBGEMM TBE; ids are bounds-checked in FATAL mode (never clamped)."""
+
+    def __init__(
+        self,
+        *,
+        rows: Sequence[int],
+        dims: Sequence[int],
+        feature_table_map: Sequence[int],
+        pooling_mean: bool,
+        optimizer: FusedOptimizerConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        tbe = tbe_training_module()
+        on_cuda = device.type == "cuda"
+        location = tbe.EmbeddingLocation.DEVICE if on_cuda else tbe.EmbeddingLocation.HOST
+        compute = tbe.ComputeDevice.CUDA if on_cuda else tbe.ComputeDevice.CPU
+        cfg = optimizer
+        fbgemm_optim = fbgemm_optim_type(cfg.optimizer.canonical.value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            emb_module = tbe.SplitTableBatchedEmbeddingBagsCodegen(
+                [(r, d, location, compute) for r, d in zip(rows, dims, strict=True)],
+                feature_table_map=list(feature_table_map),
+                optimizer=fbgemm_optim,
+                learning_rate=cfg.learning_rate,
+                eps=cfg.eps,
+                beta1=cfg.beta1,
+                beta2=cfg.beta2,
+                weight_decay=cfg.weight_decay,
+                weight_decay_mode=tbe.WeightDecayMode(cfg.weight_decay_mode.value),
+                pooling_mode=tbe.PoolingMode.MEAN if pooling_mean else tbe.PoolingMode.SUM,
+                bounds_check_mode=tbe.BoundsCheckMode.FATAL,
+                device=device,
+            )
+        # Held outside ``_modules``: FBGEMM registers its storage as Parameters, which would show
+        # up in ``model.parameters()`` and ``state_dict()`` beside the per-table weight views the
+        # collection exposes. The kernel lives on its construction device; train() is forwarded.
+        object.__setattr__(self, "_emb_module", emb_module)
+        self.optimizer = optimizer
+        self._state_names = optimizer.optimizer.state_names
+
+    def train(self, mode: bool = True) -> FbgemmTableBatchedEmbedding:
+        super().train(mode)
+        self._emb_module.train(mode)
+        return self
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._emb_module(indices, offsets, per_sample_weights)
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        return list(self._emb_module.split_embedding_weights())
+
+    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        if not self._state_names:
+            return [{} for _ in self._emb_module.embedding_specs]
+        return [
+            dict(zip(self._state_names, states, strict=True))
+            for states in self._emb_module.split_optimizer_states()
+        ]
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._emb_module.set_learning_rate(float(lr))
+
+    def get_learning_rate(self) -> float:
+        return float(self._emb_module.get_learning_rate())
+
+    @property
+    def iter(self) -> torch.Tensor:
+        return self._emb_module.iter

@@ -1,0 +1,174 @@
+"""Table-batched embedding kernels: one small interface, two implementations.
+
+``build_table_batched_embedding`` picks FBGEMM where it has a kernel for the device and
+optimizer, else the pure-torch kernel with the same numerics. ``checked_lookup`` turns any
+kernel's anonymous out-of-range failure into an error that names the feature and the id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from recsys_core.kernels._fbgemm import fbgemm_status, fbgemm_supports
+from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.fbgemm_tbe import FBGEMM_OPTIMIZERS, FbgemmTableBatchedEmbedding
+from recsys_core.kernels.torch_tbe import TorchTableBatchedEmbedding
+
+
+class IdOutOfRangeError(IndexError, ValueError):
+    """An id outside ``[0, num_embeddings)`` of its table (names feature, position and id)."""
+
+
+class TableBatchedKernel(Protocol):
+    """What a sharded or fused collection needs from a table-batched kernel."""
+
+    optimizer: FusedOptimizerConfig
+
+    def __call__(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def split_embedding_weights(self) -> list[torch.Tensor]: ...
+
+    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]: ...
+
+    def set_learning_rate(self, lr: float) -> None: ...
+
+    def get_learning_rate(self) -> float: ...
+
+
+def fbgemm_missing(
+    device: torch.device,
+    optimizer: FusedOptimizerConfig,
+    dims: Sequence[int] = (),
+    weighted_mean: bool = False,
+) -> str | None:
+    """Why FBGEMM cannot run these tables exactly, or None if it can."""
+    if not fbgemm_supports(device):
+        status = fbgemm_status()
+        return status if status != "ok" else f"FBGEMM has no kernels for {device.type} tensors"
+    opt = optimizer.optimizer.canonical
+    if opt not in FBGEMM_OPTIMIZERS.get(device.type, frozenset()):
+        return f"FBGEMM has no {opt.name} kernel on {device.type}"
+    if device.type == "cpu" and optimizer.weight_decay > 0:
+        # Measured: FBGEMM 1.8's CPU row-wise Adagrad ignores weight_decay in every mode.
+        return "FBGEMM's CPU kernels ignore weight_decay"
+    if device.type == "cpu" and weighted_mean:
+        # Measured: FBGEMM 1.8's CPU backward for weighted MEAN pooling omits the 1/length
+        # factor that its forward applies, so its gradient does not match its output.
+        return "FBGEMM's CPU weighted MEAN backward is inconsistent with its forward"
+    bad_dims = sorted({d for d in dims if d % 4})
+    if bad_dims:
+        return f"FBGEMM needs embedding_dim % 4 == 0, got {bad_dims}"
+    return None
+
+
+def select_backend(
+    requested: KernelBackend,
+    device: torch.device,
+    optimizer: FusedOptimizerConfig,
+    dims: Sequence[int] = (),
+    weighted_mean: bool = False,
+) -> KernelBackend:
+    """Resolve AUTO; refuse an explicit FBGEMM request that cannot be honoured."""
+    if requested is KernelBackend.TORCH:
+        return requested
+    why = fbgemm_missing(device, optimizer, dims, weighted_mean)
+    if why is None:
+        return KernelBackend.FBGEMM
+    if requested is KernelBackend.FBGEMM:
+        raise ValueError(
+            f"backend FBGEMM requested but unavailable: {why}; use KernelBackend.AUTO to fall "
+            "back to the torch kernel (same numerics)"
+        )
+    return KernelBackend.TORCH
+
+
+def build_table_batched_embedding(
+    *,
+    rows: Sequence[int],
+    dims: Sequence[int],
+    feature_table_map: Sequence[int],
+    pooling_mean: bool,
+    optimizer: FusedOptimizerConfig,
+    device: torch.device,
+    backend: KernelBackend = KernelBackend.AUTO,
+    weighted: bool = False,
+) -> nn.Module:
+    """A kernel module (FBGEMM or torch) holding ``len(rows)`` tables, zero-initialized.
+
+    ``weighted`` says whether per-sample weights will be passed (it matters for the choice).
+    """
+    chosen = select_backend(backend, device, optimizer, dims, weighted and pooling_mean)
+    cls = FbgemmTableBatchedEmbedding if chosen is KernelBackend.FBGEMM else TorchTableBatchedEmbedding
+    return cls(
+        rows=rows,
+        dims=dims,
+        feature_table_map=feature_table_map,
+        pooling_mean=pooling_mean,
+        optimizer=optimizer,
+        device=device,
+    )
+
+
+def kernel_backend(kernel: nn.Module) -> KernelBackend:
+    if isinstance(kernel, FbgemmTableBatchedEmbedding):
+        return KernelBackend.FBGEMM
+    return KernelBackend.TORCH
+
+
+def checked_lookup(
+    kernel: TableBatchedKernel,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    *,
+    feature_names: Sequence[str],
+    rows_per_feature: Sequence[int],
+) -> torch.Tensor:
+    """Run the kernel; if it rejects an id, raise :class:`IdOutOfRangeError` saying which.
+
+    The check costs nothing on the good path: FBGEMM's FATAL bounds check (or torch's own) does
+    the work, and only a failure pays for the diagnosis.
+    """
+    try:
+        return kernel(indices, offsets, per_sample_weights)
+    except (RuntimeError, IndexError) as exc:
+        message = describe_bad_ids(indices, offsets, feature_names, rows_per_feature)
+        if message is None:
+            raise
+        raise IdOutOfRangeError(message) from exc
+
+
+def describe_bad_ids(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    feature_names: Sequence[str],
+    rows_per_feature: Sequence[int],
+) -> str | None:
+    """The first feature with an id outside its table, as an actionable message (or None)."""
+    num_features = len(feature_names)
+    if num_features == 0 or offsets.numel() <= 1:
+        return None
+    batch = (offsets.numel() - 1) // num_features
+    starts = offsets[::batch].tolist() if batch else [0] * (num_features + 1)
+    for f, name in enumerate(feature_names):
+        ids = indices[int(starts[f]) : int(starts[f + 1])]
+        bad = ((ids < 0) | (ids >= rows_per_feature[f])).nonzero()
+        if bad.numel():
+            pos = int(bad[0, 0])
+            sample = int(torch.searchsorted(offsets[f * batch : (f + 1) * batch + 1],
+                                            torch.tensor(int(starts[f]) + pos), right=True)) - 1
+            return (
+                f"feature {name!r}: id {int(ids[pos])} (batch position {sample}) is outside "
+                f"[0, {rows_per_feature[f]}) of its table; {bad.numel()} bad id(s) in this "
+                "feature. Hash or clip ids to the table size before lookup."
+            )
+    return None

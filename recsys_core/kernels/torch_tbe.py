@@ -1,0 +1,267 @@
+"""Pure-torch table-batched embedding bag with the optimizer fused into backward.
+
+Same contract and numerics as FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` with an
+``EXACT_*`` optimizer: gradients of all occurrences of a row (across the batch and across
+features sharing the table) are summed first, then each touched row is updated once. Rows that
+were not looked up are not touched (no decay, no state change), as in FBGEMM.
+
+Used where FBGEMM is missing, where it has no kernel for the optimizer on the device (Adam and
+LAMB on CPU), on ``device="meta"``, and by tests as an independent implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, WeightDecayMode
+
+
+class TorchTableBatchedEmbedding(nn.Module):
+    """Tables stored in one flat buffer; ``forward(indices, offsets)`` -> ``[B, sum(dims)]``.
+
+    ``offsets`` is feature-major (``len == num_features * B + 1``), exactly a KJT's offsets.
+    """
+
+    def __init__(
+        self,
+        *,
+        rows: Sequence[int],
+        dims: Sequence[int],
+        feature_table_map: Sequence[int],
+        pooling_mean: bool,
+        optimizer: FusedOptimizerConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.rows = list(rows)
+        self.dims = list(dims)
+        self.feature_table_map = list(feature_table_map)
+        self.pooling_mean = pooling_mean
+        self.optimizer = optimizer
+        self._lr = optimizer.learning_rate
+        self.weights_offsets = _cumsum([r * d for r, d in zip(self.rows, self.dims, strict=True)])
+        self.register_buffer(
+            "weights", torch.zeros(self.weights_offsets[-1], device=device), persistent=False
+        )
+        self.state_offsets: dict[str, list[int]] = {}
+        opt = optimizer.optimizer
+        for name in opt.state_names:
+            sizes = self.rows if opt.state_is_rowwise(name) else [
+                r * d for r, d in zip(self.rows, self.dims, strict=True)
+            ]
+            self.state_offsets[name] = _cumsum(sizes)
+            self.register_buffer(
+                name, torch.zeros(self.state_offsets[name][-1], device=device), persistent=False
+            )
+        self.register_buffer("iter", torch.zeros(1, dtype=torch.int64), persistent=False)
+        # Gives autograd a leaf to differentiate so that backward (and the fused update) runs. A
+        # buffer, not a Parameter: the kernel exposes no parameters of its own (the collection
+        # exposes per-table weight views).
+        self.register_buffer(
+            "placeholder_autograd_tensor",
+            torch.zeros(0, device=device, requires_grad=True),
+            persistent=False,
+        )
+
+    # ---- views -------------------------------------------------------------------------------
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        return [
+            self.weights[self.weights_offsets[t] : self.weights_offsets[t + 1]].view(r, d)
+            for t, (r, d) in enumerate(zip(self.rows, self.dims, strict=True))
+        ]
+
+    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        out: list[dict[str, torch.Tensor]] = [{} for _ in self.rows]
+        opt = self.optimizer.optimizer
+        for name, offs in self.state_offsets.items():
+            flat = getattr(self, name)
+            for t, (r, d) in enumerate(zip(self.rows, self.dims, strict=True)):
+                view = flat[offs[t] : offs[t + 1]]
+                out[t][name] = view if opt.state_is_rowwise(name) else view.view(r, d)
+        return out
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._lr = float(lr)
+
+    def get_learning_rate(self) -> float:
+        return self._lr
+
+    # ---- compute -----------------------------------------------------------------------------
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.iter.add_(1)
+        return _FusedLookup.apply(
+            self, self.placeholder_autograd_tensor, indices, offsets, per_sample_weights
+        )
+
+    def _feature_segments(self, offsets: torch.Tensor) -> tuple[int, list[int]]:
+        num_features = len(self.feature_table_map)
+        batch = (offsets.numel() - 1) // num_features
+        starts = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
+        return batch, [int(s) for s in starts]
+
+    def pooled(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, starts = self._feature_segments(offsets)
+        tables = self.split_embedding_weights()
+        outs = []
+        for f, t in enumerate(self.feature_table_map):
+            lo, hi = starts[f], starts[f + 1]
+            bag_offsets = offsets[f * batch : (f + 1) * batch + 1] - lo
+            psw = None if per_sample_weights is None else per_sample_weights[lo:hi]
+            out = nn.functional.embedding_bag(
+                indices[lo:hi].long(),
+                tables[t],
+                bag_offsets.long(),
+                mode="sum",
+                per_sample_weights=psw,
+                include_last_offset=True,
+            )
+            if self.pooling_mean:
+                out = out / bag_offsets.diff().clamp(min=1).unsqueeze(1).to(out.dtype)
+            outs.append(out)
+        if not outs:
+            return self.weights.new_zeros(batch, 0)
+        return torch.cat(outs, dim=1)
+
+    def backward_and_update(
+        self,
+        grad_out: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        want_psw_grad: bool,
+    ) -> torch.Tensor | None:
+        batch, starts = self._feature_segments(offsets)
+        tables = self.split_embedding_weights()
+        dim_offsets = _cumsum([self.dims[t] for t in self.feature_table_map])
+        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        psw_grads = []
+        for f, t in enumerate(self.feature_table_map):
+            lo, hi = starts[f], starts[f + 1]
+            lengths = offsets[f * batch + 1 : (f + 1) * batch + 1] - offsets[f * batch : (f + 1) * batch]
+            bag_of_index = torch.repeat_interleave(
+                torch.arange(batch, device=grad_out.device), lengths.long(), output_size=hi - lo
+            )
+            g = grad_out[:, dim_offsets[f] : dim_offsets[f + 1]].index_select(0, bag_of_index)
+            if self.pooling_mean:
+                g = g / lengths.clamp(min=1).to(g.dtype).index_select(0, bag_of_index).unsqueeze(1)
+            idx = indices[lo:hi].long()
+            if want_psw_grad:
+                psw_grads.append((g * tables[t].index_select(0, idx)).sum(dim=1))
+            if per_sample_weights is not None:
+                g = g * per_sample_weights[lo:hi].unsqueeze(1)
+            per_table.setdefault(t, []).append((idx, g))
+        for t, parts in per_table.items():
+            idx = torch.cat([p[0] for p in parts])
+            if idx.numel() == 0:
+                continue
+            grads = torch.cat([p[1] for p in parts])
+            rows, inverse = torch.unique(idx, return_inverse=True)
+            summed = grads.new_zeros(rows.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+            self._apply_update(t, rows, summed)
+        return torch.cat(psw_grads) if want_psw_grad else None
+
+    @torch.no_grad()
+    def _apply_update(self, t: int, rows: torch.Tensor, g: torch.Tensor) -> None:
+        cfg = self.optimizer
+        opt = cfg.optimizer.canonical
+        lr, eps, wd = self._lr, cfg.eps, cfg.weight_decay
+        weight = self.split_embedding_weights()[t]
+        states = self.split_optimizer_states()[t]
+        w = weight.index_select(0, rows)
+        if opt is EmbOptimType.EXACT_SGD:
+            new_w = w - lr * g
+        elif opt is EmbOptimType.EXACT_ADAGRAD:
+            m = states["momentum1"].index_select(0, rows) + g * g
+            states["momentum1"].index_copy_(0, rows, m)
+            new_w = w - lr * g / (m.sqrt() + eps)
+        elif opt is EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            l2 = cfg.weight_decay_mode is WeightDecayMode.L2
+            g_decayed = g + wd * w if l2 else g
+            m = states["momentum1"].index_select(0, rows) + (g_decayed * g_decayed).mean(dim=1)
+            states["momentum1"].index_copy_(0, rows, m)
+            multiplier = (lr / (m.sqrt() + eps)).unsqueeze(1)
+            if l2:
+                correction = 1.0 - multiplier * wd
+            elif cfg.weight_decay_mode is WeightDecayMode.DECOUPLED:
+                correction = 1.0 - lr * wd
+            else:
+                correction = 1.0
+            new_w = correction * w - multiplier * g
+        else:
+            new_w = self._adam_family_update(opt, rows, w, g, states)
+        weight.index_copy_(0, rows, new_w)
+
+    def _adam_family_update(
+        self,
+        opt: EmbOptimType,
+        rows: torch.Tensor,
+        w: torch.Tensor,
+        g: torch.Tensor,
+        states: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        cfg = self.optimizer
+        lr, eps, wd, b1, b2 = self._lr, cfg.eps, cfg.weight_decay, cfg.beta1, cfg.beta2
+        step = int(self.iter.item())
+        rowwise = opt in (EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.PARTIAL_ROWWISE_LAMB)
+        m1 = b1 * states["momentum1"].index_select(0, rows) + (1.0 - b1) * g
+        states["momentum1"].index_copy_(0, rows, m1)
+        g2 = (g * g).mean(dim=1) if rowwise else g * g
+        m2 = b2 * states["momentum2"].index_select(0, rows) + (1.0 - b2) * g2
+        states["momentum2"].index_copy_(0, rows, m2)
+        v_hat = m2 / (1.0 - b2**step)
+        if rowwise:
+            v_hat = v_hat.unsqueeze(1)
+        update = m1 / (1.0 - b1**step) / (v_hat.sqrt() + eps) + wd * w
+        if opt in (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM):
+            return w - lr * update
+        # LAMB: trust ratio ||w|| / ||update|| per row.
+        ratio = w.norm(dim=1, keepdim=True) / update.norm(dim=1, keepdim=True)
+        return w - lr * ratio * update
+
+
+class _FusedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        kernel: TorchTableBatchedEmbedding,
+        placeholder: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.kernel = kernel  # type: ignore[attr-defined]
+        ctx.save_for_backward(indices, offsets, per_sample_weights)
+        with torch.no_grad():
+            return kernel.pooled(indices, offsets, per_sample_weights)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+    ) -> tuple[None, None, None, None, torch.Tensor | None]:
+        indices, offsets, psw = ctx.saved_tensors  # type: ignore[attr-defined]
+        want_psw_grad = bool(ctx.needs_input_grad[4])  # type: ignore[attr-defined]
+        psw_grad = ctx.kernel.backward_and_update(  # type: ignore[attr-defined]
+            grad_out.contiguous(), indices, offsets, psw, want_psw_grad
+        )
+        return None, None, None, None, psw_grad
+
+
+def _cumsum(sizes: Sequence[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + int(s))
+    return out
