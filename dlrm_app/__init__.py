@@ -1,0 +1,1 @@
+"""dlrm_app: DLRM training and serving on recsys_core."""

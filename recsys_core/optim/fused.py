@@ -39,7 +39,9 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
             weights, table_names, kernel.split_optimizer_states(), strict=True
         ):
             state[weight] = {f"{table}.{k}": v for k, v in table_state.items()}
-        groups = [{"params": weights, "lr": kernel.get_learning_rate()}] if weights else []
+        # The configured value, not the kernel's: FBGEMM keeps lr as float32 (0.02 -> 0.0199999).
+        self._kernel_lr = kernel.optimizer.learning_rate
+        groups = [{"params": weights, "lr": self._kernel_lr}] if weights else []
         super().__init__(params, state, groups)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -57,5 +59,6 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
     def _sync_learning_rate(self) -> None:
         if self.param_groups:
             lr = float(self.param_groups[0]["lr"])
-            if lr != self._kernel.get_learning_rate():
+            if lr != self._kernel_lr:
                 self._kernel.set_learning_rate(lr)
+                self._kernel_lr = lr

@@ -1,0 +1,5 @@
+import sys
+
+from dlrm_app.cli import main
+
+sys.exit(main())

@@ -1,0 +1,259 @@
+"""``FusedEmbeddingBagCollection``: an EmbeddingBagCollection whose tables live in table-batched
+kernels (FBGEMM TBE, or the torch kernel) with the optimizer applied inside backward.
+
+Its ``state_dict`` has the same keys as :class:`EmbeddingBagCollection`
+(``embedding_bags.<table>.weight``), so weights move freely between the two; optimizer state is in
+``fused_optimizer.state_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.tbe import (
+    build_table_batched_embedding,
+    checked_lookup,
+    kernel_backend,
+)
+from recsys_core.modules.embedding_configs import (
+    EmbeddingBagConfig,
+    PoolingType,
+    check_unique_tables,
+)
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
+from recsys_core.optim.fused import EmbeddingFusedOptimizer
+from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.optim.optimizers import in_backward_optimizer_config
+from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+def resolve_fused_config(
+    optimizer_type: Any, optimizer_kwargs: Mapping[str, Any] | None
+) -> FusedOptimizerConfig:
+    """``optimizer_type`` is an EmbOptimType (ours or FBGEMM's; kwargs are fused_params keys such
+    as ``learning_rate``) or a torch optimizer class (kwargs as for that class, e.g. ``lr``)."""
+    kwargs = dict(optimizer_kwargs or {})
+    if isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
+        return FusedOptimizerConfig.from_torch_optimizer(optimizer_type, kwargs)
+    return FusedOptimizerConfig.from_fused_params(
+        {**kwargs, "optimizer": EmbOptimType.coerce(optimizer_type)}
+    )
+
+
+class _TableWeight(nn.Module):
+    """Holds one table's weight: a view into its kernel's storage."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+class FusedEmbeddingBagCollection(nn.Module):
+    """Same interface and outputs as EmbeddingBagCollection; updates happen in ``backward()``.
+
+    Args:
+        tables: table configs (SUM and MEAN tables may be mixed: one kernel per pooling type).
+        optimizer_type: ``EmbOptimType.EXACT_ROWWISE_ADAGRAD`` etc., or ``torch.optim.SGD`` /
+            ``Adagrad`` / ``Adam`` / ``recsys_core.optim.RowWiseAdagrad``.
+        optimizer_kwargs: hyper-parameters (``{"learning_rate": 0.02, "eps": 0.002}`` for an
+            EmbOptimType, ``{"lr": 0.02}`` for a torch class). Unknown keys are an error.
+        is_weighted: features carry per-id weights (weighted pooling).
+        device: where the tables live. The module cannot be moved after construction.
+        backend: AUTO picks FBGEMM where it has a kernel for the device and optimizer.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        optimizer_type: Any = EmbOptimType.EXACT_SGD,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        backend: KernelBackend = KernelBackend.AUTO,
+    ) -> None:
+        super().__init__()
+        check_unique_tables(tables, "FusedEmbeddingBagCollection")
+        for config in tables:
+            if not isinstance(config, EmbeddingBagConfig):
+                raise TypeError(f"FusedEmbeddingBagCollection takes EmbeddingBagConfig, got {config!r}")
+        self._configs = list(tables)
+        self._is_weighted = is_weighted
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._optimizer_config = resolve_fused_config(optimizer_type, optimizer_kwargs)
+        self._embedding_names = [f for c in tables for f in c.feature_names]
+        self._lengths_per_embedding = [c.embedding_dim for c in tables for _ in c.feature_names]
+
+        # One kernel per pooling type, tables in declaration order within each.
+        groups: dict[PoolingType, list[EmbeddingBagConfig]] = {}
+        for config in tables:
+            groups.setdefault(config.pooling, []).append(config)
+        self._kernels = nn.ModuleList()
+        self._group_features: list[list[str]] = []
+        self._group_rows: list[list[int]] = []
+        table_weights: dict[str, _TableWeight] = {}
+        optims = []
+        for pooling, configs in groups.items():
+            feature_table_map = [t for t, c in enumerate(configs) for _ in c.feature_names]
+            kernel = build_table_batched_embedding(
+                rows=[c.num_embeddings for c in configs],
+                dims=[c.embedding_dim for c in configs],
+                feature_table_map=feature_table_map,
+                pooling_mean=pooling is PoolingType.MEAN,
+                optimizer=self._optimizer_config,
+                device=self._device,
+                backend=backend,
+                weighted=is_weighted,
+            )
+            self._kernels.append(kernel)
+            self._group_features.append([f for c in configs for f in c.feature_names])
+            self._group_rows.append([c.num_embeddings for c in configs for _ in c.feature_names])
+            params: dict[str, nn.Parameter] = {}
+            for config, view in zip(configs, kernel.split_embedding_weights(), strict=True):
+                if self._device.type != "meta":
+                    config.init_weight_(view)
+                weight = nn.Parameter(view)
+                table_weights[config.name] = _TableWeight(weight)
+                params[f"embedding_bags.{config.name}.weight"] = weight
+            optim = EmbeddingFusedOptimizer(kernel, params, [c.name for c in configs])
+            for weight in params.values():
+                weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
+            optims.append(optim)
+        self._fused_optimizer = CombinedOptimizer(optims)
+        # Declaration order, so that state_dict keys line up with EmbeddingBagCollection's.
+        self.embedding_bags = nn.ModuleDict({c.name: table_weights[c.name] for c in tables})
+
+        kernel_order = [f for names in self._group_features for f in names]
+        self._kernel_feature_order = kernel_order
+        # Output columns come out in kernel order; this permutation restores declaration order.
+        self._column_permutation = self._make_column_permutation(kernel_order)
+        self._input_permutations: dict[tuple[str, ...], list[int] | None] = {}
+
+    @classmethod
+    def from_embedding_bag_collection(
+        cls,
+        ebc: EmbeddingBagCollection,
+        optimizer_type: Any = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        backend: KernelBackend = KernelBackend.AUTO,
+    ) -> FusedEmbeddingBagCollection:
+        """A fused copy of ``ebc`` (same tables and weights).
+
+        Without ``optimizer_type`` the optimizer recorded on the EBC's weights by
+        ``apply_optimizer_in_backward`` is used (all tables must share it).
+        """
+        if optimizer_type is None:
+            recorded = {
+                name: in_backward_optimizer_config(p) for name, p in ebc.named_parameters()
+            }
+            missing = [n for n, c in recorded.items() if c is None]
+            if missing or not recorded:
+                raise ValueError(
+                    f"no optimizer given and none recorded on {missing or 'the tables'}; pass "
+                    "optimizer_type or call apply_optimizer_in_backward on every table first"
+                )
+            distinct = {(c[0], tuple(sorted(c[1].items()))) for c in recorded.values()}
+            if len(distinct) > 1:
+                raise ValueError(
+                    "tables carry different in-backward optimizers; a fused collection applies "
+                    "one optimizer to all its tables"
+                )
+            optimizer_type, optimizer_kwargs = next(iter(recorded.values()))
+        fused = cls(
+            ebc.embedding_bag_configs(), optimizer_type, optimizer_kwargs,
+            is_weighted=ebc.is_weighted(), device=ebc.device, backend=backend,
+        )
+        if ebc.device.type != "meta":
+            fused.load_state_dict(ebc.state_dict())
+        return fused
+
+    # ---- public API ---------------------------------------------------------------------------
+    @property
+    def fused_optimizer(self) -> CombinedOptimizer:
+        return self._fused_optimizer
+
+    def optimizer_config(self) -> FusedOptimizerConfig:
+        return self._optimizer_config
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._configs)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def kernel_backends(self) -> list[KernelBackend]:
+        """Which implementation runs each kernel (one per pooling type)."""
+        return [kernel_backend(k) for k in self._kernels]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        check_features(
+            features, self._embedding_names, "FusedEmbeddingBagCollection", self._is_weighted
+        )
+        kjt = self._in_kernel_order(features)
+        parts = kjt.split([len(f) for f in self._group_features]) if len(self._kernels) > 1 else [kjt]
+        outputs = []
+        for kernel, part, names, rows in zip(
+            self._kernels, parts, self._group_features, self._group_rows, strict=True
+        ):
+            values, offsets = part.values(), part.offsets()
+            if offsets.dtype != values.dtype:
+                offsets = offsets.to(values.dtype)
+            weights = part.weights() if self._is_weighted else None
+            try:
+                outputs.append(
+                    checked_lookup(
+                        kernel, values, offsets, weights,
+                        feature_names=names, rows_per_feature=rows,
+                    )
+                )
+            except RuntimeError as exc:
+                part.validate()  # a lengths/values mismatch names its key here
+                raise exc
+        values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if self._column_permutation is not None:
+            values = values.index_select(1, self._column_permutation)
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=values,
+        )
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _in_kernel_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        keys = tuple(features.keys())
+        if keys not in self._input_permutations:
+            if list(keys) == self._kernel_feature_order:
+                self._input_permutations[keys] = None
+            else:
+                index = {k: i for i, k in enumerate(keys)}
+                self._input_permutations[keys] = [index[f] for f in self._kernel_feature_order]
+        permutation = self._input_permutations[keys]
+        return features if permutation is None else features.permute(permutation)
+
+    def _make_column_permutation(self, kernel_order: list[str]) -> torch.Tensor | None:
+        if kernel_order == self._embedding_names:
+            return None
+        dims = dict(zip(self._embedding_names, self._lengths_per_embedding, strict=True))
+        start, column_of = 0, {}
+        for name in kernel_order:
+            column_of[name] = start
+            start += dims[name]
+        columns = [column_of[n] + d for n in self._embedding_names for d in range(dims[n])]
+        return torch.tensor(columns, dtype=torch.long, device=self._device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingBagCollection:
+        probe = fn(torch.zeros(1, device=self._device))
+        if probe.device != self._device or probe.dtype != torch.float32:
+            raise ValueError(
+                "FusedEmbeddingBagCollection cannot be moved or cast after construction (its "
+                "tables live inside table-batched kernels); build it with device=... instead"
+            )
+        return super()._apply(fn, recurse)
