@@ -1,0 +1,7 @@
+"""Sparse data types: JaggedTensor, KeyedJaggedTensor, KeyedTensor (TorchRec-compatible)."""
+
+from recsys_core.sparse.jagged_tensor import JaggedTensor
+from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+from recsys_core.sparse.keyed_tensor import KeyedTensor
+
+__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor"]
