@@ -245,7 +245,12 @@ class KeyedJaggedTensor:
     def length_per_key(self) -> list[int]:
         """Number of values per key (host ints; computing them syncs once, then cached)."""
         if self._length_per_key is None:
-            self._length_per_key = _kjt_ops.length_per_key(self)
+            per_key = _kjt_ops.length_per_key(self)
+            if sum(per_key) != self._values.numel():
+                # Inconsistent input would otherwise fail later in an anonymous split/cat; the
+                # full check names the key (this branch only runs on bad input).
+                self.validate()
+            self._length_per_key = per_key
         return self._length_per_key
 
     def length_per_key_or_none(self) -> list[int] | None:

@@ -70,6 +70,28 @@ def run_steps(kernel: nn.Module, steps: int, weighted: bool) -> list[torch.Tenso
     return outs
 
 
+def reference_bags(kernel: nn.Module, mode: str) -> list[nn.EmbeddingBag]:
+    """Plain sparse-gradient EmbeddingBags holding copies of the kernel's tables."""
+    bags = [
+        nn.EmbeddingBag(r, d, mode=mode, sparse=True, include_last_offset=True)
+        for r, d in zip(ROWS, DIMS, strict=True)
+    ]
+    for bag, w in zip(bags, kernel.split_embedding_weights(), strict=True):
+        bag.weight.data.copy_(w)
+    return bags
+
+
+def reference_forward(
+    bags: list[nn.EmbeddingBag], indices: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    batch = (offsets.numel() - 1) // len(FEATURE_TABLE_MAP)
+    return torch.cat([
+        bags[t](indices[int(offsets[f * batch]) : int(offsets[(f + 1) * batch])],
+                offsets[f * batch : (f + 1) * batch + 1] - offsets[f * batch])
+        for f, t in enumerate(FEATURE_TABLE_MAP)
+    ], dim=1)
+
+
 FBGEMM_CPU_CONFIGS = [
     FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1),
     FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=0.1, eps=1e-3),
@@ -213,9 +235,7 @@ def test_adam_matches_torch_sparse_adam() -> None:
     lr = 0.03
     config = FusedOptimizerConfig(optimizer=EmbOptimType.ADAM, learning_rate=lr)
     kernel = build(KernelBackend.TORCH, config, mean=False)
-    bags = [nn.EmbeddingBag(r, d, mode="sum", sparse=True, include_last_offset=True) for r, d in zip(ROWS, DIMS, strict=True)]
-    for bag, w in zip(bags, kernel.split_embedding_weights(), strict=True):
-        bag.weight.data.copy_(w)
+    bags = reference_bags(kernel, "sum")
     ref_opt = torch.optim.SparseAdam([b.weight for b in bags], lr=lr)
     gen = torch.Generator().manual_seed(5)
     for _ in range(4):
@@ -223,12 +243,7 @@ def test_adam_matches_torch_sparse_adam() -> None:
         out = kernel(indices, offsets)
         target = torch.randn(out.shape, generator=gen)
         (out * target).sum().backward()
-        batch = (offsets.numel() - 1) // len(FEATURE_TABLE_MAP)
-        ref_out = torch.cat([
-            bags[t](indices[int(offsets[f * batch]) : int(offsets[(f + 1) * batch])],
-                    offsets[f * batch : (f + 1) * batch + 1] - offsets[f * batch])
-            for f, t in enumerate(FEATURE_TABLE_MAP)
-        ], dim=1)
+        ref_out = reference_forward(bags, indices, offsets)
         torch.testing.assert_close(out, ref_out.detach(), atol=1e-5, rtol=1e-5)
         ref_opt.zero_grad()
         (ref_out * target).sum().backward()
@@ -243,9 +258,7 @@ def test_rowwise_adagrad_optimizer_matches_fused_kernel_with_l2_decay() -> None:
         weight_decay=0.05, weight_decay_mode=WeightDecayMode.L2,
     )
     kernel = build(KernelBackend.TORCH, config, mean=True)
-    bags = [nn.EmbeddingBag(r, d, mode="mean", sparse=True, include_last_offset=True) for r, d in zip(ROWS, DIMS, strict=True)]
-    for bag, w in zip(bags, kernel.split_embedding_weights(), strict=True):
-        bag.weight.data.copy_(w)
+    bags = reference_bags(kernel, "mean")
     ref_opt = RowWiseAdagrad([b.weight for b in bags], lr=0.1, eps=1e-3, weight_decay=0.05)
     gen = torch.Generator().manual_seed(9)
     for _ in range(4):
@@ -253,12 +266,7 @@ def test_rowwise_adagrad_optimizer_matches_fused_kernel_with_l2_decay() -> None:
         out = kernel(indices, offsets)
         target = torch.randn(out.shape, generator=gen)
         (out * target).sum().backward()
-        batch = (offsets.numel() - 1) // len(FEATURE_TABLE_MAP)
-        ref_out = torch.cat([
-            bags[t](indices[int(offsets[f * batch]) : int(offsets[(f + 1) * batch])],
-                    offsets[f * batch : (f + 1) * batch + 1] - offsets[f * batch])
-            for f, t in enumerate(FEATURE_TABLE_MAP)
-        ], dim=1)
+        ref_out = reference_forward(bags, indices, offsets)
         ref_opt.zero_grad()
         (ref_out * target).sum().backward()
         ref_opt.step()

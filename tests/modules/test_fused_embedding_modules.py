@@ -128,7 +128,7 @@ def test_tutorial_fused_params_flow(tutorial_tables: list[EmbeddingBagConfig]) -
     out = fused(kjt).values()
     loss2 = torch.sum(torch.ones_like(out) - out)
     # no optimizer.step(): the loss fell because backward updated the tables.
-    assert float(loss2) < float(loss1) - 1.0
+    assert loss2.item() < loss1.item() - 1.0
 
 
 def test_apply_optimizer_in_backward_then_convert(tutorial_tables: list[EmbeddingBagConfig]) -> None:
@@ -221,3 +221,16 @@ def test_auto_uses_fbgemm_where_it_is_exact() -> None:
     assert fused.kernel_backends() == [KernelBackend.FBGEMM, KernelBackend.FBGEMM]
     adam = FusedEmbeddingBagCollection(TABLES, EmbOptimType.ADAM, {"learning_rate": 0.1})
     assert adam.kernel_backends() == [KernelBackend.TORCH, KernelBackend.TORCH]
+
+
+@pytest.mark.parametrize("backend", [KernelBackend.AUTO, KernelBackend.TORCH])
+def test_lengths_values_mismatch_names_the_key(backend: KernelBackend) -> None:
+    fused = FusedEmbeddingBagCollection(TABLES, EmbOptimType.EXACT_SGD, {"learning_rate": 0.1}, backend=backend)
+    ebc = EmbeddingBagCollection(TABLES)
+    # lengths sum to 5 but only 4 values: the last key's range runs past the end
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2", "f3"], values=torch.tensor([0, 1, 2, 3]), lengths=torch.tensor([1, 1, 1, 2])
+    )
+    for module in (fused, ebc):
+        with pytest.raises(ValueError, match="f3"):
+            module(kjt)
