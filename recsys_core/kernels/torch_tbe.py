@@ -11,7 +11,7 @@ LAMB on CPU), on ``device="meta"``, and by tests as an independent implementatio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -57,6 +57,11 @@ class TorchTableBatchedEmbedding(nn.Module):
                 name, torch.zeros(self.state_offsets[name][-1], device=device), persistent=False
             )
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64), persistent=False)
+        # Optional (table, rows, summed grads) -> (rows, grads) hook run before each update;
+        # data-parallel sharding sets it to sum gradients over ranks.
+        self.gradient_reducer: (
+            Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+        ) = None
         # Gives autograd a leaf to differentiate so that backward (and the fused update) runs. A
         # buffer, not a Parameter: the kernel exposes no parameters of its own (the collection
         # exposes per-table weight views).
@@ -166,11 +171,14 @@ class TorchTableBatchedEmbedding(nn.Module):
             per_table.setdefault(t, []).append((idx, g))
         for t, parts in per_table.items():
             idx = torch.cat([p[0] for p in parts])
-            if idx.numel() == 0:
-                continue
             grads = torch.cat([p[1] for p in parts])
             rows, inverse = torch.unique(idx, return_inverse=True)
             summed = grads.new_zeros(rows.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+            if self.gradient_reducer is not None:
+                # collective: every rank reaches this for every table, even with no ids
+                rows, summed = self.gradient_reducer(t, rows, summed)
+            if rows.numel() == 0:
+                continue
             self._apply_update(t, rows, summed)
         return torch.cat(psw_grads) if want_psw_grad else None
 

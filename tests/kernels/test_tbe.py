@@ -13,6 +13,7 @@ from recsys_core.kernels.config import (
     KernelBackend,
     WeightDecayMode,
 )
+from recsys_core.kernels.fbgemm_tbe import FbgemmTableBatchedEmbedding
 from recsys_core.kernels.tbe import (
     IdOutOfRangeError,
     build_table_batched_embedding,
@@ -148,6 +149,40 @@ def test_fbgemm_cpu_weighted_mean_backward_is_still_inconsistent() -> None:
     assert build(KernelBackend.AUTO, config, mean=True, weighted=True).__class__.__name__ == (
         "TorchTableBatchedEmbedding"
     )
+
+
+@needs_fbgemm
+def test_fbgemm_cpu_adagrad_needs_adjacent_features_of_a_table() -> None:
+    """Pins the FBGEMM 1.8 CPU defect behind the ``feature_table_map`` routing rule: with a
+    table's features not adjacent ([0, 1, 0, 1]) exact Adagrad differs from the exact result
+    (the torch kernel); with them adjacent it matches. AUTO must pick torch for the former."""
+    config = FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=0.5, eps=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (4 * 6,), generator=gen)
+    indices = torch.randint(0, 11, (int(lengths.sum()),), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    grad = torch.randn(6, 16, generator=gen)
+
+    def trained(ftm: list[int], backend: KernelBackend | None) -> torch.Tensor:
+        args = {
+            "rows": [11, 11], "dims": [4, 4], "feature_table_map": ftm, "pooling_mean": False,
+            "optimizer": config, "device": torch.device("cpu"),
+        }
+        # None: the raw FBGEMM wrapper, bypassing backend selection
+        kernel = FbgemmTableBatchedEmbedding(**args) if backend is None else (
+            build_table_batched_embedding(**args, backend=backend)
+        )
+        for w in kernel.split_embedding_weights():
+            w.copy_(torch.arange(44.0).view(11, 4) / 44)
+        kernel(indices, offsets).backward(grad)
+        return torch.cat([w.flatten() for w in kernel.split_embedding_weights()])
+
+    exact = trained([0, 1, 0, 1], KernelBackend.TORCH)
+    assert not torch.allclose(trained([0, 1, 0, 1], None), exact, atol=1e-3)
+    torch.testing.assert_close(trained([0, 0, 1, 1], None), trained([0, 0, 1, 1], KernelBackend.TORCH))
+    torch.testing.assert_close(trained([0, 1, 0, 1], KernelBackend.AUTO), exact)
+    with pytest.raises(ValueError, match="adjacent in feature_table_map"):
+        trained([0, 1, 0, 1], KernelBackend.FBGEMM)
 
 
 @needs_fbgemm

@@ -1,0 +1,105 @@
+"""Awaitables: results that are ready later (a collective in flight).
+
+``LazyAwaitable`` is what a sharded module's forward returns. ``.wait()`` gives the result; using
+the awaitable as if it were the result (an attribute, an operator, a torch function) waits first,
+so ``sharded_ebc(kjt).values()`` works like the unsharded module.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.utils._pytree import tree_map
+
+W = TypeVar("W")
+R = TypeVar("R")
+
+
+class Awaitable(abc.ABC, Generic[W]):
+    """Something to wait for; the result is computed once and cached."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[W], W]] = []
+        self._done = False
+        self._result: W | None = None
+
+    @abc.abstractmethod
+    def _wait_impl(self) -> W: ...
+
+    @property
+    def callbacks(self) -> list[Callable[[W], W]]:
+        """Functions applied, in order, to the result when it is first waited for."""
+        return self._callbacks
+
+    def wait(self) -> W:
+        if not self._done:
+            result = self._wait_impl()
+            for callback in self._callbacks:
+                result = callback(result)
+            self._result, self._done = result, True
+        return self._result  # type: ignore[return-value]
+
+
+class FunctionAwaitable(Awaitable[W]):
+    """Wraps a zero-argument function: ``wait()`` calls it."""
+
+    def __init__(self, fn: Callable[[], W]) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def _wait_impl(self) -> W:
+        return self._fn()
+
+
+class LazyAwaitable(Awaitable[W]):
+    """An awaitable that waits by itself when used as its result."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # internal attributes and copy/pickle probes
+            raise AttributeError(name)
+        return getattr(self.wait(), name)
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        def resolve(x: Any) -> Any:
+            return x.wait() if isinstance(x, LazyAwaitable) else x
+
+        return func(*tree_map(resolve, args), **tree_map(resolve, kwargs or {}))
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def method(self: LazyAwaitable[Any], *args: Any) -> Any:
+        resolved = [a.wait() if isinstance(a, LazyAwaitable) else a for a in args]
+        return getattr(self.wait(), name)(*resolved)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__matmul__", "__neg__", "__getitem__", "__len__", "__iter__",
+    "__eq__", "__lt__", "__le__", "__gt__", "__ge__", "__contains__",
+):
+    setattr(LazyAwaitable, _name, _forward(_name))
+LazyAwaitable.__hash__ = object.__hash__  # type: ignore[method-assign]
+
+
+class LazyNoWait(LazyAwaitable[W]):
+    """A LazyAwaitable over a value that is already there."""
+
+    def __init__(self, value: W) -> None:
+        super().__init__()
+        self._value = value
+
+    def _wait_impl(self) -> W:
+        return self._value
+
+
+def is_tensor_like(x: Any) -> bool:
+    return isinstance(x, torch.Tensor | LazyAwaitable)

@@ -1,0 +1,156 @@
+"""Asynchronous, differentiable collectives on ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+
+Each collective is a pair of autograd functions around one work handle:
+
+    forward:   start  --(async collective in flight)-->  wait   (result enters the graph)
+    backward:  wait.backward launches the reverse collective asynchronously;
+               start.backward waits for it and returns the input's gradient.
+
+so other work (the next batch's input dist, dense compute) can run while bytes move, in both
+directions. The reverse of an all-to-all is the all-to-all with the splits swapped; the reverse
+of a reduce-scatter is an all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from recsys_core.distributed.awaitable import Awaitable
+
+Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | None"]]
+
+
+@dataclass
+class _InFlight:
+    backward: Launch
+    work: dist.Work | None = None
+    grad_work: dist.Work | None = None
+    grad: torch.Tensor | None = None
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: _InFlight, forward: Launch, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, state.work = forward(x)
+        ctx.state = state
+        return out
+
+    @staticmethod
+    def backward(ctx, _unfilled: torch.Tensor) -> tuple[None, None, torch.Tensor]:  # type: ignore[override]
+        state: _InFlight = ctx.state
+        if state.grad_work is not None:
+            state.grad_work.wait()
+        return None, None, state.grad
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: _InFlight, out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if state.work is not None:
+            state.work.wait()
+        ctx.state = state
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        state: _InFlight = ctx.state
+        state.grad, state.grad_work = state.backward(grad.contiguous())
+        # autograd wants a gradient shaped like this node's input; the input's real gradient
+        # is produced by _Start.backward once the reverse collective lands.
+        return None, grad
+
+
+class CollectiveAwaitable(Awaitable[torch.Tensor]):
+    """A collective in flight; ``wait()`` returns its (differentiable) result."""
+
+    def __init__(self, x: torch.Tensor, forward: Launch, backward: Launch) -> None:
+        super().__init__()
+        if torch.is_grad_enabled() and not x.requires_grad:
+            # A rank with nothing to send (no local shard) must still take part in the
+            # reverse collective in backward, or the ranks' collectives fall out of step.
+            x = x.detach().requires_grad_()
+        self._state = _InFlight(backward=backward)
+        self._out = _Start.apply(self._state, forward, x)
+
+    def _wait_impl(self) -> torch.Tensor:
+        return _Wait.apply(self._state, self._out)
+
+
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, dist.Work | None]:
+    out = x.new_empty(sum(out_splits))
+    if group is None or dist.get_world_size(group) == 1:
+        out.copy_(x)
+        return out, None
+    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    return out, work
+
+
+def all_to_all_1d(
+    x: torch.Tensor,
+    in_splits: Sequence[int],
+    out_splits: Sequence[int],
+    group: dist.ProcessGroup | None,
+) -> CollectiveAwaitable:
+    """Differentiable uneven all-to-all of a 1-D tensor (``in_splits[r]`` elements go to r)."""
+    send, recv = list(in_splits), list(out_splits)
+    if x.numel() != sum(send):
+        raise ValueError(f"all_to_all: tensor has {x.numel()} elements, splits sum to {sum(send)}")
+    return CollectiveAwaitable(
+        x.reshape(-1).contiguous(),
+        forward=lambda t: _all_to_all(t, recv, send, group),
+        backward=lambda g: _all_to_all(g, send, recv, group),
+    )
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup | None) -> CollectiveAwaitable:
+    """Sum ``x`` over the group and keep this rank's equal chunk of dim 0 (backward: all-gather)."""
+    size = 1 if group is None else dist.get_world_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) is not divisible by {size} ranks")
+    chunk_shape = (x.shape[0] // size, *x.shape[1:])
+
+    def forward(t: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
+        out = t.new_empty(chunk_shape)
+        if size == 1:
+            return out.copy_(t), None
+        return out, dist.reduce_scatter_tensor(out, t, group=group, async_op=True)
+
+    def backward(g: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
+        out = g.new_empty(x.shape)
+        if size == 1:
+            return out.copy_(g), None
+        return out, dist.all_gather_into_tensor(out, g, group=group, async_op=True)
+
+    return CollectiveAwaitable(x.contiguous(), forward, backward)
+
+
+class TensorAllToAll(Awaitable[torch.Tensor]):
+    """Non-differentiable uneven all-to-all (ids, lengths, split sizes)."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        in_splits: Sequence[int],
+        out_splits: Sequence[int],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        super().__init__()
+        self._out, self._work = _all_to_all(x.contiguous(), list(out_splits), list(in_splits), group)
+
+    def _wait_impl(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._out
+
+
+def all_reduce_sum_(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place sum over the group (synchronous: used inside the fused backward)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x

@@ -1,0 +1,275 @@
+"""``ShardedEmbeddingBagCollection`` and ``EmbeddingBagCollectionSharder``.
+
+The sharded module splits the collection's tables by sharding type into strategies (see
+``sharding/``), runs each strategy's input dist -> lookup -> output dist, and reassembles one
+KeyedTensor in the unsharded module's key order. ``forward`` returns a LazyAwaitable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
+from recsys_core.distributed.sharding.common import PooledSharding, ShardedTable, resolve_shards
+from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
+from recsys_core.distributed.sharding.row_wise import RwPooledSharding
+from recsys_core.distributed.sharding.table_wise import TwPooledSharding
+from recsys_core.distributed.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingType,
+)
+from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.tbe import IdOutOfRangeError
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
+from recsys_core.optim.fused import EmbeddingFusedOptimizer
+from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.optim.optimizers import in_backward_optimizer_config
+from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
+
+_TW_FAMILY = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+class _HostGroups:
+    """Process subgroups for table-row-wise: one per host and one per local index.
+
+    ``dist.new_group`` is collective, so every rank creates every group in the same order."""
+
+    def __init__(self, env: ShardingEnv) -> None:
+        local, hosts = env.local_world_size, env.num_hosts
+        self.host: dist.ProcessGroup | None = env.pg
+        self.cross: dist.ProcessGroup | None = None
+        if env.pg is None or hosts == 1:
+            return
+        for h in range(hosts):
+            group = dist.new_group([h * local + j for j in range(local)])
+            if env.host_of(env.rank) == h:
+                self.host = group
+        for j in range(local):
+            group = dist.new_group([h * local + j for h in range(hosts)])
+            if env.rank % local == j:
+                self.cross = group
+
+
+class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
+    """The sharded forward's result: waits for every strategy's output dist."""
+
+    def __init__(
+        self,
+        parts: list[Awaitable[torch.Tensor]],
+        keys: list[str],
+        length_per_key: list[int],
+        columns: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self._parts, self._keys, self._lengths, self._columns = parts, keys, length_per_key, columns
+
+    def _wait_impl(self) -> KeyedTensor:
+        outs = [p.wait() for p in self._parts]
+        values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self._columns is not None:
+            values = values.index_select(1, self._columns.to(values.device))
+        return KeyedTensor(keys=self._keys, length_per_key=self._lengths, values=values)
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """An EmbeddingBagCollection whose tables are sharded over ``env`` according to ``plan``.
+
+    Same input and output as the unsharded module (``forward(...).wait()`` is a KeyedTensor
+    equal to the unsharded result). Table updates are fused into backward; ``fused_optimizer``
+    exposes their learning rate and state.
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        plan: Mapping[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device,
+        optimizer: FusedOptimizerConfig,
+        backend: KernelBackend = KernelBackend.AUTO,
+    ) -> None:
+        super().__init__()
+        configs = module.embedding_bag_configs()
+        names = [c.name for c in configs]
+        missing = [n for n in names if n not in plan]
+        if missing:
+            raise ValueError(
+                f"sharding plan has no entry for table(s) {missing}; every table of the "
+                "EmbeddingBagCollection needs one (e.g. table_wise(rank=0))"
+            )
+        extra = [n for n in plan if n not in names]
+        if extra:
+            raise ValueError(f"sharding plan names table(s) {extra} that the module lacks: {names}")
+        for name, ps in plan.items():
+            if ps.compute_kernel in (EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.QUANT):
+                raise ValueError(
+                    f"table {name!r}: compute kernel {ps.compute_kernel} is not supported for "
+                    "training; use EmbeddingComputeKernel.FUSED"
+                )
+        self._env, self._device = env, device
+        self._is_weighted = module.is_weighted()
+        self._embedding_names = [f for c in configs for f in c.feature_names]
+        self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        source = None
+        if not any(p.is_meta for p in module.parameters()):
+            source = {c.name: module.embedding_bags[c.name].weight.detach() for c in configs}
+        tables = [resolve_shards(c, plan[c.name], env.world_size) for c in configs]
+
+        def of(*types: ShardingType) -> list[ShardedTable]:
+            return [t for t in tables if t.sharding.sharding_type in types]
+
+        common: dict[str, Any] = {"device": device, "optimizer": optimizer, "is_weighted": self._is_weighted, "source": source}
+        self._strategies: list[PooledSharding] = []
+        if of(*_TW_FAMILY):
+            self._strategies.append(TwPooledSharding(of(*_TW_FAMILY), env, backend=backend, **common))
+        if of(ShardingType.ROW_WISE):
+            self._strategies.append(RwPooledSharding(
+                of(ShardingType.ROW_WISE), env, env.world_size, backend=backend,
+                domain_group=env.pg, cross_group=None, **common,
+            ))
+        if of(ShardingType.TABLE_ROW_WISE):
+            groups = _HostGroups(env)
+            self._strategies.append(RwPooledSharding(
+                of(ShardingType.TABLE_ROW_WISE), env, env.local_world_size, backend=backend,
+                domain_group=groups.host, cross_group=groups.cross, **common,
+            ))
+        if of(ShardingType.DATA_PARALLEL):
+            self._strategies.append(DpPooledSharding(of(ShardingType.DATA_PARALLEL), env, **common))
+        self.lookups = nn.ModuleList([s.local for s in self._strategies])
+        self._input_orders: dict[tuple[str, ...], list[list[int]]] = {}
+        self._rows = {c.name: c.num_embeddings for c in configs}
+        self._feature_rows = {f: c.num_embeddings for c in configs for f in c.feature_names}
+        order = [f for s in self._strategies for f in s.output_features]
+        self._columns = None
+        if order != self._embedding_names:
+            dims = dict(zip(self._embedding_names, self._dims, strict=True))
+            start, pos = {}, 0
+            for f in order:
+                start[f], pos = pos, pos + dims[f]
+            self._columns = torch.tensor(
+                [start[f] + d for f in self._embedding_names for d in range(dims[f])],
+                dtype=torch.long,
+            )
+        self._fused_optimizer = self._build_optimizer()
+
+    def _build_optimizer(self) -> CombinedOptimizer:
+        optims = []
+        self.local_shards = nn.ParameterDict()
+        for local in self.lookups:
+            for kernel, shards in zip(local.kernels, local.kernel_shards, strict=True):
+                params: dict[str, nn.Parameter] = {}
+                for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
+                    weight = nn.Parameter(view[: sh.rows])
+                    key = f"{sh.table}__rows_{sh.row_offset}__cols_{sh.col_offset}"
+                    self.local_shards[key] = weight
+                    params[f"embedding_bags.{sh.table}.weight[{sh.row_offset}:,{sh.col_offset}:]"] = weight
+                optim = EmbeddingFusedOptimizer(kernel, params, [sh.table for sh in shards])
+                for weight in params.values():
+                    weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
+                optims.append(optim)
+        return CombinedOptimizer(optims)
+
+    @property
+    def fused_optimizer(self) -> CombinedOptimizer:
+        return self._fused_optimizer
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._env
+
+    def input_dist(self, features: KeyedJaggedTensor) -> list[Awaitable[KeyedJaggedTensor]]:
+        """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
+        check_features(features, self._embedding_names, "ShardedEmbeddingBagCollection", self._is_weighted)
+        self._check_ids(features)
+        keys = tuple(features.keys())
+        if keys not in self._input_orders:
+            index = {k: i for i, k in enumerate(keys)}
+            self._input_orders[keys] = [[index[f] for f in s.output_features] for s in self._strategies]
+        return [
+            s.input_dist(features.permute(order))
+            for s, order in zip(self._strategies, self._input_orders[keys], strict=True)
+        ]
+
+    def _check_ids(self, features: KeyedJaggedTensor) -> None:
+        offsets = features.offset_per_key()
+        values = features.values()
+        for i, key in enumerate(features.keys()):
+            rows = self._feature_rows.get(key)
+            if rows is None or offsets[i] == offsets[i + 1]:
+                continue
+            lo, hi = torch.aminmax(values[offsets[i] : offsets[i + 1]])
+            if int(lo) < 0 or int(hi) >= rows:
+                bad = int(lo) if int(lo) < 0 else int(hi)
+                raise IdOutOfRangeError(
+                    f"feature {key!r}: id {bad} is outside [0, {rows}) of its table (rank "
+                    f"{self._env.rank}); hash or clip ids to the table size before lookup"
+                )
+
+    def compute_and_output_dist(
+        self, features: KeyedJaggedTensor, dist_inputs: list[Awaitable[KeyedJaggedTensor]]
+    ) -> EmbeddingBagCollectionAwaitable:
+        parts = []
+        for strategy, awaitable in zip(self._strategies, dist_inputs, strict=True):
+            kjt = awaitable.wait()
+            local = features.permute(self._input_orders[tuple(features.keys())][len(parts)])
+            parts.append(strategy.output_dist(strategy.lookup(kjt), local))
+        return EmbeddingBagCollectionAwaitable(parts, self._embedding_names, self._dims, self._columns)
+
+    def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
+        return self.compute_and_output_dist(features, self.input_dist(features))
+
+
+class EmbeddingBagCollectionSharder:
+    """Shards EmbeddingBagCollections.
+
+    ``fused_params`` is TorchRec's dict (``{"optimizer": EmbOptimType..., "learning_rate":
+    ...}``); when absent, the optimizer recorded by ``apply_optimizer_in_backward`` on the
+    module's weights is used, else EXACT_SGD with lr 0.01 (TorchRec's default).
+    """
+
+    def __init__(
+        self,
+        fused_params: Mapping[str, Any] | None = None,
+        backend: KernelBackend = KernelBackend.AUTO,
+    ) -> None:
+        self._fused = None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
+        self._backend = backend
+
+    @property
+    def module_type(self) -> type[nn.Module]:
+        return EmbeddingBagCollection
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return [t.value for t in ShardingType]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    def optimizer_config(self, module: EmbeddingBagCollection) -> FusedOptimizerConfig:
+        if self._fused is not None:
+            return self._fused
+        recorded = [in_backward_optimizer_config(p) for p in module.parameters()]
+        if recorded and all(r is not None for r in recorded):
+            first = recorded[0]
+            assert first is not None
+            return FusedOptimizerConfig.from_torch_optimizer(first[0], first[1])
+        return FusedOptimizerConfig()
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+    ) -> ShardedEmbeddingBagCollection:
+        return ShardedEmbeddingBagCollection(
+            module, params, env, torch.device(device or "cpu"), self.optimizer_config(module), self._backend,
+        )

@@ -1,0 +1,186 @@
+"""``DistributedModelParallel``: shard a model's embedding collections, data-parallelize the rest.
+
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    loss = loss_fn(dmp(batch), labels); loss.backward()   # embedding updates happen here
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer]); optimizer.step()
+
+Without a plan, tables are placed table-wise by a documented default (below); the sharding
+planner replaces it where available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recsys_core.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from recsys_core.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    table_wise,
+    validate_module_sharding_plan,
+)
+from recsys_core.distributed.types import ShardingEnv, ShardingPlan
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection
+from recsys_core.optim.keyed import CombinedOptimizer
+
+
+def default_sharding_plan(
+    module: nn.Module, env: ShardingEnv, device_type: str = "cpu"
+) -> ShardingPlan:
+    """Table-wise placement balancing bytes: tables sorted by size (largest first), each put on
+    the rank with the fewest bytes so far (ties: lowest rank). Deterministic on every rank."""
+    load = [0] * env.world_size
+    plan: dict[str, Any] = {}
+    for path, sub in module.named_modules():
+        if not isinstance(sub, EmbeddingBagCollection):
+            continue
+        configs = sorted(
+            sub.embedding_bag_configs(),
+            key=lambda c: (-c.num_embeddings * c.embedding_dim, c.name),
+        )
+        choice = {}
+        for c in configs:
+            rank = min(range(env.world_size), key=lambda r: (load[r], r))
+            load[rank] += c.num_embeddings * c.embedding_dim
+            choice[c.name] = table_wise(rank=rank)
+        ordered = {c.name: choice[c.name] for c in sub.embedding_bag_configs()}
+        plan[path] = construct_module_sharding_plan(
+            sub, ordered, env.world_size, env.local_world_size, device_type
+        )
+    return ShardingPlan(plan)
+
+
+class DistributedModelParallel(nn.Module):
+    """Shards every EmbeddingBagCollection of ``module`` and wraps the dense rest in DDP.
+
+    Args:
+        module: the model (may be built on ``device="meta"``: only local shards are allocated,
+            dense meta parameters are materialized and reset on ``device``).
+        env: ranks to shard over; default: the default process group (or a single rank).
+        device: where shards and dense parameters live.
+        plan: a ShardingPlan keyed by module path; default: :func:`default_sharding_plan`.
+        sharders: default ``[EmbeddingBagCollectionSharder()]``.
+        init_data_parallel: wrap the dense parameters in DistributedDataParallel.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        env: ShardingEnv | None = None,
+        device: torch.device | None = None,
+        plan: ShardingPlan | None = None,
+        sharders: Sequence[EmbeddingBagCollectionSharder] | None = None,
+        init_data_parallel: bool = True,
+    ) -> None:
+        super().__init__()
+        if env is None:
+            env = (
+                ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+                if dist.is_initialized()
+                else ShardingEnv.from_local(1, 0)
+            )
+        self._env = env
+        self._device = torch.device(device or "cpu")
+        self._sharders = list(sharders or [EmbeddingBagCollectionSharder()])
+        self._plan = plan if plan is not None else default_sharding_plan(module, env, self._device.type)
+        self._sharded_paths: list[str] = []
+        module = self._shard(module)
+        self._materialize_dense(module)
+        self._fused_optimizer = CombinedOptimizer([
+            (path, sub.fused_optimizer)
+            for path, sub in module.named_modules()
+            if isinstance(sub, ShardedEmbeddingBagCollection)
+        ])
+        self._dmp_wrapped_module: nn.Module = module
+        if init_data_parallel and env.pg is not None and env.world_size > 1:
+            self._dmp_wrapped_module = self._wrap_ddp(module)
+
+    # ---- construction ------------------------------------------------------------------------
+    def _sharder_for(self, sub: nn.Module) -> EmbeddingBagCollectionSharder | None:
+        for sharder in self._sharders:
+            if isinstance(sub, sharder.module_type):
+                return sharder
+        return None
+
+    def _shard(self, module: nn.Module) -> nn.Module:
+        unplanned = [
+            path for path, sub in module.named_modules()
+            if isinstance(sub, EmbeddingBagCollection) and path not in self._plan.plan
+        ]
+        if unplanned:
+            raise ValueError(
+                f"the sharding plan has no entry for module(s) {unplanned}; plan every "
+                "EmbeddingBagCollection (module paths as in model.named_modules())"
+            )
+        for path, module_plan in self._plan.plan.items():
+            sub = module.get_submodule(path) if path else module
+            sharder = self._sharder_for(sub)
+            if sharder is None:
+                raise ValueError(
+                    f"plan entry {path!r} names a {type(sub).__name__}, which no sharder handles"
+                )
+            validate_module_sharding_plan(sub, module_plan, self._env.world_size, self._env.local_world_size)
+            sharded = sharder.shard(sub, module_plan, self._env, self._device)
+            self._sharded_paths.append(path)
+            if not path:
+                return sharded
+            parent_path, _, name = path.rpartition(".")
+            parent = module.get_submodule(parent_path) if parent_path else module
+            setattr(parent, name, sharded)
+        return module
+
+    def _materialize_dense(self, module: nn.Module) -> None:
+        for sub in module.modules():
+            if isinstance(sub, ShardedEmbeddingBagCollection):
+                continue
+            own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
+            if any(t.is_meta for t in own):
+                sub.to_empty(device=self._device, recurse=False)
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+            elif any(t.device != self._device for t in own):
+                sub._apply(lambda t: t.to(self._device), recurse=False)
+
+    def _wrap_ddp(self, module: nn.Module) -> nn.Module:
+        ignore = [
+            name for name, _ in list(module.named_parameters()) + list(module.named_buffers())
+            if any(name == p or name.startswith(p + ".") or not p for p in self._sharded_paths)
+        ]
+        dense = [
+            p for name, p in module.named_parameters() if name not in set(ignore) and p.requires_grad
+        ]
+        if not dense:
+            return module
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
+        return DistributedDataParallel(module, process_group=self._env.pg, gradient_as_bucket_view=True)
+
+    # ---- API ----------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The sharded model without the DDP wrapper."""
+        wrapped = self._dmp_wrapped_module
+        return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+
+    @property
+    def plan(self) -> ShardingPlan:
+        return self._plan
+
+    @property
+    def fused_optimizer(self) -> CombinedOptimizer:
+        return self._fused_optimizer
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._env
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dmp_wrapped_module(*args, **kwargs)

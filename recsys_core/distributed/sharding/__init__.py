@@ -1,0 +1,1 @@
+"""One module per sharding strategy, each implementing :class:`common.PooledSharding`."""

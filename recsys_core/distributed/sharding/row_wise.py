@@ -1,0 +1,183 @@
+"""Row-wise and table-row-wise sharding of pooled embeddings.
+
+A table's rows are split in blocks over the ranks of a *domain*: every rank for ROW_WISE, the
+ranks of one host for TABLE_ROW_WISE. Each id goes to the rank owning its row:
+
+    input_dist:  bucketize ids by row block, shift them to shard-local rows, KJT all-to-all
+    lookup:      partial SUM pooling over the local rows, for the global batch
+    output_dist: reduce-scatter inside the domain (sums the partials), then, when there are
+                 several hosts, an all-to-all between the ranks with the same local index, so
+                 row traffic stays inside a host. MEAN divides by the bag length at the end.
+
+Example, ROW_WISE, 2 ranks, table of 10 rows (rows 0-4 on rank 0, 5-9 on rank 1), one bag
+[3, 7]: rank 0 looks up row 3, rank 1 looks up local row 2 (= 7 - 5), the reduce-scatter
+adds them on the bag's rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
+from recsys_core.distributed.comm import all_to_all_1d, reduce_scatter_dim0
+from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
+from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
+from recsys_core.distributed.types import ShardingEnv
+from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
+from recsys_core.modules.embedding_configs import PoolingType
+from recsys_core.sparse import KeyedJaggedTensor
+
+
+class RwPooledSharding:
+    """ROW_WISE tables (``domain_size = world_size``) or TABLE_ROW_WISE tables
+    (``domain_size = local_world_size``; a table's shards all sit on one host)."""
+
+    def __init__(
+        self,
+        tables: Sequence[ShardedTable],
+        env: ShardingEnv,
+        domain_size: int,
+        device: torch.device,
+        optimizer: FusedOptimizerConfig,
+        is_weighted: bool,
+        backend: KernelBackend,
+        source: dict[str, torch.Tensor] | None,
+        domain_group: dist.ProcessGroup | None,
+        cross_group: dist.ProcessGroup | None,
+    ) -> None:
+        self._env, self._is_weighted = env, is_weighted
+        self._domain_size = domain_size
+        self._num_domains = env.world_size // domain_size
+        self._domain_group, self._cross_group = domain_group, cross_group
+        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self._mean = [t.config.pooling is PoolingType.MEAN for t in tables for _ in t.config.feature_names]
+        self._dims = [t.config.embedding_dim for t in tables for _ in t.config.feature_names]
+        self._domain_of_feature: list[int] = []
+        self._owners: list[torch.Tensor] = []  # per feature: rank of each row block
+        self._starts: list[torch.Tensor] = []  # per feature: first row of each block
+        # slots per rank: every feature whose table has a shard on that rank
+        self._slots: list[list[Slot]] = [[] for _ in range(env.world_size)]
+        for t in tables:
+            shards = sorted(t.shards, key=lambda sh: sh.row_offset)
+            domain = shards[0].rank // domain_size
+            for feature in t.config.feature_names:
+                self._domain_of_feature.append(domain)
+                self._owners.append(torch.tensor([sh.rank for sh in shards]))
+                self._starts.append(torch.tensor([sh.row_offset for sh in shards]))
+                for sh in shards:
+                    # SUM kernels for all: partial means do not add up, full sums do
+                    self._slots[sh.rank].append(Slot(feature, sh, PoolingType.SUM))
+        configs = {t.config.name: t.config for t in tables}
+        self.local = LocalKernels(
+            self._slots[env.rank], optimizer, device, is_weighted, backend, source, configs
+        )
+        self._my_domain = env.rank // domain_size
+        self._domain_features = [
+            [i for i, d in enumerate(self._domain_of_feature) if d == dom]
+            for dom in range(self._num_domains)
+        ]
+        self._columns = self._column_index()
+
+    def _column_index(self) -> torch.Tensor:
+        """Received blocks come domain by domain (each in feature order); map to output order."""
+        start, offset = {}, 0
+        for feats in self._domain_features:
+            for i in feats:
+                start[i] = offset
+                offset += self._dims[i]
+        columns: list[int] = []
+        for i, d in enumerate(self._dims):
+            columns.extend(range(start[i], start[i] + d))
+        return torch.tensor(columns, dtype=torch.long)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
+        world, batch = self._env.world_size, features.stride()
+        per_dest_lengths: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        per_dest_values: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        per_dest_weights: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        weights_all = features.weights_or_none() if self._is_weighted else None
+        offsets = features.offset_per_key()
+        lengths_all = features.lengths()
+        for i in range(len(self.output_features)):
+            lo, hi = offsets[i], offsets[i + 1]
+            ids = features.values()[lo:hi]
+            lengths = lengths_all[i * batch : (i + 1) * batch]
+            block = torch.searchsorted(self._starts[i].to(ids.device), ids, right=True) - 1
+            dest = self._owners[i].to(ids.device)[block]
+            local_ids = ids - self._starts[i].to(ids.device)[block].to(ids.dtype)
+            sample = torch.repeat_interleave(
+                torch.arange(batch, device=ids.device), lengths.long(), output_size=hi - lo
+            )
+            counts = torch.bincount(dest * batch + sample, minlength=world * batch).view(world, batch)
+            order = torch.argsort(dest, stable=True)
+            per_dest = torch.bincount(dest, minlength=world).tolist()
+            ids_split = local_ids[order].split(per_dest)
+            w_split = None if weights_all is None else weights_all[lo:hi][order].split(per_dest)
+            for r in range(world):
+                if any(s.feature == self.output_features[i] for s in self._slots[r]):
+                    per_dest_lengths[r].append(counts[r].to(lengths.dtype))
+                    per_dest_values[r].append(ids_split[r])
+                    if w_split is not None:
+                        per_dest_weights[r].append(w_split[r])
+        flat_lengths = [torch.cat(x) if x else lengths_all.new_zeros(0) for x in per_dest_lengths]
+        flat_values = [torch.cat(x) if x else features.values().new_zeros(0) for x in per_dest_values]
+        weights = None
+        if weights_all is not None:
+            weights = torch.cat([torch.cat(x) if x else weights_all.new_zeros(0) for x in per_dest_weights])
+        return SparseFeaturesAllToAll(
+            torch.cat(flat_lengths), torch.cat(flat_values), weights,
+            [t.numel() for t in flat_lengths], [t.numel() for t in flat_values],
+            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg, world,
+        )
+
+    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.local.lookup(features, self._is_weighted)
+
+    def output_dist(
+        self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
+    ) -> Awaitable[torch.Tensor]:
+        batch = local_features.stride()
+        size, hosts = self._domain_size, self._num_domains
+        dim = pooled.shape[1]
+        if hosts > 1:
+            # rows arrive ordered by source rank; group them by local index for the scatter
+            order = torch.arange(self._env.world_size * batch, device=pooled.device)
+            order = order.view(hosts, size, batch).transpose(0, 1).reshape(-1)
+            pooled = pooled.index_select(0, order)
+        scattered = reduce_scatter_dim0(pooled, self._domain_group)
+        dims_by_domain = [sum(self._dims[i] for i in feats) for feats in self._domain_features]
+        lengths = local_features.lengths()
+
+        def finish() -> torch.Tensor:
+            mine = scattered.wait()  # [hosts * batch, dim]: this local index's samples of every host
+            if hosts > 1:
+                cross = all_to_all_1d(
+                    mine, [batch * dim] * hosts, [batch * d for d in dims_by_domain],
+                    self._cross_group,
+                ).wait()
+                blocks = [
+                    c.view(batch, d)
+                    for c, d in zip(cross.split([batch * d for d in dims_by_domain]), dims_by_domain, strict=True)
+                ]
+                out = torch.cat(blocks, dim=1)
+            else:
+                out = mine
+            out = out.index_select(1, self._columns.to(out.device))
+            return self._apply_mean(out, lengths, batch)
+
+        return FunctionAwaitable(finish)
+
+    def _apply_mean(self, out: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
+        if not any(self._mean):
+            return out
+        scales = []
+        for i, d in enumerate(self._dims):
+            if self._mean[i]:
+                n = lengths[i * batch : (i + 1) * batch].clamp(min=1).to(out.dtype)
+                scales.append((1.0 / n).unsqueeze(1).expand(batch, d))
+            else:
+                scales.append(out.new_ones(batch, d))
+        return out * torch.cat(scales, dim=1)

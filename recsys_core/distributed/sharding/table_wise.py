@@ -1,0 +1,128 @@
+"""Table-wise, column-wise and table-column-wise sharding of pooled embeddings.
+
+Every shard covers all rows of its table (a whole table, or a block of its columns), so each
+bag is sent whole to every rank holding a shard of its feature's table:
+
+    input_dist:  KJT all-to-all; feature f goes to each rank holding a shard of f's table
+    lookup:      pooled rows for the global batch, one column block per (feature, shard)
+    output_dist: pooled all-to-all back to each sample's rank; column shards are concatenated
+                 in column order to rebuild the table's full dim
+
+Example, 2 ranks, tables A (rank 0) and B (columns 0:4 on rank 0, 4:8 on rank 1), batch 2:
+rank 0 looks up A and B[:, 0:4] for all 4 samples; rank 1 looks up B[:, 4:8]; rank 0 then
+receives [2, dA + 4] from itself and [2, 4] from rank 1 and assembles [A | B].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
+from recsys_core.distributed.comm import all_to_all_1d
+from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
+from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
+from recsys_core.distributed.types import ShardingEnv
+from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
+from recsys_core.modules.embedding_configs import PoolingType
+from recsys_core.sparse import KeyedJaggedTensor
+
+
+def slots_by_rank(tables: Sequence[ShardedTable], world_size: int) -> list[list[Slot]]:
+    """Each rank's lookups in output order: SUM tables first, then MEAN; table, shard, feature.
+
+    Shard before feature keeps each shard's features adjacent in the kernel's feature map.
+    """
+    out: list[list[Slot]] = [[] for _ in range(world_size)]
+    for pooling in (PoolingType.SUM, PoolingType.MEAN):
+        for t in tables:
+            if t.config.pooling is not pooling:
+                continue
+            for shard in t.shards:
+                for feature in t.config.feature_names:
+                    out[shard.rank].append(Slot(feature, shard, pooling))
+    return out
+
+
+class TwPooledSharding:
+    """TABLE_WISE / COLUMN_WISE / TABLE_COLUMN_WISE tables of one collection."""
+
+    def __init__(
+        self,
+        tables: Sequence[ShardedTable],
+        env: ShardingEnv,
+        device: torch.device,
+        optimizer: FusedOptimizerConfig,
+        is_weighted: bool,
+        backend: KernelBackend,
+        source: dict[str, torch.Tensor] | None,
+    ) -> None:
+        self._env = env
+        self._is_weighted = is_weighted
+        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self._slots = slots_by_rank(tables, env.world_size)
+        configs = {t.config.name: t.config for t in tables}
+        self.local = LocalKernels(
+            self._slots[env.rank], optimizer, device, is_weighted, backend, source, configs
+        )
+        index = {f: i for i, f in enumerate(self.output_features)}
+        self._send_order = [index[s.feature] for slots in self._slots for s in slots]
+        self._send_counts = [len(slots) for slots in self._slots]
+        self._dims = [sum(s.shard.cols for s in slots) for slots in self._slots]
+        self._columns = self._column_index(tables)
+
+    def _column_index(self, tables: Sequence[ShardedTable]) -> torch.Tensor:
+        """Maps received columns (source rank, slot) to output columns (feature, full dim)."""
+        start: dict[tuple[str, int, int], int] = {}
+        offset = 0
+        for slots in self._slots:
+            for s in slots:
+                start[(s.feature, s.shard.rank, s.shard.col_offset)] = offset
+                offset += s.shard.cols
+        columns: list[int] = []
+        for t in tables:
+            shards = sorted(t.shards, key=lambda sh: sh.col_offset)
+            for feature in t.config.feature_names:
+                for sh in shards:
+                    begin = start[(feature, sh.rank, sh.col_offset)]
+                    columns.extend(range(begin, begin + sh.cols))
+        return torch.tensor(columns, dtype=torch.long)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
+        sent = features.permute(self._send_order)
+        per_key = sent.length_per_key()
+        batch = features.stride()
+        values_per_dest, k = [], 0
+        for count in self._send_counts:
+            values_per_dest.append(sum(per_key[k : k + count]))
+            k += count
+        return SparseFeaturesAllToAll(
+            sent.lengths(), sent.values(), sent.weights_or_none() if self._is_weighted else None,
+            [c * batch for c in self._send_counts], values_per_dest,
+            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg,
+            self._env.world_size,
+        )
+
+    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.local.lookup(features, self._is_weighted)
+
+    def output_dist(
+        self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
+    ) -> Awaitable[torch.Tensor]:
+        batch = local_features.stride()
+        world = self._env.world_size
+        in_splits = [batch * self.local.output_dim] * world
+        out_splits = [batch * d for d in self._dims]
+        inflight = all_to_all_1d(pooled, in_splits, out_splits, self._env.pg)
+        columns = self._columns.to(pooled.device)
+
+        def assemble() -> torch.Tensor:
+            received = inflight.wait()
+            blocks = [
+                chunk.view(batch, d)
+                for chunk, d in zip(received.split(out_splits), self._dims, strict=True)
+            ]
+            return torch.cat(blocks, dim=1).index_select(1, columns)
+
+        return FunctionAwaitable(assemble)
