@@ -1,6 +1,10 @@
 """Model parallelism: sharding types, plans, sharders and DistributedModelParallel."""
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable, LazyNoWait
+from recsys_core.distributed.embedding import (
+    EmbeddingCollectionSharder,
+    ShardedEmbeddingCollection,
+)
 from recsys_core.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
@@ -30,6 +34,7 @@ __all__ = [
     "Awaitable",
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "LazyAwaitable",
@@ -37,6 +42,7 @@ __all__ = [
     "ParameterSharding",
     "ShardMetadata",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "ShardingEnv",
     "ShardingPlan",
     "ShardingType",

@@ -15,10 +15,18 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
+from recsys_core.distributed.sharded_state import (
+    LocalShard,
+    ShardedFusedOptimizer,
+    export_tensor,
+    import_tensor,
+    shards_by_table,
+)
 from recsys_core.distributed.sharding.common import PooledSharding, ShardedTable, resolve_shards
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
 from recsys_core.distributed.sharding.row_wise import RwPooledSharding
 from recsys_core.distributed.sharding.table_wise import TwPooledSharding
+from recsys_core.distributed.sharding_plan import validate_module_sharding_plan
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -108,12 +116,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         extra = [n for n in plan if n not in names]
         if extra:
             raise ValueError(f"sharding plan names table(s) {extra} that the module lacks: {names}")
-        for name, ps in plan.items():
-            if ps.compute_kernel in (EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.QUANT):
-                raise ValueError(
-                    f"table {name!r}: compute kernel {ps.compute_kernel} is not supported for "
-                    "training; use EmbeddingComputeKernel.FUSED"
-                )
+        # rejects ranks outside the world, shards that do not tile a table, uneven column
+        # splits, DENSE/QUANT kernels... before any communication
+        validate_module_sharding_plan(
+            module, EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
+        )
         self._env, self._device = env, device
         self._is_weighted = module.is_weighted()
         self._embedding_names = [f for c in configs for f in c.feature_names]
@@ -158,27 +165,40 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 [start[f] + d for f in self._embedding_names for d in range(dims[f])],
                 dtype=torch.long,
             )
-        self._fused_optimizer = self._build_optimizer()
+        self._tables = tables
+        self._fused_optimizer = self._build_optimizer(optimizer)
+        self._register_state_dict_hook(_export_tables)
+        self._register_load_state_dict_pre_hook(_import_tables, with_module=True)
 
-    def _build_optimizer(self) -> CombinedOptimizer:
+    def _build_optimizer(self, config: FusedOptimizerConfig) -> ShardedFusedOptimizer:
         optims = []
-        self.local_shards = nn.ParameterDict()
+        kernels = []
         for local in self.lookups:
             for kernel, shards in zip(local.kernels, local.kernel_shards, strict=True):
                 params: dict[str, nn.Parameter] = {}
                 for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
+                    # shard weights are not registered parameters: the state dict exposes whole
+                    # tables instead, and DDP must never touch them
                     weight = nn.Parameter(view[: sh.rows])
-                    key = f"{sh.table}__rows_{sh.row_offset}__cols_{sh.col_offset}"
-                    self.local_shards[key] = weight
                     params[f"embedding_bags.{sh.table}.weight[{sh.row_offset}:,{sh.col_offset}:]"] = weight
                 optim = EmbeddingFusedOptimizer(kernel, params, [sh.table for sh in shards])
                 for weight in params.values():
                     weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
                 optims.append(optim)
-        return CombinedOptimizer(optims)
+                kernels.append(kernel)
+        return ShardedFusedOptimizer(
+            CombinedOptimizer(optims), self._tables, self.table_shards, self._env, config, kernels
+        )
+
+    def table_shards(self) -> dict[str, list[LocalShard]]:
+        """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
+        return shards_by_table(self.lookups)
+
+    def sharded_tables(self) -> list[ShardedTable]:
+        return list(self._tables)
 
     @property
-    def fused_optimizer(self) -> CombinedOptimizer:
+    def fused_optimizer(self) -> ShardedFusedOptimizer:
         return self._fused_optimizer
 
     @property
@@ -225,6 +245,36 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
         return self.compute_and_output_dist(features, self.input_dist(features))
+
+
+def _export_tables(
+    module: ShardedEmbeddingBagCollection, state_dict: dict[str, Any], prefix: str, _meta: Any
+) -> None:
+    shards = module.table_shards()
+    for table in module.sharded_tables():
+        name = table.config.name
+        state_dict[f"{prefix}embedding_bags.{name}.weight"] = export_tensor(
+            table, shards.get(name, []), module.env, None, False
+        )
+
+
+def _import_tables(
+    module: ShardedEmbeddingBagCollection,
+    state_dict: dict[str, Any],
+    prefix: str,
+    _meta: Any,
+    _strict: bool,
+    missing_keys: list[str],
+    _unexpected: list[str],
+    _errors: list[str],
+) -> None:
+    shards = module.table_shards()
+    for table in module.sharded_tables():
+        key = f"{prefix}embedding_bags.{table.config.name}.weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        import_tensor(table, shards.get(table.config.name, []), state_dict.pop(key), None, key)
 
 
 class EmbeddingBagCollectionSharder:

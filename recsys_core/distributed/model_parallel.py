@@ -10,7 +10,7 @@ planner replaces it where available.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recsys_core.distributed.embedding import (
+    EmbeddingCollectionSharder,
+    ShardedEmbeddingCollection,
+)
 from recsys_core.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
@@ -25,11 +29,20 @@ from recsys_core.distributed.embeddingbag import (
 from recsys_core.distributed.sharding_plan import (
     construct_module_sharding_plan,
     table_wise,
-    validate_module_sharding_plan,
 )
 from recsys_core.distributed.types import ShardingEnv, ShardingPlan
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.optim.keyed import CombinedOptimizer
+
+_SHARDABLE = (EmbeddingBagCollection, EmbeddingCollection)
+_SHARDED = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
+Sharder = EmbeddingBagCollectionSharder | EmbeddingCollectionSharder
+
+
+def _configs(module: nn.Module) -> list:
+    if isinstance(module, EmbeddingBagCollection):
+        return module.embedding_bag_configs()
+    return module.embedding_configs()
 
 
 def default_sharding_plan(
@@ -40,10 +53,10 @@ def default_sharding_plan(
     load = [0] * env.world_size
     plan: dict[str, Any] = {}
     for path, sub in module.named_modules():
-        if not isinstance(sub, EmbeddingBagCollection):
+        if not isinstance(sub, _SHARDABLE):
             continue
         configs = sorted(
-            sub.embedding_bag_configs(),
+            _configs(sub),
             key=lambda c: (-c.num_embeddings * c.embedding_dim, c.name),
         )
         choice = {}
@@ -51,7 +64,7 @@ def default_sharding_plan(
             rank = min(range(env.world_size), key=lambda r: (load[r], r))
             load[rank] += c.num_embeddings * c.embedding_dim
             choice[c.name] = table_wise(rank=rank)
-        ordered = {c.name: choice[c.name] for c in sub.embedding_bag_configs()}
+        ordered = {c.name: choice[c.name] for c in _configs(sub)}
         plan[path] = construct_module_sharding_plan(
             sub, ordered, env.world_size, env.local_world_size, device_type
         )
@@ -59,7 +72,8 @@ def default_sharding_plan(
 
 
 class DistributedModelParallel(nn.Module):
-    """Shards every EmbeddingBagCollection of ``module`` and wraps the dense rest in DDP.
+    """Shards every EmbeddingBagCollection / EmbeddingCollection of ``module`` and wraps the
+    dense rest in DDP.
 
     Args:
         module: the model (may be built on ``device="meta"``: only local shards are allocated,
@@ -67,7 +81,7 @@ class DistributedModelParallel(nn.Module):
         env: ranks to shard over; default: the default process group (or a single rank).
         device: where shards and dense parameters live.
         plan: a ShardingPlan keyed by module path; default: :func:`default_sharding_plan`.
-        sharders: default ``[EmbeddingBagCollectionSharder()]``.
+        sharders: default ``[EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]``.
         init_data_parallel: wrap the dense parameters in DistributedDataParallel.
     """
 
@@ -77,7 +91,7 @@ class DistributedModelParallel(nn.Module):
         env: ShardingEnv | None = None,
         device: torch.device | None = None,
         plan: ShardingPlan | None = None,
-        sharders: Sequence[EmbeddingBagCollectionSharder] | None = None,
+        sharders: Sequence[Sharder] | None = None,
         init_data_parallel: bool = True,
     ) -> None:
         super().__init__()
@@ -89,7 +103,9 @@ class DistributedModelParallel(nn.Module):
             )
         self._env = env
         self._device = torch.device(device or "cpu")
-        self._sharders = list(sharders or [EmbeddingBagCollectionSharder()])
+        self._sharders = list(
+            sharders or [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+        )
         self._plan = plan if plan is not None else default_sharding_plan(module, env, self._device.type)
         self._sharded_paths: list[str] = []
         module = self._shard(module)
@@ -97,14 +113,14 @@ class DistributedModelParallel(nn.Module):
         self._fused_optimizer = CombinedOptimizer([
             (path, sub.fused_optimizer)
             for path, sub in module.named_modules()
-            if isinstance(sub, ShardedEmbeddingBagCollection)
+            if isinstance(sub, _SHARDED)
         ])
         self._dmp_wrapped_module: nn.Module = module
         if init_data_parallel and env.pg is not None and env.world_size > 1:
             self._dmp_wrapped_module = self._wrap_ddp(module)
 
     # ---- construction ------------------------------------------------------------------------
-    def _sharder_for(self, sub: nn.Module) -> EmbeddingBagCollectionSharder | None:
+    def _sharder_for(self, sub: nn.Module) -> Sharder | None:
         for sharder in self._sharders:
             if isinstance(sub, sharder.module_type):
                 return sharder
@@ -113,12 +129,12 @@ class DistributedModelParallel(nn.Module):
     def _shard(self, module: nn.Module) -> nn.Module:
         unplanned = [
             path for path, sub in module.named_modules()
-            if isinstance(sub, EmbeddingBagCollection) and path not in self._plan.plan
+            if isinstance(sub, _SHARDABLE) and path not in self._plan.plan
         ]
         if unplanned:
             raise ValueError(
                 f"the sharding plan has no entry for module(s) {unplanned}; plan every "
-                "EmbeddingBagCollection (module paths as in model.named_modules())"
+                "embedding collection (module paths as in model.named_modules())"
             )
         for path, module_plan in self._plan.plan.items():
             sub = module.get_submodule(path) if path else module
@@ -127,7 +143,6 @@ class DistributedModelParallel(nn.Module):
                 raise ValueError(
                     f"plan entry {path!r} names a {type(sub).__name__}, which no sharder handles"
                 )
-            validate_module_sharding_plan(sub, module_plan, self._env.world_size, self._env.local_world_size)
             sharded = sharder.shard(sub, module_plan, self._env, self._device)
             self._sharded_paths.append(path)
             if not path:
@@ -139,7 +154,7 @@ class DistributedModelParallel(nn.Module):
 
     def _materialize_dense(self, module: nn.Module) -> None:
         for sub in module.modules():
-            if isinstance(sub, ShardedEmbeddingBagCollection):
+            if isinstance(sub, _SHARDED):
                 continue
             own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
             if any(t.is_meta for t in own):
@@ -184,3 +199,26 @@ class DistributedModelParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._dmp_wrapped_module(*args, **kwargs)
+
+    # Names as in the unsharded model: no ``_dmp_wrapped_module.`` / DDP ``module.`` prefix.
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """Dense tensors as usual; each sharded table as a ShardedTensor (``torch.distributed
+        .checkpoint`` saves and reshards it), data-parallel tables as plain tensors."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return self.module.load_state_dict(dict(state_dict), strict=strict, assign=assign)
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        yield from self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.module.named_buffers(prefix, recurse, remove_duplicate)

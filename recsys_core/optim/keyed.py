@@ -217,8 +217,7 @@ class CombinedOptimizer(KeyedOptimizer):
             mine, groups = groups[:n], groups[n:]
             opt.load_state_dict({
                 "state": {
-                    k[len(pre):]: v for k, v in state_dict["state"].items()
-                    if k.startswith(pre) and k[len(pre):] in opt.params
+                    k[len(pre):]: v for k, v in state_dict["state"].items() if k.startswith(pre)
                 },
                 "param_groups": [
                     {**g, "params": [p[len(pre):] for p in g["params"]]} for g in mine

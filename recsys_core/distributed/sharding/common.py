@@ -22,7 +22,7 @@ from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.tbe import build_table_batched_embedding, checked_lookup
-from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
 
@@ -42,12 +42,12 @@ class ShardSpec:
 class ShardedTable:
     """A table with its plan entry and resolved shards."""
 
-    config: EmbeddingBagConfig
+    config: BaseEmbeddingConfig
     sharding: ParameterSharding
     shards: tuple[ShardSpec, ...]
 
 
-def resolve_shards(config: EmbeddingBagConfig, ps: ParameterSharding, world_size: int) -> ShardedTable:
+def resolve_shards(config: BaseEmbeddingConfig, ps: ParameterSharding, world_size: int) -> ShardedTable:
     if ps.sharding_type is ShardingType.DATA_PARALLEL:
         ranks = ps.ranks or list(range(world_size))
         shards = tuple(
@@ -95,7 +95,7 @@ class LocalKernels(nn.Module):
         is_weighted: bool,
         backend: KernelBackend,
         source: dict[str, torch.Tensor] | None,
-        configs: dict[str, EmbeddingBagConfig],
+        configs: dict[str, BaseEmbeddingConfig],
         force_pooling: PoolingType | None = None,
     ) -> None:
         super().__init__()
@@ -169,7 +169,7 @@ def _init_shard(
     view: torch.Tensor,
     shard: ShardSpec,
     source: dict[str, torch.Tensor] | None,
-    config: EmbeddingBagConfig,
+    config: BaseEmbeddingConfig,
 ) -> None:
     with torch.no_grad():
         if source is not None and shard.table in source:

@@ -62,11 +62,13 @@ class RwPooledSharding:
         self._slots: list[list[Slot]] = [[] for _ in range(env.world_size)]
         for t in tables:
             shards = sorted(t.shards, key=lambda sh: sh.row_offset)
+            # empty blocks own no rows: leave them out of routing (their offset is arbitrary)
+            owning = [sh for sh in shards if sh.rows > 0]
             domain = shards[0].rank // domain_size
             for feature in t.config.feature_names:
                 self._domain_of_feature.append(domain)
-                self._owners.append(torch.tensor([sh.rank for sh in shards]))
-                self._starts.append(torch.tensor([sh.row_offset for sh in shards]))
+                self._owners.append(torch.tensor([sh.rank for sh in owning]))
+                self._starts.append(torch.tensor([sh.row_offset for sh in owning]))
                 for sh in shards:
                     # SUM kernels for all: partial means do not add up, full sums do
                     self._slots[sh.rank].append(Slot(feature, sh, PoolingType.SUM))

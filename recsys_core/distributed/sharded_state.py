@@ -1,0 +1,234 @@
+"""Plan-independent state of a sharded collection, for ``torch.distributed.checkpoint``.
+
+Each table is exposed under its unsharded name (``embedding_bags.<table>.weight``) as a
+``ShardedTensor`` whose local shards are views of this rank's kernel storage, so
+``dcp.load`` writes straight into the kernels and a checkpoint saved with one plan or world size
+loads into another (DCP reshards). Data-parallel tables are plain (replicated) tensors.
+Optimizer state follows the weights' sharding; a row-wise state (one value per row) of a table
+split by columns keeps one column per column shard (global shape ``[rows, num_column_shards]``),
+as each column shard has its own accumulator.
+
+``load_state_dict`` also takes full, unsharded tensors (e.g. an EmbeddingBagCollection's
+state dict): every rank copies its slices.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+
+from recsys_core.distributed.sharding.common import ShardedTable, ShardSpec
+from recsys_core.distributed.types import ShardingEnv, ShardingType
+from recsys_core.kernels.config import FusedOptimizerConfig
+from recsys_core.optim.keyed import CombinedOptimizer, KeyedOptimizer
+
+_COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+@dataclass
+class LocalShard:
+    spec: ShardSpec
+    weight: torch.Tensor  # [rows, cols] view into the kernel
+    state: dict[str, torch.Tensor]  # views: [rows, cols] per element or [rows] per row
+
+
+def _region(
+    spec: ShardSpec, table: ShardedTable, tensor: torch.Tensor
+) -> tuple[list[int], list[int], torch.Tensor]:
+    """Offsets, sizes and matching view of a shard's tensor within the table-keyed tensor."""
+    if tensor.dim() == 2:
+        return [spec.row_offset, spec.col_offset], [spec.rows, spec.cols], tensor
+    if table.sharding.sharding_type in _COLUMN_TYPES:  # row-wise state of a column shard
+        column = sorted({s.col_offset for s in table.shards}).index(spec.col_offset)
+        return [spec.row_offset, column], [spec.rows, 1], tensor.unsqueeze(1)
+    return [spec.row_offset], [spec.rows], tensor
+
+
+def global_size(table: ShardedTable, rowwise_state: bool) -> list[int]:
+    rows, dim = table.config.num_embeddings, table.config.embedding_dim
+    if not rowwise_state:
+        return [rows, dim]
+    if table.sharding.sharding_type in _COLUMN_TYPES:
+        return [rows, len({s.col_offset for s in table.shards})]
+    return [rows]
+
+
+def _pick(name: str | None) -> Callable[[LocalShard], torch.Tensor]:
+    return (lambda s: s.weight) if name is None else (lambda s: s.state[name])
+
+
+def export_tensor(
+    table: ShardedTable, shards: list[LocalShard], env: ShardingEnv, name: str | None,
+    rowwise_state: bool,
+) -> torch.Tensor:
+    """The table's weight (``name=None``) or optimizer state ``name`` as one global tensor.
+
+    Collective (``init_from_local_shards``): every rank calls it for every table in order.
+    """
+    pick = _pick(name)
+    size = global_size(table, rowwise_state)
+    if table.sharding.sharding_type is ShardingType.DATA_PARALLEL or env.pg is None:
+        whole = [pick(s) for s in shards if list(pick(s).shape) == size]
+        if whole:
+            return whole[0]
+        raise ValueError(
+            f"table {table.config.name!r}: a single-process environment must hold the whole "
+            "table; build the ShardingEnv from a process group"
+        )
+    local = []
+    for s in shards:
+        if s.spec.rows == 0 or s.spec.cols == 0:
+            continue  # an empty row block owns no part of the table
+        offsets, sizes, view = _region(s.spec, table, pick(s))
+        placement = f"rank:{env.rank}/{view.device}"
+        local.append(Shard(view, TorchShardMetadata(offsets, sizes, placement)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice; DCP reads it
+        return init_from_local_shards(local, size, process_group=env.pg)
+
+
+def import_tensor(
+    table: ShardedTable, shards: list[LocalShard], value: torch.Tensor, name: str | None, key: str
+) -> None:
+    """Copy ``value`` (a ShardedTensor or a full tensor) into this rank's shards."""
+    pick = _pick(name)
+    for s in shards:
+        offsets, sizes, target = _region(s.spec, table, pick(s))
+        if target.numel() == 0:
+            continue
+        with torch.no_grad():
+            if isinstance(value, ShardedTensor):
+                _copy_from_sharded(value, offsets, sizes, target, key)
+                continue
+            if value.dim() != len(offsets):
+                raise ValueError(
+                    f"{key}: expected a {len(offsets)}-D tensor, got shape {tuple(value.shape)}"
+                )
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+            target.copy_(value[index].view_as(target))
+
+
+def _copy_from_sharded(
+    value: ShardedTensor, offsets: list[int], sizes: list[int], target: torch.Tensor, key: str
+) -> None:
+    covered = 0
+    for shard in value.local_shards():
+        md = shard.metadata
+        lo = [max(a, b) for a, b in zip(offsets, md.shard_offsets, strict=True)]
+        hi = [
+            min(a + n, b + m)
+            for a, n, b, m in zip(offsets, sizes, md.shard_offsets, md.shard_sizes, strict=True)
+        ]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            continue
+        src = shard.tensor[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, md.shard_offsets, strict=True))]
+        dst = target.view(sizes)[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, offsets, strict=True))]
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src)
+        covered += src.numel()
+    if covered != target.numel():
+        raise ValueError(
+            f"{key}: the ShardedTensor's local shards do not cover this rank's shard "
+            f"(offsets {offsets}, sizes {sizes}); load resharded checkpoints with "
+            "torch.distributed.checkpoint.load into this module's own state_dict()"
+        )
+
+
+def shards_by_table(lookups: Iterable) -> dict[str, list[LocalShard]]:
+    out: dict[str, list[LocalShard]] = {}
+    for local in lookups:
+        for spec, weight, state in local.local_shards():
+            out.setdefault(spec.table, []).append(LocalShard(spec, weight, state))
+    return out
+
+
+def state_names(shards: Mapping[str, list[LocalShard]]) -> list[str]:
+    for table_shards in shards.values():
+        for s in table_shards:
+            return sorted(s.state)
+    return []
+
+
+class ShardedFusedOptimizer(KeyedOptimizer):
+    """The fused optimizer of a sharded collection, with a plan-independent state dict.
+
+    One param group (``lr``, and ``step`` for bias-corrected optimizers) drives every local
+    kernel. ``state_dict()["state"]`` is keyed ``embedding_bags.<table>.weight`` ->
+    ``{"<table>.<state>": global tensor}``, so it reshards with the weights.
+    """
+
+    def __init__(
+        self,
+        kernels_optimizer: CombinedOptimizer,
+        tables: list[ShardedTable],
+        shards: Callable[[], dict[str, list[LocalShard]]],
+        env: ShardingEnv,
+        optimizer: FusedOptimizerConfig,
+        kernels: list[torch.nn.Module],
+    ) -> None:
+        self._inner, self._tables, self._shards, self._env = kernels_optimizer, tables, shards, env
+        self._config, self._kernels = optimizer, kernels
+        params = dict(kernels_optimizer.params)
+        group = {"params": list(params.values()), "lr": optimizer.learning_rate}
+        super().__init__(params, {}, [group])
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        lr = self.param_groups[0]["lr"]
+        for group in self._inner.param_groups:
+            group["lr"] = lr
+        self._inner.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        shards = self._shards()
+        names = self._config.optimizer.state_names
+        state = {}
+        for table in self._tables:
+            name = table.config.name
+            state[f"embedding_bags.{name}.weight"] = {
+                f"{name}.{s}": export_tensor(
+                    table, shards.get(name, []), self._env, s,
+                    self._config.optimizer.state_is_rowwise(s),
+                )
+                for s in names
+            }
+        group = {
+            "lr": self.param_groups[0]["lr"],
+            "step": int(self._kernels[0].iter.item()) if self._kernels else 0,
+            "params": list(state),
+        }
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        shards = self._shards()
+        for table in self._tables:
+            name = table.config.name
+            key = f"embedding_bags.{name}.weight"
+            saved = state_dict["state"].get(key)
+            if saved is None:
+                raise ValueError(f"optimizer state_dict has no state for table {name!r} ({key})")
+            for s in self._config.optimizer.state_names:
+                if f"{name}.{s}" not in saved:
+                    raise ValueError(
+                        f"optimizer state_dict for table {name!r} lacks {s!r}; it was saved with a "
+                        f"different optimizer than {self._config.optimizer.name}"
+                    )
+                import_tensor(table, shards.get(name, []), saved[f"{name}.{s}"], s, f"{key}/{s}")
+        group = state_dict["param_groups"][0]
+        self.param_groups[0]["lr"] = group["lr"]
+        for kernel in self._kernels:
+            kernel.iter.fill_(int(group.get("step", 0)))
+        self.step()
+
+    def __repr__(self) -> str:
+        return repr(self._inner).lstrip(": ") if len(self._inner.optimizers) == 1 else repr(self._inner)

@@ -1,0 +1,366 @@
+"""Sequence (unpooled) sharding of an EmbeddingCollection: table/column-wise and row-wise.
+
+An unpooled lookup returns one row per id, so the rows themselves travel back, not pooled bags.
+A strategy owns some tables of the collection and implements three steps:
+
+    input_dist(local KJT)     -> awaitable SequenceBatch: the ids this rank's shards look up
+                                 (global batch) and how many rows each shard will send back here
+    lookup(batch)             -> one row per received id, per local (feature, shard) slot
+    output_dist(rows, batch)  -> awaitable ``[n_ids, dim]`` rows per feature, in input id order
+
+Lookups reuse the pooled table-batched kernels: every id becomes a bag of length one (SUM), so
+each pooled "bag" is exactly one id's row and the fused backward applies the exact update. A
+kernel needs the same bag count per feature, so slot ``i`` with ``n_i`` ids is padded with
+empty bags up to ``max(n)`` (empty bags read nothing, get no gradient and update nothing);
+the padded output is ``[max(n), sum(cols)]``, so very uneven slots cost some transient memory.
+
+Table/column-wise example, 2 ranks, batch 1 each, table A (8 columns) on rank 1, feature "a":
+
+    rank 0 input a: [[3, 5]]               rank 1 input a: [[4]]
+    input dist:  rank 1 receives a = [[3, 5], [4]]   (global batch, rank 0's samples first)
+    lookup:      rank 1 reads A[3], A[5], A[4]       -> [3, 8]
+    output dist: [A[3], A[5]] (2 x 8 floats) go to rank 0, [A[4]] stays on rank 1
+    column-wise: with A[:, 0:4] on rank 0 and A[:, 4:8] on rank 1, rank 0 receives [2, 4] from
+                 each and concatenates them in column order to [2, 8].
+
+Row-wise example, table A of 10 rows (0-4 on rank 0, 5-9 on rank 1), rank 0's bag [7, 2, 9]:
+
+    bucketize:   owners [1, 0, 1]; stable sort by owner -> order [1, 0, 2]
+                 rank 0 gets local id [2], rank 1 local ids [2, 4] (= 7 - 5, 9 - 5)
+    output dist: rank 0 receives [A[2]] from itself and [A[7], A[9]] from rank 1
+    restore:     rows in owner order [A[2], A[7], A[9]] -> index_select(inverse of order)
+                 -> [A[7], A[2], A[9]], the input order
+
+All row movement is one differentiable all-to-all per strategy (``all_to_all_1d``), issued on
+every rank even when it sends nothing, so backward's reverse all-to-all stays in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
+from recsys_core.distributed.comm import all_to_all_1d
+from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
+from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
+from recsys_core.distributed.types import ShardingEnv
+from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
+from recsys_core.modules.embedding_configs import PoolingType
+from recsys_core.sparse import KeyedJaggedTensor
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """One batch between input dist and output dist.
+
+    Attributes:
+        features: the ids this rank's shards look up: keys are this rank's slot keys, stride is
+            the global batch (source rank 0's samples first).
+        sent: ``sent[o][j]`` = how many of this rank's ids slot ``j`` of rank ``o`` looks up,
+            i.e. how many rows it sends back here.
+        restore: per output feature, the index that puts received rows back in input order
+            (None when they already arrive in input order).
+    """
+
+    features: KeyedJaggedTensor
+    sent: list[list[int]]
+    restore: list[torch.Tensor | None]
+
+
+class SequenceSharding(Protocol):
+    """The interface every sequence strategy implements (see the module docstring)."""
+
+    output_features: list[str]
+    local: LocalKernels
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]: ...
+
+    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]: ...
+
+    def output_dist(
+        self, rows: list[torch.Tensor], batch: SequenceBatch
+    ) -> Awaitable[list[torch.Tensor]]: ...
+
+
+def sequence_slots(tables: Sequence[ShardedTable], world_size: int) -> list[list[Slot]]:
+    """Each rank's lookups: table, then shard, then feature (a shard's features stay adjacent,
+    which FBGEMM needs for exact updates of a table shared by several features)."""
+    out: list[list[Slot]] = [[] for _ in range(world_size)]
+    for t in tables:
+        for shard in t.shards:
+            for feature in t.config.feature_names:
+                out[shard.rank].append(Slot(feature, shard, PoolingType.SUM))
+    return out
+
+
+def build_local_kernels(
+    tables: Sequence[ShardedTable],
+    slots: Sequence[Slot],
+    device: torch.device,
+    optimizer: FusedOptimizerConfig,
+    backend: KernelBackend,
+    source: dict[str, torch.Tensor] | None,
+) -> LocalKernels:
+    """The kernels for this rank's slots (unweighted; LocalKernels only reads the fields that
+    EmbeddingConfig shares with EmbeddingBagConfig)."""
+    configs = {t.config.name: t.config for t in tables}
+    return LocalKernels(
+        slots, optimizer, device, False, backend, source, configs
+    )
+
+
+def lookup_rows(local: LocalKernels, features: KeyedJaggedTensor) -> list[torch.Tensor]:
+    """``[n_i, cols_i]`` rows for each slot ``i``: every id is looked up as a bag of one.
+
+    Slot counts [2, 0, 1] -> 2 bags per slot, lengths [1, 1 | 0, 0 | 1, 0]; the pooled output
+    is [2, sum(cols)] and slot ``i``'s rows are its first ``n_i`` rows of its column block.
+    """
+    if not local.slots:
+        return []
+    counts = features.length_per_key()
+    width = max(max(counts), 1)  # at least one bag: kernels expect a non-empty batch
+    device = features.values().device
+    n = torch.tensor(counts, device=device)
+    lengths = (torch.arange(width, device=device) < n.unsqueeze(1)).reshape(-1).long()
+    bags = KeyedJaggedTensor(
+        keys=features.keys(), values=features.values(), lengths=lengths, stride=width
+    )
+    pooled = local.lookup(bags, is_weighted=False)
+    out, col = [], 0
+    for count, slot in zip(counts, local.slots, strict=True):
+        out.append(pooled[:count, col : col + slot.shard.cols])
+        col += slot.shard.cols
+    return out
+
+
+def return_rows(
+    rows: list[torch.Tensor],
+    batch: SequenceBatch,
+    slots: list[list[Slot]],
+    env: ShardingEnv,
+) -> Callable[[], list[list[torch.Tensor]]]:
+    """Start the all-to-all that sends each looked-up row back to its id's rank.
+
+    Returns a function that waits and gives ``blocks[o][j]``: the ``[sent[o][j], cols]`` rows
+    slot ``j`` of rank ``o`` looked up for this rank's ids, in the order this rank sent them.
+    """
+    world, mine = env.world_size, slots[env.rank]
+    received = batch.features
+    batch_size = received.stride() // world
+    # received ids are feature-major, source-major inside a feature: count per (slot, source)
+    per_source = (
+        received.lengths().reshape(len(mine), world, batch_size).sum(dim=2).tolist()
+        if mine
+        else []
+    )
+    chunks = [r.split(c) for r, c in zip(rows, per_source, strict=True)]
+    send = [chunks[i][src].reshape(-1) for src in range(world) for i in range(len(mine))]
+    in_splits = [
+        sum(per_source[i][src] * s.shard.cols for i, s in enumerate(mine)) for src in range(world)
+    ]
+    out_sizes = [
+        [n * s.shard.cols for n, s in zip(batch.sent[o], slots[o], strict=True)]
+        for o in range(world)
+    ]
+    out_splits = [sum(sizes) for sizes in out_sizes]
+    device = received.values().device
+    buffer = torch.cat(send) if send else torch.zeros(0, device=device)
+    inflight = all_to_all_1d(buffer, in_splits, out_splits, env.pg)
+
+    def blocks() -> list[list[torch.Tensor]]:
+        flat = inflight.wait()
+        return [
+            [
+                b.view(n, s.shard.cols)
+                for b, n, s in zip(piece.split(out_sizes[o]), batch.sent[o], slots[o], strict=True)
+            ]
+            for o, piece in enumerate(flat.split(out_splits))
+        ]
+
+    return blocks
+
+
+class TwSequenceSharding:
+    """TABLE_WISE and COLUMN_WISE tables of one EmbeddingCollection.
+
+    Every shard spans all rows, so each feature's ids go whole to every rank holding a shard of
+    its table; column shards' rows are concatenated in column order.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[ShardedTable],
+        env: ShardingEnv,
+        device: torch.device,
+        optimizer: FusedOptimizerConfig,
+        backend: KernelBackend,
+        source: dict[str, torch.Tensor] | None,
+    ) -> None:
+        self._env = env
+        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self._slots = sequence_slots(tables, env.world_size)
+        self.local = build_local_kernels(
+            tables, self._slots[env.rank], device, optimizer, backend, source
+        )
+        index = {f: i for i, f in enumerate(self.output_features)}
+        self._send_order = [index[s.feature] for slots in self._slots for s in slots]
+        self._send_counts = [len(slots) for slots in self._slots]
+        # per output feature: (rank, slot index) of each of its table's shards, in column order
+        where = {
+            (s.feature, s.shard): (r, j)
+            for r, slots in enumerate(self._slots)
+            for j, s in enumerate(slots)
+        }
+        self._assembly = [
+            [where[(f, sh)] for sh in sorted(t.shards, key=lambda sh: sh.col_offset)]
+            for t in tables
+            for f in t.config.feature_names
+        ]
+        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
+        sent_features = features.permute(self._send_order)
+        per_key = sent_features.length_per_key()
+        batch = features.stride()
+        values_per_dest, k = [], 0
+        for count in self._send_counts:
+            values_per_dest.append(sum(per_key[k : k + count]))
+            k += count
+        ids = SparseFeaturesAllToAll(
+            sent_features.lengths(), sent_features.values(), None,
+            [c * batch for c in self._send_counts], values_per_dest,
+            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg,
+            self._env.world_size,
+        )
+        local_counts = features.length_per_key()
+        # a whole-table shard looks up every id of its feature: all of them come back
+        sent = [[local_counts[i] for i in feats] for feats in self._slot_features]
+        restore: list[torch.Tensor | None] = [None] * len(self.output_features)
+        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
+
+    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        return lookup_rows(self.local, batch.features)
+
+    def output_dist(
+        self, rows: list[torch.Tensor], batch: SequenceBatch
+    ) -> Awaitable[list[torch.Tensor]]:
+        blocks = return_rows(rows, batch, self._slots, self._env)
+
+        def assemble() -> list[torch.Tensor]:
+            got = blocks()
+            out = []
+            for parts in self._assembly:
+                pieces = [got[r][j] for r, j in parts]
+                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+            return out
+
+        return FunctionAwaitable(assemble)
+
+
+class RwSequenceSharding:
+    """ROW_WISE tables of one EmbeddingCollection: each id goes to the rank owning its row."""
+
+    def __init__(
+        self,
+        tables: Sequence[ShardedTable],
+        env: ShardingEnv,
+        device: torch.device,
+        optimizer: FusedOptimizerConfig,
+        backend: KernelBackend,
+        source: dict[str, torch.Tensor] | None,
+    ) -> None:
+        self._env = env
+        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self._slots = sequence_slots(tables, env.world_size)
+        self.local = build_local_kernels(
+            tables, self._slots[env.rank], device, optimizer, backend, source
+        )
+        self._owners: list[torch.Tensor] = []  # per feature: rank of each non-empty row block
+        self._starts: list[torch.Tensor] = []  # per feature: first row of each non-empty block
+        for t in tables:
+            # Empty shards own no row; leaving them out keeps the bucketing right wherever the
+            # plan says an empty shard starts.
+            blocks = sorted((sh for sh in t.shards if sh.rows), key=lambda sh: sh.row_offset)
+            for _ in t.config.feature_names:
+                self._owners.append(torch.tensor([sh.rank for sh in blocks]))
+                self._starts.append(torch.tensor([sh.row_offset for sh in blocks]))
+        index = {f: i for i, f in enumerate(self.output_features)}
+        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
+        # Rows come back grouped by owner rank, ascending (the stable sort by destination).
+        where = {(s.feature, r): j for r, sl in enumerate(self._slots) for j, s in enumerate(sl)}
+        self._assembly = [
+            [(r, where[(f, r)]) for r in sorted({sh.rank for sh in t.shards})]
+            for t in tables
+            for f in t.config.feature_names
+        ]
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
+        world, batch = self._env.world_size, features.stride()
+        offsets, values = features.offset_per_key(), features.values()
+        lengths_all = features.lengths()
+        device = values.device
+        counts: list[torch.Tensor] = []  # per feature: [world, batch] ids per (owner, sample)
+        split_ids: list[tuple[torch.Tensor, ...]] = []  # per feature: local ids per owner
+        per_owner: list[list[int]] = []  # per feature: ids per owner
+        restore: list[torch.Tensor | None] = []
+        for i in range(len(self.output_features)):
+            lo, hi = offsets[i], offsets[i + 1]
+            ids = values[lo:hi]
+            starts = self._starts[i].to(device)
+            block = torch.searchsorted(starts, ids, right=True) - 1
+            dest = self._owners[i].to(device)[block]
+            local_ids = ids - starts[block].to(ids.dtype)
+            sample = torch.repeat_interleave(
+                torch.arange(batch, device=device),
+                lengths_all[i * batch : (i + 1) * batch].long(),
+                output_size=hi - lo,
+            )
+            counts.append(
+                torch.bincount(dest * batch + sample, minlength=world * batch).view(world, batch)
+            )
+            order = torch.argsort(dest, stable=True)
+            owners = torch.bincount(dest, minlength=world).tolist()
+            per_owner.append(owners)
+            split_ids.append(local_ids[order].split(owners))
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=device)
+            restore.append(inverse)
+        send_lengths = [
+            torch.cat([counts[i][r] for i in feats]).to(lengths_all.dtype)
+            if feats else lengths_all.new_zeros(0)
+            for r, feats in enumerate(self._slot_features)
+        ]
+        send_values = [
+            torch.cat([split_ids[i][r] for i in feats]) if feats else values.new_zeros(0)
+            for r, feats in enumerate(self._slot_features)
+        ]
+        ids = SparseFeaturesAllToAll(
+            torch.cat(send_lengths), torch.cat(send_values), None,
+            [t.numel() for t in send_lengths], [t.numel() for t in send_values],
+            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg, world,
+        )
+        sent = [[per_owner[i][r] for i in feats] for r, feats in enumerate(self._slot_features)]
+        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
+
+    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        return lookup_rows(self.local, batch.features)
+
+    def output_dist(
+        self, rows: list[torch.Tensor], batch: SequenceBatch
+    ) -> Awaitable[list[torch.Tensor]]:
+        blocks = return_rows(rows, batch, self._slots, self._env)
+
+        def assemble() -> list[torch.Tensor]:
+            got = blocks()
+            out = []
+            for parts, inverse in zip(self._assembly, batch.restore, strict=True):
+                by_owner = torch.cat([got[r][j] for r, j in parts])
+                # index_select is differentiable: gradients go back to the owner-ordered rows
+                out.append(by_owner if inverse is None else by_owner.index_select(0, inverse))
+            return out
+
+        return FunctionAwaitable(assemble)

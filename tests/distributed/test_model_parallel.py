@@ -1,0 +1,299 @@
+"""DistributedModelParallel, the tutorial's sharding examples, and resharding checkpoints."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recsys_core import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbOptimType,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    PoolingType,
+)
+from recsys_core.distributed import (
+    DistributedModelParallel,
+    EmbeddingBagCollectionSharder,
+    LazyAwaitable,
+    ShardingEnv,
+    ShardingPlan,
+    checkpoint,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from recsys_core.optim import (
+    CombinedOptimizer,
+    KeyedOptimizerWrapper,
+    apply_optimizer_in_backward,
+    in_backward_optimizer_filter,
+)
+from recsys_core.testing import run_gloo
+
+
+def tutorial_tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="product_table", embedding_dim=64, num_embeddings=4096,
+                           feature_names=["product"], pooling=PoolingType.SUM),
+        EmbeddingBagConfig(name="user_table", embedding_dim=64, num_embeddings=4096,
+                           feature_names=["user"], pooling=PoolingType.SUM),
+    ]
+
+
+def tutorial_kjt() -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(keys=["product", "user"], values=torch.tensor([1, 2, 1, 5, 2, 3, 4, 1]),
+                             lengths=torch.tensor([3, 1, 2, 2]))
+
+
+TUTORIAL_PLAN = "\n".join([
+    "module: ",
+    "    param     | sharding type | compute kernel | ranks",
+    "------------- | ------------- | -------------- | -----",
+    "product_table | table_wise    | fused          | [0]  ",
+    "user_table    | table_wise    | fused          | [0]  ",
+    "    param     | shard offsets | shard sizes | placement ",
+    "------------- | ------------- | ----------- | ----------",
+    "product_table | [0, 0]        | [4096, 64]  | rank:0/cpu",
+    "user_table    | [0, 0]        | [4096, 64]  | rank:0/cpu",
+])
+
+
+def tutorial_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(device="cpu", tables=tutorial_tables())
+    kjt = tutorial_kjt()
+    expected = ebc(kjt).values().detach()
+    pg = dist.GroupMember.WORLD
+    plan = construct_module_sharding_plan(ebc, {"product_table": table_wise(rank=0), "user_table": table_wise(rank=0)}, world)
+    out: dict = {"plan": str(ShardingPlan({"": plan}))}
+    env = ShardingEnv.from_process_group(pg)
+    sharder = EmbeddingBagCollectionSharder()
+    sharded_ebc = sharder.shard(ebc, plan, env, torch.device("cpu"))
+    output = sharded_ebc(kjt)
+    out["lazy"] = isinstance(output, LazyAwaitable)
+    kt = output.wait()
+    out["kt"] = (type(kt) is KeyedTensor, kt.keys(), tuple(kt.values().shape), {k: tuple(v.shape) for k, v in kt.to_dict().items()})
+    torch.testing.assert_close(kt.values(), expected)
+    out["default_optimizer"] = repr(sharded_ebc.fused_optimizer)
+
+    fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.02, "eps": 0.002}
+    sharded_fused = EmbeddingBagCollectionSharder(fused_params=fused_params).shard(ebc, plan, env, torch.device("cpu"))
+    out["fused_optimizer"] = repr(sharded_fused.fused_optimizer)
+    ebc_apply_opt = copy.deepcopy(ebc)
+    for _, param in ebc_apply_opt.named_parameters():
+        apply_optimizer_in_backward(torch.optim.SGD, [param], {"lr": 0.5})
+    sharded_apply = sharder.shard(ebc_apply_opt, plan, env, torch.device("cpu"))
+    out["apply_optimizer"] = repr(sharded_apply.fused_optimizer)
+    out["non_fused"] = list(dict(in_backward_optimizer_filter(sharded_fused.named_parameters())))
+    values = sharded_fused(kjt).wait().values()
+    loss1 = torch.sum(torch.ones_like(values) - values)
+    loss1.backward()
+    values = sharded_fused(kjt).wait().values()
+    out["losses"] = (loss1.item(), torch.sum(torch.ones_like(values) - values).item())
+
+    model = DistributedModelParallel(ebc, device=torch.device("cpu"))
+    out["dmp_plan"] = str(model.plan)
+    torch.testing.assert_close(model(kjt).wait().values(), expected)
+    return out
+
+
+def test_tutorial_sharding_examples() -> None:
+    (out,) = run_gloo(1, tutorial_worker)
+    assert out["plan"] == TUTORIAL_PLAN
+    assert out["dmp_plan"] == TUTORIAL_PLAN
+    assert out["lazy"]
+    assert out["kt"] == (True, ["product", "user"], (2, 128), {"product": (2, 64), "user": (2, 64)})
+    assert out["default_optimizer"] == "EmbeddingFusedOptimizer (\nParameter Group 0\n    lr: 0.01\n)"
+    assert out["fused_optimizer"] == "EmbeddingFusedOptimizer (\nParameter Group 0\n    lr: 0.02\n)"
+    assert out["apply_optimizer"] == "EmbeddingFusedOptimizer (\nParameter Group 0\n    lr: 0.5\n)"
+    assert out["non_fused"] == []
+    first, second = out["losses"]
+    assert second < first - 1.0  # backward updated the sharded tables, no step() called
+
+
+DENSE_TABLES = [
+    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=20, feature_names=["fa"]),
+    EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=9, feature_names=["fb"], pooling=PoolingType.MEAN),
+]
+
+
+class TinyModel(nn.Module):
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.sparse = EmbeddingBagCollection(DENSE_TABLES, device=device)
+        self.over = nn.Linear(16, 1, device=device)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        kt = self.sparse(kjt)
+        values = kt.wait().values() if isinstance(kt, LazyAwaitable) else kt.values()
+        return self.over(values).squeeze(1)
+
+
+def batches(world: int, step: int) -> tuple[list[KeyedJaggedTensor], torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    kjts = []
+    for _ in range(world):
+        lengths = torch.randint(0, 3, (2 * 4,), generator=gen)
+        values = torch.cat([torch.randint(0, 20, (int(lengths[:4].sum()),), generator=gen),
+                            torch.randint(0, 9, (int(lengths[4:].sum()),), generator=gen)])
+        kjts.append(KeyedJaggedTensor(keys=["fa", "fb"], values=values, lengths=lengths))
+    return kjts, torch.rand(world * 4, generator=gen)
+
+
+def dmp_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = TinyModel()
+    reference = copy.deepcopy(model)
+    plan = ShardingPlan({"sparse": construct_module_sharding_plan(
+        model.sparse, {"a": row_wise(), "b": data_parallel()}, world)})
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
+    dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
+    assert sorted(dict(in_backward_optimizer_filter(dmp.named_parameters()))) == ["over.bias", "over.weight"]
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    # per-rank mean loss: DDP averages dense grads; embedding grads add up over ranks, so the
+    # single-process reference takes the global mean with the embedding lr scaled by world size
+    ref_opt = torch.optim.SGD([
+        {"params": reference.sparse.parameters(), "lr": 0.1 * world},
+        {"params": reference.over.parameters(), "lr": 0.1},
+    ])
+    for step in range(3):
+        kjts, labels = batches(world, step)
+        optimizer.zero_grad()
+        logits = dmp(kjts[rank])
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels[rank * 4 : (rank + 1) * 4])
+        loss.backward()
+        optimizer.step()
+        ref_opt.zero_grad()
+        ref_logits = torch.cat([reference(k) for k in kjts])
+        nn.functional.binary_cross_entropy_with_logits(ref_logits, labels).backward()
+        ref_opt.step()
+        torch.testing.assert_close(logits.detach(), ref_logits[rank * 4 : (rank + 1) * 4].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dmp.module.over.weight.detach(), reference.over.weight.detach(), atol=1e-5, rtol=1e-5)
+    state = dmp.state_dict()
+    full_b = state["sparse.embedding_bags.b.weight"]  # data-parallel: a plain replicated tensor
+    torch.testing.assert_close(full_b, reference.sparse.embedding_bags["b"].weight.detach(), atol=1e-5, rtol=1e-5)
+    for shard in state["sparse.embedding_bags.a.weight"].local_shards():
+        off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        ref = reference.sparse.embedding_bags["a"].weight.detach()[off[0] : off[0] + size[0]]
+        torch.testing.assert_close(shard.tensor, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dmp_trains_like_the_unsharded_model() -> None:
+    run_gloo(2, dmp_worker)
+
+
+def meta_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(rank)  # different seeds: DDP must make the dense part equal
+    model = TinyModel(device="meta")
+    plan = ShardingPlan({"sparse": construct_module_sharding_plan(
+        model.sparse, {"a": table_wise(rank=1), "b": table_wise(rank=0)}, world)})
+    dmp = DistributedModelParallel(model, plan=plan)
+    kjts, _ = batches(world, 0)
+    out = dmp(kjts[rank])
+    local = {t: [tuple(s.weight.shape) for s in shards] for t, shards in dmp.module.sparse.table_shards().items()}
+    return {"local": local, "weight": dmp.module.over.weight.detach().clone(), "shape": tuple(out.shape)}
+
+
+def test_dmp_on_meta_module_allocates_only_local_shards() -> None:
+    r0, r1 = run_gloo(2, meta_worker)
+    assert r0["local"] == {"b": [(9, 8)]} and r1["local"] == {"a": [(20, 8)]}
+    assert r0["shape"] == r1["shape"] == (4,)
+    torch.testing.assert_close(r0["weight"], r1["weight"])
+
+
+CKPT_TABLES = [
+    EmbeddingBagConfig(name="x", embedding_dim=8, num_embeddings=10, feature_names=["fx"]),
+    EmbeddingBagConfig(name="y", embedding_dim=4, num_embeddings=6, feature_names=["fy"], pooling=PoolingType.MEAN),
+]
+CKPT_FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.3, "eps": 1e-3}
+
+
+def _full_tables(sharded) -> dict:
+    """This rank's pieces: {(table, what): [(row_offset, tensor)]}."""
+    out: dict = {}
+    for table, shards in sharded.table_shards().items():
+        for s in shards:
+            out.setdefault((table, "weight"), []).append((s.spec.row_offset, s.spec.col_offset, s.weight.clone()))
+            out.setdefault((table, "momentum1"), []).append((s.spec.row_offset, s.spec.col_offset, s.state["momentum1"].clone()))
+    return out
+
+
+def save_worker(rank: int, world: int, path: str) -> dict:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(CKPT_TABLES)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": row_wise()}, world)
+    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    sharded = EmbeddingBagCollectionSharder(fused_params=CKPT_FUSED).shard(ebc, plan, env)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        kjt = KeyedJaggedTensor(keys=["fx", "fy"], values=torch.cat([torch.randint(0, 10, (4,), generator=gen), torch.randint(0, 6, (4,), generator=gen)]),
+                                lengths=torch.tensor([2, 2, 3, 1]))
+        sharded(kjt).wait().values().sum().backward()
+    checkpoint.save(path, model=sharded, optimizer=sharded.fused_optimizer, extra={"step": 2})
+    return _full_tables(sharded)
+
+
+def load_worker(rank: int, world: int, path: str) -> dict:
+    torch.manual_seed(123)  # different init: everything must come from the checkpoint
+    ebc = EmbeddingBagCollection(CKPT_TABLES)
+    plan = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1), "y": table_wise(rank=0)}, world)
+    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    sharded = EmbeddingBagCollectionSharder(fused_params=CKPT_FUSED).shard(ebc, plan, env)
+    extra = checkpoint.load(path, model=sharded, optimizer=sharded.fused_optimizer, extra={"step": 0})
+    assert extra == {"step": 2}
+    return _full_tables(sharded)
+
+
+def _assemble(per_rank: list[dict]) -> dict:
+    pieces: dict = {}
+    for result in per_rank:
+        for key, parts in result.items():
+            pieces.setdefault(key, []).extend(parts)
+    return {key: torch.cat([t for _, _, t in sorted(parts, key=lambda p: (p[0], p[1]))]) for key, parts in pieces.items()}
+
+
+def test_checkpoint_saved_row_wise_on_4_ranks_loads_table_wise_on_2(tmp_path) -> None:
+    saved = _assemble(run_gloo(4, save_worker, str(tmp_path)))
+    loaded = _assemble(run_gloo(2, load_worker, str(tmp_path)))
+    assert saved.keys() == loaded.keys()
+    for key in saved:
+        torch.testing.assert_close(loaded[key], saved[key], msg=f"{key} differs after resharding")
+    assert saved[("x", "momentum1")].abs().sum() > 0  # the optimizer state is not trivially zero
+
+
+def unsharded_load_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    source = EmbeddingBagCollection(CKPT_TABLES)
+    torch.manual_seed(1)
+    ebc = EmbeddingBagCollection(CKPT_TABLES)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": table_wise(rank=1)}, world)
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
+    sharded.load_state_dict(source.state_dict())
+    kjt = KeyedJaggedTensor(keys=["fx", "fy"], values=torch.tensor([9, 0, 5]), lengths=torch.tensor([1, 1, 1, 0]))
+    torch.testing.assert_close(sharded(kjt).wait().values(), source(kjt).values().detach())
+
+
+def test_sharded_module_loads_an_unsharded_state_dict() -> None:
+    run_gloo(2, unsharded_load_worker)
+
+
+def test_bad_plan_is_rejected_before_communication() -> None:
+    ebc = EmbeddingBagCollection(CKPT_TABLES, device="meta")
+    env = ShardingEnv.from_local(2, 0)  # no process group: any communication would fail
+    bad = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1), "y": table_wise(rank=0)}, 2)
+    bad["x"].ranks = [5]
+    bad["x"].sharding_spec[0].placement = "rank:5/cpu"
+    with pytest.raises(ValueError, match="'x'.*rank 5"):
+        DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": bad}))
+    good = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1)}, 2)
+    with pytest.raises(ValueError, match=r"no entry for table\(s\) \['y'\]"):
+        DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": good}))
