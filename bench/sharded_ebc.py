@@ -236,9 +236,7 @@ def phased_step(
 ) -> dict[str, float]:
     """One step split into phases with a barrier after each: the calls of ``forward`` /
     ``compute_and_output_dist``, reordered so that every strategy finishes a phase first."""
-    # The module exposes input_dist and compute_and_output_dist; the per-strategy lookup and
-    # output dist are reached through its (private) strategy list.
-    strategies = sharded._strategies
+    strategies = sharded.strategies
     keys = features.keys()
     marks: list[float] = []
 

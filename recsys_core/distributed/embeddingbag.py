@@ -66,6 +66,17 @@ class _HostGroups:
                 self.cross = group
 
 
+class ShardedInputs(list):  # list[Awaitable[KeyedJaggedTensor]]
+    """The input dists in flight, one per strategy, with the local features each one was given
+    (the output dist needs this rank's lengths and batch size)."""
+
+    def __init__(
+        self, awaitables: list[Awaitable[KeyedJaggedTensor]], local_features: list[KeyedJaggedTensor]
+    ) -> None:
+        super().__init__(awaitables)
+        self.local_features = local_features
+
+
 class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
     """The sharded forward's result: waits for every strategy's output dist."""
 
@@ -154,6 +165,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._input_orders: dict[tuple[str, ...], list[list[int]]] = {}
         self._rows = {c.name: c.num_embeddings for c in configs}
         self._feature_rows = {f: c.num_embeddings for c in configs for f in c.feature_names}
+        self._id_limits: dict[tuple[str, ...], torch.Tensor] = {}
         order = [f for s in self._strategies for f in s.output_features]
         self._columns = None
         if order != self._embedding_names:
@@ -205,7 +217,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def env(self) -> ShardingEnv:
         return self._env
 
-    def input_dist(self, features: KeyedJaggedTensor) -> list[Awaitable[KeyedJaggedTensor]]:
+    @property
+    def strategies(self) -> list[PooledSharding]:
+        """The per-sharding-type strategies, in output order (for benchmarks and debugging)."""
+        return list(self._strategies)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> ShardedInputs:
         """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
         check_features(features, self._embedding_names, "ShardedEmbeddingBagCollection", self._is_weighted)
         self._check_ids(features)
@@ -213,34 +230,46 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if keys not in self._input_orders:
             index = {k: i for i, k in enumerate(keys)}
             self._input_orders[keys] = [[index[f] for f in s.output_features] for s in self._strategies]
-        return [
-            s.input_dist(features.permute(order))
-            for s, order in zip(self._strategies, self._input_orders[keys], strict=True)
+        local = [
+            features if order == list(range(len(keys))) else features.permute(order)
+            for order in self._input_orders[keys]
         ]
+        return ShardedInputs(
+            [s.input_dist(kjt) for s, kjt in zip(self._strategies, local, strict=True)], local
+        )
 
     def _check_ids(self, features: KeyedJaggedTensor) -> None:
-        offsets = features.offset_per_key()
+        """One pass (and one host sync) over all ids against each feature's table size."""
+        keys = features.keys()
+        limits = self._id_limits.get(tuple(keys))
+        if limits is None:
+            limits = torch.tensor([self._feature_rows.get(k, 2**62) for k in keys])
+            self._id_limits[tuple(keys)] = limits
         values = features.values()
-        for i, key in enumerate(features.keys()):
-            rows = self._feature_rows.get(key)
-            if rows is None or offsets[i] == offsets[i + 1]:
-                continue
-            lo, hi = torch.aminmax(values[offsets[i] : offsets[i + 1]])
-            if int(lo) < 0 or int(hi) >= rows:
-                bad = int(lo) if int(lo) < 0 else int(hi)
-                raise IdOutOfRangeError(
-                    f"feature {key!r}: id {bad} is outside [0, {rows}) of its table (rank "
-                    f"{self._env.rank}); hash or clip ids to the table size before lookup"
-                )
+        per_value = torch.repeat_interleave(
+            limits.to(values.device), torch.tensor(features.length_per_key(), device=values.device),
+            output_size=values.numel(),
+        )
+        bad = (values < 0) | (values >= per_value)
+        if not bool(bad.any()):
+            return
+        position = int(bad.nonzero()[0, 0])
+        feature = next(i for i, end in enumerate(features.offset_per_key()[1:]) if position < end)
+        raise IdOutOfRangeError(
+            f"feature {keys[feature]!r}: id {int(values[position])} is outside "
+            f"[0, {int(limits[feature])}) of its table (rank {self._env.rank}); hash or clip ids "
+            "to the table size before lookup"
+        )
 
     def compute_and_output_dist(
-        self, features: KeyedJaggedTensor, dist_inputs: list[Awaitable[KeyedJaggedTensor]]
+        self, features: KeyedJaggedTensor, dist_inputs: ShardedInputs
     ) -> EmbeddingBagCollectionAwaitable:
-        parts = []
-        for strategy, awaitable in zip(self._strategies, dist_inputs, strict=True):
-            kjt = awaitable.wait()
-            local = features.permute(self._input_orders[tuple(features.keys())][len(parts)])
-            parts.append(strategy.output_dist(strategy.lookup(kjt), local))
+        parts = [
+            strategy.output_dist(strategy.lookup(awaitable.wait()), local)
+            for strategy, awaitable, local in zip(
+                self._strategies, dist_inputs, dist_inputs.local_features, strict=True
+            )
+        ]
         return EmbeddingBagCollectionAwaitable(parts, self._embedding_names, self._dims, self._columns)
 
     def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:

@@ -40,6 +40,11 @@ TABLES = [
     EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
 ]
 KEYS, ROWS, BATCH, STEPS = ["f0", "f1", "f2"], [13, 13, 7], 3, 3
+# Large enough that few rows are touched per step: data-parallel exchanges only those rows.
+BIG_TABLES = [
+    EmbeddingBagConfig(name="t_sum", embedding_dim=8, num_embeddings=1000, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
+    EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
+]
 
 
 def make_plan(kind: str, ebc: EmbeddingBagCollection, world: int, local: int) -> dict:
@@ -56,14 +61,14 @@ def make_plan(kind: str, ebc: EmbeddingBagCollection, world: int, local: int) ->
     return construct_module_sharding_plan(ebc, generators, world, local)
 
 
-def global_batch(seed: int, world: int, weighted: bool) -> list[KeyedJaggedTensor]:
+def global_batch(seed: int, world: int, weighted: bool, rows: list[int] = ROWS) -> list[KeyedJaggedTensor]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(world):
         lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
         lengths[0] = 0  # an empty bag on every rank
         values = torch.cat([
-            torch.randint(0, ROWS[i], (int(lengths[i * BATCH : (i + 1) * BATCH].sum()),), generator=gen)
+            torch.randint(0, rows[i], (int(lengths[i * BATCH : (i + 1) * BATCH].sum()),), generator=gen)
             for i in range(len(KEYS))
         ])
         weights = torch.rand(values.numel(), generator=gen) if weighted else None
@@ -91,10 +96,14 @@ OPTIMIZERS = {
 }
 
 
-def parity_worker(rank: int, world: int, kind: str, weighted: bool, optimizer: str) -> int:
+def parity_worker(
+    rank: int, world: int, kind: str, weighted: bool, optimizer: str, big: bool = False
+) -> int:
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(TABLES, is_weighted=weighted)
+    tables = BIG_TABLES if big else TABLES
+    rows = [1000, 1000, 7] if big else ROWS
+    ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
     reference = copy.deepcopy(ebc)
     fused_params, make_opt, ref_state, state_key = OPTIMIZERS[optimizer]
     ref_opt = make_opt(list(reference.parameters()))
@@ -103,7 +112,7 @@ def parity_worker(rank: int, world: int, kind: str, weighted: bool, optimizer: s
     sharded = EmbeddingBagCollectionSharder(fused_params=dict(fused_params)).shard(ebc, plan, env, torch.device("cpu"))
     lo, hi = rank * BATCH, (rank + 1) * BATCH
     for step in range(STEPS):
-        kjts = global_batch(100 + step, world, weighted)
+        kjts = global_batch(100 + step, world, weighted, rows)
         target = torch.randn(world * BATCH, 20, generator=torch.Generator().manual_seed(step))
         out = sharded(kjts[rank]).wait()
         values = out.values()
@@ -142,6 +151,12 @@ def test_sharded_equals_unsharded(kind: str, world: int, weighted: bool) -> None
     optimizer = "adagrad" if kind.endswith("column_wise") else "rowwise_adagrad"
     checked = run_gloo(world, parity_worker, kind, weighted, optimizer, local_world_size=local)
     assert sum(checked) >= len(TABLES)  # every table's shards were compared somewhere
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_large_table_exchanges_touched_rows(world: int) -> None:
+    checked = run_gloo(world, parity_worker, "data_parallel", True, "rowwise_adagrad", True)
+    assert sum(checked) == len(BIG_TABLES) * world
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])

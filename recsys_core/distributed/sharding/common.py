@@ -180,6 +180,17 @@ def _init_shard(
             config.init_weight_(view)
 
 
+def column_permutation(columns: list[int]) -> torch.Tensor | None:
+    """An index for ``index_select(1, ...)``, or None when the order is already right."""
+    if columns == list(range(len(columns))):
+        return None
+    return torch.tensor(columns, dtype=torch.long)
+
+
+def select_columns(x: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+    return x if columns is None else x.index_select(1, columns.to(x.device))
+
+
 class PooledSharding(Protocol):
     """The interface every strategy implements (see the module docstring)."""
 

@@ -3,19 +3,27 @@
 No input or output communication: each rank looks up its own batch. In backward, the torch
 kernel sums each table's gradient (and which rows were touched) over all ranks before the fused
 update, so every replica applies the same exact update as the unsharded module on the global
-batch. Replicas start equal: rank 0's weights are broadcast at construction.
+batch: by all-gathering the touched rows when few rows are touched (world * rows touched <
+table rows), else by all-reducing a dense [rows, dim + 1] buffer. Replicas start equal: rank
+0's weights are broadcast at construction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from recsys_core.distributed.awaitable import Awaitable, LazyNoWait
 from recsys_core.distributed.comm import all_reduce_sum_
-from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
+from recsys_core.distributed.sharding.common import (
+    LocalKernels,
+    ShardedTable,
+    Slot,
+    column_permutation,
+    select_columns,
+)
 from recsys_core.distributed.types import ShardingEnv
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.torch_tbe import TorchTableBatchedEmbedding
@@ -65,15 +73,25 @@ class DpPooledSharding:
         for f in self.output_features:
             i = slot_index[f]
             columns.extend(range(starts[i], starts[i] + dims[i]))
-        self._columns = torch.tensor(columns, dtype=torch.long)
+        self._columns = column_permutation(columns)
 
-    def _make_reducer(self, kernel: TorchTableBatchedEmbedding):  # noqa: ANN202
+    def _make_reducer(
+        self, kernel: TorchTableBatchedEmbedding
+    ) -> Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         group = self._env.pg
+        world = self._env.world_size
 
         def reduce(
             table: int, rows: torch.Tensor, grads: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
+            if group is None or world == 1:
+                return rows, grads
             num_rows, dim = kernel.rows[table], kernel.dims[table]
+            most = torch.tensor([rows.numel()], dtype=torch.int64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+            most_rows = int(most.item())  # same value on every rank: same path everywhere
+            if world * most_rows < num_rows:
+                return _sparse_sum(rows, grads, most_rows, world, group)
             dense = grads.new_zeros(num_rows, dim + 1)
             dense[rows, :dim] = grads
             dense[rows, dim] = 1.0  # touched on this rank
@@ -84,6 +102,8 @@ class DpPooledSharding:
         return reduce
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
+        if self._input_order == list(range(len(self._input_order))):
+            return LazyNoWait(features)
         return LazyNoWait(features.permute(self._input_order))
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
@@ -92,4 +112,25 @@ class DpPooledSharding:
     def output_dist(
         self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
     ) -> Awaitable[torch.Tensor]:
-        return LazyNoWait(pooled.index_select(1, self._columns.to(pooled.device)))
+        return LazyNoWait(select_columns(pooled, self._columns))
+
+
+def _sparse_sum(
+    rows: torch.Tensor, grads: torch.Tensor, most_rows: int, world: int,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum row gradients over ranks by gathering only the touched rows (padded to the largest
+    count; padding rows carry id -1 and are dropped)."""
+    padded_rows = rows.new_full((most_rows,), -1)
+    padded_rows[: rows.numel()] = rows
+    padded_grads = grads.new_zeros(most_rows, grads.shape[1])
+    padded_grads[: rows.numel()] = grads
+    all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
+    all_grads = [torch.empty_like(padded_grads) for _ in range(world)]
+    dist.all_gather(all_rows, padded_rows, group=group)
+    dist.all_gather(all_grads, padded_grads, group=group)
+    gathered_rows, gathered_grads = torch.cat(all_rows), torch.cat(all_grads)
+    keep = gathered_rows >= 0
+    unique, inverse = torch.unique(gathered_rows[keep], return_inverse=True)
+    summed = grads.new_zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, gathered_grads[keep])
+    return unique, summed

@@ -24,7 +24,13 @@ import torch.distributed as dist
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d, reduce_scatter_dim0
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
-from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
+from recsys_core.distributed.sharding.common import (
+    LocalKernels,
+    ShardedTable,
+    Slot,
+    column_permutation,
+    select_columns,
+)
 from recsys_core.distributed.types import ShardingEnv
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_configs import PoolingType
@@ -83,7 +89,7 @@ class RwPooledSharding:
         ]
         self._columns = self._column_index()
 
-    def _column_index(self) -> torch.Tensor:
+    def _column_index(self) -> torch.Tensor | None:
         """Received blocks come domain by domain (each in feature order); map to output order."""
         start, offset = {}, 0
         for feats in self._domain_features:
@@ -93,7 +99,7 @@ class RwPooledSharding:
         columns: list[int] = []
         for i, d in enumerate(self._dims):
             columns.extend(range(start[i], start[i] + d))
-        return torch.tensor(columns, dtype=torch.long)
+        return column_permutation(columns)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
         world, batch = self._env.world_size, features.stride()
@@ -167,7 +173,7 @@ class RwPooledSharding:
                 out = torch.cat(blocks, dim=1)
             else:
                 out = mine
-            out = out.index_select(1, self._columns.to(out.device))
+            out = select_columns(out, self._columns)
             return self._apply_mean(out, lengths, batch)
 
         return FunctionAwaitable(finish)

@@ -22,7 +22,13 @@ import torch
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
-from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
+from recsys_core.distributed.sharding.common import (
+    LocalKernels,
+    ShardedTable,
+    Slot,
+    column_permutation,
+    select_columns,
+)
 from recsys_core.distributed.types import ShardingEnv
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_configs import PoolingType
@@ -72,7 +78,7 @@ class TwPooledSharding:
         self._dims = [sum(s.shard.cols for s in slots) for slots in self._slots]
         self._columns = self._column_index(tables)
 
-    def _column_index(self, tables: Sequence[ShardedTable]) -> torch.Tensor:
+    def _column_index(self, tables: Sequence[ShardedTable]) -> torch.Tensor | None:
         """Maps received columns (source rank, slot) to output columns (feature, full dim)."""
         start: dict[tuple[str, int, int], int] = {}
         offset = 0
@@ -87,7 +93,7 @@ class TwPooledSharding:
                 for sh in shards:
                     begin = start[(feature, sh.rank, sh.col_offset)]
                     columns.extend(range(begin, begin + sh.cols))
-        return torch.tensor(columns, dtype=torch.long)
+        return column_permutation(columns)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
         sent = features.permute(self._send_order)
@@ -115,7 +121,6 @@ class TwPooledSharding:
         in_splits = [batch * self.local.output_dim] * world
         out_splits = [batch * d for d in self._dims]
         inflight = all_to_all_1d(pooled, in_splits, out_splits, self._env.pg)
-        columns = self._columns.to(pooled.device)
 
         def assemble() -> torch.Tensor:
             received = inflight.wait()
@@ -123,6 +128,6 @@ class TwPooledSharding:
                 chunk.view(batch, d)
                 for chunk, d in zip(received.split(out_splits), self._dims, strict=True)
             ]
-            return torch.cat(blocks, dim=1).index_select(1, columns)
+            return select_columns(torch.cat(blocks, dim=1), self._columns)
 
         return FunctionAwaitable(assemble)
