@@ -56,6 +56,7 @@ from recsys_core import (
     EmbeddingBagConfig,
     EmbOptimType,
     FusedEmbeddingBagCollection,
+    JaggedTensor,
     KeyedJaggedTensor,
     PoolingType,
 )
@@ -88,7 +89,8 @@ BYTES_NOTE = (
     "(world-1)); input_dist = lengths + values (+ weights) of the KJT all-to-all, not counting "
     "the 2 int64 split sizes per destination; output_dist = pooled all-to-all (tw, cw) + "
     "reduce-scatter input (rw); backward = the reverse all-to-all / all-gather; dp_allreduce = "
-    "rows * (dim + 1) fp32 per data-parallel table (gradient + touched-row flag)"
+    "per data-parallel table, the touched rows padded to the most any rank touched (int64 id + "
+    "fp32 row) when world * that < rows, else rows * (dim + 1) fp32 (gradient + touched flag)"
 )
 
 
@@ -151,7 +153,7 @@ def traffic(
         sharding = plan[config.name]
         kind = sharding.sharding_type
         if kind is ShardingType.DATA_PARALLEL:
-            dp_bytes += config.num_embeddings * (config.embedding_dim + 1) * FLOAT_BYTES
+            dp_bytes += dp_exchange_bytes(config, per_feature, world)
             continue
         for feature in config.feature_names:
             ids = per_feature[feature].values()
@@ -181,6 +183,22 @@ def traffic(
         ),
         "dp_allreduce": Traffic(dp_bytes, None),
     }
+
+
+def dp_exchange_bytes(
+    config: EmbeddingBagConfig, per_feature: dict[str, JaggedTensor], world: int
+) -> int:
+    """Bytes this rank sends to sum a data-parallel table's gradient (mirrors the strategy):
+    when ``world * most_touched < rows`` it all-gathers its touched rows padded to the most any
+    rank touched (int64 id + fp32 row each), else it all-reduces ``[rows, dim + 1]`` fp32."""
+    ids = torch.cat([per_feature[f].values() for f in config.feature_names])
+    most = torch.tensor([torch.unique(ids).numel()])
+    if dist.is_initialized():
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the strategy decides on the global max
+    most_rows = int(most)
+    if world * most_rows < config.num_embeddings:
+        return most_rows * (8 + config.embedding_dim * FLOAT_BYTES)
+    return config.num_embeddings * (config.embedding_dim + 1) * FLOAT_BYTES
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -80,9 +81,16 @@ def expected_bytes(kind: str) -> dict[str, tuple[list[int], list[int] | None]]:
             "backward": ([BATCH * 32 * F32] * 2, [BATCH * 32 * F32] * 2),
             "dp_allreduce": ([0, 0], None),
         }
-    return {  # dp: a [rows, dim + 1] fp32 all-reduce per table
+    # dp: per table, the most rows any rank touched (one feature per table here), gathered as
+    # int64 id + fp32 row when 2 * that < rows, else a dense [rows, dim + 1] fp32 all-reduce
+    batches = [make_batch(ROWS, BATCH, 1, seed=r).to_dict() for r in range(WORLD)]
+    dp = 0
+    for i, rows in enumerate(ROWS):
+        most = max(int(torch.unique(list(b.values())[i].values()).numel()) for b in batches)
+        dp += most * (8 + DIM * F32) if WORLD * most < rows else rows * (DIM + 1) * F32
+    return {
         "input_dist": zero, "output_dist": zero, "backward": zero,
-        "dp_allreduce": ([sum(ROWS) * (DIM + 1) * F32] * 2, None),
+        "dp_allreduce": ([dp] * 2, None),
     }
 
 
