@@ -20,7 +20,11 @@ import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
-from recsys_core.distributed.sharding.common import ShardedTable, resolve_shards
+from recsys_core.distributed.sharding.common import (
+    ShardedTable,
+    check_kernel_placement,
+    resolve_shards,
+)
 from recsys_core.distributed.sharding.sequence import (
     RwSequenceSharding,
     SequenceBatch,
@@ -119,6 +123,7 @@ class ShardedEmbeddingCollection(nn.Module):
         validate_module_sharding_plan(
             configs, EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
         )
+        check_kernel_placement(plan, device)
         self._env, self._device = env, device
         self._need_indices = module.need_indices()
         self._embedding_names = [f for c in configs for f in c.feature_names]

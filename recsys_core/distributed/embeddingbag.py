@@ -22,7 +22,15 @@ from recsys_core.distributed.sharded_state import (
     import_tensor,
     shards_by_table,
 )
-from recsys_core.distributed.sharding.common import PooledSharding, ShardedTable, resolve_shards
+from recsys_core.distributed.sharding.common import (
+    ColumnPermutation,
+    PooledSharding,
+    ShardedTable,
+    check_kernel_placement,
+    column_permutation,
+    resolve_shards,
+    select_columns,
+)
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
 from recsys_core.distributed.sharding.row_wise import RwPooledSharding
 from recsys_core.distributed.sharding.table_wise import TwPooledSharding
@@ -85,7 +93,7 @@ class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
         parts: list[Awaitable[torch.Tensor]],
         keys: list[str],
         length_per_key: list[int],
-        columns: torch.Tensor | None,
+        columns: ColumnPermutation | None,
     ) -> None:
         super().__init__()
         self._parts, self._keys, self._lengths, self._columns = parts, keys, length_per_key, columns
@@ -93,8 +101,7 @@ class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
     def _wait_impl(self) -> KeyedTensor:
         outs = [p.wait() for p in self._parts]
         values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        if self._columns is not None:
-            values = values.index_select(1, self._columns.to(values.device))
+        values = select_columns(values, self._columns)
         return KeyedTensor(keys=self._keys, length_per_key=self._lengths, values=values)
 
 
@@ -132,6 +139,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         validate_module_sharding_plan(
             module, EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
         )
+        check_kernel_placement(plan, device)
         self._env, self._device = env, device
         self._is_weighted = module.is_weighted()
         self._embedding_names = [f for c in configs for f in c.feature_names]
@@ -167,16 +175,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._feature_rows = {f: c.num_embeddings for c in configs for f in c.feature_names}
         self._id_limits: dict[tuple[str, ...], torch.Tensor] = {}
         order = [f for s in self._strategies for f in s.output_features]
-        self._columns = None
-        if order != self._embedding_names:
-            dims = dict(zip(self._embedding_names, self._dims, strict=True))
-            start, pos = {}, 0
-            for f in order:
-                start[f], pos = pos, pos + dims[f]
-            self._columns = torch.tensor(
-                [start[f] + d for f in self._embedding_names for d in range(dims[f])],
-                dtype=torch.long,
-            )
+        dims = dict(zip(self._embedding_names, self._dims, strict=True))
+        start, pos = {}, 0
+        for f in order:
+            start[f], pos = pos, pos + dims[f]
+        self._columns = column_permutation(
+            [start[f] + d for f in self._embedding_names for d in range(dims[f])]
+        )
         self._tables = tables
         self._fused_optimizer = self._build_optimizer(optimizer)
         self._register_state_dict_hook(_export_tables)

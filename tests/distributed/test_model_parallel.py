@@ -297,3 +297,17 @@ def test_bad_plan_is_rejected_before_communication() -> None:
     good = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1)}, 2)
     with pytest.raises(ValueError, match=r"no entry for table\(s\) \['y'\]"):
         DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": good}))
+
+
+def test_uvm_kernels_refused_for_cuda_and_exact_on_cpu() -> None:
+    from recsys_core.distributed import EmbeddingComputeKernel
+    from recsys_core.distributed.sharding.common import check_kernel_placement
+
+    ebc = EmbeddingBagCollection(CKPT_TABLES, device="meta")
+    plan = construct_module_sharding_plan(
+        ebc, {"x": table_wise(rank=0, compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING),
+              "y": table_wise(rank=0)}, 1,
+    )
+    check_kernel_placement(plan, torch.device("cpu"))  # host memory either way: accepted
+    with pytest.raises(ValueError, match="'x'.*fused_uvm_caching.*use EmbeddingComputeKernel.FUSED"):
+        check_kernel_placement(plan, torch.device("cuda"))

@@ -25,6 +25,7 @@ from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d, reduce_scatter_dim0
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
 from recsys_core.distributed.sharding.common import (
+    ColumnPermutation,
     LocalKernels,
     ShardedTable,
     Slot,
@@ -89,7 +90,7 @@ class RwPooledSharding:
         ]
         self._columns = self._column_index()
 
-    def _column_index(self) -> torch.Tensor | None:
+    def _column_index(self) -> ColumnPermutation | None:
         """Received blocks come domain by domain (each in feature order); map to output order."""
         start, offset = {}, 0
         for feats in self._domain_features:

@@ -23,6 +23,7 @@ from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
 from recsys_core.distributed.sharding.common import (
+    ColumnPermutation,
     LocalKernels,
     ShardedTable,
     Slot,
@@ -78,7 +79,7 @@ class TwPooledSharding:
         self._dims = [sum(s.shard.cols for s in slots) for slots in self._slots]
         self._columns = self._column_index(tables)
 
-    def _column_index(self, tables: Sequence[ShardedTable]) -> torch.Tensor | None:
+    def _column_index(self, tables: Sequence[ShardedTable]) -> ColumnPermutation | None:
         """Maps received columns (source rank, slot) to output columns (feature, full dim)."""
         start: dict[tuple[str, int, int], int] = {}
         offset = 0
