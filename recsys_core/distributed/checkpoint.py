@@ -22,6 +22,18 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 
+def _checkpoint_state(
+    model: nn.Module, optimizer: Any | None, extra: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The dict DCP writes or fills in place (model and optimizer state are views)."""
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if extra:
+        state["extra"] = dict(extra)
+    return state
+
+
 def save(
     checkpoint_id: str,
     *,
@@ -34,11 +46,7 @@ def save(
 
     ``extra`` holds small picklable values (step counters, config) saved alongside.
     """
-    state: dict[str, Any] = {"model": model.state_dict()}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    if extra:
-        state["extra"] = dict(extra)
+    state = _checkpoint_state(model, optimizer, extra)
     dcp.save(
         state, checkpoint_id=checkpoint_id, process_group=process_group,
         planner=DefaultSavePlanner(flatten_sharded_tensors=False),
@@ -57,11 +65,7 @@ def load(
 
     ``extra`` gives the keys (with default values) to read back; returns the loaded extras.
     """
-    state: dict[str, Any] = {"model": model.state_dict()}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    if extra:
-        state["extra"] = dict(extra)
+    state = _checkpoint_state(model, optimizer, extra)
     dcp.load(
         state, checkpoint_id=checkpoint_id, process_group=process_group,
         planner=DefaultLoadPlanner(flatten_sharded_tensors=False),

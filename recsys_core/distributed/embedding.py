@@ -44,7 +44,7 @@ from recsys_core.kernels.tbe import IdOutOfRangeError
 from recsys_core.modules.embedding_modules import EmbeddingCollection, check_features
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer
-from recsys_core.optim.optimizers import in_backward_optimizer_config
+from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
 _TW_FAMILY = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE)
@@ -260,12 +260,7 @@ class EmbeddingCollectionSharder:
     def optimizer_config(self, module: EmbeddingCollection) -> FusedOptimizerConfig:
         if self._fused is not None:
             return self._fused
-        recorded = [in_backward_optimizer_config(p) for p in module.parameters()]
-        if recorded and all(r is not None for r in recorded):
-            first = recorded[0]
-            assert first is not None
-            return FusedOptimizerConfig.from_torch_optimizer(first[0], first[1])
-        return FusedOptimizerConfig()
+        return recorded_fused_config(module) or FusedOptimizerConfig()
 
     def shard(
         self,

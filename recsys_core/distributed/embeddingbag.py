@@ -47,7 +47,7 @@ from recsys_core.kernels.tbe import IdOutOfRangeError
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer
-from recsys_core.optim.optimizers import in_backward_optimizer_config
+from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
 _TW_FAMILY = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
@@ -340,12 +340,7 @@ class EmbeddingBagCollectionSharder:
     def optimizer_config(self, module: EmbeddingBagCollection) -> FusedOptimizerConfig:
         if self._fused is not None:
             return self._fused
-        recorded = [in_backward_optimizer_config(p) for p in module.parameters()]
-        if recorded and all(r is not None for r in recorded):
-            first = recorded[0]
-            assert first is not None
-            return FusedOptimizerConfig.from_torch_optimizer(first[0], first[1])
-        return FusedOptimizerConfig()
+        return recorded_fused_config(module) or FusedOptimizerConfig()
 
     def shard(
         self,

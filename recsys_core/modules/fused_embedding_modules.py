@@ -28,7 +28,7 @@ from recsys_core.modules.embedding_configs import (
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer
-from recsys_core.optim.optimizers import in_backward_optimizer_config
+from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -37,6 +37,10 @@ def resolve_fused_config(
 ) -> FusedOptimizerConfig:
     """``optimizer_type`` is an EmbOptimType (ours or FBGEMM's; kwargs are fused_params keys such
     as ``learning_rate``) or a torch optimizer class (kwargs as for that class, e.g. ``lr``)."""
+    if isinstance(optimizer_type, FusedOptimizerConfig):
+        if optimizer_kwargs:
+            raise ValueError("pass either a FusedOptimizerConfig or optimizer_kwargs, not both")
+        return optimizer_type
     kwargs = dict(optimizer_kwargs or {})
     if isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
         return FusedOptimizerConfig.from_torch_optimizer(optimizer_type, kwargs)
@@ -147,22 +151,13 @@ class FusedEmbeddingBagCollection(nn.Module):
         ``apply_optimizer_in_backward`` is used (all tables must share it).
         """
         if optimizer_type is None:
-            recorded = {
-                name: in_backward_optimizer_config(p) for name, p in ebc.named_parameters()
-            }
-            missing = [n for n, c in recorded.items() if c is None]
-            if missing or not recorded:
+            recorded = recorded_fused_config(ebc)
+            if recorded is None:
                 raise ValueError(
-                    f"no optimizer given and none recorded on {missing or 'the tables'}; pass "
-                    "optimizer_type or call apply_optimizer_in_backward on every table first"
+                    "no optimizer given and none recorded on the tables; pass optimizer_type or "
+                    "call apply_optimizer_in_backward on every table first"
                 )
-            distinct = {(c[0], tuple(sorted(c[1].items()))) for c in recorded.values()}
-            if len(distinct) > 1:
-                raise ValueError(
-                    "tables carry different in-backward optimizers; a fused collection applies "
-                    "one optimizer to all its tables"
-                )
-            optimizer_type, optimizer_kwargs = next(iter(recorded.values()))
+            optimizer_type, optimizer_kwargs = recorded, None
         fused = cls(
             ebc.embedding_bag_configs(), optimizer_type, optimizer_kwargs,
             is_weighted=ebc.is_weighted(), device=ebc.device, backend=backend,

@@ -8,6 +8,7 @@ from recsys_core.optim.optimizers import (
     apply_optimizer_in_backward,
     in_backward_optimizer_config,
     in_backward_optimizer_filter,
+    recorded_fused_config,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "apply_optimizer_in_backward",
     "in_backward_optimizer_config",
     "in_backward_optimizer_filter",
+    "recorded_fused_config",
 ]

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.distributed.optim import _apply_optimizer_in_backward
 
+from recsys_core.kernels.config import FusedOptimizerConfig
+
 
 def in_backward_optimizer_filter(
     named_params: Iterable[tuple[str, torch.Tensor]], include: bool = False
@@ -39,6 +41,28 @@ def in_backward_optimizer_config(param: torch.Tensor) -> tuple[type, dict[str, A
     if not classes:
         return None
     return classes[0], dict(kwargs[0])
+
+
+def recorded_fused_config(module: torch.nn.Module) -> FusedOptimizerConfig | None:
+    """The fused optimizer recorded on ``module``'s tables by :func:`apply_optimizer_in_backward`,
+    or None when no table has one. All tables must carry the same optimizer."""
+    recorded = {name: in_backward_optimizer_config(p) for name, p in module.named_parameters()}
+    if not recorded or all(c is None for c in recorded.values()):
+        return None
+    missing = [n for n, c in recorded.items() if c is None]
+    if missing:
+        raise ValueError(
+            f"apply_optimizer_in_backward was applied to some tables but not to {missing}; "
+            "apply it to every table (one fused optimizer serves them all)"
+        )
+    distinct = {(c[0], tuple(sorted(c[1].items()))) for c in recorded.values() if c is not None}
+    if len(distinct) > 1:
+        raise ValueError(
+            "tables carry different in-backward optimizers; a fused collection applies one "
+            "optimizer to all its tables"
+        )
+    optimizer_class, kwargs = next(c for c in recorded.values() if c is not None)
+    return FusedOptimizerConfig.from_torch_optimizer(optimizer_class, kwargs)
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
