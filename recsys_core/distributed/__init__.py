@@ -9,7 +9,7 @@ from recsys_core.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
-from recsys_core.distributed.model_parallel import DistributedModelParallel, default_sharding_plan
+from recsys_core.distributed.model_parallel import DistributedModelParallel
 from recsys_core.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -49,7 +49,6 @@ __all__ = [
     "column_wise",
     "construct_module_sharding_plan",
     "data_parallel",
-    "default_sharding_plan",
     "row_wise",
     "table_column_wise",
     "table_row_wise",

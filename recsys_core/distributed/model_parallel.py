@@ -4,8 +4,8 @@
     loss = loss_fn(dmp(batch), labels); loss.backward()   # embedding updates happen here
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer]); optimizer.step()
 
-Without a plan, tables are placed table-wise by a documented default (below); the sharding
-planner replaces it where available.
+Without a plan, ``recsys_core.planner`` plans one (on rank 0, broadcast to all ranks) for the
+topology of ``env`` and ``device``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ from recsys_core.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
-from recsys_core.distributed.sharding_plan import (
-    construct_module_sharding_plan,
-    table_wise,
-)
 from recsys_core.distributed.types import ShardingEnv, ShardingPlan
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.optim.keyed import CombinedOptimizer
@@ -37,38 +33,6 @@ from recsys_core.optim.keyed import CombinedOptimizer
 _SHARDABLE = (EmbeddingBagCollection, EmbeddingCollection)
 _SHARDED = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
 Sharder = EmbeddingBagCollectionSharder | EmbeddingCollectionSharder
-
-
-def _configs(module: nn.Module) -> list:
-    if isinstance(module, EmbeddingBagCollection):
-        return module.embedding_bag_configs()
-    return module.embedding_configs()
-
-
-def default_sharding_plan(
-    module: nn.Module, env: ShardingEnv, device_type: str = "cpu"
-) -> ShardingPlan:
-    """Table-wise placement balancing bytes: tables sorted by size (largest first), each put on
-    the rank with the fewest bytes so far (ties: lowest rank). Deterministic on every rank."""
-    load = [0] * env.world_size
-    plan: dict[str, Any] = {}
-    for path, sub in module.named_modules():
-        if not isinstance(sub, _SHARDABLE):
-            continue
-        configs = sorted(
-            _configs(sub),
-            key=lambda c: (-c.num_embeddings * c.embedding_dim, c.name),
-        )
-        choice = {}
-        for c in configs:
-            rank = min(range(env.world_size), key=lambda r: (load[r], r))
-            load[rank] += c.num_embeddings * c.embedding_dim
-            choice[c.name] = table_wise(rank=rank)
-        ordered = {c.name: choice[c.name] for c in _configs(sub)}
-        plan[path] = construct_module_sharding_plan(
-            sub, ordered, env.world_size, env.local_world_size, device_type
-        )
-    return ShardingPlan(plan)
 
 
 class DistributedModelParallel(nn.Module):
@@ -80,7 +44,7 @@ class DistributedModelParallel(nn.Module):
             dense meta parameters are materialized and reset on ``device``).
         env: ranks to shard over; default: the default process group (or a single rank).
         device: where shards and dense parameters live.
-        plan: a ShardingPlan keyed by module path; default: :func:`default_sharding_plan`.
+        plan: a ShardingPlan keyed by module path; default: the planner's plan for ``env``.
         sharders: default ``[EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]``.
         init_data_parallel: wrap the dense parameters in DistributedDataParallel.
     """
@@ -106,7 +70,12 @@ class DistributedModelParallel(nn.Module):
         self._sharders = list(
             sharders or [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
         )
-        self._plan = plan if plan is not None else default_sharding_plan(module, env, self._device.type)
+        if plan is None:
+            # imported here: the planner builds on recsys_core.distributed (import cycle)
+            from recsys_core.planner.planner import plan_for_env
+
+            plan = plan_for_env(module, env, self._sharders, self._device.type)
+        self._plan = plan
         self._sharded_paths: list[str] = []
         module = self._shard(module)
         self._materialize_dense(module)

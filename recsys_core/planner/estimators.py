@@ -1,0 +1,194 @@
+"""Storage and cost of a candidate layout, per shard. Every constant of the model is here.
+
+A shard of ``rows x cols`` of a table serves a share of the ids of the WHOLE global batch
+(table-, column- and row-wise) or of its own rank's batch (data-parallel). Per training step:
+
+storage (bytes)
+    weights          rows * cols * bytes(data_type)
+    optimizer state  rows * state bytes per row (from the fused optimizer: e.g. 4 for
+                     EXACT_ROWWISE_ADAGRAD, 4 * cols for EXACT_ADAGRAD, 8 * cols for ADAM)
+    buffers          received ids (+ weights) and lengths, pooled outputs and their gradients
+                     (data-parallel: plus a dense gradient of the table)
+    cache            FUSED_UVM_CACHING: load_factor * rows cache slots in HBM; weights and
+                     optimizer state stay in host memory (UVM)
+
+    CUDA FUSED keeps everything in HBM; FUSED_UVM keeps weights and state in host memory; on a
+    CPU topology everything is host memory (DDR).
+
+cost (ms)
+    lookup     (row reads + output writes) / memory bandwidth; backward =
+               BWD_COMPUTE_MULTIPLIER x forward, plus the fused optimizer reading and writing
+               each distinct touched row and its state once (``rows * (1 - exp(-ids / rows))``
+               distinct rows for uniform ids), plus NS_PER_UPDATED_ROW per distinct row
+    input      ids (+ weights) and lengths received, over the link each source rank uses
+    output     pooled rows sent to every rank (reduce-scattered for row splits), and the same
+               bytes again for their gradients in backward (BWD_COMM_MULTIPLIER)
+    DP         no input/output all-to-all; an all-reduce of the whole table's gradient and a
+               dense optimizer update instead (an upper bound: hence DP only for small tables)
+    + SHARD_OVERHEAD_MS per shard
+
+    Caching: a hit reads HBM, a miss host memory; the expected hit rate is the load factor (as if
+    ids were uniform: real traffic is skewed, so this over-estimates misses).
+
+Bandwidths are the topology's, "per rank". Sources ids are spread evenly over ranks: a share
+``(local - 1) / world`` arrives over the intra-host link, ``(world - local) / world`` over the
+inter-host link, and the rank's own share is free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recsys_core.distributed.types import EmbeddingComputeKernel, ShardingType
+from recsys_core.kernels.config import EmbOptimType
+from recsys_core.modules.embedding_configs import DATA_TYPE_BITS
+from recsys_core.planner.types import GIB, Placement, ShardingOption, TableSpec, Topology
+
+# ---- Model constants ----------------------------------------------------------------------------
+ID_BYTES = 8  # ids travel as int64 (the KJT values the sharded modules send)
+LENGTH_BYTES = 8  # one int64 length per bag
+ID_WEIGHT_BYTES = 4  # fp32 per-id weight of weighted features
+OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32
+STATE_BYTES = 4  # fused optimizer state is fp32
+# TorchRec's BWD_COMPUTE_MULTIPLIER: backward scatters gradients and the fused optimizer
+# read-modify-writes every touched row, about twice the forward's memory traffic.
+BWD_COMPUTE_MULTIPLIER = 2.0
+BWD_COMM_MULTIPLIER = 1.0  # output gradients retrace the forward output all-to-all, same bytes
+# Fixed ns per distinct row the backward updates, on top of its bytes. GPU kernels are
+# bandwidth-bound (TorchRec models only bytes). FBGEMM-CPU 1.8's backward (sort ids, aggregate
+# per row, fused optimizer) costs ~0.5 us per distinct row on the 2-vCPU development VM: a
+# least-squares fit over 13 tables (1e2..1e7 rows, dims 32..256, 2k..41k ids) gave 480 ns, and
+# with 500 ns and DDR at 51 GB/s every estimate is within 0.74x..1.3x of the measured step;
+# bench/planner.py re-measures.
+NS_PER_UPDATED_ROW = {"cuda": 0.0, "cpu": 500.0}
+# Per shard per step: kernel launches and bookkeeping of one more table in a batched kernel
+# (measured ~5 us per extra table on the development VM; a CUDA launch pair is similar).
+SHARD_OVERHEAD_MS = 0.005
+CACHE_SLOT_OVERHEAD_BYTES = 16  # FBGEMM cache: int64 slot -> row index + int64 LRU/LFU state
+DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default cache_load_factor
+MIN_CACHE_LOAD_FACTOR = 0.01  # below this a cache barely hits: plain FUSED_UVM instead
+MAX_CACHE_LOAD_FACTOR = 1.0
+# Data-parallel replicates a table on every rank and all-reduces its gradient each step; the
+# planner proposes it (unless constraints ask for it) only for tables at most this large.
+DATA_PARALLEL_MAX_BYTES = 1024**2
+DEFAULT_MIN_PARTITION = 32  # narrowest column-wise shard: narrower rows waste SIMD/warps
+DEFAULT_STORAGE_RESERVATION = 0.15  # of each rank's memory: dense parameters, activations
+DEFAULT_OPTIMIZER = EmbOptimType.EXACT_ROWWISE_ADAGRAD  # when the sharder names none
+
+ROW_SPLITS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+
+def state_bytes_per_row(optimizer: EmbOptimType, cols: np.ndarray | float) -> np.ndarray:
+    """Optimizer-state bytes of one row of ``cols`` columns (fp32 state)."""
+    total = np.zeros_like(np.asarray(cols, dtype=np.float64))
+    for name in optimizer.state_names:
+        total = total + (STATE_BYTES if optimizer.state_is_rowwise(name) else STATE_BYTES * cols)
+    return total
+
+
+def estimate_option(
+    table: TableSpec,
+    sharding_type: ShardingType,
+    kernel: EmbeddingComputeKernel,
+    placement: Placement,
+    shard_rows: np.ndarray,
+    shard_cols: np.ndarray,
+    topology: Topology,
+) -> ShardingOption:
+    """Per-shard storage and cost of ``table`` split into shards of ``shard_rows x shard_cols``."""
+    config = table.config
+    world, local = topology.world_size, topology.local_size
+    rows = np.asarray(shard_rows, dtype=np.float64)
+    cols = np.asarray(shard_cols, dtype=np.float64)
+    elem = DATA_TYPE_BITS[config.data_type] / 8
+    dp = sharding_type is ShardingType.DATA_PARALLEL
+    scale = 1 if dp else world  # a sharded table serves every rank's batch
+    share = rows / config.num_embeddings if sharding_type in ROW_SPLITS else np.ones_like(rows)
+    ids = table.ids_per_batch * scale * share
+    bags = np.full_like(rows, table.bags_per_batch * scale)
+    out_rows = bags if table.pooled else ids  # sequence tables return one row per id
+    id_bytes = ID_BYTES + (ID_WEIGHT_BYTES if table.is_weighted else 0)
+
+    # ---- storage
+    weights = rows * cols * elem
+    state = rows * state_bytes_per_row(table.optimizer, cols)
+    out_bytes = out_rows * cols * OUTPUT_BYTES
+    buffers = 2 * out_bytes + (rows * cols * OUTPUT_BYTES if dp else ids * id_bytes + bags * LENGTH_BYTES)
+
+    # ---- compute: table-memory and compute-device traffic, forward + backward
+    state_row = state_bytes_per_row(table.optimizer, cols)
+    with np.errstate(divide="ignore", invalid="ignore"):  # empty row shards touch no rows
+        unique = np.where(rows > 0, rows * -np.expm1(-ids / rows), 0.0)
+    updated = rows if dp else unique  # data-parallel updates its whole replica (dense gradient)
+    table_bytes = (
+        ids * cols * elem * (1 + BWD_COMPUTE_MULTIPLIER)
+        + updated * (cols * elem + state_row) * 2  # optimizer: read and write row and state
+    )
+    local_bytes = out_bytes * (1 + BWD_COMPUTE_MULTIPLIER)
+    compute_bw = topology.hbm_mem_bw if topology.is_cuda else topology.ddr_mem_bw
+    table_bw = {
+        EmbeddingComputeKernel.FUSED: compute_bw,
+        EmbeddingComputeKernel.FUSED_UVM: topology.ddr_mem_bw,
+        EmbeddingComputeKernel.FUSED_UVM_CACHING: topology.hbm_mem_bw,  # all hits; misses below
+    }[kernel]
+    row_s = NS_PER_UPDATED_ROW[topology.compute_device] * 1e-9
+    compute_s = updated * row_s + table_bytes / table_bw + local_bytes / compute_bw
+
+    # ---- communication
+    intra = topology.intra_host_bw
+    inter = topology.inter_host_bw
+    spread_s = ((local - 1) / world) / intra + ((world - local) / world) / inter  # per byte
+    if dp:
+        link = inter if topology.num_hosts > 1 else intra
+        comm_s = 2 * (world - 1) / world * rows * cols * OUTPUT_BYTES / link
+    else:
+        in_s = (ids * id_bytes + bags * LENGTH_BYTES) * spread_s
+        if sharding_type is ShardingType.TABLE_ROW_WISE:
+            # reduce-scatter inside the host, then each rank forwards its 1/local of the sums
+            out_s = out_bytes * (((local - 1) / local) / intra + ((world - local) / (world * local)) / inter)
+        else:
+            out_s = out_bytes * spread_s
+        comm_s = in_s + out_s * (1 + BWD_COMM_MULTIPLIER)
+
+    cost = (compute_s + comm_s) * 1e3 + SHARD_OVERHEAD_MS
+    zeros = np.zeros_like(rows)
+    if not topology.is_cuda:
+        hbm, ddr = zeros, weights + state + buffers
+    elif kernel is EmbeddingComputeKernel.FUSED:
+        hbm, ddr = weights + state + buffers, zeros
+    else:
+        hbm, ddr = buffers, weights + state
+    cache_hbm, miss_cost, load_factor = zeros, zeros, None
+    if kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
+        params = table.constraints.cache_params
+        precision = config.data_type if params is None or params.precision is None else params.precision
+        cache_elem = DATA_TYPE_BITS[precision] / 8
+        cache_hbm = rows * (cols * cache_elem + CACHE_SLOT_OVERHEAD_BYTES)
+        miss_cost = table_bytes * (1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw) * 1e3
+        if params is not None:
+            load_factor = params.load_factor
+            if params.reserved_memory:
+                hbm = hbm + params.reserved_memory * GIB
+    return ShardingOption(
+        table=table,
+        sharding_type=sharding_type,
+        compute_kernel=kernel,
+        placement=placement,
+        shard_rows=np.asarray(shard_rows, dtype=np.int64),
+        shard_cols=np.asarray(shard_cols, dtype=np.int64),
+        hbm=hbm,
+        ddr=ddr,
+        cost=cost,
+        cache_hbm=cache_hbm,
+        miss_cost=miss_cost,
+        load_factor=load_factor,
+    )
+
+
+def storage_bytes(option: ShardingOption, load_factor: float | None = None) -> float:
+    """Total bytes (HBM + host) of all shards of ``option`` (cache at ``load_factor``)."""
+    total = float(option.hbm.sum() + option.ddr.sum())
+    if option.is_caching:
+        lf = load_factor if load_factor is not None else (option.load_factor or MIN_CACHE_LOAD_FACTOR)
+        total += lf * float(option.cache_hbm.sum())
+    return total

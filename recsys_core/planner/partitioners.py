@@ -1,0 +1,363 @@
+"""Choose one candidate per table and place its shards: minimise the largest rank cost within
+every rank's memory.
+
+1. Greedy, largest first (by the cheapest candidate's cost, then storage, then name): each table
+   takes the candidate and placement with the lowest ``max(resulting max rank cost, lower bound
+   of the final mean)``, where the lower bound adds the cheapest cost of every table still to
+   place. Early on, when the mean dominates, cheap layouts (table-wise) win; a table whose
+   cost would stick out above the mean is split instead. Kernels go in tiers: FUSED wherever
+   any candidate fits in HBM, else FUSED_UVM_CACHING (cache sized to the free HBM), else
+   FUSED_UVM.
+2. Local search from the most loaded rank: re-choose the candidate (and placement) of each table
+   on it, or swap one of its table-wise shards with a smaller one elsewhere; accept a move only
+   if it lowers ``(max rank cost, sum of squared rank costs)``, so the plan kept is the best seen.
+3. Caches grow into the HBM left free (up to every row), largest miss cost first.
+
+Placement is vectorised over ranks (and hosts) with numpy, so a table costs a few array passes
+per candidate. Ties go to the lower rank, host and candidate index: plans are deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from recsys_core.distributed.types import EmbeddingComputeKernel
+from recsys_core.planner.estimators import (
+    DEFAULT_CACHE_LOAD_FACTOR,
+    MAX_CACHE_LOAD_FACTOR,
+    MIN_CACHE_LOAD_FACTOR,
+    storage_bytes,
+)
+from recsys_core.planner.types import Placement, ShardingOption, Topology
+
+TableKey = tuple[str, str]  # (module path, table name)
+_TIERS = {
+    EmbeddingComputeKernel.FUSED: 0,
+    EmbeddingComputeKernel.FUSED_UVM_CACHING: 1,
+    EmbeddingComputeKernel.FUSED_UVM: 2,
+}
+_REL_EPS = 1e-9  # relative tolerance when comparing float costs (a move must really improve)
+
+
+@dataclass(frozen=True, eq=False)
+class Assignment:
+    """A chosen candidate of one table with the rank of each shard."""
+
+    option: ShardingOption
+    ranks: np.ndarray
+    """Rank of each shard (int array)."""
+    load_factor: float | None
+    """Cache load factor (FUSED_UVM_CACHING only)."""
+    cost: np.ndarray
+    """Estimated ms of each shard at this load factor."""
+    hbm: np.ndarray
+    """HBM bytes of each shard, cache included."""
+    ddr: np.ndarray
+    """Host-memory bytes of each shard."""
+
+    def host_index(self, local_size: int) -> int:
+        return int(self.ranks[0]) // local_size
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The partitioner's result: an assignment per table and the per-rank totals."""
+
+    assignments: dict[TableKey, Assignment]
+    rank_cost: np.ndarray
+    rank_hbm: np.ndarray
+    rank_ddr: np.ndarray
+
+
+class _State:
+    """Per-rank load and free memory while tables are being placed, with two indexes for the
+    local search: the tables on each rank, and the table-wise shards as arrays (for swaps)."""
+
+    def __init__(
+        self, topology: Topology, hbm_budget: float, ddr_budget: float, capacity: int
+    ) -> None:
+        world = topology.world_size
+        self.hosts, self.local = topology.num_hosts, topology.local_size
+        self.cost = np.zeros(world)
+        self.hbm_free = np.full(world, float(hbm_budget))
+        self.ddr_free = np.full(world, float(ddr_budget))
+        self.assignments: dict[TableKey, Assignment] = {}
+        self.on_rank: list[dict[TableKey, None]] = [{} for _ in range(world)]
+        # one slot per swappable (single-shard, uncached) assignment; rank -1 marks a free slot
+        self.slot_of: dict[TableKey, int] = {}
+        self.slot_key: list[TableKey | None] = [None] * capacity
+        self.slot_rank = np.full(capacity, -1)
+        self.slot_cost = np.zeros(capacity)
+        self.slot_hbm = np.zeros(capacity)
+        self.slot_ddr = np.zeros(capacity)
+        self._free_slots = list(range(capacity - 1, -1, -1))
+
+    def add(self, key: TableKey, a: Assignment) -> None:
+        self.assignments[key] = a
+        np.add.at(self.cost, a.ranks, a.cost)
+        np.subtract.at(self.hbm_free, a.ranks, a.hbm)
+        np.subtract.at(self.ddr_free, a.ranks, a.ddr)
+        for rank in a.ranks.tolist():
+            self.on_rank[rank][key] = None
+        if a.option.placement is Placement.ANY_RANKS and len(a.ranks) == 1 and not a.option.is_caching:
+            slot = self._free_slots.pop()
+            self.slot_of[key] = slot
+            self.slot_key[slot] = key
+            self.slot_rank[slot] = int(a.ranks[0])
+            self.slot_cost[slot], self.slot_hbm[slot], self.slot_ddr[slot] = a.cost[0], a.hbm[0], a.ddr[0]
+
+    def remove(self, key: TableKey) -> Assignment:
+        a = self.assignments.pop(key)
+        np.subtract.at(self.cost, a.ranks, a.cost)
+        np.add.at(self.hbm_free, a.ranks, a.hbm)
+        np.add.at(self.ddr_free, a.ranks, a.ddr)
+        for rank in a.ranks.tolist():
+            self.on_rank[rank].pop(key, None)
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            self.slot_key[slot] = None
+            self.slot_rank[slot] = -1
+            self._free_slots.append(slot)
+        return a
+
+    def score(self) -> tuple[float, float]:
+        return float(self.cost.max()), float(np.dot(self.cost, self.cost))
+
+
+def _cache_load_factors(
+    slot: np.ndarray, load_factor: float | None, room: np.ndarray
+) -> np.ndarray:
+    """Load factor each placement could give its cache (0 where it cannot have one).
+
+    ``room`` is free HBM after the shards' own buffers, shaped ``[placements, shards]``, and
+    ``slot`` the HBM of each shard's cache at load factor 1. A table has one load factor, so a
+    placement gets the smallest its shards allow."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fits = np.where(slot > 0, room / slot, np.inf).min(axis=1)
+    fits = np.where((room >= 0).all(axis=1), fits, 0.0)
+    if load_factor is not None:  # the constraint's factor, exactly, or not at all
+        return np.where(fits >= load_factor, load_factor, 0.0)
+    return np.minimum(fits, DEFAULT_CACHE_LOAD_FACTOR)
+
+
+def _place(option: ShardingOption, st: _State) -> Assignment | None:
+    """The placement of ``option`` with the lowest resulting load on its ranks, if any fits."""
+    k = option.num_shards
+    if option.placement is Placement.ANY_RANKS:
+        # k identical shards on k distinct ranks: the k least loaded that fit
+        cost, hbm, ddr = st.cost[:, None], st.hbm_free[:, None], st.ddr_free[:, None]
+        fixed, slot = option.hbm[:1], option.cache_hbm[:1]
+        ok = st.ddr_free >= option.ddr[0]
+        shard_cost, shard_miss = option.cost[:1], option.miss_cost[:1]
+    else:
+        shape = (st.hosts, st.local) if option.placement is Placement.ANY_HOST else (1, k)
+        cost = st.cost.reshape(shape)[:, :k]
+        hbm = st.hbm_free.reshape(shape)[:, :k]
+        ddr = st.ddr_free.reshape(shape)[:, :k]
+        fixed, slot = option.hbm, option.cache_hbm
+        ok = (ddr >= option.ddr).all(axis=1)
+        shard_cost, shard_miss = option.cost, option.miss_cost
+    lf = None
+    if option.is_caching:
+        lf = _cache_load_factors(slot, option.load_factor, hbm - fixed)
+        ok &= lf >= MIN_CACHE_LOAD_FACTOR
+        load = cost + shard_cost + (1.0 - lf[:, None]) * shard_miss
+    else:
+        ok &= (hbm >= fixed).all(axis=1)
+        load = cost + shard_cost
+    worst = np.where(ok, load.max(axis=1), np.inf)
+    if option.placement is Placement.ANY_RANKS:
+        if k == 1:
+            chosen = np.array([int(np.argmin(worst))])
+        else:
+            chosen = np.argsort(worst, kind="stable")[:k]
+        if len(chosen) < k or not np.isfinite(worst[chosen]).all():
+            return None
+        ranks = chosen
+    else:
+        group = int(np.argmin(worst))
+        if not np.isfinite(worst[group]):
+            return None
+        chosen = np.array([group])
+        base = group * st.local if option.placement is Placement.ANY_HOST else 0
+        ranks = base + np.arange(k)
+    factor = None
+    shard_hbm = option.hbm
+    shard_costs = option.cost
+    if option.is_caching:
+        assert lf is not None
+        factor = float(lf[chosen].min())
+        shard_hbm = option.hbm + factor * option.cache_hbm
+        shard_costs = option.cost + (1.0 - factor) * option.miss_cost
+    return Assignment(option, ranks, factor, shard_costs, shard_hbm, option.ddr)
+
+
+class GreedyPartitioner:
+    """Greedy largest-first placement, local search, cache growth (see the module docstring)."""
+
+    def __init__(self, topology: Topology, hbm_budget: float, ddr_budget: float) -> None:
+        self._topology = topology
+        self._hbm_budget = hbm_budget
+        self._ddr_budget = ddr_budget
+
+    def partition(
+        self, options: dict[TableKey, Sequence[ShardingOption]], max_moves: int | None = None
+    ) -> tuple[Partition, TableKey | None]:
+        """Place every table: ``(partition, None)``; or, when a table fits nowhere, the tables
+        placed before it and its key (the state an error message should describe)."""
+        st = _State(self._topology, self._hbm_budget, self._ddr_budget, len(options))
+        tiers = {key: _by_tier(opts) for key, opts in options.items()}
+        cheapest = {
+            key: min(o.total_cost(DEFAULT_CACHE_LOAD_FACTOR) for o in t[0]) for key, t in tiers.items()
+        }
+        size = {key: min(storage_bytes(o) for o in opts) for key, opts in options.items()}
+        order = sorted(options, key=lambda key: (-cheapest[key], -size[key], key))
+        rest = sum(cheapest.values())
+        for key in order:
+            rest -= cheapest[key]
+            choice = self._choose(tiers[key], st, rest)
+            if choice is None:
+                return self._result(options, st), key
+            st.add(key, choice)
+        self._local_search(tiers, st, max_moves if max_moves is not None else 4 * len(options) + 64)
+        self._grow_caches(st)
+        return self._result(options, st), None
+
+    def _result(self, options: dict[TableKey, Sequence[ShardingOption]], st: _State) -> Partition:
+        ordered = {key: st.assignments[key] for key in options if key in st.assignments}
+        return Partition(
+            ordered, st.cost.copy(), self._hbm_budget - st.hbm_free, self._ddr_budget - st.ddr_free
+        )
+
+    def _choose(
+        self, tiers: list[list[ShardingOption]], st: _State, rest: float
+    ) -> Assignment | None:
+        world = self._topology.world_size
+        current_max = float(st.cost.max())
+        current_total = float(st.cost.sum())
+        for options in tiers:
+            best, best_key = None, None
+            for index, option in enumerate(options):
+                a = _place(option, st)
+                if a is None:
+                    continue
+                loads = st.cost[a.ranks] + a.cost
+                new_max = max(current_max, float(loads.max()))
+                total = float(a.cost.sum())
+                bound = max(new_max, (current_total + total + rest) / world)
+                key = (bound, new_max, total, index)
+                if best_key is None or key < best_key:
+                    best, best_key = a, key
+            if best is not None:
+                return best
+        return None
+
+    def _local_search(
+        self, tiers: dict[TableKey, list[list[ShardingOption]]], st: _State, limit: int
+    ) -> None:
+        for _ in range(limit):
+            rank = int(np.argmax(st.cost))
+            # swaps first: one vectorised pass over all table-wise shards is cheap
+            if not (self._swap_from(rank, st) or self._move_from(rank, tiers, st)):
+                return
+
+    def _move_from(
+        self, rank: int, tiers: dict[TableKey, list[list[ShardingOption]]], st: _State
+    ) -> bool:
+        """Re-choose the candidate of a table on ``rank``; True if that improved the plan."""
+        before = st.score()
+        on_rank = []
+        for key in st.on_rank[rank]:
+            a = st.assignments[key]
+            on_rank.append((-float(a.cost[a.ranks == rank].sum()), key))
+        for _, key in sorted(on_rank):
+            old = st.remove(key)
+            new = self._choose(tiers[key], st, 0.0)
+            if new is not None:
+                st.add(key, new)
+                if _better(st.score(), before):
+                    return True
+                st.remove(key)
+            st.add(key, old)
+        return False
+
+    def _swap_from(self, rank: int, st: _State) -> bool:
+        """Swap a table-wise shard on ``rank`` with a cheaper one elsewhere, if that helps."""
+        mine = np.flatnonzero(st.slot_rank == rank)
+        others = (st.slot_rank >= 0) & (st.slot_rank != rank)
+        if not len(mine) or not others.any():
+            return False
+        o_rank = np.where(others, st.slot_rank, 0)
+        before = st.score()
+        top = before[0]
+        order = sorted(mine.tolist(), key=lambda slot: (-st.slot_cost[slot], st.slot_key[slot]))
+        for slot in order:
+            c, h, d = st.slot_cost[slot], st.slot_hbm[slot], st.slot_ddr[slot]
+            here = top - c + st.slot_cost
+            there = st.cost[o_rank] - st.slot_cost + c
+            fits = (
+                others & (st.slot_cost < c)
+                & (st.hbm_free[rank] + h - st.slot_hbm >= 0)
+                & (st.ddr_free[rank] + d - st.slot_ddr >= 0)
+                & (st.hbm_free[o_rank] + st.slot_hbm - h >= 0)
+                & (st.ddr_free[o_rank] + st.slot_ddr - d >= 0)
+            )
+            pair_max = np.where(fits, np.maximum(here, there), np.inf)
+            j = int(np.argmin(pair_max))
+            if not pair_max[j] < top * (1 - _REL_EPS):
+                continue
+            key, other_key = st.slot_key[slot], st.slot_key[j]
+            assert key is not None and other_key is not None
+            a, b = st.remove(key), st.remove(other_key)
+            st.add(key, _moved(a, int(b.ranks[0])))
+            st.add(other_key, _moved(b, rank))
+            if _better(st.score(), before):
+                return True
+            st.remove(key)
+            st.remove(other_key)
+            st.add(key, a)
+            st.add(other_key, b)
+        return False
+
+    def _grow_caches(self, st: _State) -> None:
+        caching = [
+            (-float(a.option.miss_cost.sum()), key)
+            for key, a in st.assignments.items()
+            if a.option.is_caching and a.option.load_factor is None
+        ]
+        for _, key in sorted(caching):
+            old = st.remove(key)
+            option = old.option
+            room = st.hbm_free[old.ranks] - option.hbm
+            slot = option.cache_hbm
+            with np.errstate(divide="ignore", invalid="ignore"):
+                factor = float(np.where(slot > 0, room / slot, np.inf).min())
+            factor = min(MAX_CACHE_LOAD_FACTOR, factor)
+            assert old.load_factor is not None
+            if factor <= old.load_factor:
+                st.add(key, old)
+                continue
+            st.add(key, Assignment(
+                option, old.ranks, factor, option.cost + (1.0 - factor) * option.miss_cost,
+                option.hbm + factor * slot, option.ddr,
+            ))
+
+
+def _by_tier(options: Sequence[ShardingOption]) -> list[list[ShardingOption]]:
+    tiers: dict[int, list[ShardingOption]] = {}
+    for option in options:
+        tiers.setdefault(_TIERS[option.compute_kernel], []).append(option)
+    return [tiers[t] for t in sorted(tiers)]
+
+
+def _moved(a: Assignment, rank: int) -> Assignment:
+    return Assignment(a.option, np.array([rank]), a.load_factor, a.cost, a.hbm, a.ddr)
+
+
+def _better(new: tuple[float, float], old: tuple[float, float]) -> bool:
+    if new[0] < old[0] * (1 - _REL_EPS):
+        return True
+    return new[0] <= old[0] * (1 + _REL_EPS) and new[1] < old[1] * (1 - _REL_EPS)

@@ -1,0 +1,407 @@
+"""``EmbeddingShardingPlanner``: tables + Topology + constraints -> ShardingPlan.
+
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"))
+    plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], pg)  # or .plan()
+    print(plan)      # TorchRec's two tables
+    print(planner)   # per rank: estimated HBM, DDR, cost and share of the total
+
+Planning is pure: ``plan()`` needs no process group. ``collective_plan()`` plans on rank 0 and
+broadcasts the plan's JSON, so every rank shards with the identical plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recsys_core.distributed.sharding_plan import (
+    ParameterShardingGenerator,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+from recsys_core.distributed.types import (
+    EmbeddingComputeKernel,
+    ShardingEnv,
+    ShardingPlan,
+    ShardingType,
+)
+from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recsys_core.planner.enumerators import enumerate_options
+from recsys_core.planner.estimators import (
+    DEFAULT_OPTIMIZER,
+    DEFAULT_STORAGE_RESERVATION,
+    MIN_CACHE_LOAD_FACTOR,
+    storage_bytes,
+)
+from recsys_core.planner.partitioners import Assignment, GreedyPartitioner, Partition, TableKey
+from recsys_core.planner.stats import PlanStats
+from recsys_core.planner.types import (
+    GIB,
+    CacheParams,
+    ParameterConstraints,
+    PlannerError,
+    Sharder,
+    ShardingOption,
+    TableSpec,
+    Topology,
+)
+
+
+class EmbeddingShardingPlanner:
+    """Plans how every embedding collection of a model is sharded.
+
+    Args:
+        topology: ranks, memory and bandwidths (default: ``Topology.default(world_size)`` with
+            the process group's size, CUDA when available).
+        batch_size: samples per rank per step (sets input/output traffic and buffers).
+        constraints: ``{table name: ParameterConstraints}``.
+        storage_reservation: fraction of each rank's HBM and DDR kept free for dense parameters,
+            activations and allocator slack (default 0.15).
+        debug: print the per-rank summary after each plan.
+    """
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        batch_size: int = 512,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+        storage_reservation: float | None = None,
+        debug: bool = False,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"EmbeddingShardingPlanner: batch_size must be an int >= 1, got {batch_size!r}")
+        reservation = DEFAULT_STORAGE_RESERVATION if storage_reservation is None else storage_reservation
+        if not 0.0 <= reservation < 1.0:
+            raise ValueError(
+                f"EmbeddingShardingPlanner: storage_reservation {reservation} must be in [0, 1) "
+                "(the fraction of memory kept for dense parameters and activations)"
+            )
+        constraints = dict(constraints or {})
+        for name, value in constraints.items():
+            if not isinstance(value, ParameterConstraints):
+                raise ValueError(
+                    f"EmbeddingShardingPlanner: constraints[{name!r}] is a "
+                    f"{type(value).__name__}; give a ParameterConstraints"
+                )
+        self._topology = topology
+        self._batch_size = batch_size
+        self._constraints = constraints
+        self._reservation = reservation
+        self._debug = debug
+        self._stats: PlanStats | None = None
+
+    # ---- API ------------------------------------------------------------------------------------
+    def plan(self, module: nn.Module, sharders: Sequence[Sharder]) -> ShardingPlan:
+        """Plan every collection of ``module`` that one of ``sharders`` handles (no process group)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return self._plan(module, sharders, self._topology or Topology.default(world))
+
+    def collective_plan(
+        self, module: nn.Module, sharders: Sequence[Sharder], pg: dist.ProcessGroup | None = None
+    ) -> ShardingPlan:
+        """Rank 0 plans and broadcasts the plan; every rank returns the identical plan.
+
+        A planning error on rank 0 is raised on every rank (no rank is left waiting)."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "collective_plan needs an initialized process group; call "
+                "torch.distributed.init_process_group first, or use plan() on one process"
+            )
+        pg = pg if pg is not None else dist.group.WORLD
+        world = dist.get_world_size(pg)
+        topology = self._topology or Topology.default(world)
+        if topology.world_size != world:
+            raise PlannerError(
+                f"collective_plan: the topology has world_size {topology.world_size} but the "
+                f"process group has {world} ranks; plan for the group's size"
+            )
+        payload: list[object] = [None]
+        failure: BaseException | None = None
+        if dist.get_rank(pg) == 0:
+            try:
+                plan = self._plan(module, sharders, topology)
+                payload = [("ok", plan.to_json(), self._stats)]
+            except Exception as exc:  # every rank must leave the broadcast, then raise
+                failure = exc
+                payload = [("error", f"{type(exc).__name__} on rank 0: {exc}", None)]
+        dist.broadcast_object_list(payload, group=pg, group_src=0)
+        status, text, stats = payload[0]  # type: ignore[misc]
+        if failure is not None:
+            raise failure
+        if status == "error":
+            raise PlannerError(text)
+        self._stats = stats
+        return ShardingPlan.from_json(text)
+
+    @property
+    def stats(self) -> PlanStats | None:
+        """Per-rank estimates of the last plan (None before the first)."""
+        return self._stats
+
+    def stats_str(self) -> str:
+        if self._stats is None:
+            return "EmbeddingShardingPlanner: no plan yet (call plan() or collective_plan())"
+        return str(self._stats)
+
+    def __str__(self) -> str:
+        return self.stats_str()
+
+    # ---- planning -------------------------------------------------------------------------------
+    def _plan(self, module: nn.Module, sharders: Sequence[Sharder], topology: Topology) -> ShardingPlan:
+        start = time.perf_counter()
+        collections = _collections(module, sharders)
+        tables = self._table_specs(collections)
+        options = {
+            spec.key: enumerate_options(spec, collections[spec.path][1], topology)
+            for spec in tables
+        }
+        hbm_budget = topology.hbm_per_rank * (1.0 - self._reservation)
+        ddr_budget = topology.ddr_per_rank * (1.0 - self._reservation)
+        specs = {spec.key: spec for spec in tables}
+        _check_total(specs, options, topology, hbm_budget, ddr_budget, self._reservation)
+        partition, failed = GreedyPartitioner(topology, hbm_budget, ddr_budget).partition(options)
+        if failed is not None:
+            raise _no_fit_error(
+                specs, options, failed, partition, topology, hbm_budget, ddr_budget, self._reservation
+            )
+        plan = _build_plan(collections, partition, topology)
+        self._stats = PlanStats.from_partition(
+            partition, topology, hbm_budget, ddr_budget, self._batch_size,
+            time.perf_counter() - start,
+        )
+        if self._debug:
+            print(plan)
+            print(self._stats)
+        return plan
+
+    def _table_specs(
+        self, collections: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]]
+    ) -> list[TableSpec]:
+        names = sorted({c.name for _, _, configs in collections.values() for c in configs})
+        unknown = sorted(set(self._constraints) - set(names))
+        if unknown:
+            raise PlannerError(
+                f"constraints name tables {unknown} that no planned collection has (its tables: "
+                f"{names}); key constraints by table name"
+            )
+        specs = []
+        for path, (sub, sharder, configs) in collections.items():
+            optimizer_config = getattr(sharder, "optimizer_config", None)
+            optimizer = optimizer_config(sub).optimizer if callable(optimizer_config) else DEFAULT_OPTIMIZER
+            weighted = bool(getattr(sub, "is_weighted", lambda: False)())
+            for config in configs:
+                constraints = self._constraints.get(config.name, ParameterConstraints())
+                ids, bags = self._traffic(config, constraints)
+                specs.append(TableSpec(
+                    path=path, config=config, pooled=isinstance(sub, EmbeddingBagCollection),
+                    optimizer=optimizer.canonical, constraints=constraints, ids_per_batch=ids,
+                    bags_per_batch=bags, is_weighted=weighted or constraints.is_weighted,
+                ))
+        return specs
+
+    def _traffic(self, config: BaseEmbeddingConfig, c: ParameterConstraints) -> tuple[float, float]:
+        """(ids, bags) one rank's batch sends to ``config``'s table per step."""
+        features = config.feature_names
+
+        def per_feature(values: Sequence[float] | None, default: float, what: str) -> list[float]:
+            if values is None:
+                return [default] * len(features)
+            if len(values) == 1:
+                return [float(values[0])] * len(features)
+            if len(values) != len(features):
+                raise PlannerError(
+                    f"table {config.name!r}: constraints give {len(values)} {what} but the table "
+                    f"has {len(features)} features {features}; give one value per feature or one "
+                    "for all"
+                )
+            return [float(v) for v in values]
+
+        pooling = per_feature(c.pooling_factors, 1.0, "pooling_factors")
+        poolings = per_feature(c.num_poolings, 1.0, "num_poolings")
+        batches = per_feature(c.batch_sizes, float(self._batch_size), "batch_sizes")
+        bags = [b * n for b, n in zip(batches, poolings, strict=True)]
+        return sum(b * p for b, p in zip(bags, pooling, strict=True)), sum(bags)
+
+
+def plan_for_env(
+    module: nn.Module,
+    env: ShardingEnv,
+    sharders: Sequence[Sharder],
+    device_type: str = "cpu",
+    *,
+    batch_size: int = 512,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+) -> ShardingPlan:
+    """The plan DistributedModelParallel uses when none is given: the planner on ``env``'s ranks.
+
+    On CUDA the HBM per rank is the current device's memory. With a process group, rank 0 plans
+    and broadcasts; without one, every process plans (the planner is deterministic)."""
+    hbm_cap = None
+    if device_type == "cuda" and torch.cuda.is_available():
+        hbm_cap = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    topology = Topology(
+        world_size=env.world_size, compute_device=device_type,
+        local_world_size=env.local_world_size, hbm_cap=hbm_cap,
+    )
+    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
+    if env.pg is not None and env.world_size > 1:
+        return planner.collective_plan(module, sharders, env.pg)
+    return planner.plan(module, sharders)
+
+
+def _collections(
+    module: nn.Module, sharders: Sequence[Sharder]
+) -> dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]]:
+    """``{path: (collection, its sharder, its table configs)}`` in ``named_modules`` order."""
+    if not sharders:
+        raise PlannerError("no sharders given; pass e.g. [EmbeddingBagCollectionSharder()]")
+    found: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]] = {}
+    for path, sub in module.named_modules():
+        if any(path.startswith(p + ".") or (not p and path) for p in found):
+            continue  # inside a collection already planned
+        sharder = next((s for s in sharders if isinstance(sub, s.module_type)), None)
+        if sharder is None:
+            continue
+        if isinstance(sub, EmbeddingBagCollection):
+            configs: list[BaseEmbeddingConfig] = list(sub.embedding_bag_configs())
+        elif isinstance(sub, EmbeddingCollection):
+            configs = list(sub.embedding_configs())
+        else:
+            raise PlannerError(
+                f"module {path!r} is a {type(sub).__name__}, which {type(sharder).__name__} "
+                "handles but the planner cannot read tables from; plan EmbeddingBagCollection "
+                "or EmbeddingCollection modules"
+            )
+        found[path] = (sub, sharder, configs)
+    return found
+
+
+def _generator(a: Assignment, topology: Topology) -> ParameterShardingGenerator:
+    kind, kernel = a.option.sharding_type, a.option.compute_kernel
+    ranks = [int(r) for r in a.ranks]
+    if kind is ShardingType.TABLE_WISE:
+        return table_wise(rank=ranks[0], compute_kernel=kernel)
+    if kind is ShardingType.COLUMN_WISE:
+        return column_wise(ranks=ranks, compute_kernel=kernel)
+    if kind is ShardingType.ROW_WISE:
+        return row_wise(compute_kernel=kernel)
+    if kind is ShardingType.TABLE_ROW_WISE:
+        return table_row_wise(host_index=a.host_index(topology.local_size), compute_kernel=kernel)
+    if kind is ShardingType.TABLE_COLUMN_WISE:
+        return table_column_wise(
+            host_index=a.host_index(topology.local_size), compute_kernel=kernel,
+            ranks_per_table=len(ranks),
+        )
+    return data_parallel(compute_kernel=kernel)
+
+
+def _build_plan(
+    collections: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]],
+    partition: Partition,
+    topology: Topology,
+) -> ShardingPlan:
+    plans = {}
+    for path, (sub, _, configs) in collections.items():
+        chosen = {c.name: partition.assignments[(path, c.name)] for c in configs}
+        module_plan = construct_module_sharding_plan(
+            sub,  # type: ignore[arg-type]
+            {name: _generator(a, topology) for name, a in chosen.items()},
+            topology.world_size, topology.local_size, topology.compute_device,
+        )
+        for name, a in chosen.items():
+            if a.option.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
+                base = a.option.table.constraints.cache_params or CacheParams()
+                params = dataclasses.replace(base, load_factor=round(float(a.load_factor or 0), 6))
+                module_plan[name].cache_params = params.to_dict()
+        plans[path] = module_plan
+    return ShardingPlan(plans)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+def _min_bytes(options: Sequence[ShardingOption]) -> float:
+    return min(storage_bytes(o, MIN_CACHE_LOAD_FACTOR) for o in options)
+
+
+def _largest(specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]]) -> str:
+    ranked = sorted(options, key=lambda key: (-_min_bytes(options[key]), key))[:3]
+    return ", ".join(
+        f"{_where(specs[key])} {specs[key].config.num_embeddings} x {specs[key].config.embedding_dim} "
+        f"{specs[key].config.data_type}: {_min_bytes(options[key]) / GIB:.2f} GiB"
+        for key in ranked
+    )
+
+
+def _where(spec: TableSpec) -> str:
+    return f"{spec.name!r}" + (f" (module {spec.path!r})" if spec.path else "")
+
+
+_ADVICE = (
+    "add ranks or memory (Topology hbm_cap / ddr_cap), allow splitting layouts (row_wise, "
+    "column_wise) or, on CUDA, UVM kernels for the largest tables, shrink them (rows, dim, FP16), "
+    "or lower storage_reservation"
+)
+
+
+def _check_total(
+    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]],
+    topology: Topology, hbm_budget: float, ddr_budget: float, reservation: float,
+) -> None:
+    """Fail early when no placement can work: the least each table needs (of each memory, and
+    in all) summed over tables, against what all ranks have."""
+    world = topology.world_size
+    kinds = [
+        ("memory", lambda o: storage_bytes(o, MIN_CACHE_LOAD_FACTOR), hbm_budget + ddr_budget),
+        ("HBM", lambda o: float(o.hbm.sum() + MIN_CACHE_LOAD_FACTOR * o.cache_hbm.sum() * o.is_caching), hbm_budget),
+        ("host memory (DDR)", lambda o: float(o.ddr.sum()), ddr_budget),
+    ]
+    for kind, size, budget in kinds:
+        needed = sum(min(size(o) for o in opts) for opts in options.values())
+        if needed > world * budget:
+            raise PlannerError(
+                f"the model does not fit: its tables need at least {needed / GIB:.2f} GiB of "
+                f"{kind} (weights, optimizer state and buffers in their most compact allowed "
+                f"layouts) but the {world} ranks have {world * budget / GIB:.2f} GiB usable "
+                f"(per rank: HBM {hbm_budget / GIB:.2f} GiB + DDR {ddr_budget / GIB:.2f} GiB "
+                f"after the {reservation:.0%} storage_reservation). Largest tables: "
+                f"{_largest(specs, options)}. To fix: {_ADVICE}"
+            )
+
+
+def _no_fit_error(
+    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]],
+    failed: TableKey, partition: Partition, topology: Topology, hbm_budget: float,
+    ddr_budget: float, reservation: float,
+) -> PlannerError:
+    spec = specs[failed]
+    # the candidate asking least of any one rank, and the rank with the most memory left
+    compact = min(
+        options[failed],
+        key=lambda o: float((o.hbm + o.ddr + MIN_CACHE_LOAD_FACTOR * o.cache_hbm * o.is_caching).max()),
+    )
+    per_shard = float((compact.hbm + compact.ddr + MIN_CACHE_LOAD_FACTOR * compact.cache_hbm * compact.is_caching).max())
+    free = (hbm_budget - partition.rank_hbm) + (ddr_budget - partition.rank_ddr)
+    rank = int(free.argmax())
+    placed = len(partition.assignments)
+    return PlannerError(
+        f"table {_where(spec)} ({spec.config.num_embeddings} x {spec.config.embedding_dim} "
+        f"{spec.config.data_type}) does not fit: its most compact candidate "
+        f"({compact.sharding_type.value}/{compact.compute_kernel.value}, {compact.num_shards} "
+        f"shard(s)) needs {per_shard / GIB:.2f} GiB on a rank, but with {placed} other "
+        f"table(s) placed the most any rank has free is {free[rank] / GIB:.2f} GiB (rank {rank}: "
+        f"HBM {(hbm_budget - partition.rank_hbm[rank]) / GIB:.2f} GiB + DDR "
+        f"{(ddr_budget - partition.rank_ddr[rank]) / GIB:.2f} GiB free of HBM "
+        f"{hbm_budget / GIB:.2f} + DDR {ddr_budget / GIB:.2f} GiB usable after the "
+        f"{reservation:.0%} storage_reservation). Largest tables: {_largest(specs, options)}. "
+        f"To fix: {_ADVICE}"
+    )
