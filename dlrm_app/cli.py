@@ -10,10 +10,12 @@ import argparse
 import json
 import platform
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
 
+from dlrm_app.data.synthetic import generate
 from recsys_core.kernels import fbgemm_status, fbgemm_version
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.tbe import fbgemm_missing, select_backend
@@ -55,6 +57,42 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _per_feature(text: str, count: int, kind: type, flag: str) -> list:
+    """One value for every feature, or a comma list with exactly ``count`` values."""
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"dlrm-app generate: {flag} {text!r} is not a {kind.__name__} "
+                         f"or a comma list of them") from None
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise SystemExit(f"dlrm-app generate: {flag} has {len(values)} values but "
+                         f"--num-sparse is {count}; pass one value or {count}")
+    return values
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    cardinalities = _per_feature(args.cardinalities, args.num_sparse, int, "--cardinalities")
+    pooling = _per_feature(args.pooling_factors, args.num_sparse, float, "--pooling-factors")
+    start = time.perf_counter()
+    spec = generate(
+        args.out, rows=args.rows, num_dense=args.num_dense, cardinalities=cardinalities,
+        pooling_factors=pooling, zipf_alpha=args.zipf_alpha, seed=args.seed,
+        rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
+    )
+    seconds = time.perf_counter() - start
+    print(json.dumps({
+        "out": str(args.out),
+        "rows": sum(s.rows for s in spec.splits),
+        "shards": sum(len(s.shards) for s in spec.splits),
+        "seconds": round(seconds, 3),
+        "rows_per_s": round(args.rows / seconds),
+        "teacher_auc": spec.parameters["teacher_auc"],
+    }))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="cpu", help="device to report kernel choices for")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_info)
+    gen = sub.add_parser("generate", help="write a synthetic Criteo-shaped dataset")
+    gen.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
+    gen.add_argument("--rows", type=int, default=100_000, help="total rows over all splits")
+    gen.add_argument("--num-dense", type=int, default=13, help="number of dense features")
+    gen.add_argument("--num-sparse", type=int, default=26, help="number of sparse features")
+    gen.add_argument("--cardinalities", default="10000",
+                     help="ids per sparse feature: one int or a comma list of --num-sparse")
+    gen.add_argument("--pooling-factors", default="1",
+                     help="mean ids per row (1 = one-hot): one float or a comma list")
+    gen.add_argument("--zipf-alpha", type=float, default=1.05, help="id popularity skew")
+    gen.add_argument("--seed", type=int, default=0, help="same seed -> identical files")
+    gen.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
+    gen.add_argument("--row-group-size", type=int, default=65_536,
+                     help="rows per Parquet row group (also the generation chunk)")
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -1,0 +1,23 @@
+"""Datasets: the dataset.json contract and the preprocessors that write it."""
+
+from dlrm_app.data.schema import (
+    FORMAT_VERSION,
+    DatasetKind,
+    DatasetSpec,
+    ShardFile,
+    SparseFeature,
+    SplitSpec,
+    verify,
+)
+from dlrm_app.data.synthetic import generate
+
+__all__ = [
+    "FORMAT_VERSION",
+    "DatasetKind",
+    "DatasetSpec",
+    "ShardFile",
+    "SparseFeature",
+    "SplitSpec",
+    "generate",
+    "verify",
+]

@@ -1,0 +1,266 @@
+"""Criteo-shaped synthetic data with a known best achievable AUC.
+
+``generate`` writes Parquet shards in the layout documented in ``dlrm_app.data.schema`` plus a
+``dataset.json``. Rows are produced one row group at a time, so memory is bounded by
+
+    O(row_group_size * (num_dense + sum(pooling_factors)) * ~48 bytes)   for the row group
+  + 9 bytes per row of the largest split                                  for the exact AUC
+
+(the second term keeps each split's teacher probabilities and labels to compute the AUC exactly;
+1e8 rows per split need ~0.9 GB).
+
+Ids: per feature, an id's popularity rank follows a bounded Zipf-like power law (continuous
+inverse CDF, O(1) memory for any cardinality); ranks are scattered over ``[0, cardinality)`` by a
+fixed affine bijection so that popular ids are not simply the small ones.
+
+Labels come from a hidden "teacher": each (feature, id) has a fixed pseudo-random embedding in
+``TEACHER_DIM`` dimensions computed by hashing (no tables, so any cardinality is free); bags are
+mean-pooled and summed over features into ``z``; the dense features go through a random linear
+map into ``h``; the logit is ``z.h + z.u + h.v + bias`` (a DLRM-like dot interaction plus linear
+terms), ``p = sigmoid(logit / temperature)`` and ``label ~ Bernoulli(p)``. The teacher's AUC on
+each split, computed exactly from ``p`` and the labels, is recorded in ``parameters.teacher_auc``
+as the best AUC any model can expect.
+
+Determinism: every row group draws from its own generator seeded by ``(seed, row group index)``,
+and the teacher from ``seed`` alone, so a seed (with the same arguments) gives byte-identical
+shards and dataset.json.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dlrm_app.data.schema import (
+    DENSE_COLUMN,
+    SPLIT_NAMES,
+    DatasetKind,
+    DatasetSpec,
+    ShardFile,
+    SparseFeature,
+    SplitSpec,
+    sha256_file,
+)
+
+TEACHER_DIM = 4
+"""Embedding dimension of the hidden teacher."""
+TEACHER_TEMPERATURE = 2.0
+"""Lower is sharper: labels closer to deterministic, higher teacher AUC."""
+TEACHER_BIAS = -4.0
+"""Shifts the label rate below one half, as in click data."""
+LABEL = "label"
+MAX_CARDINALITY = 2**31
+"""Ids are scattered with int64 products of two values below the cardinality."""
+
+_MASK16 = np.uint64(0xFFFF)
+_UNIT = math.sqrt(12.0) / 65536.0  # 16-bit uniform -> unit variance
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A fast, well-mixed 64-bit hash (SplitMix64 finalizer); wraps modulo 2**64 by design."""
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _teacher_embedding(ids: np.ndarray, salt: int) -> np.ndarray:
+    """Fixed pseudo-random ``[len(ids), TEACHER_DIM]`` embeddings, one 64-bit hash per id."""
+    h = _splitmix64(ids.astype(np.uint64) ^ np.uint64(salt))
+    parts = [((h >> np.uint64(16 * k)) & _MASK16) for k in range(TEACHER_DIM)]
+    emb = np.stack(parts, axis=1).astype(np.float32)
+    return (emb - 32768.0) * np.float32(_UNIT)
+
+
+def _zipf_ranks(rng: np.random.Generator, n: int, cardinality: int, alpha: float) -> np.ndarray:
+    """``n`` ranks in ``[0, cardinality)`` with P(rank r) ~ (r + 1) ** -alpha (continuous)."""
+    u = rng.random(n)
+    top = cardinality + 1.0
+    if abs(alpha - 1.0) < 1e-9:
+        x = np.power(top, u)
+    else:
+        a = 1.0 - alpha
+        x = np.power(1.0 + u * (top**a - 1.0), 1.0 / a)
+    return np.minimum(x.astype(np.int64) - 1, cardinality - 1)
+
+
+def _scatter_multiplier(cardinality: int, salt: int) -> int:
+    """An odd multiplier coprime with ``cardinality``: rank -> id is then a bijection."""
+    m = (salt | 1) % cardinality or 1
+    while math.gcd(m, cardinality) != 1:
+        m += 1
+    return m
+
+
+def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """Exact ROC AUC by the rank-sum formula, ties counted as one half; None if one class."""
+    labels = labels.astype(bool)
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    # average 1-based rank of each distinct score = start of its run + (count + 1) / 2
+    starts = np.cumsum(counts) - counts
+    avg_rank = starts + (counts + 1) / 2.0
+    rank_sum = float(avg_rank[inverse][labels].sum())
+    return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
+
+
+def _split_rows(rows: int, splits: Sequence[float]) -> list[int]:
+    if len(splits) != 3 or any(f <= 0 for f in splits) or abs(sum(splits) - 1.0) > 1e-9:
+        raise ValueError(f"splits must be three positive fractions (train, validation, test) "
+                         f"summing to 1, got {tuple(splits)}")
+    counts = [int(rows * splits[0]), int(rows * splits[1])]
+    counts.append(rows - sum(counts))
+    if min(counts) < 1:
+        raise ValueError(f"rows={rows} leaves an empty split with fractions {tuple(splits)}; "
+                         f"pass more rows")
+    return counts
+
+
+def generate(
+    out_dir: str | os.PathLike[str],
+    *,
+    rows: int,
+    num_dense: int = 13,
+    cardinalities: Sequence[int],
+    pooling_factors: Sequence[float],
+    zipf_alpha: float = 1.05,
+    splits: Sequence[float] = (0.8, 0.1, 0.1),
+    rows_per_shard: int = 1_000_000,
+    row_group_size: int = 65_536,
+    seed: int = 0,
+) -> DatasetSpec:
+    """Write a synthetic dataset to ``out_dir`` and return its spec (also saved there).
+
+    One sparse feature per entry of ``cardinalities``; ``pooling_factors`` gives each one's mean
+    ids per row (1.0 = one-hot, exactly one id; above 1, lengths are ``1 + Poisson(pf - 1)``).
+    Each shard is written to a hidden temporary name and renamed when complete; dataset.json is
+    written last, so a killed run never leaves a dataset that looks finished.
+    """
+    cardinalities = [int(c) for c in cardinalities]
+    pooling_factors = [float(p) for p in pooling_factors]
+    if len(pooling_factors) != len(cardinalities) or not cardinalities:
+        raise ValueError(f"need one pooling factor per sparse feature: got "
+                         f"{len(cardinalities)} cardinalities, {len(pooling_factors)} factors")
+    for i, (c, pf) in enumerate(zip(cardinalities, pooling_factors, strict=True)):
+        if not 1 <= c <= MAX_CARDINALITY:
+            raise ValueError(f"cardinality of feature cat_{i} must be in [1, 2**31], got {c}")
+        if pf < 1.0:
+            raise ValueError(f"pooling factor of feature cat_{i} must be >= 1 (mean ids per "
+                             f"row, 1 = one-hot), got {pf}")
+    if num_dense < 1 or rows_per_shard < 1 or row_group_size < 1 or zipf_alpha <= 0:
+        raise ValueError("num_dense, rows_per_shard, row_group_size and zipf_alpha must be "
+                         f"positive, got {num_dense}, {rows_per_shard}, {row_group_size}, "
+                         f"{zipf_alpha}")
+    split_rows = _split_rows(rows, splits)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    teacher_rng = np.random.default_rng([seed, 0])
+    w_dense = (teacher_rng.standard_normal((num_dense, TEACHER_DIM)) / math.sqrt(num_dense))
+    u = teacher_rng.standard_normal(TEACHER_DIM)
+    v = teacher_rng.standard_normal(TEACHER_DIM)
+    salts = [int(s) for s in teacher_rng.integers(0, 2**62, size=len(cardinalities))]
+    multipliers = [_scatter_multiplier(c, s) for c, s in zip(cardinalities, salts, strict=True)]
+    sparse_names = [f"cat_{i}" for i in range(len(cardinalities))]
+    dense_names = [f"int_{i}" for i in range(num_dense)]
+    schema = pa.schema(
+        [(LABEL, pa.float32()), (DENSE_COLUMN, pa.list_(pa.float32(), num_dense))]
+        + [(n, pa.list_(pa.int64())) for n in sparse_names])
+
+    def row_group(index: int, n: int) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([seed, 1, index])
+        dense = rng.standard_normal((n, num_dense), dtype=np.float32)
+        z = np.zeros((n, TEACHER_DIM), dtype=np.float32)
+        columns = []
+        for c, pf, salt, mult in zip(cardinalities, pooling_factors, salts, multipliers,
+                                     strict=True):
+            if pf == 1.0:
+                lengths = np.ones(n, dtype=np.int64)
+            else:
+                lengths = 1 + rng.poisson(pf - 1.0, size=n)
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            ranks = _zipf_ranks(rng, int(offsets[-1]), c, zipf_alpha)
+            ids = (ranks * mult + salt % c) % c
+            emb = _teacher_embedding(ids, salt)
+            if pf == 1.0:
+                z += emb
+            else:
+                z += np.add.reduceat(emb, offsets[:-1], axis=0) / lengths[:, None]
+            columns.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
+                                                    pa.array(ids)))
+        z /= np.float32(math.sqrt(len(cardinalities)))
+        h = dense.astype(np.float64) @ w_dense
+        logit = (z * h).sum(axis=1) + z @ u + h @ v + TEACHER_BIAS
+        p = 1.0 / (1.0 + np.exp(-logit / TEACHER_TEMPERATURE))
+        labels = (rng.random(n) < p).astype(np.float32)
+        dense_col = pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), num_dense)
+        table = pa.Table.from_arrays([pa.array(labels), dense_col, *columns], schema=schema)
+        return table, p, labels
+
+    split_specs = []
+    teacher_auc: dict[str, float | None] = {}
+    group_index = 0
+    for name, n_split in zip(SPLIT_NAMES, split_rows, strict=True):
+        shards = []
+        probs, labels_all = [], []
+        for shard_index, start in enumerate(range(0, n_split, rows_per_shard)):
+            n_shard = min(rows_per_shard, n_split - start)
+            file = f"{name}-{shard_index:05d}.parquet"
+            tmp = out / f".{file}.tmp"
+            with pq.ParquetWriter(tmp, schema) as writer:
+                for g_start in range(0, n_shard, row_group_size):
+                    n = min(row_group_size, n_shard - g_start)
+                    table, p, labels = row_group(group_index, n)
+                    group_index += 1
+                    writer.write_table(table, row_group_size=row_group_size)
+                    probs.append(p)
+                    labels_all.append(labels.astype(np.int8))
+            os.replace(tmp, out / file)
+            shards.append(ShardFile(file=file, rows=n_shard, sha256=sha256_file(out / file),
+                                    row_group_size=row_group_size))
+        all_labels = np.concatenate(labels_all)
+        teacher_auc[name] = binary_auc(np.concatenate(probs), all_labels)
+        split_specs.append(SplitSpec(name=name, label_rate=int(all_labels.sum()) / n_split,
+                                     shards=tuple(shards)))
+
+    spec = DatasetSpec(
+        name="synthetic",
+        kind=DatasetKind.SYNTHETIC,
+        dense_features=tuple(dense_names),
+        sparse_features=tuple(
+            SparseFeature(name=n, num_embeddings=c, multi_hot=pf != 1.0)
+            for n, c, pf in zip(sparse_names, cardinalities, pooling_factors, strict=True)),
+        label=LABEL,
+        label_dtype="float32",
+        splits=tuple(split_specs),
+        parameters={
+            "generator": "dlrm_app.data.synthetic",
+            "rows": rows,
+            "num_dense": num_dense,
+            "cardinalities": cardinalities,
+            "pooling_factors": pooling_factors,
+            "zipf_alpha": zipf_alpha,
+            "splits": list(splits),
+            "rows_per_shard": rows_per_shard,
+            "row_group_size": row_group_size,
+            "seed": seed,
+            "teacher": {"dim": TEACHER_DIM, "temperature": TEACHER_TEMPERATURE,
+                        "bias": TEACHER_BIAS},
+            # best achievable AUC: the teacher's own, exact on each split
+            "teacher_auc": teacher_auc,
+        },
+        created_by=f"dlrm_app {importlib.metadata.version('recsys-dlrm')}",
+    )
+    spec.save(out)
+    return spec
