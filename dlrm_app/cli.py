@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.synthetic import generate
 from recsys_core.kernels import fbgemm_status, fbgemm_version
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
@@ -93,6 +94,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
+    if args.num_embeddings_per_feature is not None and args.frequency_threshold is not None:
+        raise SystemExit("dlrm-app preprocess criteo: pass --num-embeddings-per-feature or "
+                         "--frequency-threshold, not both")
+    sizes = None
+    if args.num_embeddings_per_feature is not None:
+        sizes = _per_feature(args.num_embeddings_per_feature, 26, int,
+                             "--num-embeddings-per-feature")
+    start = time.perf_counter()
+    try:
+        spec = preprocess_criteo(
+            args.inputs, args.out, fmt=args.format, num_embeddings_per_feature=sizes,
+            frequency_threshold=args.frequency_threshold, rows_per_shard=args.rows_per_shard,
+            row_group_size=args.row_group_size, on_bad_row=args.on_bad_row, like=args.like)
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app preprocess criteo: {e}") from None
+    seconds = time.perf_counter() - start
+    rows = sum(s.rows for s in spec.splits)
+    print(json.dumps({
+        "out": str(args.out),
+        "rows": rows,
+        "skipped": spec.parameters["skipped_rows"],
+        "shards": sum(len(s.shards) for s in spec.splits),
+        "seconds": round(seconds, 3),
+        "rows_per_s": round(rows / seconds),
+    }))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--row-group-size", type=int, default=65_536,
                      help="rows per Parquet row group (also the generation chunk)")
     gen.set_defaults(func=_cmd_generate)
+    prep = sub.add_parser("preprocess", help="raw dataset files -> Parquet shards")
+    prep_sub = prep.add_subparsers(dest="dataset", required=True)
+    crit = prep_sub.add_parser("criteo", help="Criteo Kaggle / 1TB TSV (plain or .gz)")
+    crit.add_argument("inputs", nargs="+", help="TSV files in order (terabyte: one per day)")
+    crit.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
+    crit.add_argument("--format", choices=("kaggle", "terabyte"), default="kaggle",
+                      help="kaggle: split by row order 6/7, 1/14, 1/14; terabyte: last day "
+                           "halves are validation/test")
+    crit.add_argument("--num-embeddings-per-feature", default=None,
+                      help="modulo hash size: one int or a comma list of 26 (default 40000000)")
+    crit.add_argument("--frequency-threshold", type=int, default=None,
+                      help="vocabulary of ids seen >= K times in train; the rest share id 0")
+    crit.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
+    crit.add_argument("--row-group-size", type=int, default=65_536,
+                      help="rows per Parquet row group")
+    crit.add_argument("--on-bad-row", choices=("error", "skip"), default="error",
+                      help="error: stop at the first bad row; skip: drop and count them")
+    crit.add_argument("--like", default=None,
+                      help="encode with this existing dataset's hashing or vocabulary")
+    crit.set_defaults(func=_cmd_preprocess_criteo)
     return parser
 
 

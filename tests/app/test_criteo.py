@@ -1,0 +1,224 @@
+"""Criteo preprocessing against an independent plain-Python parse of the sample files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dlrm_app.data import criteo
+from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data.schema import DatasetSpec, verify
+
+DATA = Path("/work/shared/data/criteo")
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"sample data folder {DATA} absent")
+N = 1000  # hash size used in the tests
+
+
+def plain_parse(path: Path) -> list[tuple[float, list[float], list[int], list[bool]]]:
+    """The reference DLRM style: split on tabs, pad to 40, convert field by field."""
+    rows = []
+    for line in path.read_text().splitlines():
+        f = line.split("\t")
+        f += [""] * (40 - len(f))
+        dense = [math.log1p(max(int(x), 0)) if x else 0.0 for x in f[1:14]]
+        cats = [int(h, 16) % N if h else 0 for h in f[14:]]
+        rows.append((float(f[0]), dense, cats, [h == "" for h in f[14:]]))
+    return rows
+
+
+def read_all(out: Path) -> list[pa.Table]:
+    spec = DatasetSpec.load(out)
+    return [pa.concat_tables([pq.read_table(out / s.file) for s in split.shards])
+            for split in spec.splits]
+
+
+def check_rows(table: pa.Table, expected: list) -> None:
+    assert len(table) == len(expected)
+    label = table["label"].to_numpy()
+    dense = np.asarray(table["dense"].combine_chunks().flatten()).reshape(-1, 13)
+    cats = np.stack([table[f"cat_{k}"].combine_chunks().flatten().to_numpy()
+                     for k in range(26)], axis=1)
+    np.testing.assert_array_equal(label, [r[0] for r in expected])
+    np.testing.assert_allclose(dense, [r[1] for r in expected], rtol=1e-6)
+    np.testing.assert_array_equal(cats, [r[2] for r in expected])
+
+
+@needs_data
+@pytest.mark.parametrize("name", ["kaggle_head_10k.tsv", "kaggle_1k_trailing_fields_stripped.tsv"])
+def test_kaggle_matches_plain_parse_and_splits(tmp_path: Path, name: str) -> None:
+    expected = plain_parse(DATA / name)
+    # small blocks so that several blocks, shards and row groups are exercised
+    spec = preprocess_criteo([DATA / name], tmp_path, num_embeddings_per_feature=N,
+                             rows_per_shard=700, row_group_size=256, block_bytes=50_000)
+    n = len(expected)
+    train = n * 6 // 7
+    val = (n - train) // 2
+    assert [s.rows for s in spec.splits] == [train, val, n - train - val]
+    tables = read_all(tmp_path)
+    check_rows(pa.concat_tables(tables), expected)
+    assert spec.parameters["skipped_rows"] == 0
+    verify(tmp_path)
+
+
+@needs_data
+def test_stripped_rows_read_back_as_missing(tmp_path: Path) -> None:
+    path = DATA / "kaggle_1k_trailing_fields_stripped.tsv"
+    expected = plain_parse(path)
+    short = [i for i, line in enumerate(path.read_text().splitlines())
+             if line.count("\t") < 39]
+    assert short, "the sample should have rows with stripped trailing fields"
+    preprocess_criteo([path], tmp_path, num_embeddings_per_feature=N)
+    table = pa.concat_tables(read_all(tmp_path))
+    for i in short:
+        row = table.slice(i, 1).to_pylist()[0]
+        missing = expected[i][3]
+        assert missing[-1]
+        assert all(row[f"cat_{k}"] == [0] for k in range(26) if missing[k])
+
+
+@needs_data
+def test_terabyte_days_split_and_gzip(tmp_path: Path) -> None:
+    src = DATA / "terabyte_day_sample_1k.tsv"
+    day1 = tmp_path / "day_1.gz"
+    day1.write_bytes(gzip.compress(src.read_bytes()))
+    expected = plain_parse(src)
+    spec = preprocess_criteo([src, day1], tmp_path / "out", fmt="terabyte",
+                             num_embeddings_per_feature=N, rows_per_shard=400)
+    assert [s.rows for s in spec.splits] == [1000, 500, 500]
+    train, val, test = read_all(tmp_path / "out")
+    check_rows(train, expected)
+    check_rows(pa.concat_tables([val, test]), expected)
+
+
+@needs_data
+def test_frequency_threshold_vocabulary_and_like(tmp_path: Path) -> None:
+    path = DATA / "kaggle_head_10k.tsv"
+    k = 5
+    spec = preprocess_criteo([path], tmp_path / "a", frequency_threshold=k)
+    lines = path.read_text().splitlines()
+    n_train = len(lines) * 6 // 7
+    from collections import Counter
+    raw = [[int(h, 16) if h else 0 for h in (line.split("\t") + [""] * 40)[14:40]]
+           for line in lines]
+    table = pa.concat_tables(read_all(tmp_path / "a"))
+    for f in (0, 2, 25):
+        counts = Counter(r[f] for r in raw[:n_train])
+        vocab = sorted(v for v, c in counts.items() if c >= k)
+        assert spec.sparse_features[f].num_embeddings == len(vocab) + 1
+        index = {v: i + 1 for i, v in enumerate(vocab)}
+        got = table[f"cat_{f}"].combine_chunks().flatten().to_numpy()
+        np.testing.assert_array_equal(got, [index.get(r[f], 0) for r in raw])
+        assert (got == criteo.RARE_ID).any()
+    # reuse: a second input encoded with the first dataset's vocabulary
+    other = DATA / "terabyte_day_sample_1k.tsv"
+    spec_b = preprocess_criteo([other], tmp_path / "b", like=tmp_path / "a")
+    assert spec_b.parameters["encoding"]["vocabulary_sha256"] == \
+        spec.parameters["encoding"]["vocabulary_sha256"]
+    assert (tmp_path / "b" / criteo.VOCABULARY_FILE).read_bytes() == \
+        (tmp_path / "a" / criteo.VOCABULARY_FILE).read_bytes()
+    got = pa.concat_tables(read_all(tmp_path / "b"))["cat_0"].combine_chunks().flatten()
+    counts = Counter(r[0] for r in raw[:n_train])
+    vocab = sorted(v for v, c in counts.items() if c >= k)
+    index = {v: i + 1 for i, v in enumerate(vocab)}
+    want = [index.get(int(f[14], 16) if f[14] else 0, 0)
+            for f in (line.split("\t") for line in other.read_text().splitlines())]
+    np.testing.assert_array_equal(got.to_numpy(), want)
+
+
+GOOD = "\t".join(["1"] + ["3"] * 13 + ["68fd1e64"] * 26)
+BAD_ROWS = {
+    "too_many_columns": (GOOD + "\t5", "41 tab-separated fields"),
+    "non_hex": (GOOD.replace("68fd1e64", "zz", 1), "cat_0 = 'zz'"),
+    "non_numeric": (GOOD.replace("\t3\t", "\tabc\t", 1), "int_0 = 'abc'"),
+    "label": ("2" + GOOD[1:], "label '2'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_row_errors_with_file_and_line_or_is_skipped(tmp_path: Path, case: str) -> None:
+    bad, message = BAD_ROWS[case]
+    path = tmp_path / "in.tsv"
+    path.write_text("\n".join([GOOD] * 10 + [bad] + [GOOD] * 3) + "\n")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"in\.tsv:11: .*{message}"):
+        preprocess_criteo([path], out, num_embeddings_per_feature=N)
+    assert not (out / "dataset.json").exists()
+    assert not list(out.glob("*.parquet"))
+    spec = preprocess_criteo([path], out, num_embeddings_per_feature=N, on_bad_row="skip")
+    assert spec.parameters["skipped_rows"] == 1
+    assert sum(s.rows for s in spec.splits) == 13
+
+
+def test_truncated_gzip_and_empty_file_raise(tmp_path: Path) -> None:
+    path = tmp_path / "cut.tsv.gz"
+    data = gzip.compress(("\n".join([GOOD] * 2000) + "\n").encode())
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut\.tsv\.gz: truncated or corrupt gzip"):
+        preprocess_criteo([path], tmp_path / "o", on_bad_row="skip")
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.tsv: empty file"):
+        preprocess_criteo([empty], tmp_path / "o")
+    assert not (tmp_path / "o" / "dataset.json").exists()
+
+
+@needs_data
+def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
+    src = [DATA / "kaggle_head_10k.tsv"]
+    kwargs = dict(num_embeddings_per_feature=N, rows_per_shard=2000, row_group_size=500,
+                  block_bytes=100_000)
+    preprocess_criteo(src, tmp_path / "full", **kwargs)
+
+    real = criteo._finish_shard
+    calls = []
+
+    def killed_after_first_shard(*args, **kw):
+        result = real(*args, **kw)
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise KeyboardInterrupt("simulated kill")
+        return result
+
+    monkeypatch.setattr(criteo, "_finish_shard", killed_after_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess_criteo(src, tmp_path / "resumed", **kwargs)
+    assert not (tmp_path / "resumed" / "dataset.json").exists()
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("*.parquet")) == \
+        ["train-00000.parquet"]
+    first = (tmp_path / "resumed" / "train-00000.parquet").stat().st_mtime_ns
+    preprocess_criteo(src, tmp_path / "resumed", **kwargs)
+    # the finished shard was not rewritten, the rest were written once
+    assert (tmp_path / "resumed" / "train-00000.parquet").stat().st_mtime_ns == first
+    assert calls.count("train-00000.parquet") == 1
+    full = {p.name: p.read_bytes() for p in (tmp_path / "full").iterdir()
+            if p.suffix in (".parquet", ".json")}
+    resumed = {p.name: p.read_bytes() for p in (tmp_path / "resumed").iterdir()
+               if p.suffix in (".parquet", ".json")}
+    assert full.keys() == resumed.keys() and len(full) == 8
+    for name in full:
+        if name == "dataset.json":
+            a, b = json.loads(full[name]), json.loads(resumed[name])
+            assert a["splits"] == b["splits"]
+            # the only difference allowed: the output directory is not recorded at all
+            assert a == b
+        else:
+            assert full[name] == resumed[name], name
+
+
+@needs_data
+def test_cli_prints_one_json_line(tmp_path: Path, capsys) -> None:
+    from dlrm_app.cli import main
+
+    assert main(["preprocess", "criteo", str(DATA / "kaggle_1k_trailing_fields_stripped.tsv"),
+                 "--out", str(tmp_path), "--format", "kaggle",
+                 "--num-embeddings-per-feature", "1000", "--rows-per-shard", "500"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rows"] == 1000 and summary["skipped"] == 0 and summary["shards"] == 4
+    assert summary["rows_per_s"] > 0
