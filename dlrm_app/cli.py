@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data.movielens import preprocess_movielens
 from dlrm_app.data.synthetic import generate
 from recsys_core.kernels import fbgemm_status, fbgemm_version
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
@@ -123,6 +124,27 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    try:
+        spec = preprocess_movielens(
+            args.src, args.out, positive_rating=args.positive_rating, split=args.split,
+            test_fraction=args.test_fraction, seed=args.seed,
+            rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size)
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app preprocess movielens: {e}") from None
+    seconds = time.perf_counter() - start
+    print(json.dumps({
+        "out": str(args.out),
+        "release": spec.parameters["release"],
+        "rows": {s.name: s.rows for s in spec.splits},
+        "shards": sum(len(s.shards) for s in spec.splits),
+        "num_embeddings": {f.name: f.num_embeddings for f in spec.sparse_features},
+        "seconds": round(seconds, 3),
+    }))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
     crit.add_argument("--like", default=None,
                       help="encode with this existing dataset's hashing or vocabulary")
     crit.set_defaults(func=_cmd_preprocess_criteo)
+    ml = prep_sub.add_parser("movielens", help="MovieLens 100k / 1m / 20m / 25m / latest folder")
+    ml.add_argument("src", help="unpacked release folder (u.data, ratings.dat or ratings.csv)")
+    ml.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
+    ml.add_argument("--positive-rating", type=float, default=4.0,
+                    help="label is 1 when rating >= this")
+    ml.add_argument("--split", choices=("leave_last_out", "fraction"), default="leave_last_out",
+                    help="per user by time: last rating test, one before validation; or the "
+                         "last --test-fraction test and as many before validation")
+    ml.add_argument("--test-fraction", type=float, default=0.1,
+                    help="fraction of each user's ratings in test (--split fraction)")
+    ml.add_argument("--seed", type=int, default=0, help="row order inside each split")
+    ml.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
+    ml.add_argument("--row-group-size", type=int, default=65_536,
+                    help="rows per Parquet row group")
+    ml.set_defaults(func=_cmd_preprocess_movielens)
     return parser
 
 
