@@ -133,12 +133,77 @@ def read_blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
                          f"re-compress it") from None
 
 
-def count_lines(path: Path, block_bytes: int) -> int:
-    """Number of lines of ``path``; an empty file raises ValueError."""
-    n = sum(b.count(b"\n") for b in read_blocks(path, block_bytes))
+def count_lines(path: Path, block_bytes: int = 16 << 20) -> int:
+    """Number of lines of ``path`` (a last line without newline counts); an empty file raises
+    ValueError. A bare ``bytes.count`` over large binary reads (no line splitting)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    n, last = 0, b"\n"
+    try:
+        with opener(path, "rb") as f:
+            while chunk := f.read(max(block_bytes, 1 << 20)):
+                n += chunk.count(b"\n")
+                last = chunk[-1:]
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{path}: truncated or corrupt gzip file ({e}); re-download or "
+                         f"re-compress it") from None
+    n += last != b"\n"
     if n == 0:
         raise ValueError(f"{path}: empty file (no rows); remove it from the inputs")
     return n
+
+
+_ONES = np.uint64(0x0101010101010101)
+_HIGH = np.uint64(0x8080808080808080)
+
+
+_SWAR_CHUNK = 1 << 15  # values per step: the temporaries stay in the CPU cache
+
+
+def _swar_hex(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Values of uint64s of 8 hex characters each (first character in the lowest byte),
+    decoded eight characters at a time (SIMD within a register), and whether all were valid
+    hex digits (values of invalid ones are garbage)."""
+    out = np.empty(len(x), np.uint64)
+    c = {k: _ONES * np.uint64(k) for k in (0x7F, 0x20, 15, 0x80 - 0x30, 0x7F - 0x39,
+                                           0x80 - 0x61, 0x7F - 0x66)}
+    m4, m8, m16 = (np.uint64(0x000F000F000F000F), np.uint64(0x000000FF000000FF),
+                   np.uint64(0xFFFF))
+    s4, s6, s8, s16, s32 = (np.uint64(k) for k in (4, 6, 8, 16, 32))
+    ok = True
+    for i in range(0, len(x), _SWAR_CHUNK):
+        v = x[i:i + _SWAR_CHUNK]
+        # validity: with bytes < 0x80, (b + 0x80 - lo) has its high bit set iff b >= lo and
+        # (b + 0x7F - hi) has it clear iff b <= hi; no carry crosses a byte
+        low7 = v & c[0x7F]
+        hi = low7 + c[0x7F - 0x39]
+        ok_bits = low7 + c[0x80 - 0x30]
+        ok_bits &= ~hi
+        low7 |= c[0x20]
+        hi = low7 + c[0x7F - 0x66]
+        low7 += c[0x80 - 0x61]
+        low7 &= ~hi
+        ok_bits |= low7
+        ok_bits &= ~v
+        ok = ok and bool(np.all((ok_bits & _HIGH) == _HIGH))
+        # value: digit = (b & 15) + 9 * bit 6, then pack nibble pairs, bytes, 16-bit halves
+        d = v >> s6
+        d &= _ONES
+        d *= np.uint64(9)
+        d += v & c[15]
+        t = (d >> s8) & m4
+        d &= m4
+        d <<= s4
+        d |= t
+        t = (d >> s16) & m8
+        d &= m8
+        d <<= s8
+        d |= t
+        t = (d >> s32) & m16
+        d &= m16
+        d <<= s16
+        d |= t
+        out[i:i + _SWAR_CHUNK] = d
+    return out.view(np.int64), ok
 
 
 def _parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -151,13 +216,14 @@ def _parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.diff(offsets)
     out = np.zeros(n, np.int64)
     if np.all((lengths == 8) | (lengths == 0)):
-        # Fast path (the real data): non-empty values are back-to-back 8-byte runs.
-        digits = _HEX_LUT[data.reshape(-1, 8)]
+        # Fast path (the real data): non-empty values are back-to-back 8-byte runs, decoded
+        # eight characters at a time as one little-endian uint64 (SIMD within a register).
         full = lengths == 8
         bad = np.zeros(n, bool)
-        bad[full] = (digits == 255).any(axis=1)
-        packed = np.ascontiguousarray((digits[:, 0::2] << 4) | (digits[:, 1::2] & 15))
-        out[full] = packed.view(">u4").ravel()
+        values, ok = _swar_hex(np.frombuffer(data.tobytes(), "<u8"))
+        out[full] = values
+        if not ok:
+            bad[full] = (_HEX_LUT[data.reshape(-1, 8)] == 255).any(axis=1)
         return out, bad
     # General path: right-align every value in an 8-wide window, leading positions are zeros.
     ends = offsets[1:] - offsets[0] + 8
@@ -179,27 +245,22 @@ class _Rows:
         self.label, self.dense, self.cats, self.lines = label, dense, cats, lines
 
 
-def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str) -> tuple[_Rows, int]:
-    """Parse whole lines ``buf`` (line ``first_line`` is the first) into validated rows.
-
-    Returns the rows and the number of bad rows skipped; with ``on_bad_row="error"`` the
-    first bad row raises ValueError with file and line.
-    """
+def _parse_slow(buf: bytes, lines: np.ndarray, path: Path, on_bad_row: str,
+                read: pacsv.ReadOptions) -> tuple:
+    """parse_block's general path: drop/raise on rows with too many fields, pad short rows,
+    and re-read as strings when a numeric field does not parse."""
     arr = np.frombuffer(buf, np.uint8)
     nl = np.flatnonzero(arr == 10)
     starts = np.concatenate([[0], nl[:-1] + 1])
     fields = np.diff(np.searchsorted(np.flatnonzero(arr == 9), nl), prepend=0) + 1
-    lines = np.arange(first_line, first_line + len(nl))
-
-    def line_text(i: int) -> str:
-        return buf[starts[i]:nl[i]].decode("utf-8", "replace")
 
     skipped = 0
     too_many = fields > NUM_FIELDS
     if too_many.any():
         first = int(np.argmax(too_many))
         if on_bad_row == "error":
-            raise _bad_row_error(path, int(lines[first]), row_problem(line_text(first)))
+            raise _bad_row_error(path, int(lines[first]), row_problem(
+                buf[starts[first]:nl[first]].decode("utf-8", "replace")))
         keep = ~too_many
         skipped += int(too_many.sum())
         buf = b"".join(buf[s:e + 1] for s, e in zip(starts[keep], nl[keep], strict=True))
@@ -208,8 +269,7 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str) -> tup
         nl = np.flatnonzero(arr == 10)
         starts = np.concatenate([[0], nl[:-1] + 1])
     if len(nl) == 0:
-        return _Rows(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.int64),
-                     [np.zeros(0, np.int64)] * NUM_SPARSE, lines), skipped
+        return None, None, None, None, lines, buf, skipped
     short = np.flatnonzero(fields < NUM_FIELDS)
     padded = buf
     if len(short):
@@ -221,7 +281,6 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str) -> tup
             prev = nl[i]
         pieces.append(buf[prev:])
         padded = b"".join(pieces)
-    read = pacsv.ReadOptions(column_names=list(_COLUMNS))
     try:
         table = pacsv.read_csv(io.BytesIO(padded), read, _PARSE, _TYPED)
         label = table[LABEL].combine_chunks()
@@ -235,6 +294,45 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str) -> tup
             bad |= ~np.asarray(pc.match_substring_regex(table[n], r"^-?[0-9]*$"))
         label = None
         dense_cols = None
+    return table, label, bad, dense_cols, lines, buf, skipped
+
+
+def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str) -> tuple[_Rows, int]:
+    """Parse whole lines ``buf`` (line ``first_line`` is the first) into validated rows.
+
+    Returns the rows and the number of bad rows skipped; with ``on_bad_row="error"`` the
+    first bad row raises ValueError with file and line.
+    """
+    n_lines = buf.count(b"\n")
+    lines = np.arange(first_line, first_line + n_lines)
+    skipped = 0
+    read = pacsv.ReadOptions(column_names=list(_COLUMNS))
+
+    def line_text(i: int) -> str:
+        # only on the error path: the i-th line of the (possibly filtered) current buf
+        ends = np.flatnonzero(np.frombuffer(buf, np.uint8) == 10)
+        start = int(ends[i - 1]) + 1 if i else 0
+        return buf[start:int(ends[i])].decode("utf-8", "replace")
+
+    table = None
+    try:
+        # Fast path (the real data): every row has exactly 40 numeric/hex fields, so the
+        # block parses as is and the per-line field counting below is not needed.
+        table = pacsv.read_csv(io.BytesIO(buf), read, _PARSE, _TYPED)
+        if len(table) != n_lines:
+            table = None
+    except pa.ArrowInvalid:
+        table = None
+    if table is not None:
+        label = table[LABEL].combine_chunks()
+        bad = ~np.asarray(pc.fill_null(pc.is_in(label, pa.array([0, 1])), False))
+        dense_cols = [pc.fill_null(table[n], 0).combine_chunks() for n in DENSE_NAMES]
+    else:
+        table, label, bad, dense_cols, lines, buf, skipped = _parse_slow(
+            buf, lines, path, on_bad_row, read)
+        if table is None:
+            return _Rows(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.int64),
+                         [np.zeros(0, np.int64)] * NUM_SPARSE, lines), skipped
     cats, cat_bad = [], np.zeros(len(table), bool)
     for n in SPARSE_NAMES:
         ids, b = _parse_hex(table[n].combine_chunks())
@@ -384,9 +482,10 @@ class _SplitWriter:
             self.writer = None
 
 
-def _iter_rows(inputs: list[Path], block_bytes: int, on_bad_row: str,
-               counter: list[int]) -> Iterator[tuple[int, _Rows]]:
-    """(input index, parsed rows) per block; counter[0] accumulates skipped rows."""
+def _iter_rows(inputs: list[Path], block_bytes: int, on_bad_row: str, counter: list[int],
+               line_counts: list[int] | None = None) -> Iterator[tuple[int, _Rows]]:
+    """(input index, parsed rows) per block; counter[0] accumulates skipped rows and
+    ``line_counts`` (if given) receives each input's number of lines once it is read."""
     for i, path in enumerate(inputs):
         line = 1
         for buf in read_blocks(path, block_bytes):
@@ -394,20 +493,41 @@ def _iter_rows(inputs: list[Path], block_bytes: int, on_bad_row: str,
             counter[0] += skipped
             line += buf.count(b"\n")
             yield i, rows
+        if line == 1:
+            raise ValueError(f"{path}: empty file (no rows); remove it from the inputs")
+        if line_counts is not None:
+            line_counts.append(line - 1)
 
 
-def _split_bounds(fmt: str, inputs: list[Path], line_counts: list[int]) -> list[np.ndarray]:
-    """Per input, the 0-based line indices where validation and test start (sorted)."""
+def _check_not_empty(path: Path) -> None:
+    """Raise ValueError early for an empty input (or an unreadable gzip header)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            empty = not f.read(1)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{path}: truncated or corrupt gzip file ({e}); re-download or "
+                         f"re-compress it") from None
+    if empty:
+        raise ValueError(f"{path}: empty file (no rows); remove it from the inputs")
+
+
+def _split_bounds(fmt: str, inputs: list[Path],
+                  line_counts: list[int | None]) -> list[np.ndarray]:
+    """Per input, the 0-based line indices where validation and test start (sorted); a
+    terabyte split needs only the last input's count."""
     if fmt == "kaggle":
         total = sum(line_counts)
         train = total * 6 // 7
         val = train + (total - train) // 2
         bounds, offset = [], 0
         for n in line_counts:
+            assert n is not None
             bounds.append(np.array([train - offset, val - offset]))
             offset += n
         return bounds
     big = np.iinfo(np.int64).max
+    assert line_counts[-1] is not None
     half = line_counts[-1] // 2
     return [np.array([big, big])] * (len(inputs) - 1) + [np.array([0, half])]
 
@@ -485,8 +605,15 @@ def preprocess_criteo(
     out.mkdir(parents=True, exist_ok=True)
     (out / "dataset.json").unlink(missing_ok=True)  # a run in progress is not finished
 
-    line_counts = [count_lines(p, block_bytes) for p in paths]
-    bounds = _split_bounds(fmt, paths, line_counts)
+    # The split needs line counts before the main pass: kaggle the total, terabyte only the
+    # last day's (the other days are all train); the main pass counts every input again.
+    if fmt == "kaggle":
+        known: list[int | None] = [count_lines(p) for p in paths]
+    else:
+        for p in paths[:-1]:
+            _check_not_empty(p)
+        known = [None] * (len(paths) - 1) + [count_lines(paths[-1])]
+    bounds = _split_bounds(fmt, paths, known)
     vocab: list[np.ndarray] | None = None
     if like is not None:
         if num_embeddings_per_feature is not None or frequency_threshold is not None:
@@ -530,10 +657,11 @@ def preprocess_criteo(
     writers = [_SplitWriter(out, s, rows_per_shard, row_group_size, fingerprint)
                for s in ("train", "validation", "test")]
     skipped = [0]
-    progress = tqdm(total=sum(line_counts), unit="rows", unit_scale=True,
+    line_counts: list[int] = []
+    progress = tqdm(total=sum(known) if None not in known else None, unit="rows", unit_scale=True,
                     disable=not sys.stderr.isatty(), desc="criteo")
     try:
-        for i, rows in _iter_rows(paths, block_bytes, on_bad_row, skipped):
+        for i, rows in _iter_rows(paths, block_bytes, on_bad_row, skipped, line_counts):
             cuts = np.searchsorted(rows.lines - 1, bounds[i])
             edges = [0, int(cuts[0]), int(cuts[1]), len(rows.label)]
             for w, a, b in zip(writers, edges[:-1], edges[1:], strict=True):

@@ -222,3 +222,27 @@ def test_cli_prints_one_json_line(tmp_path: Path, capsys) -> None:
     summary = json.loads(capsys.readouterr().out)
     assert summary["rows"] == 1000 and summary["skipped"] == 0 and summary["shards"] == 4
     assert summary["rows_per_s"] > 0
+
+
+def test_hex_fast_path_matches_python_for_every_byte(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    good = [f"{v:08x}" for v in rng.integers(0, 2**32, 5000)] + ["DEADbeef", "", "00000000"]
+    ids, bad = criteo._parse_hex(pa.array(good))
+    assert not bad.any()
+    np.testing.assert_array_equal(ids, [int(h, 16) if h else 0 for h in good])
+    for pos in range(8):
+        for b in range(128):
+            s = bytearray(b"0a1B2c3D")
+            s[pos] = b
+            text = s.decode()
+            _, bad = criteo._parse_hex(pa.array([text, "", "68fd1e64"]))
+            valid = all(c in "0123456789abcdefABCDEF" for c in text)
+            assert list(bad) == [not valid, False, False], text
+
+
+def test_count_lines_counts_unterminated_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "x.tsv"
+    path.write_bytes(b"a\nb\nc")
+    assert criteo.count_lines(path) == 3
+    path.write_bytes(b"a\nb\n")
+    assert criteo.count_lines(path) == 2
