@@ -11,7 +11,6 @@ import abc
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-import torch
 from torch.utils._pytree import tree_map
 
 W = TypeVar("W")
@@ -99,7 +98,3 @@ class LazyNoWait(LazyAwaitable[W]):
 
     def _wait_impl(self) -> W:
         return self._value
-
-
-def is_tensor_like(x: Any) -> bool:
-    return isinstance(x, torch.Tensor | LazyAwaitable)

@@ -17,12 +17,14 @@ Example, 2 ranks, batch 2 each, destination rank 0 looks up feature "f":
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.comm import TensorAllToAll
+from recsys_core.distributed.types import ShardingEnv
 from recsys_core.kernels import sparse_ops
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -98,3 +100,100 @@ class SparseFeaturesAllToAll(Awaitable[KeyedJaggedTensor]):
             weights=got_weights,
             stride=world * batch,
         )
+
+
+def send_whole_bags(
+    features: KeyedJaggedTensor,
+    send_order: Sequence[int],
+    send_counts: Sequence[int],
+    recv_keys: Sequence[str],
+    env: ShardingEnv,
+    with_weights: bool,
+) -> SparseFeaturesAllToAll:
+    """All-to-all of whole bags: ``features`` permuted by ``send_order`` (repeats allowed) holds
+    ``send_counts[d]`` consecutive keys for each destination ``d``; this rank receives
+    ``recv_keys`` (table- and column-wise shards look up every id of their features)."""
+    sent = features.permute(list(send_order))
+    per_key = sent.length_per_key()
+    batch = features.stride()
+    values_per_dest, k = [], 0
+    for count in send_counts:
+        values_per_dest.append(sum(per_key[k : k + count]))
+        k += count
+    return SparseFeaturesAllToAll(
+        sent.lengths(), sent.values(), sent.weights_or_none() if with_weights else None,
+        [c * batch for c in send_counts], values_per_dest, recv_keys, batch, env.pg,
+        env.world_size,
+    )
+
+
+@dataclass
+class RowBuckets:
+    """Ids routed to the ranks owning their rows (see :func:`bucketize_by_row`)."""
+
+    exchange: SparseFeaturesAllToAll
+    orders: list[torch.Tensor]  # per feature: stable permutation grouping its ids by owner
+    ids_per_dest: list[list[int]]  # per feature: how many of its ids each rank receives
+
+
+def bucketize_by_row(
+    features: KeyedJaggedTensor,
+    starts: Sequence[torch.Tensor],
+    owners: Sequence[torch.Tensor],
+    features_per_dest: Sequence[Sequence[int]],
+    recv_keys: Sequence[str],
+    env: ShardingEnv,
+    with_weights: bool,
+) -> RowBuckets:
+    """Send each id to the rank owning its row, shifted to that shard's local rows.
+
+    ``starts[i]`` / ``owners[i]``: first row and rank of each non-empty row block of feature
+    ``i``'s table; ``features_per_dest[r]``: the features rank ``r`` looks up, in its order.
+    Within a destination, lengths are per (feature, sample) and ids keep their input order.
+    """
+    world, batch = env.world_size, features.stride()
+    values, lengths_all = features.values(), features.lengths()
+    weights_all = features.weights_or_none() if with_weights else None
+    offsets = features.offset_per_key()
+    counts, ids_split, weights_split, orders, ids_per_dest = [], [], [], [], []
+    for i in range(len(features.keys())):
+        lo, hi = offsets[i], offsets[i + 1]
+        ids = values[lo:hi]
+        first = starts[i].to(ids.device)
+        block = torch.searchsorted(first, ids, right=True) - 1
+        dest = owners[i].to(ids.device)[block]
+        sample = torch.repeat_interleave(
+            torch.arange(batch, device=ids.device),
+            lengths_all[i * batch : (i + 1) * batch].long(),
+            output_size=hi - lo,
+        )
+        counts.append(
+            torch.bincount(dest * batch + sample, minlength=world * batch).view(world, batch)
+        )
+        order = torch.argsort(dest, stable=True)
+        per_dest = torch.bincount(dest, minlength=world).tolist()
+        ids_split.append((ids - first[block].to(ids.dtype))[order].split(per_dest))
+        if weights_all is not None:
+            weights_split.append(weights_all[lo:hi][order].split(per_dest))
+        orders.append(order)
+        ids_per_dest.append(per_dest)
+
+    def gather(parts: list, empty: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            torch.cat([parts[i][r] for i in feats]) if feats else empty
+            for r, feats in enumerate(features_per_dest)
+        ]
+
+    send_lengths = [
+        t.to(lengths_all.dtype) for t in gather(counts, lengths_all.new_zeros(0))
+    ]
+    send_values = gather(ids_split, values.new_zeros(0))
+    send_weights = None
+    if weights_all is not None:
+        send_weights = torch.cat(gather(weights_split, weights_all.new_zeros(0)))
+    exchange = SparseFeaturesAllToAll(
+        torch.cat(send_lengths), torch.cat(send_values), send_weights,
+        [t.numel() for t in send_lengths], [t.numel() for t in send_values],
+        recv_keys, batch, env.pg, world,
+    )
+    return RowBuckets(exchange, orders, ids_per_dest)

@@ -23,6 +23,7 @@ from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
 from recsys_core.distributed.sharding.common import (
     ShardedTable,
     check_kernel_placement,
+    require_process_group,
     resolve_shards,
 )
 from recsys_core.distributed.sharding.sequence import (
@@ -124,6 +125,7 @@ class ShardedEmbeddingCollection(nn.Module):
             configs, EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
         )
         check_kernel_placement(plan, device)
+        require_process_group(env, "ShardedEmbeddingCollection")
         self._env, self._device = env, device
         self._need_indices = module.need_indices()
         self._embedding_names = [f for c in configs for f in c.feature_names]

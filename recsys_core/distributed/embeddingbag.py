@@ -28,6 +28,7 @@ from recsys_core.distributed.sharding.common import (
     ShardedTable,
     check_kernel_placement,
     column_permutation,
+    require_process_group,
     resolve_shards,
     select_columns,
 )
@@ -140,6 +141,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             module, EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
         )
         check_kernel_placement(plan, device)
+        require_process_group(env, "ShardedEmbeddingBagCollection")
         self._env, self._device = env, device
         self._is_weighted = module.is_weighted()
         self._embedding_names = [f for c in configs for f in c.feature_names]

@@ -12,8 +12,6 @@ from dataclasses import dataclass, fields
 from enum import Enum, unique
 from typing import Any
 
-import torch
-
 
 @unique
 class EmbOptimType(Enum):
@@ -244,15 +242,3 @@ class FusedOptimizerConfig:
                 "supported for fused embeddings"
             )
         return config
-
-
-def torch_pooling_mode(pooling_name: str) -> str:
-    """``"SUM"``/``"MEAN"`` -> the ``mode`` string of ``torch.nn.functional.embedding_bag``."""
-    return {"SUM": "sum", "MEAN": "mean"}[pooling_name]
-
-
-def check_indices_dtype(tensor: torch.Tensor, what: str) -> None:
-    if tensor.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"{what} must be int32 or int64 ids, got {tensor.dtype}; cast with .long()"
-        )

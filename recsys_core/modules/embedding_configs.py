@@ -51,15 +51,6 @@ DATA_TYPE_BITS: dict[DataType, int] = {
 }
 
 
-def data_type_to_dtype(data_type: DataType) -> torch.dtype:
-    """The torch dtype that stores a table of ``data_type`` (quantized types store bytes)."""
-    return {
-        DataType.FP32: torch.float32,
-        DataType.FP16: torch.float16,
-        DataType.BF16: torch.bfloat16,
-    }.get(data_type, torch.uint8)
-
-
 @dataclass(frozen=True)
 class BaseEmbeddingConfig:
     """Fields shared by pooled and unpooled tables.

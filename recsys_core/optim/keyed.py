@@ -8,7 +8,7 @@ of them as one, e.g. the fused embedding optimizer plus a dense optimizer for th
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -236,9 +236,3 @@ class CombinedOptimizer(KeyedOptimizer):
 
     def __repr__(self) -> str:
         return ",".join(f"{prefix}: {opt!r}" for prefix, opt in self._optims)
-
-
-def prepend_names(
-    named: Iterable[tuple[str, torch.Tensor]], prefix: str
-) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.{n}" if prefix else n: t for n, t in named}

@@ -311,3 +311,29 @@ def test_uvm_kernels_refused_for_cuda_and_exact_on_cpu() -> None:
     check_kernel_placement(plan, torch.device("cpu"))  # host memory either way: accepted
     with pytest.raises(ValueError, match="'x'.*fused_uvm_caching.*use EmbeddingComputeKernel.FUSED"):
         check_kernel_placement(plan, torch.device("cuda"))
+
+
+def test_sharding_over_several_ranks_without_process_group_is_refused() -> None:
+    ebc = EmbeddingBagCollection(CKPT_TABLES)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": table_wise(rank=1)}, 2)
+    with pytest.raises(ValueError, match="sharding over 2 ranks needs a process group"):
+        EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(2, 0))
+
+
+def bad_id_worker(rank: int, world: int) -> str:
+    ebc = EmbeddingBagCollection(CKPT_TABLES)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": table_wise(rank=1)}, world)
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
+    bad = 10 if rank == 0 else -1
+    kjt = KeyedJaggedTensor(keys=["fx", "fy"], values=torch.tensor([bad, 0]), lengths=torch.tensor([1, 1]))
+    try:
+        sharded(kjt)
+    except Exception as exc:  # the error must come before any communication, on every rank
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_sharded_bad_id_raises_before_communication() -> None:
+    r0, r1 = run_gloo(2, bad_id_worker)
+    assert r0.startswith("IdOutOfRangeError: feature 'fx': id 10 is outside [0, 10)")
+    assert r1.startswith("IdOutOfRangeError: feature 'fx': id -1 is outside [0, 10)")

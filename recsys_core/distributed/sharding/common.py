@@ -236,6 +236,17 @@ class PooledSharding(Protocol):
     ) -> Awaitable[torch.Tensor]: ...
 
 
+def require_process_group(env: ShardingEnv, module: str) -> None:
+    """Sharding over several ranks needs a process group: without one every collective would
+    degenerate to a local copy and the results would be silently wrong."""
+    if env.pg is None and env.world_size > 1:
+        raise ValueError(
+            f"{module}: sharding over {env.world_size} ranks needs a process group; build the "
+            "environment with ShardingEnv.from_process_group(pg) (from_local is for planning "
+            "and single-rank use)"
+        )
+
+
 def check_kernel_placement(plan: Mapping[str, ParameterSharding], device: torch.device) -> None:
     """On CPU every fused kernel keeps its table in host memory, so FUSED_UVM(_CACHING) equal
     FUSED. On CUDA they mean managed memory, which these kernels do not place yet: refuse rather
@@ -249,13 +260,3 @@ def check_kernel_placement(plan: Mapping[str, ParameterSharding], device: torch.
                 f"table {name!r}: compute kernel {ps.compute_kernel} (UVM) is not available for "
                 "sharded CUDA tables yet; use EmbeddingComputeKernel.FUSED"
             )
-
-
-def group_env_check(env: ShardingEnv, tables: Sequence[ShardedTable]) -> None:
-    for t in tables:
-        for sh in t.shards:
-            if not 0 <= sh.rank < env.world_size:
-                raise ValueError(
-                    f"table {t.config.name!r}: shard on rank {sh.rank} is outside the world of "
-                    f"{env.world_size} ranks; fix the plan"
-                )

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d, reduce_scatter_dim0
-from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
+from recsys_core.distributed.dist_data import bucketize_by_row
 from recsys_core.distributed.sharding.common import (
     ColumnPermutation,
     LocalKernels,
@@ -89,6 +89,10 @@ class RwPooledSharding:
             for dom in range(self._num_domains)
         ]
         self._columns = self._column_index()
+        feature_index = {f: i for i, f in enumerate(self.output_features)}
+        self._features_per_dest = [
+            [feature_index[s.feature] for s in slots] for slots in self._slots
+        ]
 
     def _column_index(self) -> ColumnPermutation | None:
         """Received blocks come domain by domain (each in feature order); map to output order."""
@@ -103,44 +107,10 @@ class RwPooledSharding:
         return column_permutation(columns)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
-        world, batch = self._env.world_size, features.stride()
-        per_dest_lengths: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        per_dest_values: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        per_dest_weights: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        weights_all = features.weights_or_none() if self._is_weighted else None
-        offsets = features.offset_per_key()
-        lengths_all = features.lengths()
-        for i in range(len(self.output_features)):
-            lo, hi = offsets[i], offsets[i + 1]
-            ids = features.values()[lo:hi]
-            lengths = lengths_all[i * batch : (i + 1) * batch]
-            block = torch.searchsorted(self._starts[i].to(ids.device), ids, right=True) - 1
-            dest = self._owners[i].to(ids.device)[block]
-            local_ids = ids - self._starts[i].to(ids.device)[block].to(ids.dtype)
-            sample = torch.repeat_interleave(
-                torch.arange(batch, device=ids.device), lengths.long(), output_size=hi - lo
-            )
-            counts = torch.bincount(dest * batch + sample, minlength=world * batch).view(world, batch)
-            order = torch.argsort(dest, stable=True)
-            per_dest = torch.bincount(dest, minlength=world).tolist()
-            ids_split = local_ids[order].split(per_dest)
-            w_split = None if weights_all is None else weights_all[lo:hi][order].split(per_dest)
-            for r in range(world):
-                if any(s.feature == self.output_features[i] for s in self._slots[r]):
-                    per_dest_lengths[r].append(counts[r].to(lengths.dtype))
-                    per_dest_values[r].append(ids_split[r])
-                    if w_split is not None:
-                        per_dest_weights[r].append(w_split[r])
-        flat_lengths = [torch.cat(x) if x else lengths_all.new_zeros(0) for x in per_dest_lengths]
-        flat_values = [torch.cat(x) if x else features.values().new_zeros(0) for x in per_dest_values]
-        weights = None
-        if weights_all is not None:
-            weights = torch.cat([torch.cat(x) if x else weights_all.new_zeros(0) for x in per_dest_weights])
-        return SparseFeaturesAllToAll(
-            torch.cat(flat_lengths), torch.cat(flat_values), weights,
-            [t.numel() for t in flat_lengths], [t.numel() for t in flat_values],
-            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg, world,
-        )
+        return bucketize_by_row(
+            features, self._starts, self._owners, self._features_per_dest,
+            [s.key for s in self._slots[self._env.rank]], self._env, self._is_weighted,
+        ).exchange
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return self.local.lookup(features, self._is_weighted)

@@ -45,7 +45,7 @@ import torch
 
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d
-from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
+from recsys_core.distributed.dist_data import bucketize_by_row, send_whole_bags
 from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
 from recsys_core.distributed.types import ShardingEnv
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
@@ -223,18 +223,9 @@ class TwSequenceSharding:
         self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
-        sent_features = features.permute(self._send_order)
-        per_key = sent_features.length_per_key()
-        batch = features.stride()
-        values_per_dest, k = [], 0
-        for count in self._send_counts:
-            values_per_dest.append(sum(per_key[k : k + count]))
-            k += count
-        ids = SparseFeaturesAllToAll(
-            sent_features.lengths(), sent_features.values(), None,
-            [c * batch for c in self._send_counts], values_per_dest,
-            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg,
-            self._env.world_size,
+        ids = send_whole_bags(
+            features, self._send_order, self._send_counts,
+            [s.key for s in self._slots[self._env.rank]], self._env, False,
         )
         local_counts = features.length_per_key()
         # a whole-table shard looks up every id of its feature: all of them come back
@@ -299,51 +290,18 @@ class RwSequenceSharding:
         ]
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
-        world, batch = self._env.world_size, features.stride()
-        offsets, values = features.offset_per_key(), features.values()
-        lengths_all = features.lengths()
-        device = values.device
-        counts: list[torch.Tensor] = []  # per feature: [world, batch] ids per (owner, sample)
-        split_ids: list[tuple[torch.Tensor, ...]] = []  # per feature: local ids per owner
-        per_owner: list[list[int]] = []  # per feature: ids per owner
-        restore: list[torch.Tensor | None] = []
-        for i in range(len(self.output_features)):
-            lo, hi = offsets[i], offsets[i + 1]
-            ids = values[lo:hi]
-            starts = self._starts[i].to(device)
-            block = torch.searchsorted(starts, ids, right=True) - 1
-            dest = self._owners[i].to(device)[block]
-            local_ids = ids - starts[block].to(ids.dtype)
-            sample = torch.repeat_interleave(
-                torch.arange(batch, device=device),
-                lengths_all[i * batch : (i + 1) * batch].long(),
-                output_size=hi - lo,
-            )
-            counts.append(
-                torch.bincount(dest * batch + sample, minlength=world * batch).view(world, batch)
-            )
-            order = torch.argsort(dest, stable=True)
-            owners = torch.bincount(dest, minlength=world).tolist()
-            per_owner.append(owners)
-            split_ids.append(local_ids[order].split(owners))
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=device)
-            restore.append(inverse)
-        send_lengths = [
-            torch.cat([counts[i][r] for i in feats]).to(lengths_all.dtype)
-            if feats else lengths_all.new_zeros(0)
-            for r, feats in enumerate(self._slot_features)
-        ]
-        send_values = [
-            torch.cat([split_ids[i][r] for i in feats]) if feats else values.new_zeros(0)
-            for r, feats in enumerate(self._slot_features)
-        ]
-        ids = SparseFeaturesAllToAll(
-            torch.cat(send_lengths), torch.cat(send_values), None,
-            [t.numel() for t in send_lengths], [t.numel() for t in send_values],
-            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg, world,
+        buckets = bucketize_by_row(
+            features, self._starts, self._owners, self._slot_features,
+            [s.key for s in self._slots[self._env.rank]], self._env, False,
         )
+        restore: list[torch.Tensor | None] = []
+        for order in buckets.orders:
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            restore.append(inverse)
+        per_owner = buckets.ids_per_dest
         sent = [[per_owner[i][r] for i in feats] for r, feats in enumerate(self._slot_features)]
+        ids = buckets.exchange
         return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
 
     def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d
-from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
+from recsys_core.distributed.dist_data import send_whole_bags
 from recsys_core.distributed.sharding.common import (
     ColumnPermutation,
     LocalKernels,
@@ -97,18 +97,9 @@ class TwPooledSharding:
         return column_permutation(columns)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
-        sent = features.permute(self._send_order)
-        per_key = sent.length_per_key()
-        batch = features.stride()
-        values_per_dest, k = [], 0
-        for count in self._send_counts:
-            values_per_dest.append(sum(per_key[k : k + count]))
-            k += count
-        return SparseFeaturesAllToAll(
-            sent.lengths(), sent.values(), sent.weights_or_none() if self._is_weighted else None,
-            [c * batch for c in self._send_counts], values_per_dest,
-            [s.key for s in self._slots[self._env.rank]], batch, self._env.pg,
-            self._env.world_size,
+        return send_whole_bags(
+            features, self._send_order, self._send_counts,
+            [s.key for s in self._slots[self._env.rank]], self._env, self._is_weighted,
         )
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
