@@ -7,6 +7,7 @@ KeyedTensor in the unsharded module's key order. ``forward`` returns a LazyAwait
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -185,6 +186,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             [start[f] + d for f in self._embedding_names for d in range(dims[f])]
         )
         self._tables = tables
+        self._prefetched: deque[tuple[KeyedJaggedTensor, ShardedInputs]] = deque()
         self._fused_optimizer = self._build_optimizer(optimizer)
         self._register_state_dict_hook(_export_tables)
         self._register_load_state_dict_pre_hook(_import_tables, with_module=True)
@@ -279,7 +281,26 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ]
         return EmbeddingBagCollectionAwaitable(parts, self._embedding_names, self._dims, self._columns)
 
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start the input dist of ``features`` now; the forward that later receives this same
+        KJT object uses it instead of starting another (the train pipeline calls this one batch
+        ahead, so the ids' all-to-all overlaps the current batch's compute).
+
+        Every rank must prefetch the same batches in the same order (collectives match in
+        issue order); :meth:`drop_prefetched` waits for and discards unused ones.
+        """
+        self._prefetched.append((features, self.input_dist(features)))
+
+    def drop_prefetched(self) -> None:
+        """Finish and discard prefetched input dists no forward consumed."""
+        while self._prefetched:
+            _, inputs = self._prefetched.popleft()
+            for awaitable in inputs:
+                awaitable.wait()
+
     def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
+        if self._prefetched and self._prefetched[0][0] is features:
+            return self.compute_and_output_dist(features, self._prefetched.popleft()[1])
         return self.compute_and_output_dist(features, self.input_dist(features))
 
 

@@ -155,6 +155,13 @@ class DistributedModelParallel(nn.Module):
         return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
 
     @property
+    def data_parallel(self) -> DistributedDataParallel | None:
+        """The DDP wrapper of the dense part (None on one rank or without dense parameters),
+        e.g. to register a comm hook."""
+        wrapped = self._dmp_wrapped_module
+        return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+    @property
     def plan(self) -> ShardingPlan:
         return self._plan
 

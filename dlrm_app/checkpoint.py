@@ -1,0 +1,114 @@
+"""Atomic training checkpoints on top of ``recsys_core.distributed.checkpoint`` (DCP).
+
+Layout of ``<run>/checkpoints/``::
+
+    step_00000100/          a complete checkpoint (DCP's files, one per rank, + .metadata)
+    step_00000200.partial/  a save in progress, or one a crash interrupted (never loaded)
+    latest                  "step_00000200": the newest complete checkpoint
+
+Every rank writes its shards into ``step_N.partial``; after a barrier rank 0 renames it to
+``step_N`` (an atomic directory rename) and then replaces ``latest`` (write + rename). A crash
+at any point leaves ``latest`` naming the previous complete checkpoint. With several nodes the
+run directory must be on a file system every node sees.
+
+A checkpoint holds the model (sharded tables as ShardedTensors, dense weights), the combined
+optimizer (fused table state such as Adagrad accumulators, and the dense optimizer), and
+``extra``: step, loader position, RNG state. DCP reshards on load, so a checkpoint written by N
+ranks loads on M.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from recsys_core.distributed import checkpoint as dcp_checkpoint
+
+LATEST = "latest"
+PARTIAL = ".partial"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``checkpoint_dir``, or None."""
+    root = Path(checkpoint_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if (path / ".metadata").is_file():
+            return path
+    # no pointer (or a stale one): the highest complete step directory
+    complete = sorted(p for p in root.glob("step_*")
+                      if not p.name.endswith(PARTIAL) and (p / ".metadata").is_file())
+    return complete[-1] if complete else None
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: Any,
+    extra: Mapping[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Collective: every rank calls it at the same step. Returns the checkpoint's directory."""
+    root = Path(checkpoint_dir)
+    final = root / step_dir_name(step)
+    partial = root / (final.name + PARTIAL)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial.exists():
+            shutil.rmtree(partial)  # left by a crash during an earlier save of this step
+    _barrier()
+    dcp_checkpoint.save(str(partial), model=model, optimizer=optimizer, extra=extra)
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(final.name + "\n")
+        tmp.replace(root / LATEST)
+        _prune(root, keep, final)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep: int, newest: Path) -> None:
+    complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(PARTIAL))
+    for old in complete[:-keep]:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(f"step_*{PARTIAL}"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: str | Path, *, model: nn.Module, optimizer: Any | None,
+    extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Load ``path`` into ``model`` and ``optimizer`` in place; returns the saved extras
+    (``extra`` names the keys to read, with template values of the right type)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no .metadata); pass a "
+                         f"step_* directory or the run directory to resume from its newest one")
+    return dcp_checkpoint.load(str(path), model=model, optimizer=optimizer, extra=extra)

@@ -1,0 +1,165 @@
+"""Typed training configuration (the CLI's flags become one ``TrainConfig``).
+
+A run directory holds ``config.json`` (this config), ``metrics.jsonl``, ``plan.json`` and
+``checkpoints/``. ``TrainConfig.from_json`` is strict: unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+from dlrm_app.model import Interaction, ModelConfig
+
+
+class EmbeddingOptimizer(enum.Enum):
+    """The fused optimizer of the embedding tables (applied inside backward)."""
+
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+
+
+class DenseOptimizer(enum.Enum):
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    ADAM = "adam"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything ``dlrm-app train`` needs; each field is one flag."""
+
+    data: str
+    """Dataset directory (``dataset.json`` + Parquet shards)."""
+    out: str
+    """Run directory: config, metrics log, plan, checkpoints."""
+    model: ModelConfig = ModelConfig()
+    """Layer sizes and interaction."""
+    epochs: int = 1
+    """Passes over the train split."""
+    max_steps: int | None = None
+    """Stop after this many steps in total (over epochs); None: run all epochs."""
+    batch_size: int = 2048
+    """Rows per rank per step (the global batch is ``batch_size * world_size``)."""
+    embedding_optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD
+    embedding_learning_rate: float = 0.05
+    dense_optimizer: DenseOptimizer = DenseOptimizer.ADAGRAD
+    learning_rate: float = 0.01
+    """Dense learning rate."""
+    eps: float = 1e-8
+    """Adagrad / Adam epsilon (embedding and dense)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up from 0 over this many steps (reference DLRM ``--lr-num-warmup-steps``)."""
+    lr_decay_start: int = 0
+    """Step where the polynomial (power 2) decay starts; 0 with ``lr_decay_steps=0``: none."""
+    lr_decay_steps: int = 0
+    """Length of the decay; afterwards the rates stay at ``MIN_LR_SCALE`` times their base."""
+    pipelined: bool = True
+    """Overlap the next batch's copy and sparse all-to-all with this batch (False: plain loop,
+    same results, easier to debug)."""
+    amp: bool = False
+    """bfloat16 autocast of the dense part on CUDA (ignored on CPU)."""
+    seed: int = 0
+    validate_every: int = 0
+    """Validate every N steps (0: only at the end of each epoch)."""
+    val_batches: int = 0
+    """Cap on validation batches per rank (0: the whole validation split)."""
+    target_auc: float | None = None
+    """Stop once validation AUC reaches this."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (older ones are deleted)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``out/checkpoints``."""
+    plan: str | None = None
+    """A saved ``plan.json`` to use instead of planning."""
+    log_every: int = 50
+    """Steps between metrics-log lines."""
+    shuffle: bool = True
+    """Shuffle the train split's row groups per (seed, epoch)."""
+
+    def __post_init__(self) -> None:
+        positive = ("epochs", "batch_size", "keep_checkpoints", "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
+        for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps", "validate_every",
+                     "val_batches", "save_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0, got {value!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+        for name in ("learning_rate", "embedding_learning_rate", "eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.target_auc is not None and not 0.5 < self.target_auc <= 1.0:
+            raise ValueError(f"--target-auc must be in (0.5, 1], got {self.target_auc}")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        def plain(value: Any) -> Any:
+            if isinstance(value, enum.Enum):
+                return value.value
+            if isinstance(value, tuple):
+                return list(value)
+            return value
+
+        out = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["model"] = {f.name: plain(getattr(self.model, f.name))
+                        for f in dataclasses.fields(self.model)}
+        return out
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any], where: str = "config") -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+        model = dict(data.get("model", {}))
+        model_names = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(model) - model_names)
+        if unknown:
+            raise ValueError(f"{where}: unknown model key(s) {unknown}; known: {sorted(model_names)}")
+        for key in ("dense_arch_layer_sizes", "over_arch_layer_sizes"):
+            if key in model:
+                model[key] = tuple(model[key])
+        if "interaction" in model:
+            model["interaction"] = Interaction(model["interaction"])
+        values = dict(data)
+        values["model"] = ModelConfig(**model)
+        if "embedding_optimizer" in values:
+            values["embedding_optimizer"] = EmbeddingOptimizer(values["embedding_optimizer"])
+        if "dense_optimizer" in values:
+            values["dense_optimizer"] = DenseOptimizer(values["dense_optimizer"])
+        return cls(**values)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json_dict(), indent=2) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> TrainConfig:
+        return cls.from_json_dict(json.loads(path.read_text()), where=str(path))
+
+
+def lr_scale(step: int, warmup: int, decay_start: int, decay_steps: int) -> float:
+    """The reference DLRM's schedule: linear warm-up, constant, then polynomial (power 2) decay
+    to ``MIN_LR_SCALE`` over ``decay_steps`` from ``decay_start``, and that floor afterwards."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if decay_steps and step >= decay_start:
+        done = step - decay_start
+        if done >= decay_steps:
+            return MIN_LR_SCALE
+        return max(MIN_LR_SCALE, ((decay_steps - done) / decay_steps) ** 2)
+    return 1.0
+
+
+MIN_LR_SCALE = 1e-7

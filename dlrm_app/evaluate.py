@@ -1,0 +1,58 @@
+"""``dlrm-app evaluate``: metrics of a trained checkpoint on a split, on any number of ranks.
+
+The model is rebuilt from the run's ``config.json``, sharded for the current world (the
+checkpoint reshards on load) and evaluated with ``BinaryClassificationMetrics``, which gathers
+every prediction: the numbers are the same for 1 and N ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dlrm_app.checkpoint import latest_checkpoint, load_checkpoint
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.train import build_model, evaluate_model, init_distributed, world
+
+
+def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
+                       data: str | None = None) -> tuple[Any, TrainConfig, DatasetSpec, Path]:
+    """(sharded model with the checkpoint's weights, its config, dataset spec, checkpoint)."""
+    run = Path(run)
+    config_path = run / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{run} is not a run directory (no config.json); pass the --out of "
+                         f"`dlrm-app train`")
+    config = TrainConfig.load(config_path)
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
+    if path is None:
+        raise ValueError(f"{run}/checkpoints has no complete checkpoint; train first or pass "
+                         f"--checkpoint")
+    device = init_distributed()
+    spec = DatasetSpec.load(data or config.data)
+    trained = DatasetSpec.load(config.data) if data else spec
+    if [(f.name, f.num_embeddings) for f in spec.sparse_features] != [
+            (f.name, f.num_embeddings) for f in trained.sparse_features]:
+        raise ValueError(f"dataset {data} has other sparse features or table sizes than the "
+                         f"one the model was trained on ({config.data}); encode it with "
+                         f"`dlrm-app preprocess ... --like {config.data}`")
+    config_for_eval = TrainConfig.from_json_dict({**config.to_json_dict(), "plan": None})
+    model = build_model(config_for_eval, spec, device)
+    load_checkpoint(path, model=model, optimizer=None, extra={})
+    return model, config, spec, path
+
+
+def evaluate_checkpoint(run: str | Path, *, split: str = "test",
+                        checkpoint: str | Path | None = None, data: str | None = None,
+                        batch_size: int = 8192) -> dict[str, Any]:
+    """Metrics of the run's (newest or given) checkpoint on ``split``."""
+    model, config, spec, path = load_trained_model(run, checkpoint, data)
+    rank, world_size = world()
+    loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
+                           world_size=world_size, drop_last=False)
+    metrics = evaluate_model(model, loader, init_distributed())
+    return {"split": split, "checkpoint": str(path), "world_size": world_size, **metrics,
+            "teacher_auc": spec.parameters.get("teacher_auc", {}).get(split)
+            if isinstance(spec.parameters.get("teacher_auc"), dict) else None}

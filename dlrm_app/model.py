@@ -1,0 +1,304 @@
+"""The DLRM model: dense arch, sparse arch, interaction (dot or DCN-v2), over arch.
+
+Shapes for a batch of ``B`` rows, ``F`` sparse features of embedding dim ``D`` and ``N`` dense
+features (the reference DLRM layout)::
+
+    dense [B, N] --DenseArch (bottom MLP, ReLU, last size D)--> d [B, D]
+    sparse KJT   --SparseArch (EmbeddingBagCollection, SUM)--> e [B, F, D]
+    dot:  z = [d, e_1..e_F] as [B, F+1, D];  z z^T's F(F+1)/2 pairs above the diagonal
+          -> [d, pairs]                                     [B, D + F(F+1)/2]
+    dcn:  x0 = [d, e_1..e_F] flattened                     [B, (F+1)D]
+          x_{l+1} = x0 * (W_l (V_l x_l) + b_l) + x_l       (low-rank cross layers, rank r)
+    OverArch (top MLP, ReLU except the last layer, which gives 1 logit)   -> [B, 1]
+
+``build_dlrm(spec, config, device)`` builds it from a dataset's ``dataset.json``: one table per
+sparse feature (``t_<feature>``, ``num_embeddings`` from the dataset). Build on
+``device="meta"`` and let ``DistributedModelParallel`` materialize it: tables are then allocated
+only as shards, and :func:`init_embedding_tables` fills them so that the same seed gives the same
+weights under any plan and world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from dlrm_app.data.schema import DatasetSpec
+from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection
+from recsys_core.sparse import KeyedJaggedTensor
+
+
+class Interaction(enum.Enum):
+    DOT = "dot"
+    DCN = "dcn"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Layer sizes of a DLRM (defaults: the reference DLRM's Criteo configuration)."""
+
+    embedding_dim: int = 128
+    """Width of every embedding table (and of the bottom MLP's output)."""
+    dense_arch_layer_sizes: tuple[int, ...] = (512, 256, 128)
+    """Bottom MLP; the last size must equal ``embedding_dim``."""
+    over_arch_layer_sizes: tuple[int, ...] = (1024, 1024, 512, 256, 1)
+    """Top MLP; the last size must be 1 (one logit)."""
+    interaction: Interaction = Interaction.DOT
+    """``dot``: pairwise dot products (DLRM paper); ``dcn``: DCN-v2 low-rank cross network."""
+    dcn_num_layers: int = 3
+    """Cross layers (``dcn`` only)."""
+    dcn_low_rank_dim: int = 512
+    """Rank of each cross layer's weight (``dcn`` only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("embedding_dim", "dcn_num_layers", "dcn_low_rank_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("dense_arch_layer_sizes", "over_arch_layer_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                for s in sizes):
+                raise ValueError(f"ModelConfig.{name} must be a non-empty tuple of positive "
+                                 f"ints, got {sizes!r}")
+        if self.dense_arch_layer_sizes[-1] != self.embedding_dim:
+            raise ValueError(
+                f"the bottom MLP's last layer ({self.dense_arch_layer_sizes[-1]}) must equal "
+                f"the embedding dim ({self.embedding_dim}): its output is interacted with the "
+                "embeddings; change --dense-arch-layer-sizes or --embedding-dim")
+        if self.over_arch_layer_sizes[-1] != 1:
+            raise ValueError(f"the top MLP's last layer must be 1 (one logit), got "
+                             f"{self.over_arch_layer_sizes!r}")
+        if not isinstance(self.interaction, Interaction):
+            raise ValueError(f"ModelConfig.interaction must be an Interaction, got "
+                             f"{self.interaction!r}")
+
+
+def _mlp(in_features: int, sizes: tuple[int, ...], device: torch.device | str | None,
+         last_activation: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, out in enumerate(sizes):
+        layers.append(nn.Linear(in_features, out, device=device))
+        if last_activation or i < len(sizes) - 1:
+            layers.append(nn.ReLU())
+        in_features = out
+    return nn.Sequential(*layers)
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP: ``[B, N] -> [B, D]``, ReLU after every layer."""
+
+    def __init__(self, in_features: int, layer_sizes: tuple[int, ...],
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.model = _mlp(in_features, layer_sizes, device, last_activation=True)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
+
+
+class SparseArch(nn.Module):
+    """Pooled embeddings as ``[B, F, D]`` (features in the collection's key order)."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.embedding_bag_collection = embedding_bag_collection
+        configs = embedding_bag_collection.embedding_bag_configs()
+        dims = {c.embedding_dim for c in configs}
+        if len(dims) != 1:
+            raise ValueError(f"DLRM needs one embedding dim for every table, got {sorted(dims)}")
+        self.embedding_dim = dims.pop()
+        self.feature_names = [f for c in configs for f in c.feature_names]
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.embedding_bag_collection(features)  # a KeyedTensor (lazily, when sharded)
+        return pooled.values().view(-1, len(self.feature_names), self.embedding_dim)
+
+
+class InteractionArch(nn.Module):
+    """Dot interaction: the dense vector, then every pairwise dot product of
+    ``[dense, e_1, ..., e_F]`` above the diagonal: ``[B, D + F(F+1)/2]``."""
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        rows, cols = torch.triu_indices(num_sparse_features + 1, num_sparse_features + 1, 1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    def output_dim(self, embedding_dim: int) -> int:
+        return embedding_dim + self.rows.numel()
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)
+        products = torch.bmm(combined, combined.transpose(1, 2))
+        return torch.cat([dense, products[:, self.rows, self.cols]], dim=1)
+
+
+class LowRankCrossNet(nn.Module):
+    """DCN-v2 cross layers with low-rank weights: ``x_{l+1} = x0 * (W_l (V_l x_l) + b_l) + x_l``."""
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.V = nn.ModuleList(nn.Linear(in_features, low_rank, bias=False, device=device)
+                               for _ in range(num_layers))
+        self.W = nn.ModuleList(nn.Linear(low_rank, in_features, bias=True, device=device)
+                               for _ in range(num_layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for v, w in zip(self.V, self.W, strict=True):
+            x = x0 * w(v(x)) + x
+        return x
+
+
+class InteractionDCNArch(nn.Module):
+    """DCN interaction: the cross network over ``[dense, e_1, ..., e_F]`` flattened."""
+
+    def __init__(self, num_sparse_features: int, embedding_dim: int, num_layers: int,
+                 low_rank: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.crossnet = LowRankCrossNet((num_sparse_features + 1) * embedding_dim, num_layers,
+                                        low_rank, device)
+
+    def output_dim(self, embedding_dim: int) -> int:
+        return self.crossnet.W[0].out_features
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        combined = torch.cat([dense.unsqueeze(1), sparse], dim=1).flatten(1)
+        return self.crossnet(combined)
+
+
+class OverArch(nn.Module):
+    """Top MLP: ReLU after every layer but the last, which gives one logit per row."""
+
+    def __init__(self, in_features: int, layer_sizes: tuple[int, ...],
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.model = _mlp(in_features, layer_sizes, device, last_activation=False)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
+
+
+class DLRM(nn.Module):
+    """Deep Learning Recommendation Model (Naumov et al. 2019), optionally with DCN-v2.
+
+    ``forward(dense_features [B, N], sparse_features KJT) -> logits [B, 1]`` (before sigmoid).
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: tuple[int, ...],
+        over_arch_layer_sizes: tuple[int, ...],
+        interaction: Interaction = Interaction.DOT,
+        dcn_num_layers: int = 3,
+        dcn_low_rank_dim: int = 512,
+        dense_device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.sparse_arch = SparseArch(embedding_bag_collection)
+        dim = self.sparse_arch.embedding_dim
+        if dense_arch_layer_sizes[-1] != dim:
+            raise ValueError(f"the bottom MLP's last layer ({dense_arch_layer_sizes[-1]}) must "
+                             f"equal the embedding dim ({dim})")
+        num_sparse = len(self.sparse_arch.feature_names)
+        self.dense_arch = DenseArch(dense_in_features, tuple(dense_arch_layer_sizes),
+                                    dense_device)
+        self.inter_arch: InteractionArch | InteractionDCNArch
+        if interaction is Interaction.DOT:
+            self.inter_arch = InteractionArch(num_sparse)
+        else:
+            self.inter_arch = InteractionDCNArch(num_sparse, dim, dcn_num_layers,
+                                                 dcn_low_rank_dim, dense_device)
+        self.over_arch = OverArch(self.inter_arch.output_dim(dim), tuple(over_arch_layer_sizes),
+                                  dense_device)
+
+    def forward(self, dense_features: torch.Tensor,
+                sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        embedded_dense = self.dense_arch(dense_features)
+        embedded_sparse = self.sparse_arch(sparse_features)
+        return self.over_arch(self.inter_arch(embedded_dense, embedded_sparse))
+
+
+def table_name(feature: str) -> str:
+    """The embedding table of a sparse feature."""
+    return f"t_{feature}"
+
+
+def build_dlrm(spec: DatasetSpec, config: ModelConfig,
+               device: torch.device | str = "meta") -> DLRM:
+    """A DLRM for the dataset ``spec``: one SUM-pooled table per sparse feature."""
+    tables = [
+        EmbeddingBagConfig(name=table_name(f.name), embedding_dim=config.embedding_dim,
+                           num_embeddings=f.num_embeddings, feature_names=[f.name],
+                           pooling=PoolingType.SUM)
+        for f in spec.sparse_features
+    ]
+    return DLRM(
+        EmbeddingBagCollection(tables=tables, device=torch.device(device)),
+        dense_in_features=len(spec.dense_features),
+        dense_arch_layer_sizes=config.dense_arch_layer_sizes,
+        over_arch_layer_sizes=config.over_arch_layer_sizes,
+        interaction=config.interaction,
+        dcn_num_layers=config.dcn_num_layers,
+        dcn_low_rank_dim=config.dcn_low_rank_dim,
+        dense_device=device,
+    )
+
+
+INIT_BLOCK_ROWS = 4096
+"""Rows per independently seeded block in :func:`init_embedding_tables`."""
+
+
+def _block_seed(seed: int, table: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{table}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def fill_table_region(weight: torch.Tensor, table: str, num_rows: int, dim: int,
+                      row_offset: int, col_offset: int, seed: int) -> None:
+    """Fill ``weight`` (the rows ``row_offset:+rows``, columns ``col_offset:+cols`` of table
+    ``table`` of shape ``[num_rows, dim]``) with ``U(-sqrt(1/num_rows), sqrt(1/num_rows))``
+    values that depend only on (seed, table, row, column), never on how the table is cut."""
+    rows, cols = weight.shape
+    bound = math.sqrt(1.0 / num_rows)
+    first, last = row_offset // INIT_BLOCK_ROWS, (row_offset + rows - 1) // INIT_BLOCK_ROWS
+    with torch.no_grad():
+        for block in range(first, last + 1):
+            start = block * INIT_BLOCK_ROWS
+            count = min(INIT_BLOCK_ROWS, num_rows - start)
+            gen = torch.Generator().manual_seed(_block_seed(seed, table, block))
+            values = torch.empty(count, dim).uniform_(-bound, bound, generator=gen)
+            lo, hi = max(start, row_offset), min(start + count, row_offset + rows)
+            weight[lo - row_offset : hi - row_offset].copy_(
+                values[lo - start : hi - start, col_offset : col_offset + cols])
+
+
+def init_embedding_tables(model: nn.Module, seed: int) -> None:
+    """Initialize every table of every (sharded or plain) EmbeddingBagCollection in ``model``
+    independently of the sharding plan: the same seed gives the same table on any world size."""
+    for module in model.modules():
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            configs = {t.config.name: t.config for t in module.sharded_tables()}
+            for name, shards in module.table_shards().items():
+                c = configs[name]
+                for s in shards:
+                    if s.spec.rows and s.spec.cols:
+                        fill_table_region(s.weight, name, c.num_embeddings, c.embedding_dim,
+                                          s.spec.row_offset, s.spec.col_offset, seed)
+        elif isinstance(module, EmbeddingBagCollection):
+            for c in module.embedding_bag_configs():
+                weight = module.embedding_bags[c.name].weight
+                if not weight.is_meta:
+                    fill_table_region(weight, c.name, c.num_embeddings, c.embedding_dim, 0, 0,
+                                      seed)
