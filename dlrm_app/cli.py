@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dlrm_app import cli_train
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.movielens import preprocess_movielens
 from dlrm_app.data.synthetic import generate
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     ml.add_argument("--row-group-size", type=int, default=65_536,
                     help="rows per Parquet row group")
     ml.set_defaults(func=_cmd_preprocess_movielens)
+    cli_train.add_commands(sub)
     return parser
 
 

@@ -121,7 +121,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=_cmd_train)
 
     ev = sub.add_parser("evaluate", help="AUC, NE, logloss... of a checkpoint on a split")
-    ev.add_argument("--run", required=True, help="run directory written by `dlrm-app train`")
+    ev.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
     ev.add_argument("--checkpoint", default=None,
                     help="a step_* directory (default: the run's newest checkpoint)")
     ev.add_argument("--split", choices=("train", "validation", "test"), default="test")

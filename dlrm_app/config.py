@@ -99,6 +99,12 @@ class TrainConfig:
         for name in ("learning_rate", "embedding_learning_rate", "eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not isinstance(self.embedding_optimizer, EmbeddingOptimizer):
+            raise ValueError(f"embedding_optimizer must be an EmbeddingOptimizer, got "
+                             f"{self.embedding_optimizer!r}")
+        if not isinstance(self.dense_optimizer, DenseOptimizer):
+            raise ValueError(f"dense_optimizer must be a DenseOptimizer, got "
+                             f"{self.dense_optimizer!r}")
         if self.target_auc is not None and not 0.5 < self.target_auc <= 1.0:
             raise ValueError(f"--target-auc must be in (0.5, 1], got {self.target_auc}")
 

@@ -51,7 +51,7 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
     model, config, spec, path = load_trained_model(run, checkpoint, data)
     rank, world_size = world()
     loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
-                           world_size=world_size, drop_last=False)
+                           world_size=world_size, drop_last=False, pad_last=True)
     metrics = evaluate_model(model, loader, init_distributed())
     return {"split": split, "checkpoint": str(path), "world_size": world_size, **metrics,
             "teacher_auc": spec.parameters.get("teacher_auc", {}).get(split)

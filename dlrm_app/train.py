@@ -79,9 +79,11 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def _sum_allreduce_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket
-                        ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: sum gradients over ranks (the default averages); see the module docs."""
+def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: sum gradients over ranks (the default averages); see the module docs.
+
+    Unannotated on purpose: DDP rejects annotations that are not literally ``dist.GradBucket``,
+    and ``from __future__ import annotations`` turns them into strings."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -197,7 +199,8 @@ def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
             batch = batch.to(device, non_blocking=True)
             with autocast:
                 logits = dmp(batch.dense, batch.sparse).squeeze(1)
-            metrics.update(logits.float(), batch.labels)
+            valid = len(batch.labels) if batch.valid_rows is None else batch.valid_rows
+            metrics.update(logits[:valid].float(), batch.labels[:valid])
     dmp.train(was_training)
     return metrics.compute()
 
@@ -272,7 +275,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                                  world_size=world_size, shuffle=config.shuffle, seed=config.seed,
                                  drop_last=True)
     val_loader = ParquetLoader(config.data, "validation", batch_size=config.batch_size,
-                               rank=rank, world_size=world_size, drop_last=False)
+                               rank=rank, world_size=world_size, drop_last=False,
+                               pad_last=True)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise ValueError(f"the train split of {config.data} has fewer than --batch-size "

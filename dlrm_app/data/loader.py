@@ -16,6 +16,11 @@ computes every rank's row count from the Parquet metadata alone, so all ranks ag
 communicating on the number of batches per epoch:
 
     drop_last=True   num_batches = min over ranks of floor(rows_r / batch_size)
+    pad_last=True    num_batches = max over ranks of ceil(rows_r / batch_size); every batch
+                     has exactly batch_size rows, the missing ones are padding rows (dense 0,
+                     empty bags, label 0) at the end, counted out by ``Batch.valid_rows``.
+                     Every row of the split is yielded exactly once: use it for evaluation
+                     (sharded modules need the same batch size on every rank).
     drop_last=False  num_batches = min over ranks of ceil(rows_r / batch_size); a rank's last
                      batch may then be shorter than ``batch_size`` (and differ between ranks)
 
@@ -71,6 +76,8 @@ class Batch:
     """Keys are the sparse feature names in dataset.json order; int64 values, int32 lengths."""
     labels: torch.Tensor
     """``[B]`` float32."""
+    valid_rows: int | None = None
+    """A padded batch (``pad_last``): only the first ``valid_rows`` rows are real. None: all."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """A copy with every tensor on ``device``."""
@@ -78,12 +85,13 @@ class Batch:
             dense=self.dense.to(device, non_blocking=non_blocking),
             sparse=self.sparse.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
+            valid_rows=self.valid_rows,
         )
 
     def pin_memory(self) -> Batch:
         """A copy in page-locked host memory, so ``to(cuda, non_blocking=True)`` overlaps."""
         return Batch(dense=self.dense.pin_memory(), sparse=self.sparse.pin_memory(),
-                     labels=self.labels.pin_memory())
+                     labels=self.labels.pin_memory(), valid_rows=self.valid_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +151,7 @@ class ParquetLoader:
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = True,
+        pad_last: bool = False,
         prefetch: int = 2,
         epoch: int = 0,
     ) -> None:
@@ -167,7 +176,11 @@ class ParquetLoader:
         self.world_size = world_size
         self.shuffle = shuffle
         self.seed = seed
+        if pad_last and drop_last:
+            raise ValueError("pad_last=True pads the last batches instead of dropping them: "
+                             "pass drop_last=False with it")
         self.drop_last = drop_last
+        self.pad_last = pad_last
         self.prefetch = prefetch
         self.keys = [f.name for f in self.spec.sparse_features]
         self._columns = [self.spec.label, DENSE_COLUMN, *self.keys]
@@ -213,7 +226,9 @@ class ParquetLoader:
         order = self._epoch_order(epoch)
         per_rank = [sum(g.rows for g in order[r::self.world_size])
                     for r in range(self.world_size)]
-        if self.drop_last:
+        if self.pad_last:
+            count = max(math.ceil(rows / self.batch_size) for rows in per_rank)
+        elif self.drop_last:
             count = min(rows // self.batch_size for rows in per_rank)
         else:
             count = min(math.ceil(rows / self.batch_size) for rows in per_rank)
@@ -287,20 +302,27 @@ class ParquetLoader:
                         labels=labels.to_numpy(zero_copy_only=False).astype(np.float32),
                         lengths=lengths, offsets=offsets, values=values)
 
-    def _make_batch(self, pieces: list[tuple[_Decoded, int, int]]) -> Batch:
-        """Rows ``[a, b)`` of each decoded row group, concatenated (copies: batches own memory)."""
-        dense = np.concatenate([d.dense[a:b] for d, a, b in pieces])
-        labels = np.concatenate([d.labels[a:b] for d, a, b in pieces])
-        lengths = np.concatenate([d.lengths[:, a:b] for d, a, b in pieces], axis=1)
+    def _make_batch(self, pieces: list[tuple[_Decoded, int, int]], pad: bool = False) -> Batch:
+        """Rows ``[a, b)`` of each decoded row group, concatenated (copies: batches own memory);
+        with ``pad``, padding rows up to ``batch_size``."""
+        valid = sum(b - a for _, a, b in pieces)
+        padding = self.batch_size - valid if pad else 0
+        n_sparse = len(self.keys)
+        dense = np.concatenate([d.dense[a:b] for d, a, b in pieces]
+                               + [np.zeros((padding, self._n_dense), np.float32)])
+        labels = np.concatenate([d.labels[a:b] for d, a, b in pieces]
+                                + [np.zeros(padding, np.float32)])
+        lengths = np.concatenate([d.lengths[:, a:b] for d, a, b in pieces]
+                                 + [np.zeros((n_sparse, padding), np.int32)], axis=1)
         values = np.concatenate([
             d.values[k][d.offsets[k][a]:d.offsets[k][b]]
-            for k in range(len(self.keys)) for d, a, b in pieces])
+            for k in range(n_sparse) for d, a, b in pieces] + [np.zeros(0, np.int64)])
         sparse = KeyedJaggedTensor(
             keys=self.keys, values=torch.from_numpy(values),
             lengths=torch.from_numpy(lengths.ravel()), stride=labels.shape[0],
             length_per_key=lengths.sum(axis=1).tolist())
         return Batch(dense=torch.from_numpy(dense), sparse=sparse,
-                     labels=torch.from_numpy(labels))
+                     labels=torch.from_numpy(labels), valid_rows=valid if pad else None)
 
     def _generate(self, epoch: int, skip_batches: int) -> Iterator[Batch]:
         """This rank's batches of ``epoch`` from batch ``skip_batches`` on (no thread)."""
@@ -331,7 +353,11 @@ class ParquetLoader:
                     remaining -= 1
                     pending, pending_rows = [], 0
         if remaining > 0 and pending_rows:  # drop_last=False: the short final batch
-            yield self._make_batch(pending)
+            yield self._make_batch(pending, pad=self.pad_last)
+            remaining -= 1
+        while self.pad_last and remaining > 0:  # this rank ran out before the others
+            yield self._make_batch([], pad=True)
+            remaining -= 1
 
     def __iter__(self) -> Iterator[Batch]:
         epoch, skip = self._epoch, self._resume_from

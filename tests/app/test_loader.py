@@ -107,6 +107,31 @@ def test_ranks_disjoint_balanced_and_cover(data: Path, world_size: int, shuffle:
     assert dropped == 4800 - world_size * len(per_rank[0]) * B
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pad_last_yields_every_row_once(data: Path, world_size: int) -> None:
+    per_rank = [list(ParquetLoader(data, "train", batch_size=B, rank=r, world_size=world_size,
+                                   drop_last=False, pad_last=True, shuffle=True, seed=1))
+                for r in range(world_size)]
+    assert len({len(batches) for batches in per_rank}) == 1  # same count on every rank
+    seen: list[Row] = []
+    for batches in per_rank:
+        for batch in batches:
+            assert batch.labels.shape[0] == batch.dense.shape[0] == batch.sparse.stride() == B
+            valid = B if batch.valid_rows is None else batch.valid_rows  # None: all real
+            assert 0 <= valid <= B
+            rows = _batch_rows(batch)
+            seen += rows[:valid]
+            # padding: label 0, dense zeros, empty bags
+            assert all(r[0] == 0 and set(r[1]) <= {0.0} and all(ids == () for ids in r[2:])
+                       for r in rows[valid:])
+    assert sorted(seen) == sorted(_file_rows(data))  # each of the 4800 rows exactly once
+
+
+def test_pad_last_needs_drop_last_false(data: Path) -> None:
+    with pytest.raises(ValueError, match="pass drop_last=False"):
+        ParquetLoader(data, "train", batch_size=B, pad_last=True)
+
+
 def test_deterministic_per_seed_and_epoch(data: Path) -> None:
     def run(epoch: int, seed: int = 7) -> list[Batch]:
         return list(ParquetLoader(data, "train", batch_size=B, shuffle=True, seed=seed,

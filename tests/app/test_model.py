@@ -1,0 +1,144 @@
+"""DLRM model: interaction arithmetic by hand, the whole forward against plain PyTorch, configs,
+and plan-independent table initialization."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlrm_app.data.schema import DatasetKind, DatasetSpec, SparseFeature, SplitSpec
+from dlrm_app.model import (
+    DLRM,
+    Interaction,
+    InteractionArch,
+    InteractionDCNArch,
+    ModelConfig,
+    build_dlrm,
+    fill_table_region,
+    init_embedding_tables,
+)
+from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+
+def test_dot_interaction_by_hand() -> None:
+    dense = torch.tensor([[1.0, 2.0], [0.0, 1.0]])
+    sparse = torch.tensor([[[1.0, 0.0], [3.0, 1.0]],
+                           [[2.0, 2.0], [-1.0, 1.0]]])  # [B=2, F=2, D=2]
+    out = InteractionArch(num_sparse_features=2)(dense, sparse)
+    # row 0: d=(1,2), e1=(1,0), e2=(3,1): d.e1=1, d.e2=5, e1.e2=3
+    # row 1: d=(0,1), e1=(2,2), e2=(-1,1): d.e1=2, d.e2=1, e1.e2=0
+    assert torch.equal(out, torch.tensor([[1.0, 2.0, 1.0, 5.0, 3.0],
+                                          [0.0, 1.0, 2.0, 1.0, 0.0]]))
+    assert InteractionArch(26).output_dim(128) == 128 + 27 * 26 // 2
+
+
+def test_dcn_interaction_matches_formula() -> None:
+    torch.manual_seed(0)
+    arch = InteractionDCNArch(num_sparse_features=3, embedding_dim=4, num_layers=2, low_rank=3)
+    dense, sparse = torch.randn(5, 4), torch.randn(5, 3, 4)
+    x0 = torch.cat([dense, sparse.reshape(5, 12)], dim=1)
+    x = x0
+    for v, w in zip(arch.crossnet.V, arch.crossnet.W, strict=True):
+        x = x0 * (x @ v.weight.T @ w.weight.T + w.bias) + x
+    torch.testing.assert_close(arch(dense, sparse), x)
+    assert arch.output_dim(4) == 16
+
+
+def _ebc(dims: int = 4) -> EmbeddingBagCollection:
+    return EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="t_a", embedding_dim=dims, num_embeddings=10, feature_names=["a"],
+                           pooling=PoolingType.SUM),
+        EmbeddingBagConfig(name="t_b", embedding_dim=dims, num_embeddings=7, feature_names=["b"],
+                           pooling=PoolingType.SUM),
+    ])
+
+
+@pytest.mark.parametrize("interaction", list(Interaction))
+def test_dlrm_forward_equals_plain_pytorch(interaction: Interaction) -> None:
+    torch.manual_seed(1)
+    model = DLRM(_ebc(), dense_in_features=3, dense_arch_layer_sizes=(8, 4),
+                 over_arch_layer_sizes=(6, 1), interaction=interaction, dcn_num_layers=2,
+                 dcn_low_rank_dim=5)
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 9, 0, 6, 6, 3]),
+                            lengths=torch.tensor([2, 1, 0, 1, 2, 1]))  # B=3; a multi-hot + empty
+    dense = torch.randn(3, 3)
+    logits = model(dense, kjt)
+    assert logits.shape == (3, 1)
+
+    # reference: the same weights through functional ops
+    d = dense
+    for layer in model.dense_arch.model:
+        d = layer(d)
+    wa = model.sparse_arch.embedding_bag_collection.embedding_bags["t_a"].weight
+    wb = model.sparse_arch.embedding_bag_collection.embedding_bags["t_b"].weight
+    ea = F.embedding_bag(torch.tensor([1, 2, 9]), wa, torch.tensor([0, 2, 3]), mode="sum")
+    eb = F.embedding_bag(torch.tensor([0, 6, 6, 3]), wb, torch.tensor([0, 1, 3]), mode="sum")
+    assert torch.equal(ea[2], torch.zeros(4))  # the empty bag pools to zeros
+    if interaction is Interaction.DOT:
+        z = torch.stack([d, ea, eb], dim=1)
+        pairs = [(z[:, i] * z[:, j]).sum(1) for i, j in itertools.combinations(range(3), 2)]
+        x = torch.cat([d, torch.stack(pairs, dim=1)], dim=1)
+    else:
+        x = model.inter_arch.crossnet(torch.cat([d, ea, eb], dim=1))
+    for layer in model.over_arch.model:
+        x = layer(x)
+    torch.testing.assert_close(logits, x)
+
+
+def test_model_config_errors() -> None:
+    with pytest.raises(ValueError, match="must equal the embedding dim"):
+        ModelConfig(embedding_dim=64, dense_arch_layer_sizes=(128, 32))
+    with pytest.raises(ValueError, match="must be 1"):
+        ModelConfig(over_arch_layer_sizes=(64, 2))
+    with pytest.raises(ValueError, match="positive int"):
+        ModelConfig(embedding_dim=0)
+    with pytest.raises(ValueError, match="one embedding dim"):
+        DLRM(EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name="x", embedding_dim=4, num_embeddings=3),
+            EmbeddingBagConfig(name="y", embedding_dim=8, num_embeddings=3)]),
+            dense_in_features=2, dense_arch_layer_sizes=(4,), over_arch_layer_sizes=(1,))
+
+
+def _spec() -> DatasetSpec:
+    shard_free = tuple(SplitSpec(name=n, label_rate=0.5, shards=()) for n in
+                       ("train", "validation", "test"))
+    return DatasetSpec(name="tiny", kind=DatasetKind.SYNTHETIC, dense_features=("d0", "d1"),
+                       sparse_features=(SparseFeature(name="u", num_embeddings=100, multi_hot=False),
+                                        SparseFeature(name="g", num_embeddings=5000, multi_hot=True)),
+                       label="label", label_dtype="float32", splits=shard_free, parameters={},
+                       created_by="test")
+
+
+def test_build_dlrm_from_dataset_on_meta() -> None:
+    model = build_dlrm(_spec(), ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(8,),
+                                            over_arch_layer_sizes=(4, 1)), device="meta")
+    configs = model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
+    assert [(c.name, c.num_embeddings, c.feature_names) for c in configs] == [
+        ("t_u", 100, ["u"]), ("t_g", 5000, ["g"])]
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    assert model.over_arch.model[0].in_features == 8 + 3  # D + F(F+1)/2 with F=2
+
+
+def test_table_init_does_not_depend_on_the_cut() -> None:
+    whole = torch.empty(9000, 6)
+    fill_table_region(whole, "t", 9000, 6, 0, 0, seed=3)
+    bound = (1 / 9000) ** 0.5
+    assert whole.abs().max() <= bound and whole.std() > bound / 3  # uniform in the bound
+    # a row shard crossing a block boundary and a column shard give the same values
+    piece = torch.empty(5000, 2)
+    fill_table_region(piece, "t", 9000, 6, 3000, 4, seed=3)
+    assert torch.equal(piece, whole[3000:8000, 4:6])
+    other = torch.empty(9000, 6)
+    fill_table_region(other, "t", 9000, 6, 0, 0, seed=4)
+    assert not torch.equal(other, whole)
+
+
+def test_init_embedding_tables_plain_ebc() -> None:
+    ebc = _ebc()
+    init_embedding_tables(ebc, seed=0)
+    expected = torch.empty(7, 4)
+    fill_table_region(expected, "t_b", 7, 4, 0, 0, seed=0)
+    assert torch.equal(ebc.embedding_bags["t_b"].weight.detach(), expected)

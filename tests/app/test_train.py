@@ -1,0 +1,145 @@
+"""The training loop in one process: it learns, pipelined == plain, resume == uninterrupted,
+checkpoints are atomic, the LR schedule and config are what they say."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlrm_app import checkpoint as app_checkpoint
+from dlrm_app.checkpoint import latest_checkpoint
+from dlrm_app.config import MIN_LR_SCALE, EmbeddingOptimizer, TrainConfig, lr_scale
+from dlrm_app.data.synthetic import generate
+from dlrm_app.evaluate import evaluate_checkpoint
+from dlrm_app.model import ModelConfig
+from dlrm_app.train import train
+
+SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("synthetic")
+    generate(out, rows=30_000, num_dense=4, cardinalities=[500, 2000, 50, 1000],
+             pooling_factors=[1.0, 1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0,
+             rows_per_shard=10_000, row_group_size=256)
+    return out
+
+
+def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
+    base = dict(data=str(data), out=str(out), model=SMALL, batch_size=256, log_every=1,
+                embedding_learning_rate=0.1, learning_rate=0.05)
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+def _log(run: Path, event: str) -> list[dict]:
+    lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["event"] == event]
+
+
+def test_training_learns_and_evaluates(data: Path, tmp_path: Path) -> None:
+    summary = train(_config(data, tmp_path / "run", epochs=2), progress=False)
+    losses = [r["loss"] for r in _log(tmp_path / "run", "train")]
+    assert summary["steps"] == len(losses) == 2 * (24_000 // 256)
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.05
+    teacher = summary["teacher_auc"]["validation"]
+    # a model of the teacher's form gets most of the way to the teacher's own AUC
+    assert summary["validation"]["auc"] > 0.5 + 0.6 * (teacher - 0.5), (summary, teacher)
+    assert summary["validation"]["num_examples"] == 3000
+    assert set(summary["phase_fraction"]) == {"data", "forward", "backward", "optimizer"}
+    test = evaluate_checkpoint(tmp_path / "run", split="test")
+    assert test["num_examples"] == 3000 and test["auc"] > 0.6
+
+
+def test_pipelined_equals_plain(data: Path, tmp_path: Path) -> None:
+    a = train(_config(data, tmp_path / "a", max_steps=15), progress=False)
+    b = train(_config(data, tmp_path / "b", max_steps=15, pipelined=False), progress=False)
+    assert [r["loss"] for r in _log(tmp_path / "a", "train")] == \
+        [r["loss"] for r in _log(tmp_path / "b", "train")]
+    assert a["validation"] == b["validation"]
+
+
+def test_resume_equals_uninterrupted(data: Path, tmp_path: Path) -> None:
+    # 93 steps per epoch: the resumed run crosses an epoch boundary
+    full = train(_config(data, tmp_path / "full", max_steps=110, epochs=2), progress=False)
+    train(_config(data, tmp_path / "cut", max_steps=80, epochs=2, save_every=40),
+          progress=False)
+    resumed = train(_config(data, tmp_path / "cut", max_steps=110, epochs=2, resume=True),
+                    progress=False)
+    full_losses = {r["step"]: r["loss"] for r in _log(tmp_path / "full", "train")}
+    cut_losses = {r["step"]: r["loss"] for r in _log(tmp_path / "cut", "train")}
+    assert min(s for s in cut_losses if s > 80) == 81
+    for step in range(81, 111):
+        assert cut_losses[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-7), step
+    assert resumed["validation"]["auc"] == pytest.approx(full["validation"]["auc"], abs=1e-7)
+    assert resumed["trained_steps"] == 30
+
+
+def test_checkpoint_crash_during_save_keeps_previous(data: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    train(_config(data, run, max_steps=5), progress=False)
+    first = latest_checkpoint(run / "checkpoints")
+    assert first is not None and first.name == "step_00000005"
+
+    def crash(path: str, **_: object) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "__0_0.distcp").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(app_checkpoint.dcp_checkpoint, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train(_config(data, run, max_steps=8, resume=True), progress=False)
+    assert latest_checkpoint(run / "checkpoints") == first  # the partial one is never used
+    assert (run / "checkpoints" / "step_00000008.partial").is_dir()
+    monkeypatch.undo()
+    summary = train(_config(data, run, max_steps=8, resume=True), progress=False)
+    assert summary["trained_steps"] == 3
+    assert latest_checkpoint(run / "checkpoints").name == "step_00000008"
+    assert not (run / "checkpoints" / "step_00000008.partial").exists()
+
+
+def test_lr_schedule_by_hand() -> None:
+    assert [lr_scale(s, 4, 0, 0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    # decay over 4 steps from step 10: ((4 - done) / 4) ** 2, then the floor
+    assert [lr_scale(s, 0, 10, 4) for s in (9, 10, 11, 12, 13, 14, 20)] == \
+        [1.0, 1.0, 0.5625, 0.25, 0.0625, MIN_LR_SCALE, MIN_LR_SCALE]
+
+
+def test_learning_rate_reaches_the_fused_kernel(data: Path, tmp_path: Path) -> None:
+    # warm-up from 0: a first step at lr 0 * ... must not move the tables at all
+    summary = train(_config(data, tmp_path / "run", max_steps=1, lr_warmup_steps=1_000_000,
+                            embedding_optimizer=EmbeddingOptimizer.SGD), progress=False)
+    assert summary["steps"] == 1
+    untrained = train(_config(data, tmp_path / "zero", max_steps=1, lr_warmup_steps=1_000_000,
+                              embedding_optimizer=EmbeddingOptimizer.SGD, embedding_learning_rate=1e9),
+                      progress=False)
+    # lr scale 1e-6 * 1e9 = 1e3 moves tables far: the validation metrics differ from lr 0.1's
+    assert untrained["validation"]["logloss"] != summary["validation"]["logloss"]
+
+
+def test_config_round_trip_and_strict_keys(tmp_path: Path) -> None:
+    config = _config(Path("d"), Path("o"), max_steps=3)
+    config.save(tmp_path / "c.json")
+    assert TrainConfig.load(tmp_path / "c.json") == config
+    with pytest.raises(ValueError, match="unknown key"):
+        TrainConfig.from_json_dict({**config.to_json_dict(), "learning_rat": 1.0})
+    with pytest.raises(ValueError, match="--batch-size must be a positive int"):
+        _config(Path("d"), Path("o"), batch_size=0)
+
+
+def test_bad_batch_size_is_a_clear_error(data: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fewer than --batch-size"):
+        train(_config(data, tmp_path / "run", batch_size=10**6), progress=False)
+
+
+def test_same_seed_same_run(data: Path, tmp_path: Path) -> None:
+    a = train(_config(data, tmp_path / "a", max_steps=5, seed=7), progress=False)
+    b = train(_config(data, tmp_path / "b", max_steps=5, seed=7), progress=False)
+    c = train(_config(data, tmp_path / "c", max_steps=5, seed=8), progress=False)
+    assert a["validation"] == b["validation"] != c["validation"]
+    assert torch.get_num_threads() >= 1
