@@ -143,3 +143,20 @@ def test_same_seed_same_run(data: Path, tmp_path: Path) -> None:
     c = train(_config(data, tmp_path / "c", max_steps=5, seed=8), progress=False)
     assert a["validation"] == b["validation"] != c["validation"]
     assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp", [False, True])
+def test_cuda_training_matches_cpu(data: Path, tmp_path: Path, amp: bool) -> None:
+    """On CUDA (NCCL-free single process): same loss curve as CPU in fp32, close with bf16."""
+    import dlrm_app.train as train_module
+
+    cpu = train(_config(data, tmp_path / "cpu", max_steps=20), progress=False)
+    original = train_module.init_distributed
+    try:
+        train_module.init_distributed = lambda: torch.device("cuda", 0)  # type: ignore[assignment]
+        gpu = train(_config(data, tmp_path / "gpu", max_steps=20, amp=amp), progress=False)
+    finally:
+        train_module.init_distributed = original  # type: ignore[assignment]
+    tolerance = 5e-3 if amp else 1e-4
+    assert gpu["validation"]["auc"] == pytest.approx(cpu["validation"]["auc"], abs=tolerance)

@@ -185,3 +185,46 @@ def test_criteo_sample_trains_on_two_ranks(tmp_path: Path) -> None:
     last = sum(losses[s] for s in steps[-5:]) / 5
     assert last < first - 0.02, (first, last)
     assert summary["validation"]["auc"] > 0.6, summary["validation"]
+
+
+LAUNCH = Path(__file__).resolve().parents[2] / "launch"
+
+
+def _script_env() -> dict[str, str]:
+    env = _env()
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # torchrun
+    return env
+
+
+def test_launch_cpu_script_equals_two_rank_run(data: Path, two_rank_run: tuple[Path, dict],
+                                               tmp_path: Path) -> None:
+    run2, _ = two_rank_run
+    run = tmp_path / "run"
+    subprocess.run([str(LAUNCH / "train_cpu.sh"), "2", str(data), str(run), "--batch-size",
+                    str(BATCH), "--max-steps", "30", *COMMON],
+                   check=True, capture_output=True, env=_script_env(), timeout=300)
+    full, mine = _losses(run2), _losses(run)
+    assert sorted(mine) == list(range(1, 31))
+    for step in mine:
+        assert mine[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+
+
+def test_two_node_rendezvous_equals_two_rank_run(data: Path, two_rank_run: tuple[Path, dict],
+                                                 tmp_path: Path) -> None:
+    """Two 'nodes' (two torchrun agents, one rank each) meeting at a c10d endpoint."""
+    run2, _ = two_rank_run
+    run = tmp_path / "run"
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    nodes = [subprocess.Popen(
+        [str(LAUNCH / "train_multinode.sh"), "2", str(node), endpoint, "1", str(data), str(run),
+         "--batch-size", str(BATCH), "--max-steps", "30", *COMMON],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_script_env())
+        for node in (0, 1)]
+    outputs = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs if out.strip()]
+    assert len(summaries) == 1 and summaries[0]["world_size"] == 2  # printed by rank 0 only
+    full, mine = _losses(run2), _losses(run)
+    assert sorted(mine) == list(range(1, 31))
+    for step in mine:
+        assert mine[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
