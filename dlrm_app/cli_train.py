@@ -131,7 +131,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start")
     demo.add_argument("--out", default="runs/demo", help="where data and the run go")
-    demo.add_argument("--rows", type=int, default=300_000, help="synthetic rows")
+    demo.add_argument("--rows", type=int, default=500_000, help="synthetic rows")
     demo.add_argument("--max-steps", type=int, default=None, help="cap on training steps")
     demo.add_argument("--quiet", action="store_true")
     demo.set_defaults(func=_cmd_demo)

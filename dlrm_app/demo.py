@@ -20,11 +20,11 @@ from dlrm_app.train import train
 
 DEMO_MODEL = ModelConfig(embedding_dim=16, dense_arch_layer_sizes=(64, 16),
                          over_arch_layer_sizes=(128, 64, 1))
-DEMO_CARDINALITY = 20_000
+DEMO_CARDINALITY = 1_000
 DEMO_BATCH = 1024
 
 
-def run_demo(out: Path, rows: int = 300_000, steps: int | None = None,
+def run_demo(out: Path, rows: int = 500_000, steps: int | None = None,
              progress: bool = True) -> dict[str, Any]:
     data, run = out / "data", out / "run"
     if not (data / "dataset.json").is_file():
