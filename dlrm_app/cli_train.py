@@ -100,6 +100,19 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from dlrm_app.export import export_model
+
+    try:
+        meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
+                            quantize_dense=args.quantize_dense)
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app export: {e}") from None
+    print(json.dumps({k: meta[k] for k in ("path", "bytes", "embedding_dtype", "dense_dtype",
+                                             "raw_input", "needs_fbgemm", "checkpoint")}))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dlrm_app.demo import run_demo
 
@@ -128,6 +141,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--data", default=None, help="dataset directory (default: the run's)")
     ev.add_argument("--batch-size", type=int, default=8192, help="rows per rank per batch")
     ev.set_defaults(func=_cmd_evaluate)
+
+    ex = sub.add_parser("export", help="a checkpoint -> one TorchScript file for serving")
+    ex.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
+    ex.add_argument("--out", required=True, help="the artifact to write, e.g. model.pt")
+    ex.add_argument("--dtype", choices=("fp32", "fp16", "int8", "int4"), default="int8",
+                    help="embedding table storage (row-wise scale/bias for int8/int4)")
+    ex.add_argument("--checkpoint", default=None,
+                    help="a step_* directory (default: the run's newest checkpoint)")
+    ex.add_argument("--quantize-dense", action="store_true",
+                    help="also dynamic-int8 quantize the MLPs' linear layers")
+    ex.set_defaults(func=_cmd_export)
 
     demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start")
     demo.add_argument("--out", default="runs/demo", help="where data and the run go")

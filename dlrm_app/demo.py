@@ -4,6 +4,7 @@
    labels come from a hidden teacher; its AUC is the best any model can reach.
 2. ``train``: a small DLRM (fused row-wise Adagrad tables, Adagrad dense) for one epoch.
 3. ``evaluate``: AUC, NE, logloss on the test split, printed next to the teacher's AUC.
+4. ``export``: an int8 TorchScript artifact, ready for ``dlrm-app serve``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.evaluate import evaluate_checkpoint
+from dlrm_app.export import export_model
 from dlrm_app.model import ModelConfig
 from dlrm_app.train import train
 
@@ -37,6 +39,7 @@ def run_demo(out: Path, rows: int = 500_000, steps: int | None = None,
                          log_every=20)
     summary = train(config, progress=progress)
     test = evaluate_checkpoint(run, split="test")
+    artifact = export_model(run, out / "model_int8.pt", "int8")
     return {
         "data": str(data),
         "run": str(run),
@@ -47,4 +50,7 @@ def run_demo(out: Path, rows: int = 500_000, steps: int | None = None,
         "test_ne": test["ne"],
         "test_logloss": test["logloss"],
         "best_achievable_test_auc": spec.parameters["teacher_auc"]["test"],
+        "exported": artifact["path"],
+        "exported_bytes": artifact["bytes"],
+        "serve": f"dlrm-app serve {artifact['path']}",
     }

@@ -141,21 +141,33 @@ class InteractionArch(nn.Module):
         return torch.cat([dense, products[:, self.rows, self.cols]], dim=1)
 
 
+class CrossLayer(nn.Module):
+    """One low-rank cross layer: ``x0 * (W (V x) + b) + x``."""
+
+    def __init__(self, in_features: int, low_rank: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.V = nn.Linear(in_features, low_rank, bias=False, device=device)
+        self.W = nn.Linear(low_rank, in_features, bias=True, device=device)
+
+    def forward(self, x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x0 * self.W(self.V(x)) + x
+
+
 class LowRankCrossNet(nn.Module):
     """DCN-v2 cross layers with low-rank weights: ``x_{l+1} = x0 * (W_l (V_l x_l) + b_l) + x_l``."""
 
     def __init__(self, in_features: int, num_layers: int, low_rank: int,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.V = nn.ModuleList(nn.Linear(in_features, low_rank, bias=False, device=device)
-                               for _ in range(num_layers))
-        self.W = nn.ModuleList(nn.Linear(low_rank, in_features, bias=True, device=device)
-                               for _ in range(num_layers))
+        self.in_features = in_features
+        self.layers = nn.ModuleList(CrossLayer(in_features, low_rank, device)
+                                    for _ in range(num_layers))
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
-        for v, w in zip(self.V, self.W, strict=True):
-            x = x0 * w(v(x)) + x
+        for layer in self.layers:
+            x = layer(x0, x)
         return x
 
 
@@ -169,7 +181,7 @@ class InteractionDCNArch(nn.Module):
                                         low_rank, device)
 
     def output_dim(self, embedding_dim: int) -> int:
-        return self.crossnet.W[0].out_features
+        return self.crossnet.in_features
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         combined = torch.cat([dense.unsqueeze(1), sparse], dim=1).flatten(1)

@@ -41,8 +41,8 @@ def test_dcn_interaction_matches_formula() -> None:
     dense, sparse = torch.randn(5, 4), torch.randn(5, 3, 4)
     x0 = torch.cat([dense, sparse.reshape(5, 12)], dim=1)
     x = x0
-    for v, w in zip(arch.crossnet.V, arch.crossnet.W, strict=True):
-        x = x0 * (x @ v.weight.T @ w.weight.T + w.bias) + x
+    for layer in arch.crossnet.layers:
+        x = x0 * (x @ layer.V.weight.T @ layer.W.weight.T + layer.W.bias) + x
     torch.testing.assert_close(arch(dense, sparse), x)
     assert arch.output_dim(4) == 16
 
