@@ -160,3 +160,19 @@ def test_cuda_training_matches_cpu(data: Path, tmp_path: Path, amp: bool) -> Non
         train_module.init_distributed = original  # type: ignore[assignment]
     tolerance = 5e-3 if amp else 1e-4
     assert gpu["validation"]["auc"] == pytest.approx(cpu["validation"]["auc"], abs=tolerance)
+
+
+def test_early_stop_at_target_auc_and_saved_plan(data: Path, tmp_path: Path) -> None:
+    first = train(_config(data, tmp_path / "a", epochs=3, validate_every=10, target_auc=0.55),
+                  progress=False)
+    assert first["stopped_early"] and first["validation"]["auc"] >= 0.55
+    assert first["steps"] % 10 == 0 and first["steps"] < 3 * 93
+    validations = _log(tmp_path / "a", "validation")
+    assert validations[-1]["step"] == first["steps"]
+    assert all(v["auc"] < 0.55 for v in validations[:-1])  # it stopped at the first success
+    # the saved plan reproduces the run exactly
+    again = train(_config(data, tmp_path / "b", epochs=3, validate_every=10, target_auc=0.55,
+                          plan=str(tmp_path / "a" / "plan.json")), progress=False)
+    assert again["validation"] == first["validation"]
+    with pytest.raises(ValueError, match="cannot read a sharding plan"):
+        train(_config(data, tmp_path / "c", plan=str(tmp_path / "missing.json")), progress=False)
