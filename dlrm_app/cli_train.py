@@ -1,4 +1,4 @@
-"""The ``train``, ``evaluate`` and ``demo`` subcommands of ``dlrm-app``."""
+"""The ``train``, ``evaluate``, ``export``, ``serve`` and ``demo`` subcommands of ``dlrm-app``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig
 from dlrm_app.model import Interaction, ModelConfig
+from dlrm_app.serve import add_serve_command
 
 _DEFAULT = TrainConfig(data="-", out="-")
 _MODEL = ModelConfig()
@@ -152,6 +153,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--quantize-dense", action="store_true",
                     help="also dynamic-int8 quantize the MLPs' linear layers")
     ex.set_defaults(func=_cmd_export)
+
+    add_serve_command(sub)
 
     demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start")
     demo.add_argument("--out", default="runs/demo", help="where data and the run go")

@@ -43,9 +43,9 @@ def _env() -> dict[str, str]:
 def _cmd(nproc: int, *args: str) -> list[str]:
     if nproc == 0:  # plain single process, no torchrun
         return [sys.executable, "-m", "dlrm_app", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{find_free_port()}", "-m", "dlrm_app", *args]
+    # --standalone: the rendezvous store binds a port the OS picks (no free-port race)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "-m", "dlrm_app", *args]
 
 
 def _run(nproc: int, *args: str, timeout: float = 300) -> dict:

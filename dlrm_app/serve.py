@@ -1,0 +1,526 @@
+"""``dlrm-app serve``: an HTTP prediction endpoint for an exported model (see ``artifact.py``).
+
+Endpoints (JSON in and out; the server binds 127.0.0.1 unless told otherwise)::
+
+    POST /predict   {"rows": ["<raw row>", ...], "labeled": false}   (Criteo models)
+                    {"instances": [{"dense": [x0, .., x12],
+                                    "sparse": {"cat_0": [id, ..], .., "cat_25": id}}, ..]}
+                    -> 200 {"probabilities": [p0, p1, ..]}       one per row, in order
+    GET  /health    -> {"status": "ok", "model": .., "embedding_dtype": .., ..}
+    GET  /metrics   -> request counts per path and status, rows served, batches run, mean
+                       batch rows, latency p50/p90/p99 (ms) of the last ``latency_window``
+                       successful predictions
+
+``rows`` (models whose metadata has ``raw_format: "criteo_tsv"``): one raw Criteo line per
+row, tab-separated, *without* the label: 13 decimal integers then 26 categorical values of 1-8
+hex digits; an empty field is missing; a row with fewer than 39 fields has its trailing fields
+missing (as the preprocessor pads short lines). Lines copied from a training file start with a
+label: send ``"labeled": true`` and every row's first field is dropped (unlabeled rows with 40
+fields are refused rather than guessed at). The rows are parsed here (missing dense -> NaN,
+missing categorical -> 0, as ``encode`` expects) and the model's ``predict_raw`` applies the
+training preprocessing (log transform, hashing or vocabulary). ``instances`` (any model):
+already-encoded inputs for ``forward``: dense values as the model consumes them (transformed),
+every sparse feature of the metadata by name with ids in ``[0, num_embeddings)``: a list (a
+bag; exactly one id unless the feature is multi-hot) or one id.
+
+Errors are ``{"error": "..."}``: 400 for bad JSON or bad rows (naming the row and field), 411
+without a Content-Length, 413 for a body over ``max_body_bytes`` (refused from its headers,
+before reading it) or more than ``max_rows`` rows, 404 / 405 for other paths / methods, 500
+when the model raises (the rest of its batch is retried alone). The server keeps serving.
+
+Batching: handler threads parse and validate their request, then queue it; one worker thread
+merges queued requests of one kind into a model call of at most ``max_batch_rows`` rows (a
+larger request runs alone), waiting at most ``max_wait_ms`` after the first for more while
+other requests are being read or parsed (not at all when none is), and hands each request its
+slice of the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import torch
+
+from dlrm_app.artifact import load_artifact
+from dlrm_app.serve_request import (
+    EncodedRows,
+    Inputs,
+    RawRows,
+    RequestError,
+    RequestParser,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """How ``PredictionServer`` binds, batches and bounds requests."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; the default answers this machine only."""
+    port: int = 8080
+    """TCP port; 0 picks a free one (``PredictionServer.start`` returns it)."""
+    max_batch_rows: int = 512
+    """Rows merged into one model call (a single larger request runs alone)."""
+    max_wait_ms: float = 2.0
+    """How long the worker waits after a request for more to batch with it (only while
+    other requests are being read or parsed)."""
+    max_body_bytes: int = 1 << 20
+    """Larger request bodies are refused (413) from their Content-Length."""
+    max_rows: int = 4096
+    """Requests with more rows are refused (413)."""
+    threads: int | None = None
+    """torch intra-op threads for the model (process-wide); None keeps torch's default."""
+    request_timeout_s: float = 30.0
+    """A connection idle (or a body unsent) this long is closed."""
+    latency_window: int = 10_000
+    """``/metrics`` latency percentiles cover this many most recent predictions."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_rows", "max_body_bytes", "max_rows", "latency_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
+        if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
+            raise ValueError(f"ServeConfig: max_wait_ms must be >= 0 and request_timeout_s > 0, "
+                             f"got {self.max_wait_ms}, {self.request_timeout_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"ServeConfig.threads must be >= 1 or None, got {self.threads}")
+
+
+# ---- batching -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Pending:
+    inputs: Inputs
+    future: Future = dataclasses.field(default_factory=Future)
+
+
+class ModelError(Exception):
+    """The model raised on a request's rows (HTTP 500)."""
+
+
+_STOP = object()
+
+
+class Batcher:
+    """One worker thread running queued requests in merged model calls."""
+
+    def __init__(self, model: torch.jit.ScriptModule, max_batch_rows: int,
+                 max_wait_ms: float) -> None:
+        self.model = model
+        self.max_batch_rows = max_batch_rows
+        self.max_wait_s = max_wait_ms / 1e3
+        self.batches = 0
+        self.batch_rows = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="dlrm-serve-batcher",
+                                        daemon=True)
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._arriving = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:  # nothing is queued after _STOP
+            self._stopped = True
+            self._queue.put(_STOP)
+        self._thread.join()
+
+    def submit(self, inputs: Inputs) -> Future:
+        pending = _Pending(inputs)
+        with self._lock:
+            if self._stopped:
+                raise RequestError(503, "the server is shutting down; retry elsewhere")
+            self._queue.put(pending)
+        return pending.future
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Marks a request being read and parsed: the worker waits for it (up to max_wait_ms),
+        and does not wait when none is (a lone request runs at once)."""
+        with self._lock:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._arriving -= 1
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def _loop(self) -> None:
+        carry: Any = None
+        while True:
+            first = carry if carry is not None else self._queue.get()
+            carry = None
+            if first is _STOP:
+                break
+            batch, rows = [first], first.inputs.rows
+            deadline = time.perf_counter() + self.max_wait_s
+            while rows < self.max_batch_rows:
+                if self._arriving == 0 and self._queue.empty():
+                    break  # nothing on its way: waiting would only add latency
+                try:
+                    item = self._queue.get(timeout=max(deadline - time.perf_counter(), 0))
+                except queue.Empty:
+                    break
+                if (item is _STOP or type(item.inputs) is not type(first.inputs)
+                        or rows + item.inputs.rows > self.max_batch_rows):
+                    carry = item
+                    break
+                batch.append(item)
+                rows += item.inputs.rows
+            self._run(batch)
+
+    def _run(self, batch: list[_Pending]) -> None:
+        rows = sum(p.inputs.rows for p in batch)
+        try:
+            with torch.inference_mode():
+                probs = type(batch[0].inputs).predict(self.model, [p.inputs for p in batch])
+            if tuple(probs.shape) != (rows,):
+                raise RuntimeError(f"the model returned shape {tuple(probs.shape)} for {rows} "
+                                   f"rows, expected ({rows},)")
+        except Exception as e:
+            if len(batch) > 1:  # find the request at fault; the others still get answers
+                for p in batch:
+                    self._run([p])
+                return
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            batch[0].future.set_exception(ModelError(f"the model failed: {lines[-1]}"))
+            return
+        self.batches += 1
+        self.batch_rows += rows
+        out = probs.numpy()
+        start = 0
+        for p in batch:
+            p.future.set_result(out[start:start + p.inputs.rows])
+            start += p.inputs.rows
+
+
+# ---- metrics --------------------------------------------------------------------------------
+class Metrics:
+    """Request counts per path and status, and recent successful prediction latencies."""
+
+    def __init__(self, window: int) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter)
+        self._latency_ms: collections.deque[float] = collections.deque(maxlen=window)
+        self.rows_served = 0
+        self.started = time.monotonic()
+
+    def record(self, path: str, status: int, seconds: float, rows: int = 0) -> None:
+        with self._lock:
+            self._counts[path][str(status)] += 1
+            if path == "/predict" and status == 200:
+                self._latency_ms.append(seconds * 1e3)
+                self.rows_served += rows
+
+    def snapshot(self, batcher: Batcher) -> dict[str, Any]:
+        with self._lock:
+            counts = {p: dict(c) for p, c in self._counts.items()}
+            latency = np.array(self._latency_ms)
+            rows = self.rows_served
+        by_status: collections.Counter = collections.Counter()
+        for c in counts.values():
+            by_status.update(c)
+        pct = ({f"p{q}": round(float(np.percentile(latency, q)), 3) for q in (50, 90, 99)}
+               if len(latency) else dict.fromkeys(("p50", "p90", "p99")))
+        batches = batcher.batches
+        return {
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "requests": counts,
+            "responses_by_status": dict(by_status),
+            "rows_served": rows,
+            "batches": batches,
+            "mean_batch_rows": round(batcher.batch_rows / batches, 3) if batches else None,
+            "queue_depth": batcher.queue_depth,
+            "latency_ms": {"window": len(latency), **pct},
+        }
+
+
+# ---- HTTP -----------------------------------------------------------------------------------
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+    app: PredictionServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"  # keep-alive: load generators reuse connections
+    # headers and body are two writes: with Nagle's algorithm the body waits for the client's
+    # delayed ACK of the headers (40 ms on Linux) on a kept-alive connection
+    disable_nagle_algorithm = True
+
+    def setup(self) -> None:
+        self.timeout = self.server.app.config.request_timeout_s
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        pass  # one line per request on stderr is too much at serving rates; see /metrics
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")
+
+    def _handle(self, method: str) -> None:
+        start = time.perf_counter()
+        app = self.server.app
+        path = urlsplit(self.path).path
+        known = {"/predict": "POST", "/health": "GET", "/metrics": "GET"}
+        rows = 0
+        self.body_left_unread = False
+        try:
+            if path not in known:
+                raise RequestError(404, f"no endpoint {path}; use POST /predict, GET /health "
+                                        f"or GET /metrics")
+            if method != known[path]:
+                raise RequestError(405, f"{path} takes {known[path]}, not {method}")
+            if path == "/health":
+                status, body = 200, app.health()
+            elif path == "/metrics":
+                status, body = 200, app.metrics.snapshot(app.batcher)
+            else:
+                with app.batcher.arriving():  # from before the body is read
+                    future = app.submit_body(self._read_body())
+                probs = future.result()
+                status, body, rows = 200, {"probabilities": probs.tolist()}, len(probs)
+        except RequestError as e:
+            status, body = e.status, {"error": e.message}
+        except ModelError as e:
+            status, body = 500, {"error": str(e)}
+        except Exception as e:  # a bug of ours: answer, keep serving
+            status, body = 500, {"error": f"internal error: {type(e).__name__}: {e}"}
+        if path not in known:
+            path = "other"
+        app.metrics.record(path, status, time.perf_counter() - start, rows)
+        self._send(status, body)
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise RequestError(411, "chunked bodies are not accepted; send a Content-Length")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self.close_connection = True
+            raise RequestError(411, "send the body with a Content-Length header")
+        if not length.isdigit():
+            self.close_connection = True
+            raise RequestError(400, f"Content-Length {length!r} is not a byte count")
+        limit = self.server.app.config.max_body_bytes
+        if int(length) > limit:
+            self.close_connection = self.body_left_unread = True
+            raise RequestError(413, f"body of {length} bytes is over the limit of {limit} "
+                                    f"(--max-body-bytes); split the request")
+        try:
+            body = self.rfile.read(int(length))
+        except TimeoutError:
+            body = b""
+        if len(body) != int(length):
+            self.close_connection = True
+            raise RequestError(400, f"the body ended or stalled (request_timeout_s) before its "
+                                    f"{length} bytes (Content-Length) arrived")
+        return body
+
+    def _send(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError:  # the client went away
+            self.close_connection = True
+            return
+        if self.body_left_unread:
+            self._discard_input()
+
+    def _discard_input(self, seconds: float = 1.0, limit: int = 64 << 20) -> None:
+        """Read and drop what the client still sends, briefly: closing a socket with unread
+        data resets the connection, and the client would see that instead of the 413."""
+        deadline = time.monotonic() + seconds
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.1)
+            while limit > 0 and time.monotonic() < deadline:
+                chunk = self.connection.recv(1 << 16)
+                if not chunk:
+                    break
+                limit -= len(chunk)
+        except OSError:
+            pass
+
+
+class PredictionServer:
+    """The HTTP endpoint over one scripted model; ``start()`` serves from a background thread.
+
+    >>> server = PredictionServer.from_file("model.pt", ServeConfig(port=0))
+    >>> port = server.start()      # then POST http://127.0.0.1:{port}/predict
+    >>> server.stop()
+    """
+
+    def __init__(self, model: torch.jit.ScriptModule, metadata: dict[str, Any],
+                 config: ServeConfig, name: str = "model") -> None:
+        self.model = model
+        self.metadata = metadata
+        self.config = config
+        self.name = name
+        self.parser = RequestParser(metadata, config.max_rows)
+        self.batcher = Batcher(model, config.max_batch_rows, config.max_wait_ms)
+        self.metrics = Metrics(config.latency_window)
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path, config: ServeConfig) -> PredictionServer:
+        model, metadata = load_artifact(path)
+        return cls(model, metadata, config, name=Path(path).name)
+
+    @property
+    def port(self) -> int:
+        if self._httpd is None:
+            raise RuntimeError("the server is not started; call start() first")
+        return int(self._httpd.server_address[1])
+
+    def start(self) -> int:
+        """Bind, start the batcher and the HTTP thread; returns the bound port."""
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)
+        self.warm_up()
+        self._httpd = _HTTPServer((self.config.host, self.config.port), _Handler)
+        self._httpd.app = self
+        self.batcher.start()
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="dlrm-serve-http",
+                                        daemon=True)
+        self._thread.start()
+        return self.port
+
+    def stop(self) -> None:
+        if self._httpd is None:
+            return
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self.batcher.stop()
+        self._httpd = None
+
+    def warm_up(self) -> None:
+        """Calls of 1, 2 and 3 rows: TorchScript profiles and optimizes a method on its first
+        calls and shapes (tens of ms), which would otherwise land on the first clients."""
+        d, f = len(self.parser.dense_names), len(self.parser.sparse)
+        with torch.inference_mode():
+            for b in (1, 2, 3):
+                inputs: Inputs = (
+                    RawRows(np.zeros((b, d), np.float32), np.zeros((b, f), np.int64))
+                    if self.parser.accepts_rows else
+                    EncodedRows(np.zeros((b, d), np.float32), [np.zeros(b, np.int64)] * f,
+                                np.ones((f, b), np.int64)))
+                type(inputs).predict(self.model, [inputs])
+
+    def __enter__(self) -> PredictionServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def predict_body(self, body: bytes) -> np.ndarray:
+        """Probabilities for one ``/predict`` body (RequestError / ModelError on failure)."""
+        with self.batcher.arriving():
+            future = self.submit_body(body)
+        return future.result()
+
+    def submit_body(self, body: bytes) -> Future:
+        """Parse and queue one ``/predict`` body; the future's result is its probabilities."""
+        inputs = self.parser.parse(body)
+        if inputs.rows == 0:
+            done: Future = Future()
+            done.set_result(np.zeros(0, np.float32))
+            return done
+        return self.batcher.submit(inputs)
+
+    def health(self) -> dict[str, Any]:
+        meta = self.metadata
+        return {"status": "ok", "model": self.name, "embedding_dtype": meta.get("embedding_dtype"),
+                "dataset": meta.get("dataset"),
+                "accepts": ["rows", "instances"] if self.parser.accepts_rows else ["instances"],
+                "dense_features": len(meta["dense_features"]),
+                "sparse_features": len(meta["sparse_features"])}
+
+
+# ---- command line ---------------------------------------------------------------------------
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    d = ServeConfig()
+    p = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model")
+    p.add_argument("model", help="exported model file (dlrm-app export)")
+    p.add_argument("--host", default=d.host, help="address to bind (default: this machine only)")
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (printed)")
+    p.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows,
+                   help="rows merged into one model call")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
+                   help="how long a request waits for others to batch with")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="larger request bodies get 413")
+    p.add_argument("--max-rows", type=int, default=d.max_rows,
+                   help="requests with more rows get 413")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's, one per core)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = ServeConfig(host=args.host, port=args.port, max_batch_rows=args.max_batch_rows,
+                             max_wait_ms=args.max_wait_ms, max_body_bytes=args.max_body_bytes,
+                             max_rows=args.max_rows, threads=args.threads)
+        server = PredictionServer.from_file(args.model, config)
+        port = server.start()
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"dlrm-app serve: {e}") from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(json.dumps({"listening": f"http://{args.host}:{port}", "port": port,
+                      "model": str(args.model),
+                      "embedding_dtype": server.metadata.get("embedding_dtype")}), flush=True)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.stop()
+    return 0
+

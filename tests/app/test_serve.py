@@ -1,0 +1,409 @@
+"""``dlrm_app.serve``: the HTTP endpoint answers concurrent clients exactly as direct calls of
+the model do, refuses every malformed request with a 4xx and a message, and keeps serving.
+
+The model is a tiny stand-in with the exported artifact's three methods (``artifact.py``): a
+logistic model over hashed Criteo ids, scripted and saved with its ``metadata.json``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE, load_artifact
+from dlrm_app.serve import PredictionServer, RequestError, RequestParser, ServeConfig
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch\\.jit\\.:DeprecationWarning"),  # torch 2.13's notice
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # training
+]
+
+DENSE = [f"int_{i}" for i in range(13)]
+SPARSE = [f"cat_{i}" for i in range(26)]
+SIZES = [97 + 13 * i for i in range(26)]
+FAIL = -777.0
+"""A dense raw value that makes the stand-in model raise (a model failure at serving time)."""
+
+
+class HashedLogistic(nn.Module):
+    """sigmoid(w . log1p(dense) + sum of one weight per (feature, id)); ids hashed mod size."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.register_buffer("sizes", torch.tensor(sizes))
+        self.register_buffer("table_start", torch.tensor([0, *np.cumsum(sizes)[:-1].tolist()]))
+        self.weights = nn.EmbeddingBag(sum(sizes), 1, mode="sum", include_last_offset=True)
+        self.linear = nn.Linear(13, 1)
+        self.fail = FAIL
+        torch.manual_seed(0)
+        nn.init.normal_(self.weights.weight, std=0.5)
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
+                ) -> torch.Tensor:
+        b, f = dense.shape[0], self.sizes.shape[0]
+        lengths = offsets[1:] - offsets[:-1]
+        feature = torch.arange(f * b) // max(b, 1)
+        ids = values + self.table_start[feature].repeat_interleave(lengths)
+        pooled = self.weights(ids, offsets).view(f, b).sum(0)
+        return torch.sigmoid(pooled + self.linear(dense).squeeze(1))
+
+    @torch.jit.export
+    def encode(self, dense_raw: torch.Tensor, cat_raw: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if bool((dense_raw == self.fail).any()):
+            raise RuntimeError("stand-in failure on the marked row")
+        dense = torch.log1p(torch.nan_to_num(dense_raw, nan=0.0).clamp(min=0.0))
+        values = (cat_raw % self.sizes).t().reshape(-1)
+        offsets = torch.arange(values.numel() + 1)
+        return dense, values, offsets
+
+    @torch.jit.export
+    def predict_raw(self, dense_raw: torch.Tensor, cat_raw: torch.Tensor) -> torch.Tensor:
+        dense, values, offsets = self.encode(dense_raw, cat_raw)
+        return self.forward(dense, values, offsets)
+
+
+def metadata(raw_input: bool = True) -> dict:
+    return {"format_version": ARTIFACT_FORMAT_VERSION, "dataset": "criteo-standin",
+            "kind": "criteo", "dense_features": DENSE,
+            "sparse_features": [{"name": n, "num_embeddings": s, "multi_hot": i == 0}
+                                for i, (n, s) in enumerate(zip(SPARSE, SIZES, strict=True))],
+            "raw_input": raw_input, "raw_format": "criteo_tsv" if raw_input else None,
+            "embedding_dtype": "fp32", "needs_fbgemm": False, "preprocessing": {},
+            "checkpoint": None, "created_by": "tests/app/test_serve.py"}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("serve") / "model.pt"
+    scripted = torch.jit.script(HashedLogistic(SIZES))
+    torch.jit.save(scripted, str(path), _extra_files={METADATA_FILE: json.dumps(metadata())})
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(artifact: Path) -> Iterator[PredictionServer]:
+    config = ServeConfig(port=0, max_batch_rows=64, max_wait_ms=5, max_body_bytes=64 << 10,
+                         max_rows=100)
+    with PredictionServer.from_file(artifact, config) as s:
+        yield s
+
+
+def random_rows(rng: np.random.Generator, n: int) -> list[str]:
+    rows = []
+    for _ in range(n):
+        dense = [str(v) if rng.random() > 0.2 else "" for v in rng.integers(-3, 5000, 13)]
+        cats = [format(int(v), "x") if rng.random() > 0.1 else ""
+                for v in rng.integers(0, 2**32, 26)]
+        fields = dense + cats
+        rows.append("\t".join(fields[:int(rng.integers(30, 40))]))  # some short rows
+    return rows
+
+
+def direct(model: torch.jit.ScriptModule, rows: list[str]) -> np.ndarray:
+    """The model's own answer: rows parsed in plain Python, per the raw row format."""
+    dense = np.full((len(rows), 13), np.nan, np.float32)
+    cats = np.zeros((len(rows), 26), np.int64)
+    for i, row in enumerate(rows):
+        fields = row.split("\t")
+        for j, f in enumerate(fields[:13]):
+            dense[i, j] = float(f) if f else np.nan
+        for j, f in enumerate(fields[13:]):
+            cats[i, j] = int(f, 16) if f else 0
+    with torch.inference_mode():
+        return model.predict_raw(torch.from_numpy(dense), torch.from_numpy(cats)).numpy()
+
+
+def assert_probabilities(got: list[float], want: np.ndarray) -> None:
+    # a request merged into a batch with others is summed in another order than alone:
+    # float32 rounding, amplified in the relative error of probabilities near 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def post(port: int, body: bytes | dict, path: str = "/predict") -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    return _open(request)
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    return _open(urllib.request.Request(f"http://127.0.0.1:{port}{path}"))
+
+
+def _open(request: urllib.request.Request) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# ---- correctness under concurrency ---------------------------------------------------------
+def test_concurrent_clients_get_the_models_answers(server: PredictionServer) -> None:
+    model, port = server.model, server.port
+    before = server.batcher.batches
+    results: dict[int, tuple[list[str], int, dict]] = {}
+
+    def client(k: int) -> None:
+        rng = np.random.default_rng(k)
+        for r in range(3):
+            rows = random_rows(rng, int(rng.integers(1, 20)))
+            results[k * 10 + r] = (rows, *post(port, {"rows": rows}))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 24
+    for rows, status, body in results.values():
+        assert status == 200, body
+        assert_probabilities(body["probabilities"], direct(model, rows))
+    # concurrent requests were merged: fewer model calls than requests
+    assert server.batcher.batches - before < 24
+
+
+def test_labeled_rows_and_instances(server: PredictionServer) -> None:
+    rows = random_rows(np.random.default_rng(1), 5)
+    expected = direct(server.model, rows)
+    status, body = post(server.port, {"rows": ["1\t" + r for r in rows], "labeled": True})
+    assert status == 200
+    assert_probabilities(body["probabilities"], expected)
+    # the same rows, encoded by the model, as instances (cat_0 is multi-hot: a bag of two)
+    instances, dense_rows, bags = [], [], []
+    for i, row in enumerate(rows):
+        dense_raw = [float(f) if f else float("nan") for f in (row.split("\t") + [""] * 39)[:13]]
+        cats = [int(f, 16) if f else 0 for f in (row.split("\t") + [""] * 39)[13:39]]
+        ids = [c % s for c, s in zip(cats, SIZES, strict=True)]
+        dense = torch.log1p(torch.nan_to_num(torch.tensor(dense_raw)).clamp(min=0)).tolist()
+        sparse = dict(zip(SPARSE, ids, strict=True))
+        sparse["cat_0"] = [ids[0], i]
+        instances.append({"dense": dense, "sparse": sparse})
+        dense_rows.append(dense)
+        bags.append([[ids[0], i], *([x] for x in ids[1:])])
+    values = torch.tensor([v for f in range(26) for row in bags for v in row[f]])
+    lengths = torch.tensor([len(row[f]) for f in range(26) for row in bags])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    with torch.inference_mode():
+        want = server.model.forward(torch.tensor(dense_rows), values, offsets).numpy()
+    status, body = post(server.port, {"instances": instances})
+    assert status == 200, body
+    assert_probabilities(body["probabilities"], want)
+    assert post(server.port, {"rows": []}) == (200, {"probabilities": []})
+
+
+def test_parser_matches_python_parsing() -> None:
+    parser = RequestParser(metadata(), max_rows=10)
+    rows = ["\t".join(["-5", "", "123456789012"] + [""] * 10 + ["0", "ffffffff", "A", "0001",
+                                                                "dEaDbEeF"])]
+    parsed = parser.parse_rows(rows)
+    assert parsed.dense_raw[0, :3].tolist()[0] == -5 and np.isnan(parsed.dense_raw[0, 1])
+    assert parsed.dense_raw[0, 2] == np.float32(123456789012)
+    assert parsed.cat_raw[0, :6].tolist() == [0, 0xFFFFFFFF, 10, 1, 0xDEADBEEF, 0]
+
+
+# ---- refusals ------------------------------------------------------------------------------
+ROW = "\t".join(["1"] * 13 + ["a1"] * 26)
+BAD_REQUESTS = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+    (b"[1, 2]", 400, '"rows"'),
+    ({"rows": [ROW], "instances": []}, 400, "exactly one of"),
+    ({}, 400, "exactly one of"),
+    (b"[" * 60_000, 400, "nested too deeply"),
+    ({"rows": [ROW], "extra": 1}, 400, "unknown keys ['extra']"),
+    ({"rows": ROW}, 400, "must be a list"),
+    ({"rows": [ROW, 7]}, 400, "rows[1] is a int"),
+    ({"rows": [ROW, ROW + "\t1\t2"]}, 400, "rows[1] has 41 tab-separated fields"),
+    ({"rows": ["0\t" + ROW]}, 400, '"labeled": true'),
+    ({"rows": [ROW.replace("a1", "xyz", 1)]}, 400, "rows[0] field 14 (cat_0) = 'xyz' is not 1-8"),
+    ({"rows": [ROW.replace("a1", "123456789", 1)]}, 400, "(cat_0) = '123456789'"),
+    ({"rows": [ROW.replace("1", "1.5", 1)]}, 400, "field 1 (int_0) = '1.5' is not a decimal"),
+    ({"rows": ["1\t" + ROW.replace("1", "x", 1)], "labeled": True}, 400, "field 2 (int_0)"),
+    ({"rows": [ROW], "labeled": "yes"}, 400, '"labeled" must be true or false'),
+    ({"rows": ["9" * 30]}, 400, "outside the 64-bit integer range"),
+    ({"rows": [ROW] * 101}, 413, "101 rows, at most 100"),
+    ({"instances": [{"dense": [0.0] * 12, "sparse": {}}]}, 400, "instances[0].dense"),
+    ({"instances": [{"dense": [1e39] * 13, "sparse": {}}]}, 400, "finite float32"),
+    ({"instances": [{"dense": [0.0] * 13, "sparse": {"cat_0": 1, "bogus": 2}}]}, 400,
+     "unknown ['bogus']"),
+    ({"instances": [{"dense": [0.0] * 13,
+                     "sparse": {**dict.fromkeys(SPARSE, 0), "cat_25": SIZES[-1]}}]}, 400,
+     f"instances[0].sparse.cat_25 must be an id or a list of ids in [0, {SIZES[-1]})"),
+    ({"instances": [{"dense": [0.0] * 13, "sparse": dict.fromkeys(SPARSE, [1, 2])}]}, 400,
+     "cat_1 is one-hot"),
+    ({"instances": [{"dense": [0.0] * 13}]}, 400, 'exactly "dense" and "sparse"'),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), BAD_REQUESTS,
+                         ids=[f"{i}-{m[:24]}" for i, (_, _, m) in enumerate(BAD_REQUESTS)])
+def test_malformed_requests_are_refused_and_serving_goes_on(
+        server: PredictionServer, body: bytes | dict, status: int, message: str) -> None:
+    got, answer = post(server.port, body)
+    assert got == status and message in answer["error"], answer
+    assert post(server.port, {"rows": [ROW]})[0] == 200
+
+
+def test_rows_need_a_raw_input_model(artifact: Path) -> None:
+    model, _ = load_artifact(artifact)
+    with PredictionServer(model, metadata(raw_input=False), ServeConfig(port=0)) as s:
+        status, body = post(s.port, {"rows": [ROW]})
+        assert status == 400 and 'send "instances"' in body["error"]
+        assert get(s.port, "/health")[1]["accepts"] == ["instances"]
+
+
+def test_model_failure_is_a_500_for_its_request_only(server: PredictionServer) -> None:
+    bad = ROW.replace("1", str(int(FAIL)), 1)
+    answers: dict[str, tuple[int, dict]] = {}
+    threads = [threading.Thread(target=lambda k=k, r=r: answers.__setitem__(k, post(
+        server.port, {"rows": [r]}))) for k, r in (("bad", bad), ("good1", ROW), ("good2", ROW))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers["bad"][0] == 500 and "stand-in failure" in answers["bad"][1]["error"]
+    assert answers["good1"][0] == answers["good2"][0] == 200
+
+
+def test_oversized_body_is_refused_from_its_headers(server: PredictionServer) -> None:
+    limit = server.config.max_body_bytes
+    # only the headers and a few bytes are sent: the answer must not wait for the rest
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n{\"rows\": [" % (limit + 1))
+        response = sock.makefile("rb").read()
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"--max-body-bytes" in body
+    # a client sending the whole oversized body still reads the 413
+    status, body = post(server.port, b"x" * (4 * limit))
+    assert status == 413 and "over the limit" in body["error"]
+    assert post(server.port, {"rows": [ROW]})[0] == 200
+
+
+def test_other_paths_methods_and_framing(server: PredictionServer) -> None:
+    port = server.port
+    assert get(port, "/nope")[0] == 404
+    assert get(port, "/predict")[0] == 405
+    assert post(port, {}, path="/health")[0] == 405
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("POST", "/predict")
+    conn.endheaders()  # no Content-Length
+    response = conn.getresponse()
+    assert response.status == 411 and "Content-Length" in json.loads(response.read())["error"]
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("DELETE", "/predict")
+    assert conn.getresponse().status == 405
+    conn.close()
+    # keep-alive: several requests on one connection, refused ones (body read) included
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    for rows, status in (([ROW], 200), ([ROW] * 101, 413), (["x"], 400), ([ROW, ROW], 200)):
+        conn.request("POST", "/predict", json.dumps({"rows": rows}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        assert response.status == status and len(body.get("probabilities", rows)) == len(rows)
+    conn.close()
+
+
+# ---- health and metrics --------------------------------------------------------------------
+def test_health_and_metrics_count_what_was_sent(artifact: Path) -> None:
+    config = ServeConfig(port=0, max_batch_rows=8, max_wait_ms=0)
+    with PredictionServer.from_file(artifact, config) as s:
+        status, health = get(s.port, "/health")
+        assert status == 200 and health["status"] == "ok" and health["model"] == "model.pt"
+        assert health["embedding_dtype"] == "fp32" and health["accepts"] == ["rows", "instances"]
+        rows = random_rows(np.random.default_rng(3), 5)
+        for n in (1, 2, 5):
+            assert post(s.port, {"rows": rows[:n]})[0] == 200
+        assert post(s.port, b"{")[0] == 400
+        assert get(s.port, "/missing")[0] == 404
+        status, m = get(s.port, "/metrics")
+        assert status == 200
+        assert m["requests"] == {"/health": {"200": 1}, "/predict": {"200": 3, "400": 1},
+                                 "other": {"404": 1}}
+        assert m["responses_by_status"] == {"200": 4, "400": 1, "404": 1}
+        assert m["rows_served"] == 8 and m["batches"] == 3
+        assert m["mean_batch_rows"] == pytest.approx(8 / 3, abs=1e-3)
+        lat = m["latency_ms"]
+        assert lat["window"] == 3 and 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+        assert get(s.port, "/metrics")[1]["requests"]["/metrics"] == {"200": 1}
+
+
+# ---- a real exported DLRM ------------------------------------------------------------------
+def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
+    from dlrm_app import export
+    from dlrm_app.config import TrainConfig
+    from dlrm_app.data.criteo import preprocess_criteo
+    from dlrm_app.model import ModelConfig
+    from dlrm_app.train import train
+
+    rng = np.random.default_rng(0)
+    rows = random_rows(rng, 1500)
+    tsv = tmp_path / "day.tsv"
+    tsv.write_text("".join(f"{rng.integers(0, 2)}\t{r}\n" for r in rows))
+    preprocess_criteo([tsv], tmp_path / "data", num_embeddings_per_feature=[50] * 26,
+                      row_group_size=128)
+    model_config = ModelConfig(embedding_dim=4, dense_arch_layer_sizes=(8, 4),
+                               over_arch_layer_sizes=(8, 1))
+    train(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=model_config,
+                      batch_size=128, max_steps=4), progress=False)
+    export.export_model(tmp_path / "run", tmp_path / "model.pt", "int8")
+    with PredictionServer.from_file(tmp_path / "model.pt", ServeConfig(port=0)) as s:
+        assert get(s.port, "/health")[1]["embedding_dtype"] == "int8"
+        answers = [post(s.port, {"rows": rows[k:k + 40]}) for k in range(0, 200, 40)]
+        for k, (status, body) in zip(range(0, 200, 40), answers, strict=True):
+            assert status == 200, body
+            assert_probabilities(body["probabilities"], direct(s.model, rows[k:k + 40]))
+        status, body = post(s.port, {"rows": [rows[0].replace("\t", "\tzz", 1)]})
+        assert status == 400 and "rows[0] field 2 (int_1) = 'zz" in body["error"]
+
+
+def test_command_line(artifact: Path) -> None:
+    """``dlrm-app serve`` prints where it listens, serves,
+    and exits 0 on SIGTERM."""
+    proc = subprocess.Popen([sys.executable, "-m", "dlrm_app", "serve", str(artifact), "--port", "0",
+                             "--max-rows", "2", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = json.loads(proc.stdout.readline())
+        assert line["listening"] == f"http://127.0.0.1:{line['port']}"
+        assert get(line["port"], "/health")[1]["model"] == "model.pt"
+        assert post(line["port"], {"rows": [ROW] * 3})[0] == 413
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    bad = subprocess.run([sys.executable, "-m", "dlrm_app", "serve", str(artifact) + ".missing"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "no such model file" in bad.stderr
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_batch_rows must be >= 1"):
+        ServeConfig(max_batch_rows=0)
+    with pytest.raises(ValueError, match="port must be in"):
+        ServeConfig(port=70000)
+
+
+def test_request_error_carries_status() -> None:
+    with pytest.raises(RequestError) as e:
+        RequestParser(metadata(), max_rows=1).parse(b'{"rows": ["", ""]}')
+    assert e.value.status == 413
