@@ -44,7 +44,8 @@ class _Start(torch.autograd.Function):
         state: _InFlight = ctx.state
         if state.grad_work is not None:
             state.grad_work.wait()
-        return None, None, state.grad
+        grad, state.grad, state.grad_work = state.grad, None, None
+        return None, None, grad
 
 
 class _Wait(torch.autograd.Function):
@@ -52,6 +53,10 @@ class _Wait(torch.autograd.Function):
     def forward(ctx, state: _InFlight, out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if state.work is not None:
             state.work.wait()
+            # Drop the finished work: gloo's Work keeps its output tensor alive, whose grad_fn
+            # holds this state, a cycle through C++ that Python's GC cannot see (it leaked
+            # one step of collective buffers per step).
+            state.work = None
         ctx.state = state
         return out.view_as(out)
 
@@ -157,6 +162,7 @@ class TensorAllToAll(Awaitable[torch.Tensor]):
     def _wait_impl(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
+            self._work = None
         return self._out
 
 

@@ -1,0 +1,554 @@
+"""DLRM training throughput with a per-phase time split, against the same model in plain PyTorch.
+
+Two implementations of one DLRM (26 one-hot sparse features, 13 dense, reference layer sizes:
+bottom 512-256-128, top 1024-1024-512-256-1, dot interaction) train on the same synthetic
+Parquet dataset, read with ``ParquetLoader`` (so data time is real loading), in the same run:
+
+  recsys_core_dmp   the training step of ``dlrm_app/train.py``: DistributedModelParallel with the
+                    planner's plan, fused row-wise Adagrad on the tables (applied in backward),
+                    dense Adagrad, DDP with a summing comm hook, pipelined batches (the next
+                    batch's ids all-to-all overlaps this batch's compute)
+  pytorch_ddp       26 ``nn.EmbeddingBag(mode="sum", sparse=True)`` + the same dense arch, the
+                    whole model in DDP (tables replicated on every rank, their sparse gradients
+                    all-reduced by DDP), ``torch.optim.Adagrad`` on both (sparse Adagrad on the
+                    tables, lr as ours); no DDP at world size 1, as DMP
+
+Same seed, same data order and the same initial weights, so ``first_step_loss`` matches.
+
+``python bench/train.py`` generates the dataset in a temporary directory and runs one torchrun
+job per (world size, implementation), baseline first (``--world-sizes 1,2``; gloo on CPU with
+``--threads-per-rank`` intra-op threads, default 1 as in launch/bench_sharded_ebc.sh, so each
+rank has a core of its own on a 2-core host; NCCL on CUDA, where world sizes above the GPU count
+are skipped). Rank 0 of each job prints one JSON line, which the driver relays:
+
+  samples_per_s / step_ms  the real loop: ``--steps`` steps after ``--warmup``, wall time from a
+                           barrier to a barrier on the slowest rank (global samples: world *
+                           batch per step)
+  phase_ms                 mean over ``--phased-steps`` instrumented steps that call the phases
+                           one by one, each followed by a device sync and a barrier, so nothing
+                           overlaps and each phase includes waiting for the slowest rank; they
+                           sum to ``phased_step_ms`` (which is not step_ms: no overlap, barriers)
+  peak_memory_mb           rank 0's (and ``_per_rank``) peak RSS on CPU, the whole process's (one
+                           implementation per job), or ``torch.cuda.max_memory_allocated``
+  ratio_to_baseline        (recsys_core_dmp only) its samples/s over pytorch_ddp's, same world
+
+Phases: data (next batch from a loader without a prefetch thread, to device), input_dist (ids
+all-to-all, start + wait), lookup (local TBE forward), output_dist (pooled all-to-all),
+dense_forward (bottom MLP + interaction + top MLP + loss), dense_backward (to the pooled
+embeddings), embedding_backward (output-dist backward + TBE backward with the fused update),
+grad_allreduce (the dense gradients, one flat all-reduce, as DDP's hook sums them; the baseline
+also all-reduces its sparse table gradients, as DDP does), optimizer (dense step; the baseline's
+Adagrad also updates the tables here). The baseline has no input_dist / output_dist.
+
+Default tables: 100_000 rows each (dim 128: 1.3 GB of fp32 weights per full model; the baseline
+holds a replica plus its Adagrad state per rank, 2.7 GB, so 2 of its ranks fit in ~7 GB).
+
+Usage:  python bench/train.py [--steps 20] [--warmup 3] [--rows-per-table 100000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.loader import Batch, ParquetLoader
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.data.synthetic import generate
+from dlrm_app.model import (
+    DenseArch,
+    InteractionArch,
+    ModelConfig,
+    OverArch,
+    fill_table_region,
+    table_name,
+)
+from dlrm_app.train import (
+    build_model,
+    build_optimizer,
+    device_batches,
+    init_distributed,
+    set_learning_rates,
+)
+from recsys_core.distributed import DistributedModelParallel
+from recsys_core.optim import CombinedOptimizer, in_backward_optimizer_filter
+
+FULL = {"batch_size": 2048, "rows_per_table": 100_000, "dim": 128, "bottom": "512,256",
+        "top": "1024,1024,512,256", "steps": 20, "warmup": 3, "phased_steps": 5}
+QUICK = {"batch_size": 128, "rows_per_table": 1000, "dim": 16, "bottom": "32",
+         "top": "64,32", "steps": 3, "warmup": 1, "phased_steps": 2}
+OURS, BASELINE = "recsys_core_dmp", "pytorch_ddp"
+PHASES_MEASURED = ("mean of instrumented steps on rank 0; each phase ends with a device sync and "
+                   "a barrier, so phases do not overlap and include waiting for the slowest rank")
+
+
+# ---- config -------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=int, help=f"rows per rank (default {FULL['batch_size']})")
+    p.add_argument("--rows-per-table", type=int, help=f"default {FULL['rows_per_table']}")
+    p.add_argument("--dim", type=int, help=f"embedding dim (default {FULL['dim']})")
+    p.add_argument("--bottom", help="bottom MLP sizes before the last (= dim) layer "
+                                    f"(default {FULL['bottom']})")
+    p.add_argument("--top", help=f"top MLP sizes before the 1-logit layer (default {FULL['top']})")
+    p.add_argument("--steps", type=int, help=f"timed steps (default {FULL['steps']})")
+    p.add_argument("--warmup", type=int, help=f"untimed steps first (default {FULL['warmup']})")
+    p.add_argument("--phased-steps", type=int, help=f"default {FULL['phased_steps']}")
+    p.add_argument("--quick", action="store_true", help=f"tiny defaults for a smoke test: {QUICK}")
+    p.add_argument("--tables", type=int, default=26)
+    p.add_argument("--num-dense", type=int, default=13)
+    p.add_argument("--world-sizes", default="1,2")
+    p.add_argument("--threads-per-rank", type=int, default=1,
+                   help="intra-op threads per rank (more than cores / world oversubscribes)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", help="use this dataset directory instead of generating one")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=[OURS, BASELINE], default=OURS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("batch_size", "rows_per_table", "dim", "steps", "phased_steps", "tables",
+                 "num_dense", "threads_per_rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 1:
+        p.error(f"--warmup must be >= 1 (its first step gives first_step_loss), got {args.warmup}")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    def sizes(text: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in text.split(",") if s)
+
+    return ModelConfig(embedding_dim=args.dim,
+                       dense_arch_layer_sizes=(*sizes(args.bottom), args.dim),
+                       over_arch_layer_sizes=(*sizes(args.top), 1))
+
+
+# ---- measurement --------------------------------------------------------------------------------
+class PhaseClock:
+    """Splits one step into phases: ``mark(name)`` waits for the device and for every rank,
+    then charges the time since the previous mark to ``name``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._last = 0.0
+        self.ms: dict[str, float] = {}
+
+    def _sync(self) -> float:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.ms = {}
+        self._last = self._sync()
+
+    def mark(self, name: str) -> None:
+        now = self._sync()
+        self.ms[name] = (now - self._last) * 1e3
+        self._last = now
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak: its whole RSS high-water mark on CPU (one implementation per job)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def gather(value: float) -> list[float]:
+    out: list[float] = [value] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def forever(loader: ParquetLoader) -> Iterator[Batch]:
+    """The loader's batches, epoch after epoch."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def all_reduce_grads(params: list[nn.Parameter], average: bool) -> None:
+    """Dense gradients in one flat all-reduce (DDP buckets them); sparse ones one by one."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    dense = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+    if dense:
+        flat = torch.cat([g.reshape(-1) for g in dense])
+        dist.all_reduce(flat)
+        if average:
+            flat /= world
+        for g, part in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
+            g.copy_(part.view_as(g))
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            dist.all_reduce(p.grad)
+            if average:
+                p.grad /= world
+
+
+def dense_logits(model: nn.Module, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """Bottom MLP, interaction and top MLP of either model on pooled ``[B, F, D]``."""
+    return model.over_arch(model.inter_arch(model.dense_arch(dense), pooled)).squeeze(1)
+
+
+# ---- ours: DistributedModelParallel -------------------------------------------------------------
+class Ours:
+    """The model, optimizer and step of ``dlrm_app/train.py``."""
+
+    def __init__(self, config: TrainConfig, spec: DatasetSpec, device: torch.device) -> None:
+        self.dmp: DistributedModelParallel = build_model(config, spec, device)
+        self.optimizer: CombinedOptimizer = build_optimizer(config, self.dmp)
+        self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self.device = device
+        self.global_batch = config.batch_size * dist.get_world_size()
+        self.model = self.dmp.module
+        self.ebc = self.model.sparse_arch.embedding_bag_collection
+        self.config = config
+        named = self.dmp.named_parameters()
+        self.dense_params = [p for _, p in in_backward_optimizer_filter(named)]
+        names = self.model.sparse_arch.feature_names
+        order = [f for s in self.ebc.strategies for f in s.output_features]
+        self.to_key_order = None if order == names else torch.tensor(
+            [order.index(f) for f in names], device=device)
+
+    def run(self, loader: ParquetLoader, steps: int) -> list[float]:
+        """``steps`` steps of the real (pipelined) loop; each step's mean loss on this rank."""
+        losses = []
+        batches = device_batches(forever(loader), self.device, self.dmp, pipelined=True)
+        for _ in range(steps):
+            batch = next(batches)
+            set_learning_rates(self.dmp, self.optimizer, self.base_lrs, 1.0)
+            logits = self.dmp(batch.dense, batch.sparse).squeeze(1)
+            loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+            self.optimizer.zero_grad()
+            (loss_sum / self.global_batch).backward()
+            self.optimizer.step()
+            losses.append(loss_sum.item() / len(batch.labels))
+        batches.close()  # type: ignore[attr-defined]  # finishes the prefetched input dist
+        return losses
+
+    def phased_step(self, batches: Iterator[Batch], clock: PhaseClock) -> None:
+        clock.start()
+        batch = next(batches).to(self.device)
+        clock.mark("data")
+        strategies = self.ebc.strategies
+        inputs = self.ebc.input_dist(batch.sparse)
+        received = [a.wait() for a in inputs]
+        clock.mark("input_dist")
+        pooled = [s.lookup(kjt) for s, kjt in zip(strategies, received, strict=True)]
+        clock.mark("lookup")
+        parts = [s.output_dist(p, local).wait()
+                 for s, p, local in zip(strategies, pooled, inputs.local_features, strict=True)]
+        dim = self.model.sparse_arch.embedding_dim
+        values = torch.cat(parts, dim=1).view(len(batch.labels), -1, dim)
+        if self.to_key_order is not None:
+            values = values.index_select(1, self.to_key_order)
+        clock.mark("output_dist")
+        emb = values.detach().requires_grad_()
+        logits = dense_logits(self.model, batch.dense, emb)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        loss = loss / self.global_batch
+        clock.mark("dense_forward")
+        self.optimizer.zero_grad()
+        loss.backward()
+        clock.mark("dense_backward")
+        values.backward(emb.grad)
+        clock.mark("embedding_backward")
+        all_reduce_grads(self.dense_params, average=False)  # the comm hook sums
+        clock.mark("grad_allreduce")
+        set_learning_rates(self.dmp, self.optimizer, self.base_lrs, 1.0)
+        self.optimizer.step()
+        clock.mark("optimizer")
+
+    def describe(self) -> dict[str, object]:
+        counts: dict[str, int] = {}  # tables per sharding type
+        for module_plan in self.dmp.plan.plan.values():
+            for sharding in module_plan.values():
+                kind = sharding.sharding_type.value
+                counts[kind] = counts.get(kind, 0) + 1
+        return {"plan": counts, "dense_optimizer": self.config.dense_optimizer.value,
+                "embedding_optimizer": f"fused {self.config.embedding_optimizer.value}, "
+                                       "applied in backward"}
+
+
+# ---- the baseline: nn.EmbeddingBag + DDP --------------------------------------------------------
+class PlainDLRM(nn.Module):
+    """The DLRM of ``dlrm_app.model`` with one ``nn.EmbeddingBag(mode="sum", sparse=True)`` per
+    sparse feature instead of an EmbeddingBagCollection."""
+
+    def __init__(self, spec: DatasetSpec, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        dim = config.embedding_dim
+        self.embedding_bags = nn.ModuleList(
+            nn.EmbeddingBag(f.num_embeddings, dim, mode="sum", sparse=True,
+                            include_last_offset=True, device=device)
+            for f in spec.sparse_features)
+        self.dense_arch = DenseArch(len(spec.dense_features), config.dense_arch_layer_sizes,
+                                    device)
+        self.inter_arch = InteractionArch(len(spec.sparse_features)).to(device)
+        self.over_arch = OverArch(self.inter_arch.output_dim(dim), config.over_arch_layer_sizes,
+                                  device)
+
+    def embed(self, ids: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
+        bags = zip(self.embedding_bags, ids, offsets, strict=True)
+        return torch.stack([bag(i, o) for bag, i, o in bags], dim=1)
+
+    def forward(self, dense: torch.Tensor, ids: list[torch.Tensor],
+                offsets: list[torch.Tensor]) -> torch.Tensor:
+        return dense_logits(self, dense, self.embed(ids, offsets))
+
+
+def bags(batch: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per feature, ids and ``[B + 1]`` offsets of the batch's KJT (what nn.EmbeddingBag takes)."""
+    kjt = batch.sparse
+    lengths = kjt.lengths().view(len(kjt.keys()), -1).long()
+    offsets = F.pad(lengths.cumsum(1), (1, 0))
+    return list(kjt.values().split(kjt.length_per_key())), list(offsets.unbind(0))
+
+
+class Baseline:
+    """Plain PyTorch: replicated tables, DDP, sparse Adagrad on the tables, Adagrad on the rest."""
+
+    def __init__(self, config: TrainConfig, spec: DatasetSpec, device: torch.device) -> None:
+        model = PlainDLRM(spec, config.model, device)
+        # the same initial weights as ours: tables from (seed, table, row block), dense layers
+        # reset after torch.manual_seed(seed) in module order
+        with torch.no_grad():
+            for bag, f in zip(model.embedding_bags, spec.sparse_features, strict=True):
+                fill_table_region(bag.weight, table_name(f.name), f.num_embeddings,
+                                  config.model.embedding_dim, 0, 0, config.seed)
+        torch.manual_seed(config.seed)
+        for module in model.modules():
+            if not isinstance(module, nn.EmbeddingBag) and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self.model = model
+        self.ddp: nn.Module = model
+        if dist.get_world_size() > 1:
+            device_ids = [device] if device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(model, device_ids=device_ids)
+        tables = list(model.embedding_bags.parameters())
+        dense = [p for name, p in model.named_parameters() if not name.startswith("embedding_bags")]
+        self.params = tables + dense
+        self.optimizers = [
+            torch.optim.Adagrad(tables, lr=config.embedding_learning_rate, eps=config.eps),
+            torch.optim.Adagrad(dense, lr=config.learning_rate, eps=config.eps),
+        ]
+        self.device = device
+
+    def _zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def _step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def run(self, loader: ParquetLoader, steps: int) -> list[float]:
+        losses = []
+        batches = forever(loader)
+        for _ in range(steps):
+            batch = next(batches).to(self.device, non_blocking=True)
+            ids, offsets = bags(batch)
+            loss = F.binary_cross_entropy_with_logits(self.ddp(batch.dense, ids, offsets),
+                                                      batch.labels)
+            self._zero_grad()
+            loss.backward()
+            self._step()
+            losses.append(loss.item())
+        return losses
+
+    def phased_step(self, batches: Iterator[Batch], clock: PhaseClock) -> None:
+        clock.start()
+        batch = next(batches).to(self.device)
+        ids, offsets = bags(batch)
+        clock.mark("data")
+        pooled = self.model.embed(ids, offsets)
+        clock.mark("lookup")
+        emb = pooled.detach().requires_grad_()
+        loss = F.binary_cross_entropy_with_logits(dense_logits(self.model, batch.dense, emb),
+                                                  batch.labels)
+        clock.mark("dense_forward")
+        self._zero_grad()
+        loss.backward()
+        clock.mark("dense_backward")
+        pooled.backward(emb.grad)
+        clock.mark("embedding_backward")
+        all_reduce_grads(self.params, average=True)  # DDP's default: the mean over ranks
+        clock.mark("grad_allreduce")
+        self._step()
+        clock.mark("optimizer")
+
+    def describe(self) -> dict[str, object]:
+        return {"dense_optimizer": "adagrad",
+                "embedding_optimizer": "torch.optim.Adagrad on sparse gradients"}
+
+
+# ---- one job (under torchrun): one implementation at one world size -----------------------------
+IMPLS = {OURS: Ours, BASELINE: Baseline}
+
+
+def worker(args: argparse.Namespace) -> None:
+    # comm.py calls reduce_scatter_tensor / all_gather_into_tensor, which torch 2.13 deprecates
+    # for gloo: a note about the library, not about this run
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # torch.optim.Adagrad's sparse update notes, every step, that it skips invariant checks
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    device = init_distributed()
+    if not dist.is_initialized():
+        raise SystemExit("--worker runs under torchrun; run `python bench/train.py` instead")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = DatasetSpec.load(args.data)
+    config = TrainConfig(data=args.data, out=os.devnull, model=model_config(args),
+                         batch_size=args.batch_size, seed=args.seed)
+    bench = IMPLS[args.impl](config, spec, device)
+
+    def loader(prefetch: int) -> ParquetLoader:  # the order of train(): same for both impls
+        return ParquetLoader(config.data, "train", batch_size=config.batch_size, rank=rank,
+                             world_size=world, shuffle=config.shuffle, seed=config.seed,
+                             drop_last=True, prefetch=prefetch)
+
+    train_loader = loader(prefetch=2)
+    first = bench.run(train_loader, args.warmup)[0]
+    dist.barrier()
+    start = time.perf_counter()
+    losses = bench.run(train_loader, args.steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    clock, phases = PhaseClock(device), []
+    batches = forever(loader(prefetch=0))  # "data" is then the whole read + decode of a batch
+    for _ in range(args.phased_steps):
+        bench.phased_step(batches, clock)
+        phases.append(clock.ms)
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mean_loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+    dist.all_reduce(mean_loss)
+    peaks = gather(round(peak_memory_mb(device), 1))
+    if rank == 0:
+        rows = sorted({f.num_embeddings for f in spec.sparse_features})
+        phase_ms = {k: round(sum(p[k] for p in phases) / len(phases), 2) for k in phases[0]}
+        line = {
+            "bench": "dlrm_train", "impl": args.impl, "world_size": world,
+            "device": device.type, "backend": dist.get_backend(),
+            "batch_size_per_rank": config.batch_size, "global_batch": config.batch_size * world,
+            "tables": len(spec.sparse_features),
+            "rows_per_table": rows[0] if len(rows) == 1 else rows,
+            "dim": config.model.embedding_dim,
+            "bottom_mlp": list(config.model.dense_arch_layer_sizes),
+            "top_mlp": list(config.model.over_arch_layer_sizes),
+            "steps": args.steps, "warmup": args.warmup, "phased_steps": args.phased_steps,
+            "threads_per_rank": torch.get_num_threads(),
+            "samples_per_s": round(args.steps * config.batch_size * world / slowest.item(), 1),
+            "step_ms": round(slowest.item() / args.steps * 1e3, 2),
+            "phase_ms": phase_ms,
+            "phased_step_ms": round(sum(phase_ms.values()), 2),
+            "phases_measured": PHASES_MEASURED,
+            "peak_memory_mb": peaks[0],
+            "peak_memory_mb_per_rank": peaks,
+            "first_step_loss": round(first, 6),
+            "mean_loss": round(mean_loss.item() / world, 6),
+            **bench.describe(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),  # other jobs on the host: noise
+        }
+        print(json.dumps(line), flush=True)
+    # Free the model (its DDP reducer holds the process group) while the group is alive: a
+    # reducer left to die after destroy_process_group tears the group down with the GIL held
+    # while a gloo thread still needs it to free a finished sparse all-reduce (a hang at exit).
+    del bench, batches, train_loader
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- driver -------------------------------------------------------------------------------------
+def run_job(args: argparse.Namespace, argv: list[str], data: str, world: int, impl: str,
+            cuda: bool) -> dict[str, object]:
+    """One torchrun job; its rank 0's JSON line (the job's stderr passes through)."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(args.threads_per_rank)
+    # keep large allocations on the heap: see launch/bench_sharded_ebc.sh
+    env.setdefault("MALLOC_MMAP_MAX_", "0")
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", __file__, *argv,
+           "--worker", "--impl", impl, "--data", data]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or len(lines) != 1:
+        raise SystemExit(f"{impl} at world size {world}: the torchrun job failed (exit code "
+                         f"{proc.returncode}; its stderr is above); stdout:\n{proc.stdout}")
+    return lines[0]
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> None:
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    worlds = [int(w) for w in args.world_sizes.split(",")]
+    cores = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        data = args.data
+        if data is None:
+            data = tmp
+            # every rank's batches for every step of the largest world size, in row groups of
+            # 4 batches (at least one per rank); validation and test are minimal
+            need = (args.warmup + args.steps + args.phased_steps + 2) * args.batch_size
+            train_rows = max(need * max(worlds), 4 * args.batch_size * max(worlds))
+            print(f"generating {train_rows} rows in {tmp}", file=sys.stderr, flush=True)
+            generate(tmp, rows=int(train_rows / 0.98) + 2, num_dense=args.num_dense,
+                     cardinalities=[args.rows_per_table] * args.tables,
+                     pooling_factors=[1.0] * args.tables, splits=(0.98, 0.01, 0.01),
+                     row_group_size=4 * args.batch_size, seed=args.seed)
+        for world in worlds:
+            if cuda and world > torch.cuda.device_count():
+                print(f"world size {world} skipped: {torch.cuda.device_count()} GPU(s)",
+                      file=sys.stderr, flush=True)
+                continue
+            if args.threads_per_rank * world > cores:
+                print(f"note: {world} ranks x {args.threads_per_rank} threads on {cores} cores",
+                      file=sys.stderr, flush=True)
+            base = run_job(args, argv, data, world, BASELINE, cuda)
+            print(json.dumps(base), flush=True)
+            ours = run_job(args, argv, data, world, OURS, cuda)
+            ours["ratio_to_baseline"] = round(ours["samples_per_s"] / base["samples_per_s"], 3)
+            print(json.dumps(ours), flush=True)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        launch(args, argv)
+
+
+if __name__ == "__main__":
+    main()
