@@ -3,12 +3,16 @@
 Writes a seeded random Criteo-format TSV (``--rows`` rows, some missing fields) and its .gz
 into a temp dir, then prints one JSON line per (input, impl):
 
-  ours          dlrm_app.data.criteo.preprocess_criteo (parse + transform + Parquet shards)
+  ours          dlrm_app.data.criteo.preprocess_criteo (parse + transform + Parquet shards),
+                once per ``--workers`` count (``rows_per_s_per_worker`` is rows_per_s / workers)
   pyarrow_bare  pyarrow.csv.read_csv of the same file, no transforms (the parse limit)
   plain_python  line.split('\\t') + int()/log1p/int(h, 16) per field (reference DLRM style)
 
-``ratio_to_pyarrow`` is ours / pyarrow_bare in rows/s (target >= 0.6).
-Usage: python bench/preprocess.py [--rows 1000000] [--skip-python]
+``ratio_to_pyarrow`` is ours / pyarrow_bare in rows/s (target >= 0.6). Output shards hold
+``--rows-per-shard`` rows (default 100,000: several shards per split, as real datasets have;
+workers write whole shards of plain input in parallel, so one huge shard would be serial).
+Usage: python bench/preprocess.py [--rows 1000000] [--workers 1 2] [--rows-per-shard N]
+[--skip-python]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +70,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="worker process counts to run ours with")
+    parser.add_argument("--rows-per-shard", type=int, default=100_000)
     parser.add_argument("--skip-python", action="store_true", help="skip the slow baseline")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,26 +82,31 @@ def main() -> None:
         gz.write_bytes(gzip.compress(tsv.read_bytes(), compresslevel=6))
         mb = tsv.stat().st_size / 1e6
         for path in (tsv, gz):
-            impls = {
-                "pyarrow_bare": lambda p=path: bare_pyarrow(p),
-                "ours": lambda p=path: sum(s.rows for s in preprocess_criteo(
-                    [p], Path(tmp) / f"out-{p.suffix}", num_embeddings_per_feature=1000,
-                    rows_per_shard=args.rows).splits),
-            }
+            impls: dict[tuple[str, int | None], Callable[[], int]] = {
+                ("pyarrow_bare", None): lambda p=path: bare_pyarrow(p)}
+            for w in args.workers:
+                impls[("ours", w)] = lambda p=path, w=w: sum(s.rows for s in preprocess_criteo(
+                    [p], Path(tmp) / f"out-{p.suffix}-{w}", num_embeddings_per_feature=1000,
+                    rows_per_shard=args.rows_per_shard, workers=w).splits)
             if not args.skip_python:
-                impls["plain_python"] = lambda p=path: plain_python(p, 1000)
-            rates = {}
-            for name, fn in impls.items():
+                impls[("plain_python", None)] = lambda p=path: plain_python(p, 1000)
+            bare = 0.0
+            for (name, workers), fn in impls.items():
                 start = time.perf_counter()
                 rows = fn()
                 seconds = time.perf_counter() - start
-                rates[name] = rows / seconds
                 line = {"bench": "preprocess_criteo", "input": path.name, "impl": name,
                         "rows": rows, "seconds": round(seconds, 3),
                         "rows_per_s": round(rows / seconds),
                         "mb_per_s": round(mb / seconds, 1)}
-                if name != "pyarrow_bare":
-                    line["ratio_to_pyarrow"] = round(rates[name] / rates["pyarrow_bare"], 3)
+                if name == "pyarrow_bare":
+                    bare = rows / seconds
+                else:
+                    line["ratio_to_pyarrow"] = round(rows / seconds / bare, 3)
+                if workers is not None:
+                    line["rows_per_shard"] = args.rows_per_shard
+                    line["workers"] = workers
+                    line["rows_per_s_per_worker"] = round(rows / seconds / workers)
                 print(json.dumps(line), flush=True)
 
 

@@ -109,7 +109,8 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
         spec = preprocess_criteo(
             args.inputs, args.out, fmt=args.format, num_embeddings_per_feature=sizes,
             frequency_threshold=args.frequency_threshold, rows_per_shard=args.rows_per_shard,
-            row_group_size=args.row_group_size, on_bad_row=args.on_bad_row, like=args.like)
+            row_group_size=args.row_group_size, on_bad_row=args.on_bad_row, like=args.like,
+            workers=args.workers)
     except ValueError as e:
         raise SystemExit(f"dlrm-app preprocess criteo: {e}") from None
     seconds = time.perf_counter() - start
@@ -187,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="error: stop at the first bad row; skip: drop and count them")
     crit.add_argument("--like", default=None,
                       help="encode with this existing dataset's hashing or vocabulary")
+    crit.add_argument("--workers", type=int, default=1,
+                      help="processes that parse, encode and write (default 1, the least "
+                           "memory: each worker adds about 0.4 GB); the output is "
+                           "byte-identical for every N; up to the number of cores pays off")
     crit.set_defaults(func=_cmd_preprocess_criteo)
     ml = prep_sub.add_parser("movielens", help="MovieLens 100k / 1m / 20m / 25m / latest folder")
     ml.add_argument("src", help="unpacked release folder (u.data, ratings.dat or ratings.csv)")

@@ -189,35 +189,50 @@ def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(criteo, "_finish_shard", killed_after_first_shard)
     with pytest.raises(KeyboardInterrupt):
         preprocess_criteo(src, tmp_path / "resumed", **kwargs)
-    assert not (tmp_path / "resumed" / "dataset.json").exists()
-    assert sorted(p.name for p in (tmp_path / "resumed").glob("*.parquet")) == \
-        ["train-00000.parquet"]
-    first = (tmp_path / "resumed" / "train-00000.parquet").stat().st_mtime_ns
-    preprocess_criteo(src, tmp_path / "resumed", **kwargs)
-    # the finished shard was not rewritten, the rest were written once
-    assert (tmp_path / "resumed" / "train-00000.parquet").stat().st_mtime_ns == first
-    assert calls.count("train-00000.parquet") == 1
+    resumed = tmp_path / "resumed"
+    assert not (resumed / "dataset.json").exists()
+    # nothing finished-looking: the one finished shard waits in the hidden staging folder
+    assert not list(resumed.glob("*.parquet"))
+    assert [p.name for p in resumed.rglob("*.parquet")] == ["stage-00000.parquet"]
+    first = (resumed / criteo.STAGING_DIR / "stage-00000.parquet").stat().st_mtime_ns
+
+    parsed = []
+    real_parse = criteo.parse_block
+
+    def counting_parse(buf, *args, **kw):
+        parsed.append(buf.count(b"\n"))
+        return real_parse(buf, *args, **kw)
+
+    monkeypatch.setattr(criteo, "parse_block", counting_parse)
+    preprocess_criteo(src, resumed, **kwargs)
+    # the finished shard was neither rewritten (it was renamed to its final name) nor
+    # re-parsed: the rerun starts at the block holding the shard's last row
+    assert (resumed / "train-00000.parquet").stat().st_mtime_ns == first
+    assert calls.count("stage-00000.parquet") == 1
+    assert 10_000 - 2000 <= sum(parsed) < 10_000 - 2000 + 100_000 // 200
+    assert not (resumed / criteo.STAGING_DIR).exists()
     full = {p.name: p.read_bytes() for p in (tmp_path / "full").iterdir()
             if p.suffix in (".parquet", ".json")}
-    resumed = {p.name: p.read_bytes() for p in (tmp_path / "resumed").iterdir()
-               if p.suffix in (".parquet", ".json")}
-    assert full.keys() == resumed.keys() and len(full) == 8
+    resumed_files = {p.name: p.read_bytes() for p in resumed.iterdir()
+                     if p.suffix in (".parquet", ".json")}
+    assert full.keys() == resumed_files.keys() and len(full) == 8
     for name in full:
         if name == "dataset.json":
-            a, b = json.loads(full[name]), json.loads(resumed[name])
+            a, b = json.loads(full[name]), json.loads(resumed_files[name])
             assert a["splits"] == b["splits"]
             # the only difference allowed: the output directory is not recorded at all
             assert a == b
         else:
-            assert full[name] == resumed[name], name
+            assert full[name] == resumed_files[name], name
 
 
 @needs_data
-def test_cli_prints_one_json_line(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_cli_prints_one_json_line(tmp_path: Path, capsys, workers: str) -> None:
     from dlrm_app.cli import main
 
     assert main(["preprocess", "criteo", str(DATA / "kaggle_1k_trailing_fields_stripped.tsv"),
-                 "--out", str(tmp_path), "--format", "kaggle",
+                 "--out", str(tmp_path), "--format", "kaggle", "--workers", workers,
                  "--num-embeddings-per-feature", "1000", "--rows-per-shard", "500"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["rows"] == 1000 and summary["skipped"] == 0 and summary["shards"] == 4
@@ -246,3 +261,17 @@ def test_count_lines_counts_unterminated_last_line(tmp_path: Path) -> None:
     assert criteo.count_lines(path) == 3
     path.write_bytes(b"a\nb\n")
     assert criteo.count_lines(path) == 2
+
+
+@pytest.mark.parametrize("data", [b"a\nbb\nc", b"a\nbb\nccc\n", b"\n\n", b"abcdefghij",
+                                  b"a\n\n\nlonger line\nb\n"])
+def test_line_count_and_index_over_byte_ranges(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "x.tsv"
+    path.write_bytes(data)
+    # tasks of 4 bytes counting ranges of 2: both cut lines anywhere
+    counts, indexes = criteo._line_counts(criteo._InProcess(), [path, path], [True, False], 4,
+                                          step=2)
+    starts = [0] + [i + 1 for i, b in enumerate(data[:-1]) if b == ord("\n")]
+    assert counts == [len(starts), None] and indexes[1] is None
+    assert [indexes[0].locate(path, line) for line in range(len(starts) + 1)] == \
+        [*starts, len(data)]
