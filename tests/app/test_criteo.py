@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dlrm_app.data import criteo
+from dlrm_app.data import criteo, criteo_parse
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.schema import DatasetSpec, verify
 
@@ -242,7 +242,7 @@ def test_cli_prints_one_json_line(tmp_path: Path, capsys, workers: str) -> None:
 def test_hex_fast_path_matches_python_for_every_byte(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     good = [f"{v:08x}" for v in rng.integers(0, 2**32, 5000)] + ["DEADbeef", "", "00000000"]
-    ids, bad = criteo._parse_hex(pa.array(good))
+    ids, bad = criteo_parse._parse_hex(pa.array(good))
     assert not bad.any()
     np.testing.assert_array_equal(ids, [int(h, 16) if h else 0 for h in good])
     for pos in range(8):
@@ -250,7 +250,7 @@ def test_hex_fast_path_matches_python_for_every_byte(tmp_path: Path) -> None:
             s = bytearray(b"0a1B2c3D")
             s[pos] = b
             text = s.decode()
-            _, bad = criteo._parse_hex(pa.array([text, "", "68fd1e64"]))
+            _, bad = criteo_parse._parse_hex(pa.array([text, "", "68fd1e64"]))
             valid = all(c in "0123456789abcdefABCDEF" for c in text)
             assert list(bad) == [not valid, False, False], text
 
