@@ -314,7 +314,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     autocast = _autocast(device, config.amp)
     global_batch = config.batch_size * world_size
     start_step, started = step, time.perf_counter()
-    window_loss, window_start, window_steps = 0.0, time.perf_counter(), 0
+    window_loss: torch.Tensor | float = 0.0
+    window_start, window_steps = time.perf_counter(), 0
     val_metrics: dict[str, float] | None = None
     stopped_early = False
 
@@ -363,11 +364,12 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                 phase_s[name] += seconds
             step += 1
             epoch_batches += 1
-            window_loss += loss_sum.item() / len(batch.labels)
+            # a device tensor: no host sync per step, only at log steps
+            window_loss = window_loss + loss_sum.detach() / len(batch.labels)
             window_steps += 1
             bar.update(1)
             if step % config.log_every == 0 or step == total_steps:
-                (loss,) = _global_mean([window_loss / window_steps], device)
+                (loss,) = _global_mean([float(window_loss) / window_steps], device)
                 rate = window_steps * global_batch / (time.perf_counter() - window_start)
                 log.write({"event": "train", "step": step, "epoch": epoch, "loss": loss,
                            "lr": optimizer.param_groups[-1]["lr"], "samples_per_s": rate})

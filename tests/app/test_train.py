@@ -176,3 +176,17 @@ def test_early_stop_at_target_auc_and_saved_plan(data: Path, tmp_path: Path) -> 
     assert again["validation"] == first["validation"]
     with pytest.raises(ValueError, match="cannot read a sharding plan"):
         train(_config(data, tmp_path / "c", plan=str(tmp_path / "missing.json")), progress=False)
+
+
+def test_evaluate_refuses_a_differently_encoded_dataset(data: Path, tmp_path: Path) -> None:
+    train(_config(data, tmp_path / "run", max_steps=2), progress=False)
+    other = tmp_path / "other"
+    generate(other, rows=3000, num_dense=4, cardinalities=[500, 2000, 50, 999],
+             pooling_factors=[1.0, 1.0, 3.0, 1.0], seed=1, row_group_size=256)
+    with pytest.raises(ValueError, match="other sparse features or table sizes"):
+        evaluate_checkpoint(tmp_path / "run", split="test", data=str(other))
+    same_encoding = tmp_path / "same"
+    generate(same_encoding, rows=3000, num_dense=4, cardinalities=[500, 2000, 50, 1000],
+             pooling_factors=[1.0, 1.0, 3.0, 1.0], seed=1, row_group_size=256)
+    result = evaluate_checkpoint(tmp_path / "run", split="test", data=str(same_encoding))
+    assert result["num_examples"] == 300

@@ -200,9 +200,10 @@ def test_launch_cpu_script_equals_two_rank_run(data: Path, two_rank_run: tuple[P
                                                tmp_path: Path) -> None:
     run2, _ = two_rank_run
     run = tmp_path / "run"
-    subprocess.run([str(LAUNCH / "train_cpu.sh"), "2", str(data), str(run), "--batch-size",
-                    str(BATCH), "--max-steps", "30", *COMMON],
-                   check=True, capture_output=True, env=_script_env(), timeout=300)
+    proc = subprocess.run([str(LAUNCH / "train_cpu.sh"), "2", str(data), str(run),
+                           "--batch-size", str(BATCH), "--max-steps", "30", *COMMON],
+                          capture_output=True, text=True, env=_script_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     full, mine = _losses(run2), _losses(run)
     assert sorted(mine) == list(range(1, 31))
     for step in mine:
