@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from dlrm_app.config import TrainConfig
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
 LATEST = "latest"
@@ -112,3 +113,17 @@ def load_checkpoint(
         raise ValueError(f"{path} is not a complete checkpoint (no .metadata); pass a "
                          f"step_* directory or the run directory to resume from its newest one")
     return dcp_checkpoint.load(str(path), model=model, optimizer=optimizer, extra=extra)
+
+
+def resolve_run(run: str | Path, checkpoint: str | Path | None = None) -> tuple[TrainConfig, Path]:
+    """A training run's config and its checkpoint to use (``checkpoint``, else the newest)."""
+    run = Path(run)
+    config_path = run / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{run} is not a run directory (no config.json); pass the --out of "
+                         f"`dlrm-app train`")
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
+    if path is None or not (path / ".metadata").is_file():
+        raise ValueError(f"no complete checkpoint in {run}/checkpoints (or at --checkpoint); "
+                         f"train first or pass a step_* directory")
+    return TrainConfig.load(config_path), path

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig
+from dlrm_app.demo import DEMO_ROWS
 from dlrm_app.model import Interaction, ModelConfig
 from dlrm_app.serve import add_serve_command
 
@@ -75,7 +76,7 @@ def add_train_flags(p: argparse.ArgumentParser, d: TrainConfig = _DEFAULT) -> No
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from dlrm_app.train import config_from_args, train, world
+    from dlrm_app.train import config_from_args, shutdown_distributed, train, world
 
     try:
         config = config_from_args(args)
@@ -84,12 +85,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit(f"dlrm-app train: {e}") from None
     if world()[0] == 0:
         print(json.dumps(summary))
+    shutdown_distributed()
     return 0
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from dlrm_app.evaluate import evaluate_checkpoint
-    from dlrm_app.train import world
+    from dlrm_app.train import shutdown_distributed, world
 
     try:
         result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,
@@ -98,6 +100,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise SystemExit(f"dlrm-app evaluate: {e}") from None
     if world()[0] == 0:
         print(json.dumps(result))
+    shutdown_distributed()
     return 0
 
 
@@ -158,7 +161,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start")
     demo.add_argument("--out", default="runs/demo", help="where data and the run go")
-    demo.add_argument("--rows", type=int, default=500_000, help="synthetic rows")
+    demo.add_argument("--rows", type=int, default=DEMO_ROWS, help="synthetic rows")
     demo.add_argument("--max-steps", type=int, default=None, help="cap on training steps")
     demo.add_argument("--quiet", action="store_true")
     demo.set_defaults(func=_cmd_demo)

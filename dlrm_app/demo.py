@@ -24,9 +24,10 @@ DEMO_MODEL = ModelConfig(embedding_dim=16, dense_arch_layer_sizes=(64, 16),
                          over_arch_layer_sizes=(128, 64, 1))
 DEMO_CARDINALITY = 1_000
 DEMO_BATCH = 1024
+DEMO_ROWS = 500_000
 
 
-def run_demo(out: Path, rows: int = 500_000, steps: int | None = None,
+def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
              progress: bool = True) -> dict[str, Any]:
     data, run = out / "data", out / "run"
     if not (data / "dataset.json").is_file():

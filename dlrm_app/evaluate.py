@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dlrm_app.checkpoint import latest_checkpoint, load_checkpoint
+from dlrm_app.checkpoint import load_checkpoint, resolve_run
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
@@ -20,16 +20,7 @@ from dlrm_app.train import build_model, evaluate_model, init_distributed, world
 def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
                        data: str | None = None) -> tuple[Any, TrainConfig, DatasetSpec, Path]:
     """(sharded model with the checkpoint's weights, its config, dataset spec, checkpoint)."""
-    run = Path(run)
-    config_path = run / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{run} is not a run directory (no config.json); pass the --out of "
-                         f"`dlrm-app train`")
-    config = TrainConfig.load(config_path)
-    path = Path(checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
-    if path is None:
-        raise ValueError(f"{run}/checkpoints has no complete checkpoint; train first or pass "
-                         f"--checkpoint")
+    config, path = resolve_run(run, checkpoint)
     device = init_distributed()
     spec = DatasetSpec.load(data or config.data)
     trained = DatasetSpec.load(config.data) if data else spec

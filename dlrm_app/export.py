@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE
-from dlrm_app.checkpoint import latest_checkpoint
+from dlrm_app.checkpoint import resolve_run
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.model import DLRM, build_dlrm
@@ -118,25 +118,17 @@ class ExportedDLRM(nn.Module):
         return self.forward(dense, values, offsets)
 
 
-def load_unsharded(run: Path, checkpoint: Path | None = None) -> tuple[DLRM, TrainConfig,
+def load_unsharded(run: Path, checkpoint: str | Path | None = None) -> tuple[DLRM, TrainConfig,
                                                                         DatasetSpec, Path]:
     """The run's DLRM on CPU, unsharded, with the checkpoint's weights (single process)."""
-    config_path = run / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{run} is not a run directory (no config.json); pass the --out of "
-                         f"`dlrm-app train`")
-    config = TrainConfig.load(config_path)
-    path = checkpoint or latest_checkpoint(run / "checkpoints")
-    if path is None or not (Path(path) / ".metadata").is_file():
-        raise ValueError(f"no complete checkpoint in {run}/checkpoints; train first or pass "
-                         f"--checkpoint")
+    config, path = resolve_run(run, checkpoint)
     spec = DatasetSpec.load(config.data)
     model = build_dlrm(spec, config.model, device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's "assuming a single process" notice
         dcp_checkpoint.load(str(path), model=model)
     model.eval()
-    return model, config, spec, Path(path)
+    return model, config, spec, path
 
 
 def _preprocessing_tensors(spec: DatasetSpec, data_dir: Path
@@ -170,7 +162,7 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     run, out = Path(run), Path(out)
-    model, config, spec, path = load_unsharded(run, Path(checkpoint) if checkpoint else None)
+    model, config, spec, path = load_unsharded(run, checkpoint)
     quantize_inference_model(model, DTYPES[dtype], quantize_dense=quantize_dense)
     ebc = model.sparse_arch.embedding_bag_collection
     if list(ebc.tbe.feature_names) != [f.name for f in spec.sparse_features]:

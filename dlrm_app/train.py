@@ -21,6 +21,7 @@ from ``torch.manual_seed(seed)`` after sharding.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import resource
@@ -42,7 +43,7 @@ from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig, lr_
 from dlrm_app.data.loader import Batch, ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.metrics import BinaryClassificationMetrics
-from dlrm_app.model import build_dlrm, init_embedding_tables
+from dlrm_app.model import Interaction, ModelConfig, build_dlrm, init_embedding_tables
 from recsys_core.distributed import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
@@ -71,6 +72,16 @@ def init_distributed() -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly at the end of a command. Without it a rank can abort
+    at interpreter exit ("terminate called without an active exception") while gloo's threads
+    still hold finished work: free the models first, then wait for every rank, then destroy."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def world() -> tuple[int, int]:
@@ -423,8 +434,6 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
 
 def config_from_args(args: Any) -> TrainConfig:
     """The CLI namespace -> TrainConfig (flags named as the fields)."""
-    from dlrm_app.model import Interaction, ModelConfig
-
     model = ModelConfig(
         embedding_dim=args.embedding_dim,
         dense_arch_layer_sizes=tuple(args.dense_arch_layer_sizes),

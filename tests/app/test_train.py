@@ -77,6 +77,9 @@ def test_resume_equals_uninterrupted(data: Path, tmp_path: Path) -> None:
         assert cut_losses[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-7), step
     assert resumed["validation"]["auc"] == pytest.approx(full["validation"]["auc"], abs=1e-7)
     assert resumed["trained_steps"] == 30
+    # saved at 40, 80 and (the end) 110; --keep-checkpoints 2 keeps the newest two
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("step_*")) == [
+        "step_00000080", "step_00000110"]
 
 
 def test_checkpoint_crash_during_save_keeps_previous(data: Path, tmp_path: Path,
