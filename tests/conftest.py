@@ -1,6 +1,9 @@
-"""Shared fixtures: the tutorial's two tables."""
+"""Shared fixtures (the tutorial's two tables) and the ``gpu`` / ``shared_data`` markers."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +35,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.shared_data(path, ...)``: the test reads these real-data samples (see
+    ``tests/shared_data.py``). Missing ones skip the test, except under ``CI=true``, where a
+    missing sample is a failure."""
+    for marker in item.iter_markers("shared_data"):
+        missing = [str(p) for p in marker.args if not Path(p).exists()]
+        if not missing:
+            continue
+        message = (f"shared data sample(s) {missing} not found; they are expected in "
+                   f"../shared/data beside the repository root")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)

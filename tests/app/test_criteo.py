@@ -11,13 +11,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from shared_data import CRITEO
 
 from dlrm_app.data import criteo, criteo_parse
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.schema import DatasetSpec, verify
 
-DATA = Path("/work/shared/data/criteo")
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"sample data folder {DATA} absent")
+DATA = CRITEO
+needs_data = pytest.mark.shared_data(DATA)
 N = 1000  # hash size used in the tests
 
 

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_data import CRITEO
 
 from dlrm_app.data import criteo
 from dlrm_app.data.criteo import preprocess_criteo
 
-DATA = Path("/work/shared/data/criteo")
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"sample data folder {DATA} absent")
+DATA = CRITEO
+needs_data = pytest.mark.shared_data(DATA)
 SMALL = dict(rows_per_shard=700, row_group_size=256, block_bytes=50_000)
 
 

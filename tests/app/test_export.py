@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from shared_data import CRITEO
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
@@ -22,7 +23,6 @@ from dlrm_app.export import export_model
 from dlrm_app.model import ModelConfig
 from dlrm_app.train import train
 
-CRITEO = Path("/work/shared/data/criteo")
 SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
 
 # Runs in a fresh interpreter in which the project's packages cannot be imported.
@@ -120,7 +120,7 @@ def _parse_raw(lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(dense, dtype=torch.float64), torch.tensor(cats, dtype=torch.int64)
 
 
-@pytest.mark.skipif(not CRITEO.is_dir(), reason=f"sample data folder {CRITEO} absent")
+@pytest.mark.shared_data(CRITEO)
 @pytest.mark.parametrize("encoding", ["hash", "vocabulary"])
 def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str) -> None:
     source = CRITEO / "kaggle_head_10k.tsv"

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from shared_data import ML100K
 
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.movielens import age_bucket, load_id_map, preprocess_movielens
 from dlrm_app.data.schema import DatasetKind, verify
 
-ML100K = Path("/work/shared/data/movielens/ml-100k")
-needs_100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(),
-                                reason=f"MovieLens 100k not found at {ML100K}")
+needs_100k = pytest.mark.shared_data(ML100K / "u.data")
 
 
 def read_split(out: Path, split: str) -> dict[str, list]:

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
+from shared_data import CRITEO
 
 from dlrm_app.data.synthetic import generate
 from recsys_core.testing import find_free_port
 
-CRITEO = Path("/work/shared/data/criteo")
 BATCH = 128  # rows per rank; the 1-rank run uses 2 * BATCH
 MODEL = ["--embedding-dim", "8", "--dense-arch-layer-sizes", "16-8",
          "--over-arch-layer-sizes", "16-1"]
@@ -170,7 +170,7 @@ def test_two_rank_checkpoint_resumes_on_other_world_sizes(
         sum(before[s] for s in range(61, 71)) / 10, abs=0.05)
 
 
-@pytest.mark.skipif(not CRITEO.is_dir(), reason=f"sample data folder {CRITEO} absent")
+@pytest.mark.shared_data(CRITEO)
 def test_criteo_sample_trains_on_two_ranks(tmp_path: Path) -> None:
     data = tmp_path / "criteo"
     subprocess.run(_cmd(0, "preprocess", "criteo", str(CRITEO / "kaggle_head_10k.tsv"),
