@@ -4,7 +4,7 @@ Two implementations of one DLRM (26 one-hot sparse features, 13 dense, reference
 bottom 512-256-128, top 1024-1024-512-256-1, dot interaction) train on the same synthetic
 Parquet dataset, read with ``ParquetLoader`` (so data time is real loading), in the same run:
 
-  recsys_core_dmp   the training step of ``dlrm_app/train.py``: DistributedModelParallel with the
+  recsys_core_dmp   the training step of ``dlrm_app/train.py`` (built by ``dlrm_app/build.py``): DistributedModelParallel with the
                     planner's plan, fused row-wise Adagrad on the tables (applied in backward),
                     dense Adagrad, DDP with a summing comm hook, pipelined batches (the next
                     batch's ids all-to-all overlaps this batch's compute)
@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dlrm_app.build import build_model, build_optimizer, set_learning_rates
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import Batch, ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
@@ -78,13 +79,8 @@ from dlrm_app.model import (
     fill_table_region,
     table_name,
 )
-from dlrm_app.train import (
-    build_model,
-    build_optimizer,
-    device_batches,
-    init_distributed,
-    set_learning_rates,
-)
+from dlrm_app.pipeline import device_batches
+from dlrm_app.runtime import init_distributed
 from recsys_core.distributed import DistributedModelParallel
 from recsys_core.optim import CombinedOptimizer, in_backward_optimizer_filter
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -75,8 +76,26 @@ def add_train_flags(p: argparse.ArgumentParser, d: TrainConfig = _DEFAULT) -> No
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false")
 
 
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The CLI namespace -> TrainConfig (flags named as the fields)."""
+    model = ModelConfig(
+        embedding_dim=args.embedding_dim,
+        dense_arch_layer_sizes=tuple(args.dense_arch_layer_sizes),
+        over_arch_layer_sizes=tuple(args.over_arch_layer_sizes),
+        interaction=Interaction(args.interaction),
+        dcn_num_layers=args.dcn_num_layers,
+        dcn_low_rank_dim=args.dcn_low_rank_dim,
+    )
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
+    values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    values["embedding_optimizer"] = EmbeddingOptimizer(values["embedding_optimizer"])
+    values["dense_optimizer"] = DenseOptimizer(values["dense_optimizer"])
+    return TrainConfig(model=model, **values)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
-    from dlrm_app.train import config_from_args, shutdown_distributed, train, world
+    from dlrm_app.runtime import shutdown_distributed, world
+    from dlrm_app.train import train
 
     try:
         config = config_from_args(args)
@@ -91,7 +110,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from dlrm_app.evaluate import evaluate_checkpoint
-    from dlrm_app.train import shutdown_distributed, world
+    from dlrm_app.runtime import shutdown_distributed, world
 
     try:
         result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,

@@ -10,11 +10,36 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
+from dlrm_app.build import build_model
 from dlrm_app.checkpoint import load_checkpoint, resolve_run
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.train import build_model, evaluate_model, init_distributed, world
+from dlrm_app.metrics import BinaryClassificationMetrics
+from dlrm_app.runtime import autocast, init_distributed, world
+
+
+def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
+                   max_batches: int = 0, amp: bool = False) -> dict[str, float]:
+    """AUC, NE, logloss... of ``dmp`` on ``loader``'s split, exact over all ranks."""
+    metrics = BinaryClassificationMetrics()
+    was_training = dmp.training
+    dmp.eval()
+    context = autocast(device, amp)
+    with torch.no_grad():
+        for i, batch in enumerate(loader):
+            if max_batches and i >= max_batches:
+                break
+            batch = batch.to(device, non_blocking=True)
+            with context:
+                logits = dmp(batch.dense, batch.sparse).squeeze(1)
+            valid = len(batch.labels) if batch.valid_rows is None else batch.valid_rows
+            metrics.update(logits[:valid].float(), batch.labels[:valid])
+    dmp.train(was_training)
+    return metrics.compute()
 
 
 def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,

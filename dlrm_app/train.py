@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node 2 -m dlrm_app train --data data/synthetic --out runs/a
 
-Process group: ``torchrun`` sets RANK/WORLD_SIZE/MASTER_ADDR...; the backend is NCCL when CUDA
-is available, else gloo. Without those variables the job runs as a single process.
+Process setup is in ``dlrm_app.runtime``, the sharded model and optimizers are built by
+``dlrm_app.build``, batches are staged by ``dlrm_app.pipeline``, validation is
+``dlrm_app.evaluate.evaluate_model``.
 
 Gradients: each rank's loss is its rows' summed log loss divided by the *global* batch
 (``batch_size * world_size``), and both the embedding gradients (through the sharded
@@ -13,216 +14,32 @@ ranks with ``batch_size`` rows each follow the same trajectory as one rank with
 ``N * batch_size`` rows (up to float summation order). With row groups of exactly
 ``batch_size`` rows (the loader deals row groups round-robin) the global batches even hold the
 same rows.
-
-Initialization is independent of the plan: tables from (seed, table, row block), dense layers
-from ``torch.manual_seed(seed)`` after sharding.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import json
-import os
-import resource
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from tqdm import tqdm
 
+from dlrm_app.build import build_model, build_optimizer, set_learning_rates
 from dlrm_app.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig, lr_scale
-from dlrm_app.data.loader import Batch, ParquetLoader
+from dlrm_app.config import TrainConfig, lr_scale
+from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.metrics import BinaryClassificationMetrics
-from dlrm_app.model import Interaction, ModelConfig, build_dlrm, init_embedding_tables
-from recsys_core.distributed import (
-    DistributedModelParallel,
-    EmbeddingBagCollectionSharder,
-    ShardingPlan,
-)
-from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from recsys_core.kernels.config import EmbOptimType
-from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+from dlrm_app.evaluate import evaluate_model
+from dlrm_app.pipeline import device_batches
+from dlrm_app.runtime import autocast, gather, global_mean, init_distributed, peak_memory_mb, world
 
-_FUSED = {
-    EmbeddingOptimizer.SGD: EmbOptimType.EXACT_SGD,
-    EmbeddingOptimizer.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
-    EmbeddingOptimizer.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-}
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
-# ---- setup --------------------------------------------------------------------------------------
-def init_distributed() -> torch.device:
-    """Join the process group torchrun describes (if any); the device this rank uses."""
-    cuda = torch.cuda.is_available()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
-def shutdown_distributed() -> None:
-    """Leave the process group cleanly at the end of a command. Without it a rank can abort
-    at interpreter exit ("terminate called without an active exception") while gloo's threads
-    still hold finished work: free the models first, then wait for every rank, then destroy."""
-    if dist.is_initialized():
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
-    """DDP comm hook: sum gradients over ranks (the default averages); see the module docs.
-
-    Unannotated on purpose: DDP rejects annotations that are not literally ``dist.GradBucket``,
-    and ``from __future__ import annotations`` turns them into strings."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
-                ) -> DistributedModelParallel:
-    """The DLRM sharded over the world (plan from ``config.plan`` or the planner), initialized
-    from ``config.seed`` the same way for any plan."""
-    plan = None
-    if config.plan:
-        try:
-            plan = ShardingPlan.from_json(Path(config.plan).read_text())
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"--plan {config.plan}: cannot read a sharding plan ({e}); pass a "
-                             f"plan.json written by an earlier run") from None
-    sharder = EmbeddingBagCollectionSharder(fused_params={
-        "optimizer": _FUSED[config.embedding_optimizer],
-        "learning_rate": config.embedding_learning_rate,
-        "eps": config.eps,
-    })
-    model = build_dlrm(spec, config.model, device="meta")
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
-    torch.manual_seed(config.seed)
-    for module in dmp.module.modules():
-        if not isinstance(module, ShardedEmbeddingBagCollection) and hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-    init_embedding_tables(dmp.module, config.seed)
-    ddp = dmp.data_parallel
-    if ddp is not None:
-        ddp.register_comm_hook(dmp.env.pg, _sum_allreduce_hook)
-    return dmp
-
-
-def build_optimizer(config: TrainConfig, dmp: DistributedModelParallel) -> CombinedOptimizer:
-    """Fused table optimizer (already applied in backward) + the dense optimizer, combined."""
-    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    if config.dense_optimizer is DenseOptimizer.SGD:
-        def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.SGD(ps, lr=config.learning_rate)
-    elif config.dense_optimizer is DenseOptimizer.ADAGRAD:
-        def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adagrad(ps, lr=config.learning_rate, eps=config.eps)
-    else:
-        def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adam(ps, lr=config.learning_rate, eps=config.eps)
-    dense = KeyedOptimizerWrapper(dense_params, factory)
-    dense.init_state()  # state exists before a checkpoint is loaded into it
-    return CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense)])
-
-
-def set_learning_rates(dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
-                       base: list[float], scale: float) -> None:
-    """Scale every group's rate; the fused kernels take theirs on ``fused_optimizer.step()``
-    (which only forwards the rate: their update already happened in backward)."""
-    for group, lr in zip(optimizer.param_groups, base, strict=True):
-        group["lr"] = lr * scale
-    dmp.fused_optimizer.step()
-
-
-# ---- batches ------------------------------------------------------------------------------------
-def device_batches(batches: Iterable[Batch], device: torch.device, model: nn.Module,
-                   pipelined: bool) -> Iterator[Batch]:
-    """Batches on ``device``. Pipelined (TorchRec's ``TrainPipelineSparseDist`` idea): batch
-    i+1 is copied (on a side CUDA stream) and its sparse input all-to-all started before batch i
-    is handed out, so both overlap batch i's forward and backward. Results are identical to the
-    plain loop: only ids move early, embeddings are looked up at batch i+1's forward."""
-    if not pipelined:
-        for batch in batches:
-            yield batch.to(device, non_blocking=True)
-        return
-    sharded = [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def stage(batch: Batch) -> Batch:
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                batch = batch.to(device, non_blocking=True)
-            torch.cuda.current_stream(device).wait_stream(stream)
-        else:
-            batch = batch.to(device)
-        for module in sharded:
-            module.prefetch(batch.sparse)
-        return batch
-
-    iterator = iter(batches)
-    try:
-        current = next(iterator, None)
-        if current is None:
-            return
-        current = stage(current)
-        for upcoming in iterator:
-            upcoming = stage(upcoming)
-            yield current
-            current = upcoming
-        yield current
-    finally:
-        for module in sharded:
-            module.drop_prefetched()
-
-
-# ---- evaluation ---------------------------------------------------------------------------------
-def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
-                   max_batches: int = 0, amp: bool = False) -> dict[str, float]:
-    """AUC, NE, logloss... of ``dmp`` on ``loader``'s split, exact over all ranks."""
-    metrics = BinaryClassificationMetrics()
-    was_training = dmp.training
-    dmp.eval()
-    autocast = _autocast(device, amp)
-    with torch.no_grad():
-        for i, batch in enumerate(loader):
-            if max_batches and i >= max_batches:
-                break
-            batch = batch.to(device, non_blocking=True)
-            with autocast:
-                logits = dmp(batch.dense, batch.sparse).squeeze(1)
-            valid = len(batch.labels) if batch.valid_rows is None else batch.valid_rows
-            metrics.update(logits[:valid].float(), batch.labels[:valid])
-    dmp.train(was_training)
-    return metrics.compute()
-
-
-def _autocast(device: torch.device, amp: bool) -> Any:
-    if amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
-
-
-# ---- bookkeeping --------------------------------------------------------------------------------
 class _Log:
     """Appends JSON lines to ``metrics.jsonl`` (rank 0 only)."""
 
@@ -239,29 +56,6 @@ class _Log:
             self._file.close()
 
 
-def _global_mean(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.tolist()
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _gather(value: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-# ---- the loop -----------------------------------------------------------------------------------
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints."""
     device = init_distributed()
@@ -322,7 +116,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     phase_s = dict.fromkeys(PHASES, 0.0)
     bar = tqdm(total=total_steps, initial=step, disable=not (progress and rank == 0),
                unit="step", dynamic_ncols=True)
-    autocast = _autocast(device, config.amp)
+    context = autocast(device, config.amp)
     global_batch = config.batch_size * world_size
     start_step, started = step, time.perf_counter()
     window_loss: torch.Tensor | float = 0.0
@@ -361,7 +155,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             t1 = time.perf_counter()
             set_learning_rates(dmp, optimizer, base_lrs, lr_scale(
                 step, config.lr_warmup_steps, config.lr_decay_start, config.lr_decay_steps))
-            with autocast:
+            with context:
                 logits = dmp(batch.dense, batch.sparse).squeeze(1)
             loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels,
                                                           reduction="sum")
@@ -380,7 +174,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             window_steps += 1
             bar.update(1)
             if step % config.log_every == 0 or step == total_steps:
-                (loss,) = _global_mean([float(window_loss) / window_steps], device)
+                (loss,) = global_mean([float(window_loss) / window_steps], device)
                 rate = window_steps * global_batch / (time.perf_counter() - window_start)
                 log.write({"event": "train", "step": step, "epoch": epoch, "loss": loss,
                            "lr": optimizer.param_groups[-1]["lr"], "samples_per_s": rate})
@@ -421,7 +215,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         "samples_per_s": (step - start_step) * global_batch / elapsed if elapsed > 0 else 0.0,
         "seconds": elapsed,
         "phase_fraction": {k: v / busy for k, v in phase_s.items()},
-        "peak_memory_mb_per_rank": _gather(round(_peak_memory_mb(device), 1)),
+        "peak_memory_mb_per_rank": gather(round(peak_memory_mb(device), 1)),
         "stopped_early": stopped_early,
         "validation": val_metrics,
         "teacher_auc": spec.parameters.get("teacher_auc"),
@@ -430,21 +224,3 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     log.write(summary)
     log.close()
     return summary
-
-
-def config_from_args(args: Any) -> TrainConfig:
-    """The CLI namespace -> TrainConfig (flags named as the fields)."""
-    model = ModelConfig(
-        embedding_dim=args.embedding_dim,
-        dense_arch_layer_sizes=tuple(args.dense_arch_layer_sizes),
-        over_arch_layer_sizes=tuple(args.over_arch_layer_sizes),
-        interaction=Interaction(args.interaction),
-        dcn_num_layers=args.dcn_num_layers,
-        dcn_low_rank_dim=args.dcn_low_rank_dim,
-    )
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
-    values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
-    values["embedding_optimizer"] = EmbeddingOptimizer(values["embedding_optimizer"])
-    values["dense_optimizer"] = DenseOptimizer(values["dense_optimizer"])
-    return TrainConfig(model=model, **values)
-

@@ -1,0 +1,97 @@
+"""The sharded DLRM and its optimizers, built the same way by ``train``, ``evaluate`` and the
+benchmarks.
+
+Initialization is independent of the plan: tables from (seed, table, row block), dense layers
+from ``torch.manual_seed(seed)`` after sharding. Dense gradients are summed over ranks by a DDP
+comm hook (the default averages), as the embedding gradients are; see ``dlrm_app.train``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.model import build_dlrm, init_embedding_tables
+from recsys_core.distributed import (
+    DistributedModelParallel,
+    EmbeddingBagCollectionSharder,
+    ShardingPlan,
+)
+from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from recsys_core.kernels.config import EmbOptimType
+from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+
+_FUSED = {
+    EmbeddingOptimizer.SGD: EmbOptimType.EXACT_SGD,
+    EmbeddingOptimizer.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
+    EmbeddingOptimizer.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+}
+
+
+def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: sum gradients over ranks (the default averages); see the module docs.
+
+    Unannotated on purpose: DDP rejects annotations that are not literally ``dist.GradBucket``,
+    and ``from __future__ import annotations`` turns them into strings."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
+                ) -> DistributedModelParallel:
+    """The DLRM sharded over the world (plan from ``config.plan`` or the planner), initialized
+    from ``config.seed`` the same way for any plan."""
+    plan = None
+    if config.plan:
+        try:
+            plan = ShardingPlan.from_json(Path(config.plan).read_text())
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"--plan {config.plan}: cannot read a sharding plan ({e}); pass a "
+                             f"plan.json written by an earlier run") from None
+    sharder = EmbeddingBagCollectionSharder(fused_params={
+        "optimizer": _FUSED[config.embedding_optimizer],
+        "learning_rate": config.embedding_learning_rate,
+        "eps": config.eps,
+    })
+    model = build_dlrm(spec, config.model, device="meta")
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
+    torch.manual_seed(config.seed)
+    for module in dmp.module.modules():
+        if not isinstance(module, ShardedEmbeddingBagCollection) and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    init_embedding_tables(dmp.module, config.seed)
+    ddp = dmp.data_parallel
+    if ddp is not None:
+        ddp.register_comm_hook(dmp.env.pg, _sum_allreduce_hook)
+    return dmp
+
+
+def build_optimizer(config: TrainConfig, dmp: DistributedModelParallel) -> CombinedOptimizer:
+    """Fused table optimizer (already applied in backward) + the dense optimizer, combined."""
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    if config.dense_optimizer is DenseOptimizer.SGD:
+        def factory(ps: Any) -> torch.optim.Optimizer:
+            return torch.optim.SGD(ps, lr=config.learning_rate)
+    elif config.dense_optimizer is DenseOptimizer.ADAGRAD:
+        def factory(ps: Any) -> torch.optim.Optimizer:
+            return torch.optim.Adagrad(ps, lr=config.learning_rate, eps=config.eps)
+    else:
+        def factory(ps: Any) -> torch.optim.Optimizer:
+            return torch.optim.Adam(ps, lr=config.learning_rate, eps=config.eps)
+    dense = KeyedOptimizerWrapper(dense_params, factory)
+    dense.init_state()  # state exists before a checkpoint is loaded into it
+    return CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense)])
+
+
+def set_learning_rates(dmp: DistributedModelParallel, optimizer: CombinedOptimizer,
+                       base: list[float], scale: float) -> None:
+    """Scale every group's rate; the fused kernels take theirs on ``fused_optimizer.step()``
+    (which only forwards the rate: their update already happened in backward)."""
+    for group, lr in zip(optimizer.param_groups, base, strict=True):
+        group["lr"] = lr * scale
+    dmp.fused_optimizer.step()

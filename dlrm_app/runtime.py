@@ -1,0 +1,73 @@
+"""Process setup for the commands that run under ``torchrun``: the process group, this rank's
+device, collectives on small host values, and clean teardown.
+
+``torchrun`` sets RANK/WORLD_SIZE/MASTER_ADDR...; the backend is NCCL when CUDA is available,
+else gloo. Without those variables a command runs as a single process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> torch.device:
+    """Join the process group torchrun describes (if any); the device this rank uses."""
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly at the end of a command. Without it a rank can abort
+    at interpreter exit ("terminate called without an active exception") while gloo's threads
+    still hold finished work: free the models first, then wait for every rank, then destroy."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def global_mean(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.tolist()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def autocast(device: torch.device, amp: bool) -> Any:
+    if amp and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
