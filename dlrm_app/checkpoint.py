@@ -5,6 +5,7 @@ Layout of ``<run>/checkpoints/``::
     step_00000100/          a complete checkpoint (DCP's files, one per rank, + .metadata)
     step_00000200.partial/  a save in progress, or one a crash interrupted (never loaded)
     latest                  "step_00000200": the newest complete checkpoint
+    best                    "step_00000100": the checkpoint with the best validation AUC
 
 Every rank writes its shards into ``step_N.partial``; after a barrier rank 0 renames it to
 ``step_N`` (an atomic directory rename) and then replaces ``latest`` (write + rename). A crash
@@ -31,6 +32,7 @@ from dlrm_app.config import TrainConfig
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
 LATEST = "latest"
+BEST = "best"
 PARTIAL = ".partial"
 
 
@@ -47,14 +49,27 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _pointed(root: Path, pointer: str) -> Path | None:
+    """The complete checkpoint a pointer file names, or None."""
+    file = root / pointer
+    if file.is_file():
+        path = root / file.read_text().strip()
+        if (path / ".metadata").is_file():
+            return path
+    return None
+
+
+def best_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The checkpoint recorded as the best (highest validation AUC) so far, or None."""
+    return _pointed(Path(checkpoint_dir), BEST)
+
+
 def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under ``checkpoint_dir``, or None."""
     root = Path(checkpoint_dir)
-    pointer = root / LATEST
-    if pointer.is_file():
-        path = root / pointer.read_text().strip()
-        if (path / ".metadata").is_file():
-            return path
+    path = _pointed(root, LATEST)
+    if path is not None:
+        return path
     # no pointer (or a stale one): the highest complete step directory
     complete = sorted(p for p in root.glob("step_*")
                       if not p.name.endswith(PARTIAL) and (p / ".metadata").is_file())
@@ -69,8 +84,11 @@ def save_checkpoint(
     optimizer: Any,
     extra: Mapping[str, Any],
     keep: int = 2,
+    best: bool = False,
 ) -> Path:
-    """Collective: every rank calls it at the same step. Returns the checkpoint's directory."""
+    """Collective: every rank calls it at the same step. Returns the checkpoint's directory.
+    ``best``: also record it as the best checkpoint. Pruning keeps the ``keep`` newest and the
+    best one."""
     root = Path(checkpoint_dir)
     final = root / step_dir_name(step)
     partial = root / (final.name + PARTIAL)
@@ -85,9 +103,10 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        tmp = root / (LATEST + ".tmp")
-        tmp.write_text(final.name + "\n")
-        tmp.replace(root / LATEST)
+        for pointer in (LATEST, BEST) if best else (LATEST,):
+            tmp = root / (pointer + ".tmp")
+            tmp.write_text(final.name + "\n")
+            tmp.replace(root / pointer)
         _prune(root, keep, final)
     _barrier()
     return final
@@ -95,8 +114,9 @@ def save_checkpoint(
 
 def _prune(root: Path, keep: int, newest: Path) -> None:
     complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(PARTIAL))
+    best = best_checkpoint(root)
     for old in complete[:-keep]:
-        if old != newest:
+        if old not in (newest, best):
             shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(f"step_*{PARTIAL}"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -116,14 +136,23 @@ def load_checkpoint(
 
 
 def resolve_run(run: str | Path, checkpoint: str | Path | None = None) -> tuple[TrainConfig, Path]:
-    """A training run's config and its checkpoint to use (``checkpoint``, else the newest)."""
+    """A training run's config and the checkpoint to use: ``checkpoint`` may be "best" (the
+    default: the best validation AUC, or the newest checkpoint where none was recorded as
+    best), "latest", or a step_* directory."""
     run = Path(run)
     config_path = run / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{run} is not a run directory (no config.json); pass the --out of "
                          f"`dlrm-app train`")
-    path = Path(checkpoint) if checkpoint else latest_checkpoint(run / "checkpoints")
+    root = run / "checkpoints"
+    choice = str(checkpoint) if checkpoint else BEST
+    if choice == BEST:
+        path = best_checkpoint(root) or latest_checkpoint(root)
+    elif choice == LATEST:
+        path = latest_checkpoint(root)
+    else:
+        path = Path(choice)
     if path is None or not (path / ".metadata").is_file():
-        raise ValueError(f"no complete checkpoint in {run}/checkpoints (or at --checkpoint); "
-                         f"train first or pass a step_* directory")
+        raise ValueError(f"no complete checkpoint in {root} (or at --checkpoint {choice}); "
+                         f"train first, or pass --checkpoint best, latest or a step_* directory")
     return TrainConfig.load(config_path), path

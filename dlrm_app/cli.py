@@ -148,13 +148,16 @@ def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="show versions, FBGEMM status and kernel choices")
+    info = sub.add_parser("info", help="show versions, FBGEMM status and kernel choices",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     info.add_argument("--device", default="cpu", help="device to report kernel choices for")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_info)
-    gen = sub.add_parser("generate", help="write a synthetic Criteo-shaped dataset")
+    gen = sub.add_parser("generate", help="write a synthetic Criteo-shaped dataset",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
     gen.add_argument("--rows", type=int, default=100_000, help="total rows over all splits")
     gen.add_argument("--num-dense", type=int, default=13, help="number of dense features")
@@ -169,9 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--row-group-size", type=int, default=65_536,
                      help="rows per Parquet row group (also the generation chunk)")
     gen.set_defaults(func=_cmd_generate)
-    prep = sub.add_parser("preprocess", help="raw dataset files -> Parquet shards")
+    prep = sub.add_parser("preprocess", help="raw dataset files -> Parquet shards",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     prep_sub = prep.add_subparsers(dest="dataset", required=True)
-    crit = prep_sub.add_parser("criteo", help="Criteo Kaggle / 1TB TSV (plain or .gz)")
+    crit = prep_sub.add_parser("criteo", help="Criteo Kaggle / 1TB TSV (plain or .gz)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     crit.add_argument("inputs", nargs="+", help="TSV files in order (terabyte: one per day)")
     crit.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
     crit.add_argument("--format", choices=("kaggle", "terabyte"), default="kaggle",
@@ -193,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "memory: each worker adds about 0.4 GB); the output is "
                            "byte-identical for every N; up to the number of cores pays off")
     crit.set_defaults(func=_cmd_preprocess_criteo)
-    ml = prep_sub.add_parser("movielens", help="MovieLens 100k / 1m / 20m / 25m / latest folder")
+    ml = prep_sub.add_parser("movielens", help="MovieLens 100k / 1m / 20m / 25m / latest folder",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ml.add_argument("src", help="unpacked release folder (u.data, ratings.dat or ratings.csv)")
     ml.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
     ml.add_argument("--positive-rating", type=float, default=4.0,

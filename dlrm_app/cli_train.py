@@ -1,96 +1,35 @@
-"""The ``train``, ``evaluate``, ``export``, ``serve`` and ``demo`` subcommands of ``dlrm-app``."""
+"""The ``train``, ``evaluate``, ``export``, ``serve`` and ``demo`` subcommands of ``dlrm-app``.
+
+``train``'s flags are generated from ``TrainConfig`` (``dlrm_app.flags``): a new config field is
+one edit, with its docstring as the help line and its default shown.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
-from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig
+from dlrm_app.config import TrainConfig, resume_config
 from dlrm_app.demo import DEMO_ROWS
-from dlrm_app.model import Interaction, ModelConfig
+from dlrm_app.flags import add_config_flags, config_values
 from dlrm_app.serve import add_serve_command
 
-_DEFAULT = TrainConfig(data="-", out="-")
-_MODEL = ModelConfig()
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(v) for v in text.replace(",", "-").split("-") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of layer sizes like "
-                                         "512-256-128") from None
-    if not sizes:
-        raise argparse.ArgumentTypeError("empty layer size list")
-    return sizes
-
-
-def add_model_flags(p: argparse.ArgumentParser, defaults: ModelConfig = _MODEL) -> None:
-    p.add_argument("--embedding-dim", type=int, default=defaults.embedding_dim)
-    p.add_argument("--dense-arch-layer-sizes", type=_sizes,
-                   default=defaults.dense_arch_layer_sizes,
-                   help="bottom MLP, e.g. 512-256-128 (last = --embedding-dim)")
-    p.add_argument("--over-arch-layer-sizes", type=_sizes, default=defaults.over_arch_layer_sizes,
-                   help="top MLP, e.g. 1024-1024-512-256-1 (last = 1)")
-    p.add_argument("--interaction", choices=[i.value for i in Interaction],
-                   default=defaults.interaction.value)
-    p.add_argument("--dcn-num-layers", type=int, default=defaults.dcn_num_layers)
-    p.add_argument("--dcn-low-rank-dim", type=int, default=defaults.dcn_low_rank_dim)
-
-
-def add_train_flags(p: argparse.ArgumentParser, d: TrainConfig = _DEFAULT) -> None:
-    add_model_flags(p, d.model)
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--max-steps", type=int, default=d.max_steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="rows per rank per step (global batch = this x world size)")
-    p.add_argument("--embedding-optimizer", choices=[o.value for o in EmbeddingOptimizer],
-                   default=d.embedding_optimizer.value, help="fused into backward")
-    p.add_argument("--embedding-learning-rate", type=float, default=d.embedding_learning_rate)
-    p.add_argument("--dense-optimizer", choices=[o.value for o in DenseOptimizer],
-                   default=d.dense_optimizer.value)
-    p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="dense rate")
-    p.add_argument("--eps", type=float, default=d.eps)
-    p.add_argument("--lr-warmup-steps", type=int, default=d.lr_warmup_steps)
-    p.add_argument("--lr-decay-start", type=int, default=d.lr_decay_start)
-    p.add_argument("--lr-decay-steps", type=int, default=d.lr_decay_steps)
-    p.add_argument("--no-pipeline", dest="pipelined", action="store_false",
-                   help="plain loop (same results; easier to debug)")
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast of dense layers (CUDA)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--validate-every", type=int, default=d.validate_every,
-                   help="steps between validations (0: at epoch end)")
-    p.add_argument("--val-batches", type=int, default=d.val_batches,
-                   help="cap on validation batches per rank (0: whole split)")
-    p.add_argument("--target-auc", type=float, default=d.target_auc,
-                   help="stop once validation AUC reaches this")
-    p.add_argument("--save-every", type=int, default=d.save_every,
-                   help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint of --out")
-    p.add_argument("--plan", default=d.plan, help="a plan.json to use instead of planning")
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The CLI namespace -> TrainConfig (flags named as the fields)."""
-    model = ModelConfig(
-        embedding_dim=args.embedding_dim,
-        dense_arch_layer_sizes=tuple(args.dense_arch_layer_sizes),
-        over_arch_layer_sizes=tuple(args.over_arch_layer_sizes),
-        interaction=Interaction(args.interaction),
-        dcn_num_layers=args.dcn_num_layers,
-        dcn_low_rank_dim=args.dcn_low_rank_dim,
-    )
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
-    values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
-    values["embedding_optimizer"] = EmbeddingOptimizer(values["embedding_optimizer"])
-    values["dense_optimizer"] = DenseOptimizer(values["dense_optimizer"])
-    return TrainConfig(model=model, **values)
+    """The CLI namespace -> TrainConfig. With ``--resume`` of an existing run the saved config
+    is the base and only the flags given on the command line change it (a flag that would
+    change the model or the data is an error naming it)."""
+    given = config_values(args, TrainConfig)
+    saved = Path(given["out"]) / "config.json"
+    if given.get("resume") and saved.is_file():
+        return resume_config(TrainConfig.load(saved), given, where=str(saved))
+    if "data" not in given:
+        raise ValueError("--data is required (it may be left out only with --resume of an "
+                         "existing run, whose config names its data)")
+    return TrainConfig.from_json_dict(given, where="the command line")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -148,40 +87,46 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+CHECKPOINT_HELP = ("best (the best validation AUC; the newest checkpoint where none was "
+                   "recorded), latest, or a step_* directory")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    train = sub.add_parser("train", help="train a DLRM (one process or under torchrun)")
-    train.add_argument("--data", required=True, help="dataset directory (dataset.json)")
-    train.add_argument("--out", required=True, help="run directory: logs, plan, checkpoints")
+    train = sub.add_parser("train", help="train a DLRM (one process or under torchrun)",
+                           formatter_class=HELP_FORMAT)
     train.add_argument("--quiet", action="store_true", help="no progress bar or plan print")
-    add_train_flags(train)
+    add_config_flags(train, TrainConfig, required=("out",))
     train.set_defaults(func=_cmd_train)
 
-    ev = sub.add_parser("evaluate", help="AUC, NE, logloss... of a checkpoint on a split")
+    ev = sub.add_parser("evaluate", help="AUC, NE, logloss... of a checkpoint on a split",
+                        formatter_class=HELP_FORMAT)
     ev.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
-    ev.add_argument("--checkpoint", default=None,
-                    help="a step_* directory (default: the run's newest checkpoint)")
-    ev.add_argument("--split", choices=("train", "validation", "test"), default="test")
-    ev.add_argument("--data", default=None, help="dataset directory (default: the run's)")
+    ev.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
+    ev.add_argument("--split", choices=("train", "validation", "test"), default="test",
+                    help="which split of the dataset to score")
+    ev.add_argument("--data", default=None,
+                    help="dataset directory (default: the run's); encode other files with "
+                         "`dlrm-app preprocess ... --like RUN_DATA`")
     ev.add_argument("--batch-size", type=int, default=8192, help="rows per rank per batch")
     ev.set_defaults(func=_cmd_evaluate)
 
-    ex = sub.add_parser("export", help="a checkpoint -> one TorchScript file for serving")
+    ex = sub.add_parser("export", help="a checkpoint -> one TorchScript file for serving",
+                        formatter_class=HELP_FORMAT)
     ex.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
     ex.add_argument("--out", required=True, help="the artifact to write, e.g. model.pt")
     ex.add_argument("--dtype", choices=("fp32", "fp16", "int8", "int4"), default="int8",
                     help="embedding table storage (row-wise scale/bias for int8/int4)")
-    ex.add_argument("--checkpoint", default=None,
-                    help="a step_* directory (default: the run's newest checkpoint)")
+    ex.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     ex.add_argument("--quantize-dense", action="store_true",
                     help="also dynamic-int8 quantize the MLPs' linear layers")
     ex.set_defaults(func=_cmd_export)
 
     add_serve_command(sub)
 
-    demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start")
+    demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start",
+                          formatter_class=HELP_FORMAT)
     demo.add_argument("--out", default="runs/demo", help="where data and the run go")
     demo.add_argument("--rows", type=int, default=DEMO_ROWS, help="synthetic rows")
     demo.add_argument("--max-steps", type=int, default=None, help="cap on training steps")
-    demo.add_argument("--quiet", action="store_true")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=_cmd_demo)
-

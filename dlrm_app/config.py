@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,54 +35,66 @@ class TrainConfig:
     """Everything ``dlrm-app train`` needs; each field is one flag."""
 
     data: str
-    """Dataset directory (``dataset.json`` + Parquet shards)."""
+    """Dataset directory (dataset.json + Parquet shards); required except with --resume of an
+    existing run, whose config names its data."""
     out: str
-    """Run directory: config, metrics log, plan, checkpoints."""
+    """Run directory: config, metrics log, plan, checkpoints, report."""
     model: ModelConfig = ModelConfig()
     """Layer sizes and interaction."""
-    epochs: int = 1
-    """Passes over the train split."""
+    epochs: int = 3
+    """Passes over the train split (early stopping usually ends training sooner)."""
     max_steps: int | None = None
     """Stop after this many steps in total (over epochs); None: run all epochs."""
     batch_size: int = 2048
     """Rows per rank per step (the global batch is ``batch_size * world_size``)."""
     embedding_optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD
+    """Optimizer of the embedding tables, fused into backward."""
     embedding_learning_rate: float = 0.05
+    """Learning rate of the embedding tables."""
     dense_optimizer: DenseOptimizer = DenseOptimizer.ADAGRAD
+    """Optimizer of the MLPs."""
     learning_rate: float = 0.01
-    """Dense learning rate."""
+    """Learning rate of the MLPs."""
     eps: float = 1e-8
     """Adagrad / Adam epsilon (embedding and dense)."""
     lr_warmup_steps: int = 0
     """Linear warm-up from 0 over this many steps (reference DLRM ``--lr-num-warmup-steps``)."""
     lr_decay_start: int = 0
-    """Step where the polynomial (power 2) decay starts; 0 with ``lr_decay_steps=0``: none."""
+    """Step where the polynomial (power 2) decay starts; 0 with lr_decay_steps 0: none."""
     lr_decay_steps: int = 0
-    """Length of the decay; afterwards the rates stay at ``MIN_LR_SCALE`` times their base."""
+    """Length of the decay; afterwards the rates stay at 1e-7 times their base."""
     pipelined: bool = True
-    """Overlap the next batch's copy and sparse all-to-all with this batch (False: plain loop,
+    """Overlap the next batch's copy and sparse all-to-all with this batch (off: plain loop,
     same results, easier to debug)."""
     amp: bool = False
     """bfloat16 autocast of the dense part on CUDA (ignored on CPU)."""
     seed: int = 0
-    validate_every: int = 0
-    """Validate every N steps (0: only at the end of each epoch)."""
+    """Seed of the initialization and of the data order."""
+    validate_every: int | None = None
+    """Steps between validations; None: about 4 per epoch (at most every 10000 steps); 0:
+    only at the end of each epoch."""
     val_batches: int = 0
     """Cap on validation batches per rank (0: the whole validation split)."""
+    patience: int = 3
+    """Stop after this many validations in a row without a better AUC (0: never stop early)."""
     target_auc: float | None = None
     """Stop once validation AUC reaches this."""
     save_every: int = 0
-    """Checkpoint every N steps (0: only at the end)."""
+    """Also checkpoint every N steps (0: only the best and the last checkpoint)."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept (older ones are deleted)."""
+    """Complete checkpoints kept besides the best one (older ones are deleted)."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in ``out/checkpoints``."""
+    """Continue the run in --out from its newest complete checkpoint, with its saved config."""
+    overwrite: bool = False
+    """Start over in an --out that already holds a run (deletes its checkpoints and logs)."""
     plan: str | None = None
-    """A saved ``plan.json`` to use instead of planning."""
+    """A saved plan.json to use instead of planning."""
+    memory_per_rank: float | None = None
+    """GiB of memory the planner may use per rank; None: detected from the machine."""
     log_every: int = 50
     """Steps between metrics-log lines."""
     shuffle: bool = True
-    """Shuffle the train split's row groups per (seed, epoch)."""
+    """Shuffle the train split's rows per (seed, epoch)."""
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "keep_checkpoints", "log_every")
@@ -89,11 +102,20 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
-        for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps", "validate_every",
-                     "val_batches", "save_every"):
+        for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps", "val_batches",
+                     "save_every", "patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0, got {value!r}")
+        if self.validate_every is not None and (
+                isinstance(self.validate_every, bool) or not isinstance(self.validate_every, int)
+                or self.validate_every < 0):
+            raise ValueError(f"--validate-every must be an int >= 0, got {self.validate_every!r}")
+        if self.memory_per_rank is not None and not self.memory_per_rank > 0:
+            raise ValueError(f"--memory-per-rank must be > 0 GiB, got {self.memory_per_rank}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: --resume continues "
+                             "the run in --out, --overwrite deletes it; pass one")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
         for name in ("learning_rate", "embedding_learning_rate", "eps"):
@@ -120,6 +142,13 @@ class TrainConfig:
         out["model"] = {f.name: plain(getattr(self.model, f.name))
                         for f in dataclasses.fields(self.model)}
         return out
+
+    def validation_interval(self, steps_per_epoch: int) -> int:
+        """Steps between validations (0: only at epoch ends); see ``validate_every``."""
+        if self.validate_every is not None:
+            return self.validate_every
+        return min(max(1, math.ceil(steps_per_epoch / VALIDATIONS_PER_EPOCH)),
+                   MAX_AUTO_VALIDATE_EVERY)
 
     @classmethod
     def from_json_dict(cls, data: dict[str, Any], where: str = "config") -> TrainConfig:
@@ -153,6 +182,43 @@ class TrainConfig:
     @classmethod
     def load(cls, path: Path) -> TrainConfig:
         return cls.from_json_dict(json.loads(path.read_text()), where=str(path))
+
+
+VALIDATIONS_PER_EPOCH = 4
+MAX_AUTO_VALIDATE_EVERY = 10_000
+
+FIXED_ON_RESUME = ("data", "model", "embedding_optimizer", "dense_optimizer")
+"""What a resumed run cannot change: its data and the shapes of its model and optimizer state."""
+
+
+def resume_config(saved: TrainConfig, given: dict[str, Any], where: str) -> TrainConfig:
+    """The config of a resumed run: ``saved`` with the flags the user ``given`` on top (same
+    form as ``from_json_dict``'s input). A flag that would change a ``FIXED_ON_RESUME`` value
+    is an error that names it."""
+    merged = saved.to_json_dict()
+    for key, value in given.items():
+        if key == "model":
+            for name, v in value.items():
+                plain = list(v) if isinstance(v, tuple) else getattr(v, "value", v)
+                if merged["model"][name] != plain:
+                    raise ValueError(
+                        f"--{name.replace('_', '-')} {_flag_text(plain)} conflicts with the run's "
+                        f"saved config ({where}: {_flag_text(merged['model'][name])}); drop the "
+                        f"flag to resume, or start a new run in another --out")
+            continue
+        plain = getattr(value, "value", value)
+        if key in FIXED_ON_RESUME and merged[key] != plain:
+            raise ValueError(
+                f"--{key.replace('_', '-')} {_flag_text(plain)} conflicts with the run's saved "
+                f"config ({where}: {_flag_text(merged[key])}); drop the flag to resume, or start "
+                f"a new run in another --out")
+        merged[key] = plain
+    merged["resume"], merged["overwrite"] = True, False
+    return TrainConfig.from_json_dict(merged, where=where)
+
+
+def _flag_text(value: Any) -> str:
+    return "-".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def lr_scale(step: int, warmup: int, decay_start: int, decay_steps: int) -> float:

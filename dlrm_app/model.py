@@ -40,14 +40,19 @@ class Interaction(enum.Enum):
     DCN = "dcn"
 
 
+DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)
+"""Hidden layers of the default bottom MLP, before its output layer of the embedding dim."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Layer sizes of a DLRM (defaults: the reference DLRM's Criteo configuration)."""
 
     embedding_dim: int = 128
     """Width of every embedding table (and of the bottom MLP's output)."""
-    dense_arch_layer_sizes: tuple[int, ...] = (512, 256, 128)
-    """Bottom MLP; the last size must equal ``embedding_dim``."""
+    dense_arch_layer_sizes: tuple[int, ...] | None = None
+    """Bottom MLP; the last size must equal the embedding dim. None: 512-256-64 and then the
+    embedding dim."""
     over_arch_layer_sizes: tuple[int, ...] = (1024, 1024, 512, 256, 1)
     """Top MLP; the last size must be 1 (one logit)."""
     interaction: Interaction = Interaction.DOT
@@ -58,6 +63,9 @@ class ModelConfig:
     """Rank of each cross layer's weight (``dcn`` only)."""
 
     def __post_init__(self) -> None:
+        if self.dense_arch_layer_sizes is None:
+            object.__setattr__(self, "dense_arch_layer_sizes",
+                               (*DEFAULT_BOTTOM_HIDDEN, self.embedding_dim))
         for name in ("embedding_dim", "dcn_num_layers", "dcn_low_rank_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

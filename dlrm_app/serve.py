@@ -486,7 +486,8 @@ class PredictionServer:
 # ---- command line ---------------------------------------------------------------------------
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
     d = ServeConfig()
-    p = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model")
+    p = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", help="exported model file (dlrm-app export)")
     p.add_argument("--host", default=d.host, help="address to bind (default: this machine only)")
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (printed)")

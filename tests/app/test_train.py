@@ -30,8 +30,9 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
+    # validation at epoch ends only and no early stopping unless a test asks for them
     base = dict(data=str(data), out=str(out), model=SMALL, batch_size=256, log_every=1,
-                embedding_learning_rate=0.1, learning_rate=0.05)
+                embedding_learning_rate=0.1, learning_rate=0.05, validate_every=0, patience=0)
     base.update(kw)
     return TrainConfig(**base)  # type: ignore[arg-type]
 
@@ -77,9 +78,12 @@ def test_resume_equals_uninterrupted(data: Path, tmp_path: Path) -> None:
         assert cut_losses[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-7), step
     assert resumed["validation"]["auc"] == pytest.approx(full["validation"]["auc"], abs=1e-7)
     assert resumed["trained_steps"] == 30
-    # saved at 40, 80 and (the end) 110; --keep-checkpoints 2 keeps the newest two
-    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("step_*")) == [
-        "step_00000080", "step_00000110"]
+    # saved at 40, 80 (and validated there: the first run's end), at the epoch end's validation
+    # (93) and at the end (110); --keep-checkpoints 2 keeps the newest two, and the best
+    best = (tmp_path / "cut" / "checkpoints" / "best").read_text().strip()
+    assert best in ("step_00000080", "step_00000093", "step_00000110")
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("step_*")) == sorted(
+        {"step_00000093", "step_00000110", best})
 
 
 def test_checkpoint_crash_during_save_keeps_previous(data: Path, tmp_path: Path,

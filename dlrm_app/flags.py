@@ -1,0 +1,131 @@
+"""Command-line flags generated from the typed configs: one dataclass field is one flag.
+
+A field's type decides the flag's parsing, its default is shown in ``--help``, and the help line
+is the field's docstring (the string literal under it in the class body)::
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class TrainConfig:
+        epochs: int = 3
+        \"\"\"Passes over the train split.\"\"\"        ->   --epochs EPOCHS  Passes over the
+                                                              train split. (default: 3)
+
+Flags default to ``argparse.SUPPRESS``: the namespace holds only the flags the user gave, so a
+caller can tell "left at its default" from "given" (``--resume`` needs that to check a flag
+against the run's saved config). ``config_values`` turns the namespace back into field values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import enum
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from typing import Any
+
+BOOLEAN_FLAGS = {"pipelined": "pipeline", "shuffle": "shuffle"}
+"""Boolean fields whose flag pair reads better under another stem (``--no-pipeline``)."""
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` from the attribute docstrings in ``cls``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.replace("``", "").split())
+    return docs
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.replace(",", "-").split("-") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of layer sizes like "
+                                         "512-256-128") from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("empty layer size list")
+    return sizes
+
+
+def _optional(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else kind(text)
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, tuple):
+        return "-".join(str(v) for v in value)
+    return str(value)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
+                     exclude: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> None:
+    """One flag per field of ``cls`` (nested config dataclasses are flattened)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for field in dataclasses.fields(cls):
+        if field.name in exclude:
+            continue
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            add_config_flags(parser, hint, exclude=exclude)  # type: ignore[arg-type]
+            continue
+        default = field.default
+        help_text = docs.get(field.name, "")
+        flag = "--" + field.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
+                                  "help": help_text}
+        if field.name in required:
+            parser.add_argument(flag, required=True, **kwargs)
+            continue
+        if default is not dataclasses.MISSING:
+            kwargs["help"] = f"{help_text} (default: {_show(default)})"
+        args = typing.get_args(hint)
+        optional = type(None) in args and (typing.get_origin(hint) in (typing.Union, types.UnionType))
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        if base is bool:
+            stem = "--" + BOOLEAN_FLAGS.get(field.name, field.name).replace("_", "-")
+            parser.add_argument(stem, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if isinstance(base, type) and issubclass(base, enum.Enum):
+            kwargs["choices"] = [m.value for m in base]
+            kwargs["type"] = str
+        elif typing.get_origin(base) is tuple:
+            kwargs["type"] = _sizes
+            kwargs["metavar"] = "A-B-C"
+        else:
+            kwargs["type"] = _optional(base) if optional else base
+        parser.add_argument(flag, **kwargs)
+
+
+def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` the user gave on the command line, converted to the field types
+    (enums from their values); nested configs come back as nested dicts."""
+    given = vars(args)
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            nested = config_values(args, hint)  # type: ignore[arg-type]
+            if nested:
+                values[field.name] = nested
+        elif field.name in given:
+            value = given[field.name]
+            if isinstance(hint, type) and issubclass(hint, enum.Enum):
+                value = hint(value)
+            values[field.name] = value
+    return values

@@ -1,0 +1,62 @@
+"""A run directory (``dlrm-app train --out RUN``): what it holds, and starting one safely.
+
+    RUN/config.json       the TrainConfig (``--resume`` continues with it)
+    RUN/plan.json         the sharding plan
+    RUN/metrics.jsonl     train / validation / best / summary events, one JSON per line
+    RUN/checkpoints/      step_N/ directories, ``latest`` and ``best`` pointers
+    RUN/evaluations/      metrics and curves of evaluations (for the report)
+    RUN/report.md, RUN/plots/   the report (``dlrm-app report RUN`` regenerates it)
+
+An existing run is never overwritten by accident: without ``--resume`` (continue it) or
+``--overwrite`` (start over) training refuses to start in it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dlrm_app.config import TrainConfig, resume_config
+
+CONFIG = "config.json"
+RUN_FILES = (CONFIG, "plan.json", "metrics.jsonl", "report.md")
+RUN_DIRS = ("checkpoints", "evaluations", "plots")
+
+
+def holds_run(out: Path) -> bool:
+    return any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
+
+
+def prepare_run_dir(config: TrainConfig, rank: int) -> TrainConfig:
+    """Check ``config.out`` against ``config.resume`` / ``config.overwrite``; on rank 0 clear it
+    (``overwrite``) and write ``config.json``. Every rank checks before any rank writes, so all
+    ranks agree. With ``resume`` the saved config must agree with ``config`` on what a resumed
+    run cannot change (``FIXED_ON_RESUME``)."""
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a directory for the run")
+    existing = holds_run(out)
+    saved_path = out / CONFIG
+    if config.resume and saved_path.is_file():
+        saved = TrainConfig.load(saved_path)
+        given = {k: v for k, v in config.to_json_dict().items() if k not in ("resume", "overwrite")}
+        config = resume_config(saved, given, where=str(saved_path))
+    elif existing and not (config.resume or config.overwrite):
+        raise ValueError(f"--out {out} already holds a training run; pass --resume to continue "
+                         f"it, --overwrite to start over (deletes its checkpoints and logs), or "
+                         f"another --out")
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        if config.overwrite and existing:
+            for name in RUN_FILES:
+                (out / name).unlink(missing_ok=True)
+            for name in RUN_DIRS:
+                shutil.rmtree(out / name, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        config.save(saved_path)
+    if dist.is_initialized():
+        dist.barrier()
+    return config

@@ -1,0 +1,146 @@
+"""Training keeps its best model and its run directory: early stopping with patience, the best
+checkpoint used by evaluate/export by default, divergence stops with a clear error, an
+existing run is never overwritten by accident, --resume continues with the saved config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from dlrm_app.checkpoint import best_checkpoint, latest_checkpoint, resolve_run
+from dlrm_app.cli_train import add_commands, config_from_args
+from dlrm_app.config import DenseOptimizer, TrainConfig
+from dlrm_app.data.synthetic import generate
+from dlrm_app.evaluate import evaluate_checkpoint
+from dlrm_app.model import ModelConfig
+from dlrm_app.train import TrainingDiverged, train
+
+SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("synthetic")
+    generate(out, rows=6_000, num_dense=4, cardinalities=[500, 2000, 50, 1000],
+             pooling_factors=[1.0, 1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0,
+             rows_per_shard=10_000, row_group_size=256)
+    return out
+
+
+def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
+    base = dict(data=str(data), out=str(out), model=SMALL, batch_size=64, log_every=5)
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+def _events(run: Path, event: str) -> list[dict]:
+    lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["event"] == event]
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    return parser.parse_args(list(argv))
+
+
+def test_validation_schedule_follows_the_data() -> None:
+    config = TrainConfig(data="d", out="o")
+    assert config.validation_interval(75) == 19  # about 4 validations an epoch
+    assert config.validation_interval(2) == 1
+    assert config.validation_interval(10**8) == 10_000  # capped for huge epochs
+    assert TrainConfig(data="d", out="o", validate_every=0).validation_interval(75) == 0
+
+
+def test_patience_stops_and_the_best_checkpoint_is_kept_and_used(data: Path, tmp_path: Path
+                                                                 ) -> None:
+    # rates far too high for 4.8k rows: validation AUC peaks early, then falls
+    run = tmp_path / "run"
+    summary = train(_config(data, run, epochs=20, validate_every=15, patience=2,
+                            embedding_learning_rate=1.0, learning_rate=0.3), progress=False)
+    validations = _events(run, "validation")
+    aucs = [v["auc"] for v in validations]
+    best = max(range(len(aucs)), key=lambda i: (aucs[i], -i))  # the first maximum
+    assert summary["stopped_early"] and "--patience" in summary["stopped"]
+    assert summary["steps"] < 20 * (4800 // 64)
+    # it stopped at the first validation that made `patience` in a row without a better AUC
+    assert len(validations) == best + 1 + 2
+    assert summary["best_step"] == validations[best]["step"]
+    assert [e["step"] for e in _events(run, "best")][-1] == validations[best]["step"]
+    path = best_checkpoint(run / "checkpoints")
+    assert path is not None and path.name == f"step_{validations[best]['step']:08d}"
+    assert latest_checkpoint(run / "checkpoints").name == f"step_{summary['steps']:08d}"
+    # the model returned and evaluated by default is the best one, not the last one
+    assert summary["validation"]["auc"] == pytest.approx(aucs[best], abs=1e-9)
+    assert resolve_run(run)[1] == path
+    again = evaluate_checkpoint(run, split="validation")
+    assert again["auc"] == pytest.approx(aucs[best], abs=1e-9)
+    last = evaluate_checkpoint(run, split="validation", checkpoint="latest")
+    assert last["auc"] == pytest.approx(aucs[-1], abs=1e-9) and last["auc"] < again["auc"]
+
+
+def test_divergence_stops_with_a_clear_error(data: Path, tmp_path: Path) -> None:
+    with pytest.raises(TrainingDiverged, match=r"not finite|train loss is (nan|inf).*lower "
+                       r"--learning-rate .*--embedding-learning-rate"):
+        train(_config(data, tmp_path / "run", learning_rate=1e12, embedding_learning_rate=1e12,
+                      dense_optimizer=DenseOptimizer.SGD,
+                      epochs=2, validate_every=5), progress=False)
+
+
+def test_an_existing_run_is_refused_resumed_or_overwritten(data: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(_config(data, run, max_steps=10), progress=False)
+    with pytest.raises(ValueError, match=r"already holds a training run; pass --resume .* "
+                                         r"--overwrite"):
+        train(_config(data, run, max_steps=10), progress=False)
+    assert len(_events(run, "summary")) == 1  # nothing was touched
+    again = train(_config(data, run, max_steps=10, overwrite=True), progress=False)
+    assert again["steps"] == 10 and len(_events(run, "summary")) == 1  # the log started over
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        train(_config(data, tmp_path / "file"), progress=False)
+
+
+def test_resume_reads_the_saved_config(data: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = _parse("train", "--data", str(data), "--out", str(run), "--embedding-dim", "8",
+                  "--over-arch-layer-sizes", "16-1", "--batch-size", "64", "--max-steps", "10")
+    first = config_from_args(args)
+    assert first.model.dense_arch_layer_sizes == (512, 256, 64, 8)  # default bottom, dim 8
+    train(first, progress=False)
+    # --resume without --data or model flags continues with the saved config
+    resumed = config_from_args(_parse("train", "--out", str(run), "--resume", "--max-steps",
+                                      "20"))
+    assert resumed.model == first.model and resumed.data == first.data
+    assert resumed.batch_size == 64 and resumed.max_steps == 20 and resumed.resume
+    summary = train(resumed, progress=False)
+    assert summary["steps"] == 20 and summary["trained_steps"] == 10
+    # a flag that changes the model is an error naming it
+    with pytest.raises(ValueError, match=r"--embedding-dim 16 conflicts with the run's saved "
+                                         r"config \(.*config.json: 8\)"):
+        config_from_args(_parse("train", "--out", str(run), "--resume", "--embedding-dim", "16"))
+    with pytest.raises(ValueError, match="--data is required"):
+        config_from_args(_parse("train", "--out", str(tmp_path / "new")))
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    from dlrm_app.cli import build_parser
+
+    stack = [("", build_parser())]
+    checked = 0
+    while stack:
+        name, parser = stack.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += [(f"{name} {n}".strip(), sub) for n, sub in action.choices.items()]
+            elif action.option_strings and not isinstance(action, argparse._HelpAction):
+                flag = f"dlrm-app {name} {action.option_strings[0]}"
+                text = parser._get_formatter()._expand_help(action)
+                assert action.help and len(action.help) > 5, f"{flag} has no help line"
+                assert action.required or "(default:" in text or "required" in text, \
+                    f"{flag} hides its default"
+                checked += 1
+    assert checked > 60
