@@ -75,11 +75,11 @@ from dlrm_app.data.schema import (
     SPLIT_NAMES,
     DatasetKind,
     DatasetSpec,
-    ShardFile,
     SparseFeature,
     SplitSpec,
     sha256_file,
 )
+from dlrm_app.data.shard_writer import write_split_shards
 
 LABEL = "label"
 DENSE_NAMES = ("release_year", "log_movie_count", "log_user_count")
@@ -283,18 +283,10 @@ def _multi_hot(rows: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> pa.
 
 def _write_split(out: Path, name: str, table: pa.Table, rows_per_shard: int,
                  row_group_size: int) -> SplitSpec:
-    shards = []
-    for k, start in enumerate(range(0, table.num_rows, rows_per_shard)):
-        file = f"{name}-{k:05d}.parquet"
-        tmp = out / f".{file}.tmp"
-        pq.write_table(table.slice(start, rows_per_shard), tmp, row_group_size=row_group_size)
-        os.replace(tmp, out / file)  # a file under its final name is always complete
-        rows = min(rows_per_shard, table.num_rows - start)
-        shards.append(ShardFile(file=file, rows=rows, sha256=sha256_file(out / file),
-                                row_group_size=row_group_size))
+    shards = write_split_shards(out, name, table, rows_per_shard, row_group_size)
     labels = table[LABEL].to_numpy()
     rate = float(labels.mean()) if len(labels) else 0.0
-    return SplitSpec(name=name, label_rate=rate, shards=tuple(shards))
+    return SplitSpec(name=name, label_rate=rate, shards=shards)
 
 
 def preprocess_movielens(
