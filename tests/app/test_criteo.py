@@ -13,8 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from shared_data import CRITEO
 
-from dlrm_app.data import criteo, criteo_parse
-from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data import criteo, shard_writer
+from dlrm_app.data.criteo import lines, parse, preprocess_criteo, shard_tasks
+from dlrm_app.data.criteo.workers import InProcess
 from dlrm_app.data.schema import DatasetSpec, verify
 
 DATA = CRITEO
@@ -177,7 +178,7 @@ def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
                   block_bytes=100_000)
     preprocess_criteo(src, tmp_path / "full", **kwargs)
 
-    real = criteo._finish_shard
+    real = shard_writer.finish_shard
     calls = []
 
     def killed_after_first_shard(*args, **kw):
@@ -187,7 +188,7 @@ def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
             raise KeyboardInterrupt("simulated kill")
         return result
 
-    monkeypatch.setattr(criteo, "_finish_shard", killed_after_first_shard)
+    monkeypatch.setattr(shard_writer, "finish_shard", killed_after_first_shard)
     with pytest.raises(KeyboardInterrupt):
         preprocess_criteo(src, tmp_path / "resumed", **kwargs)
     resumed = tmp_path / "resumed"
@@ -198,13 +199,13 @@ def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
     first = (resumed / criteo.STAGING_DIR / "stage-00000.parquet").stat().st_mtime_ns
 
     parsed = []
-    real_parse = criteo.parse_block
+    real_parse = shard_tasks.parse_block  # plain input, bad rows are errors: shard tasks
 
     def counting_parse(buf, *args, **kw):
         parsed.append(buf.count(b"\n"))
         return real_parse(buf, *args, **kw)
 
-    monkeypatch.setattr(criteo, "parse_block", counting_parse)
+    monkeypatch.setattr(shard_tasks, "parse_block", counting_parse)
     preprocess_criteo(src, resumed, **kwargs)
     # the finished shard was neither rewritten (it was renamed to its final name) nor
     # re-parsed: the rerun starts at the block holding the shard's last row
@@ -243,7 +244,7 @@ def test_cli_prints_one_json_line(tmp_path: Path, capsys, workers: str) -> None:
 def test_hex_fast_path_matches_python_for_every_byte(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     good = [f"{v:08x}" for v in rng.integers(0, 2**32, 5000)] + ["DEADbeef", "", "00000000"]
-    ids, bad = criteo_parse._parse_hex(pa.array(good))
+    ids, bad = parse.parse_hex(pa.array(good))
     assert not bad.any()
     np.testing.assert_array_equal(ids, [int(h, 16) if h else 0 for h in good])
     for pos in range(8):
@@ -251,7 +252,7 @@ def test_hex_fast_path_matches_python_for_every_byte(tmp_path: Path) -> None:
             s = bytearray(b"0a1B2c3D")
             s[pos] = b
             text = s.decode()
-            _, bad = criteo_parse._parse_hex(pa.array([text, "", "68fd1e64"]))
+            _, bad = parse.parse_hex(pa.array([text, "", "68fd1e64"]))
             valid = all(c in "0123456789abcdefABCDEF" for c in text)
             assert list(bad) == [not valid, False, False], text
 
@@ -270,8 +271,8 @@ def test_line_count_and_index_over_byte_ranges(tmp_path: Path, data: bytes) -> N
     path = tmp_path / "x.tsv"
     path.write_bytes(data)
     # tasks of 4 bytes counting ranges of 2: both cut lines anywhere
-    counts, indexes = criteo._line_counts(criteo._InProcess(), [path, path], [True, False], 4,
-                                          step=2)
+    counts, indexes = lines.line_counts(InProcess(), [path, path], [True, False], 4,
+                                        step=2)
     starts = [0] + [i + 1 for i, b in enumerate(data[:-1]) if b == ord("\n")]
     assert counts == [len(starts), None] and indexes[1] is None
     assert [indexes[0].locate(path, line) for line in range(len(starts) + 1)] == \

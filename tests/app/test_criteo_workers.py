@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from shared_data import CRITEO
 
-from dlrm_app.data import criteo
-from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data import criteo, shard_writer
+from dlrm_app.data.criteo import lines, preprocess, preprocess_criteo, shard_tasks
 
 DATA = CRITEO
 needs_data = pytest.mark.shared_data(DATA)
@@ -25,7 +25,7 @@ SMALL = dict(rows_per_shard=700, row_group_size=256, block_bytes=50_000)
 def many_shards(monkeypatch) -> None:
     """These inputs are tiny: take the path meant for inputs of many shards (gzip lines cut
     into shard tasks for the workers) wherever it applies, as a real input would."""
-    monkeypatch.setattr(criteo, "_many_shards", lambda *args: True)
+    monkeypatch.setattr(preprocess, "many_shards", lambda *args: True)
 
 
 def digest(out: Path) -> dict[str, str]:
@@ -78,7 +78,7 @@ def test_gzip_is_read_once_and_matches_plain(tmp_path: Path, monkeypatch, worker
     write_rows(plain, 3000, seed=1)
     write_rows(gz, 3000, seed=1)
     opened = []
-    real = criteo.read_blocks
+    real = lines.read_blocks
 
     def tracking_read_blocks(path, *args, **kwargs):
         opened.append(Path(path).name)
@@ -87,8 +87,8 @@ def test_gzip_is_read_once_and_matches_plain(tmp_path: Path, monkeypatch, worker
     def no_counting(path, *args, **kwargs):
         raise AssertionError(f"{path} decompressed to count its lines")
 
-    monkeypatch.setattr(criteo, "read_blocks", tracking_read_blocks)
-    monkeypatch.setattr(criteo, "count_lines", no_counting)
+    monkeypatch.setattr(lines, "read_blocks", tracking_read_blocks)
+    monkeypatch.setattr(lines, "count_lines", no_counting)
     kwargs = dict(num_embeddings_per_feature=1000, block_bytes=8192, rows_per_shard=500,
                   row_group_size=128)
     spec = preprocess_criteo([gz], tmp_path / "gz", workers=workers, **kwargs)
@@ -123,7 +123,7 @@ def test_many_blocks_same_bytes_for_1_2_3_workers(tmp_path: Path, path: str) -> 
                                              (".tsv.gz", False)])  # the last streams
 def test_worker_bad_row_names_file_and_line_and_leaves_nothing_finished(
         tmp_path: Path, monkeypatch, suffix: str, many: bool) -> None:
-    monkeypatch.setattr(criteo, "_many_shards", lambda *args: many)
+    monkeypatch.setattr(preprocess, "many_shards", lambda *args: many)
     path = tmp_path / f"in{suffix}"
     write_rows(path, 3000, seed=4, bad=(2499,))
     out = tmp_path / "out"
@@ -159,8 +159,8 @@ def test_kill_and_rerun_is_byte_identical(tmp_path: Path, monkeypatch, kill_at: 
     kwargs = dict(num_embeddings_per_feature=1000, on_bad_row=on_bad_row, rows_per_shard=400,
                   row_group_size=100, block_bytes=8192)
     preprocess_criteo([path], tmp_path / "full", **kwargs)
-    owner, name = (criteo._Spiller, "_close") if kill_at == "_Spiller._close" else \
-        (criteo, "_finalize" if kill_at == "_finalize" else "_finish_shard")
+    owner, name = (shard_tasks.Spiller, "_close") if kill_at == "_Spiller._close" else \
+        (preprocess, "finalize") if kill_at == "_finalize" else (shard_writer, "finish_shard")
     real, calls = getattr(owner, name), []
 
     def killed(*args, **kw):

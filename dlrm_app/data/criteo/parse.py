@@ -1,8 +1,8 @@
-"""Criteo TSV parsing: raw blocks of lines -> typed columns, and the dataset encoding.
+"""Criteo TSV parsing: raw blocks of whole lines -> validated typed columns.
 
-The formats and transforms are documented in :mod:`dlrm_app.data.criteo`; this module holds
-the vectorized parse (pyarrow CSV with an explicit schema, a word-at-a-time hex decode, a
-per-line fallback only for bad or short rows) and the row encoder.
+The row format is :mod:`dlrm_app.data.criteo.format`. The parse is vectorized: pyarrow's CSV
+reader with an explicit schema, a word-at-a-time hex decode, and a per-line fallback only for
+bad or short rows.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import io
 import math
-import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,57 +19,41 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from dlrm_app.data.schema import (
-    DENSE_COLUMN,
+from dlrm_app.data.criteo.format import (
+    COLUMNS,
+    DENSE_NAMES,
+    HEX_LUT,
+    LABEL,
+    NUM_DENSE,
+    NUM_FIELDS,
+    NUM_SPARSE,
+    SPARSE_NAMES,
+    bad_row_error,
+    row_problem,
 )
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
-NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
-LABEL = "label"
-DENSE_NAMES = tuple(f"int_{i}" for i in range(NUM_DENSE))
-SPARSE_NAMES = tuple(f"cat_{i}" for i in range(NUM_SPARSE))
-DEFAULT_NUM_EMBEDDINGS = 40_000_000
-VOCABULARY_FILE = "vocabulary.parquet"
-RARE_ID = 0
-"""With a frequency threshold, every raw id seen fewer than K times in train maps here."""
-
-_COLUMNS = (LABEL, *DENSE_NAMES, *SPARSE_NAMES)
-_HEX_LUT = np.full(256, 255, dtype=np.uint8)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX_LUT[_c] = _i
-for _i, _c in enumerate(b"ABCDEF"):
-    _HEX_LUT[_c] = 10 + _i
-_SCHEMA = pa.schema([(LABEL, pa.float32()), (DENSE_COLUMN, pa.list_(pa.float32(), NUM_DENSE))]
-                    + [(n, pa.list_(pa.int64())) for n in SPARSE_NAMES])
 _PARSE = pacsv.ParseOptions(delimiter="\t", quote_char=False, ignore_empty_lines=False)
 _TYPED = pacsv.ConvertOptions(column_types={LABEL: pa.int64(), **dict.fromkeys(
     DENSE_NAMES, pa.int64()), **dict.fromkeys(SPARSE_NAMES, pa.string())})
-_STRINGS = pacsv.ConvertOptions(column_types=dict.fromkeys(_COLUMNS, pa.string()),
+_STRINGS = pacsv.ConvertOptions(column_types=dict.fromkeys(COLUMNS, pa.string()),
                                 strings_can_be_null=False)
 
 
-def _bad_row_error(path: Path, line: int, problem: str) -> ValueError:
-    return ValueError(f"{path}:{line}: {problem}; fix or delete the line, or pass "
-                      f"on_bad_row='skip' (--on-bad-row skip) to drop bad rows")
+def _gzip_error(path: Path, e: Exception) -> ValueError:
+    return ValueError(f"{path}: truncated or corrupt gzip file ({e}); re-download or "
+                      f"re-compress it")
 
 
-def row_problem(text: str) -> str:
-    """Why one raw line (without newline) is not a valid Criteo row (pure Python, slow)."""
-    fields = text.split("\t")
-    if len(fields) > NUM_FIELDS:
-        return (f"{len(fields)} tab-separated fields, expected at most {NUM_FIELDS} "
-                f"(label, {NUM_DENSE} integer, {NUM_SPARSE} categorical)")
-    fields += [""] * (NUM_FIELDS - len(fields))
-    if fields[0] not in ("0", "1"):
-        return f"label {fields[0]!r} is not 0 or 1"
-    for name, f in zip(DENSE_NAMES, fields[1:1 + NUM_DENSE], strict=True):
-        if f and not re.fullmatch(r"-?[0-9]+", f):
-            return f"integer feature {name} = {f!r} is not a decimal integer"
-    for name, f in zip(SPARSE_NAMES, fields[1 + NUM_DENSE:], strict=True):
-        if f and not re.fullmatch(r"[0-9a-fA-F]{1,8}", f):
-            return f"categorical feature {name} = {f!r} is not 1-8 hex digits"
-    return "value out of range"
+def check_not_empty(path: Path) -> None:
+    """Raise ValueError early for an empty input (or an unreadable gzip header)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            empty = not f.read(1)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise _gzip_error(path, e) from None
+    if empty:
+        raise ValueError(f"{path}: empty file (no rows); remove it from the inputs")
 
 
 def read_blocks(path: Path, block_bytes: int, offset: int = 0,
@@ -98,8 +81,7 @@ def read_blocks(path: Path, block_bytes: int, offset: int = 0,
             if rest:
                 yield rest + b"\n"
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise ValueError(f"{path}: truncated or corrupt gzip file ({e}); re-download or "
-                         f"re-compress it") from None
+        raise _gzip_error(path, e) from None
 
 
 def count_lines(path: Path, block_bytes: int = 16 << 20) -> int:
@@ -113,8 +95,7 @@ def count_lines(path: Path, block_bytes: int = 16 << 20) -> int:
                 n += chunk.count(b"\n")
                 last = chunk[-1:]
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise ValueError(f"{path}: truncated or corrupt gzip file ({e}); re-download or "
-                         f"re-compress it") from None
+        raise _gzip_error(path, e) from None
     n += last != b"\n"
     if n == 0:
         raise ValueError(f"{path}: empty file (no rows); remove it from the inputs")
@@ -175,7 +156,7 @@ def _swar_hex(x: np.ndarray) -> tuple[np.ndarray, bool]:
     return out.view(np.int64), ok
 
 
-def _parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Raw int64 ids of a string column of hex values ("" -> 0) and a bad-value mask."""
     n = len(col)
     offsets = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + n + 1]
@@ -192,21 +173,21 @@ def _parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         values, ok = _swar_hex(np.frombuffer(data.tobytes(), "<u8"))
         out[full] = values
         if not ok:
-            bad[full] = (_HEX_LUT[data.reshape(-1, 8)] == 255).any(axis=1)
+            bad[full] = (HEX_LUT[data.reshape(-1, 8)] == 255).any(axis=1)
         return out, bad
     # General path: right-align every value in an 8-wide window, leading positions are zeros.
     ends = offsets[1:] - offsets[0] + 8
     padded = np.concatenate([np.full(8, ord("0"), np.uint8), data])
     window = padded[ends[:, None] - 8 + np.arange(8)]
     used = np.arange(8) >= 8 - np.minimum(lengths, 8)[:, None]
-    digits = np.where(used, _HEX_LUT[window], 0)
+    digits = np.where(used, HEX_LUT[window], 0)
     bad = (lengths > 8) | (digits == 255).any(axis=1)
     for k in range(8):
         out = (out << 4) | (digits[:, k] & 15)
     return out, bad
 
 
-class _Rows:
+class Rows:
     """Parsed, validated rows of one block: labels, raw dense ints, raw categorical ids."""
 
     def __init__(self, label: np.ndarray, dense: np.ndarray, cats: list[np.ndarray],
@@ -228,7 +209,7 @@ def _parse_slow(buf: bytes, lines: np.ndarray, path: Path, on_bad_row: str,
     if too_many.any():
         first = int(np.argmax(too_many))
         if on_bad_row == "error":
-            raise _bad_row_error(path, int(lines[first]), row_problem(
+            raise bad_row_error(path, int(lines[first]), row_problem(
                 buf[starts[first]:nl[first]].decode("utf-8", "replace")))
         keep = ~too_many
         skipped += int(too_many.sum())
@@ -267,7 +248,7 @@ def _parse_slow(buf: bytes, lines: np.ndarray, path: Path, on_bad_row: str,
 
 
 def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str,
-                n_lines: int | None = None) -> tuple[_Rows, int]:
+                n_lines: int | None = None) -> tuple[Rows, int]:
     """Parse whole lines ``buf`` (line ``first_line`` is the first; ``n_lines`` lines if the
     caller counted them) into validated rows.
 
@@ -278,7 +259,7 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str,
         n_lines = buf.count(b"\n")
     lines = np.arange(first_line, first_line + n_lines)
     skipped = 0
-    read = pacsv.ReadOptions(column_names=list(_COLUMNS))
+    read = pacsv.ReadOptions(column_names=list(COLUMNS))
 
     def line_text(i: int) -> str:
         # only on the error path: the i-th line of the (possibly filtered) current buf
@@ -303,18 +284,18 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str,
         table, label, bad, dense_cols, lines, buf, skipped = _parse_slow(
             buf, lines, path, on_bad_row, read)
         if table is None:
-            return _Rows(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.int64),
+            return Rows(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.int64),
                          [np.zeros(0, np.int64)] * NUM_SPARSE, lines), skipped
     cats, cat_bad = [], np.zeros(len(table), bool)
     for n in SPARSE_NAMES:
-        ids, b = _parse_hex(table[n].combine_chunks())
+        ids, b = parse_hex(table[n].combine_chunks())
         cats.append(ids)
         cat_bad |= b
     bad |= cat_bad
     if bad.any():
         first = int(np.argmax(bad))
         if on_bad_row == "error":
-            raise _bad_row_error(path, int(lines[first]), row_problem(line_text(first)))
+            raise bad_row_error(path, int(lines[first]), row_problem(line_text(first)))
         skipped += int(bad.sum())
     keep = ~bad
     if dense_cols is None:
@@ -328,30 +309,4 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str,
         dense_cols = [c.filter(pa.array(keep)) for c in dense_cols]
     dense = np.stack([c.to_numpy(zero_copy_only=False) for c in dense_cols], axis=1)
     labels = label.to_numpy(zero_copy_only=False).astype(np.float32)
-    return _Rows(labels, dense, [c[keep] for c in cats], lines[keep]), skipped
-
-
-class _Encoder:
-    """Raw rows -> the Parquet table of the dataset.json contract."""
-
-    def __init__(self, num_embeddings: list[int], vocab: list[np.ndarray] | None) -> None:
-        self.num_embeddings, self.vocab = num_embeddings, vocab
-
-    def encode(self, rows: _Rows, sl: slice) -> pa.Table:
-        n = len(rows.label[sl])
-        dense = np.log1p(np.maximum(rows.dense[sl], 0).astype(np.float64)).astype(np.float32)
-        offsets = pa.array(np.arange(n + 1, dtype=np.int32))
-        cols = []
-        for k, raw in enumerate(rows.cats):
-            raw = raw[sl]
-            if self.vocab is None:
-                ids = raw % self.num_embeddings[k]
-            else:
-                v = self.vocab[k]
-                pos = np.searchsorted(v, raw)
-                hit = v[np.minimum(pos, len(v) - 1)] == raw if len(v) else np.zeros(n, bool)
-                ids = np.where(hit, pos + 1, RARE_ID).astype(np.int64)
-            cols.append(pa.ListArray.from_arrays(offsets, pa.array(ids)))
-        dense_col = pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), NUM_DENSE)
-        return pa.Table.from_arrays([pa.array(rows.label[sl]), dense_col, *cols],
-                                    schema=_SCHEMA)
+    return Rows(labels, dense, [c[keep] for c in cats], lines[keep]), skipped

@@ -1,0 +1,81 @@
+"""Where preprocessing tasks run: in this process, or in worker processes (a fork server).
+
+Both runners return results in task order, so everything downstream (the rows written, their
+order, the bytes) is the same for any number of workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+
+class Runner(Protocol):
+    """Runs tasks in order: in this process or in worker processes."""
+
+    def map(self, fn: Callable[..., Any], tasks: Iterable[tuple]) -> Iterator[Any]:
+        """``fn(*task)`` for each task, results in task order."""
+        ...
+
+
+class InProcess:
+    def map(self, fn: Callable[..., Any], tasks: Iterable[tuple]) -> Iterator[Any]:
+        return (fn(*t) for t in tasks)
+
+
+def _init_worker(threads: int) -> None:
+    # The parent handles Ctrl-C (it cancels queued tasks and waits for running ones); pyarrow's
+    # CSV reader gets an equal share of the cores instead of a full pool per worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pa.set_cpu_count(threads)
+
+
+class Processes:
+    """``workers`` processes started by a fork server (a clean process: no threads or torch
+    state of the parent are inherited; it imports this package once, so workers start in about
+    0.1 s); at most ``2 * workers`` tasks (blocks) in flight, so the input is read only as fast
+    as it is consumed."""
+
+    def __init__(self, workers: int) -> None:
+        context = multiprocessing.get_context("forkserver")
+        # the package holds every task function (once the server starts)
+        context.set_forkserver_preload(["__main__", __package__ or __name__])
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                        initargs=(threads,))
+        self.depth = 2 * workers
+
+    def map(self, fn: Callable[..., Any], tasks: Iterable[tuple]) -> Iterator[Any]:
+        window: deque[Future] = deque()
+        try:
+            for t in tasks:
+                window.append(self.pool.submit(fn, *t))
+                if len(window) >= self.depth:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"a preprocessing worker process died ({e}); if it ran out of "
+                               f"memory, pass fewer workers or a smaller block_bytes") from e
+
+
+@contextlib.contextmanager
+def runner(workers: int) -> Iterator[Runner]:
+    if workers == 1:
+        yield InProcess()
+        return
+    processes = Processes(workers)
+    try:
+        yield processes
+    finally:
+        # an error or interrupt: queued tasks are dropped, running ones finish (a block each)
+        processes.pool.shutdown(wait=True, cancel_futures=True)
