@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from dlrm_app.data.criteo.format import (
+    NUM_DENSE,
+    NUM_SPARSE,
+    decode_hex_fields,
+    row_pattern,
+    value_problem,
+)
 
 
 class RequestError(Exception):
@@ -87,13 +94,8 @@ class EncodedRows:
                              torch.from_numpy(offsets))
 
 
-# ---- parsing --------------------------------------------------------------------------------
-_HEX = np.zeros(256, np.int64)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX[_c] = _HEX[ord(chr(_c).upper())] = _i
-_INT = re.compile(r"-?[0-9]+")
+# ---- parsing (raw rows: the Criteo row format of dlrm_app.data.criteo.format) ----------------
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-_HEX_FIELD = re.compile(r"[0-9a-fA-F]{1,8}")
 
 
 class RequestParser:
@@ -108,8 +110,12 @@ class RequestParser:
             metadata.get("raw_format") == "criteo_tsv")
         self.raw_format = metadata.get("raw_format")
         self.max_rows = max_rows
-        d, f = len(self.dense_names), len(self.sparse)
-        self._row = re.compile("\t".join(["(?:-?[0-9]+)?"] * d + ["[0-9a-fA-F]{0,8}"] * f))
+        counts = (len(self.dense_names), len(self.sparse))
+        if self.accepts_rows and counts != (NUM_DENSE, NUM_SPARSE):
+            raise ValueError(f"metadata says raw_format criteo_tsv but lists {counts[0]} dense "
+                             f"and {counts[1]} sparse features, not {NUM_DENSE} and "
+                             f"{NUM_SPARSE}; re-export the model")
+        self._row = row_pattern()
 
     def parse(self, body: bytes) -> RawRows | EncodedRows:
         try:
@@ -178,24 +184,14 @@ class RequestParser:
             raise RequestError(400, f"rows[{i}] field {j + 1 + labeled} ({self.dense_names[j]})"
                                     f" = {table[i, j].decode()} is outside the 64-bit integer "
                                     f"range")
-        # categoricals: 0-8 hex digits, left-aligned in 8 zero-padded bytes
-        raw = table[:, d:].astype("S8").view(np.uint8).reshape(len(padded), f, 8)
-        cats = np.zeros((len(padded), f), np.int64)
-        for k in range(8):
-            c = raw[:, :, k]
-            cats = np.where(c != 0, (cats << 4) | _HEX[c], cats)
-        return RawRows(dense.astype(np.float32), cats)
+        return RawRows(dense.astype(np.float32), decode_hex_fields(table[:, d:]))
 
     def _field_problem(self, i: int, fields: list[str], labeled: bool) -> str:
-        d = len(self.dense_names)
+        names = self.dense_names + self.sparse_names
         for j, value in enumerate(fields):
-            where = f"rows[{i}] field {j + 1 + labeled}"
-            shown = value if len(value) <= 40 else value[:40] + "..."
-            if j < d and value and not _INT.fullmatch(value):
-                return f"{where} ({self.dense_names[j]}) = {shown!r} is not a decimal integer"
-            if j >= d and value and not _HEX_FIELD.fullmatch(value):
-                return (f"{where} ({self.sparse_names[j - d]}) = {shown!r} is not 1-8 hex "
-                        f"digits")
+            if value and (problem := value_problem(j, value)):
+                shown = value if len(value) <= 40 else value[:40] + "..."
+                return f"rows[{i}] field {j + 1 + labeled} ({names[j]}) = {shown!r} {problem}"
         return f"rows[{i}] is not a valid row"
 
     def parse_instances(self, instances: list[Any]) -> EncodedRows:
