@@ -5,7 +5,9 @@
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer]); optimizer.step()
 
 Without a plan, ``recsys_core.planner`` plans one (on rank 0, broadcast to all ranks) for the
-topology of ``env`` and ``device``.
+ranks of ``env`` with the memory this machine has free (``recsys_core.planner.detect_topology``,
+the smallest reading of all ranks), not TorchRec's 128 GiB-per-host constant: a model that
+cannot fit fails at planning with a ``PlannerError``, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class DistributedModelParallel(nn.Module):
             dense meta parameters are materialized and reset on ``device``).
         env: ranks to shard over; default: the default process group (or a single rank).
         device: where shards and dense parameters live.
-        plan: a ShardingPlan keyed by module path; default: the planner's plan for ``env``.
+        plan: a ShardingPlan keyed by module path; default: the planner's plan for ``env`` and
+            the memory this machine has free (``recsys_core.planner.plan_for_env``).
         sharders: default ``[EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]``.
         init_data_parallel: wrap the dense parameters in DistributedDataParallel.
     """
@@ -74,7 +77,7 @@ class DistributedModelParallel(nn.Module):
             # imported here: the planner builds on recsys_core.distributed (import cycle)
             from recsys_core.planner.planner import plan_for_env
 
-            plan = plan_for_env(module, env, self._sharders, self._device.type)
+            plan = plan_for_env(module, env, self._sharders, self._device)
         self._plan = plan
         self._sharded_paths: list[str] = []
         module = self._shard(module)

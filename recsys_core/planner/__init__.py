@@ -1,6 +1,14 @@
 """Sharding planner: (tables, Topology, constraints) -> ShardingPlan, with per-rank estimates."""
 
+from recsys_core.planner.machine import (
+    MemoryReading,
+    detect_topology,
+    device_memory,
+    host_memory,
+    smallest_over_ranks,
+)
 from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
+from recsys_core.planner.shortfall import MemoryShortfall, TableMemory
 from recsys_core.planner.stats import PlanStats, RankStats
 from recsys_core.planner.types import (
     CacheAlgorithm,
@@ -14,10 +22,17 @@ __all__ = [
     "CacheAlgorithm",
     "CacheParams",
     "EmbeddingShardingPlanner",
+    "MemoryReading",
+    "MemoryShortfall",
     "ParameterConstraints",
     "PlanStats",
     "PlannerError",
     "RankStats",
+    "TableMemory",
     "Topology",
+    "detect_topology",
+    "device_memory",
+    "host_memory",
     "plan_for_env",
+    "smallest_over_ranks",
 ]

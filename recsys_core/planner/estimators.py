@@ -41,7 +41,7 @@ import numpy as np
 
 from recsys_core.distributed.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.kernels.config import EmbOptimType
-from recsys_core.modules.embedding_configs import DATA_TYPE_BITS
+from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, DataType
 from recsys_core.planner.types import GIB, Placement, ShardingOption, TableSpec, Topology
 
 # ---- Model constants ----------------------------------------------------------------------------
@@ -86,6 +86,15 @@ def state_bytes_per_row(optimizer: EmbOptimType, cols: np.ndarray | float) -> np
     return total
 
 
+def weights_and_state_bytes(
+    rows: np.ndarray | float, cols: np.ndarray | float, data_type: DataType, optimizer: EmbOptimType
+) -> np.ndarray:
+    """Bytes of ``rows x cols`` of a table's weights plus its fused optimizer's state."""
+    rows = np.asarray(rows, dtype=np.float64)
+    cols = np.asarray(cols, dtype=np.float64)
+    return rows * cols * (DATA_TYPE_BITS[data_type] / 8) + rows * state_bytes_per_row(optimizer, cols)
+
+
 def estimate_option(
     table: TableSpec,
     sharding_type: ShardingType,
@@ -110,8 +119,7 @@ def estimate_option(
     id_bytes = ID_BYTES + (ID_WEIGHT_BYTES if table.is_weighted else 0)
 
     # ---- storage
-    weights = rows * cols * elem
-    state = rows * state_bytes_per_row(table.optimizer, cols)
+    stored = weights_and_state_bytes(rows, cols, config.data_type, table.optimizer)  # weights + state
     out_bytes = out_rows * cols * OUTPUT_BYTES
     buffers = 2 * out_bytes + (rows * cols * OUTPUT_BYTES if dp else ids * id_bytes + bags * LENGTH_BYTES)
 
@@ -153,11 +161,11 @@ def estimate_option(
     cost = (compute_s + comm_s) * 1e3 + SHARD_OVERHEAD_MS
     zeros = np.zeros_like(rows)
     if not topology.is_cuda:
-        hbm, ddr = zeros, weights + state + buffers
+        hbm, ddr = zeros, stored + buffers
     elif kernel is EmbeddingComputeKernel.FUSED:
-        hbm, ddr = weights + state + buffers, zeros
+        hbm, ddr = stored + buffers, zeros
     else:
-        hbm, ddr = buffers, weights + state
+        hbm, ddr = buffers, stored
     cache_hbm, miss_cost, load_factor = zeros, zeros, None
     if kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
         params = table.constraints.cache_params

@@ -38,21 +38,16 @@ from recsys_core.distributed.types import (
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.planner.enumerators import enumerate_options
-from recsys_core.planner.estimators import (
-    DEFAULT_OPTIMIZER,
-    DEFAULT_STORAGE_RESERVATION,
-    MIN_CACHE_LOAD_FACTOR,
-    storage_bytes,
-)
-from recsys_core.planner.partitioners import Assignment, GreedyPartitioner, Partition, TableKey
+from recsys_core.planner.estimators import DEFAULT_OPTIMIZER, DEFAULT_STORAGE_RESERVATION
+from recsys_core.planner.machine import detect_topology, smallest_over_ranks
+from recsys_core.planner.partitioners import Assignment, GreedyPartitioner, Partition
+from recsys_core.planner.shortfall import check_total, no_fit_error
 from recsys_core.planner.stats import PlanStats
 from recsys_core.planner.types import (
-    GIB,
     CacheParams,
     ParameterConstraints,
     PlannerError,
     Sharder,
-    ShardingOption,
     TableSpec,
     Topology,
 )
@@ -62,8 +57,9 @@ class EmbeddingShardingPlanner:
     """Plans how every embedding collection of a model is sharded.
 
     Args:
-        topology: ranks, memory and bandwidths (default: ``Topology.default(world_size)`` with
-            the process group's size, CUDA when available).
+        topology: ranks, memory and bandwidths (default: ``detect_topology(world_size)``, the
+            memory this machine has free, with the process group's size, CUDA when available;
+            ``collective_plan`` takes the smallest reading of all ranks).
         batch_size: samples per rank per step (sets input/output traffic and buffers).
         constraints: ``{table name: ParameterConstraints}``.
         storage_reservation: fraction of each rank's HBM and DDR kept free for dense parameters,
@@ -105,7 +101,7 @@ class EmbeddingShardingPlanner:
     def plan(self, module: nn.Module, sharders: Sequence[Sharder]) -> ShardingPlan:
         """Plan every collection of ``module`` that one of ``sharders`` handles (no process group)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return self._plan(module, sharders, self._topology or Topology.default(world))
+        return self._plan(module, sharders, self._topology or detect_topology(world))
 
     def collective_plan(
         self, module: nn.Module, sharders: Sequence[Sharder], pg: dist.ProcessGroup | None = None
@@ -120,7 +116,7 @@ class EmbeddingShardingPlanner:
             )
         pg = pg if pg is not None else dist.group.WORLD
         world = dist.get_world_size(pg)
-        topology = self._topology or Topology.default(world)
+        topology = self._topology or smallest_over_ranks(detect_topology(world), pg)
         if topology.world_size != world:
             raise PlannerError(
                 f"collective_plan: the topology has world_size {topology.world_size} but the "
@@ -134,14 +130,15 @@ class EmbeddingShardingPlanner:
                 payload = [("ok", plan.to_json(), self._stats)]
             except Exception as exc:  # every rank must leave the broadcast, then raise
                 failure = exc
-                payload = [("error", f"{type(exc).__name__} on rank 0: {exc}", None)]
+                shortfall = exc.shortfall if isinstance(exc, PlannerError) else None
+                payload = [("error", f"{type(exc).__name__} on rank 0: {exc}", shortfall)]
         dist.broadcast_object_list(payload, group=pg, group_src=0)
-        status, text, stats = payload[0]  # type: ignore[misc]
+        status, text, extra = payload[0]  # type: ignore[misc]  # extra: stats, or a shortfall
         if failure is not None:
             raise failure
         if status == "error":
-            raise PlannerError(text)
-        self._stats = stats
+            raise PlannerError(text, extra)
+        self._stats = extra
         return ShardingPlan.from_json(text)
 
     @property
@@ -169,10 +166,10 @@ class EmbeddingShardingPlanner:
         hbm_budget = topology.hbm_per_rank * (1.0 - self._reservation)
         ddr_budget = topology.ddr_per_rank * (1.0 - self._reservation)
         specs = {spec.key: spec for spec in tables}
-        _check_total(specs, options, topology, hbm_budget, ddr_budget, self._reservation)
+        check_total(specs, options, topology, hbm_budget, ddr_budget, self._reservation)
         partition, failed = GreedyPartitioner(topology, hbm_budget, ddr_budget).partition(options)
         if failed is not None:
-            raise _no_fit_error(
+            raise no_fit_error(
                 specs, options, failed, partition, topology, hbm_budget, ddr_budget, self._reservation
             )
         plan = _build_plan(collections, partition, topology)
@@ -238,22 +235,27 @@ def plan_for_env(
     module: nn.Module,
     env: ShardingEnv,
     sharders: Sequence[Sharder],
-    device_type: str = "cpu",
+    device: torch.device | str = "cpu",
     *,
     batch_size: int = 512,
     constraints: Mapping[str, ParameterConstraints] | None = None,
+    topology: Topology | None = None,
 ) -> ShardingPlan:
     """The plan DistributedModelParallel uses when none is given: the planner on ``env``'s ranks.
 
-    On CUDA the HBM per rank is the current device's memory. With a process group, rank 0 plans
-    and broadcasts; without one, every process plans (the planner is deterministic)."""
-    hbm_cap = None
-    if device_type == "cuda" and torch.cuda.is_available():
-        hbm_cap = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    topology = Topology(
-        world_size=env.world_size, compute_device=device_type,
-        local_world_size=env.local_world_size, hbm_cap=hbm_cap,
-    )
+    The topology (default: :func:`detect_topology` for ``env`` and ``device``) is what this
+    machine has free now: host memory, and on CUDA the device's free memory. With a process
+    group every rank reads its own machine and the plan is for the smallest reading (it must fit
+    on every host); rank 0 plans and broadcasts. Without one, every process plans (the planner
+    is deterministic)."""
+    device = torch.device(device)
+    if topology is None:
+        topology = detect_topology(
+            env.world_size, device.type, local_world_size=env.local_world_size,
+            device=device if device.type == "cuda" else None,
+        )
+    if env.pg is not None and env.world_size > 1:
+        topology = smallest_over_ranks(topology, env.pg)
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     if env.pg is not None and env.world_size > 1:
         return planner.collective_plan(module, sharders, env.pg)
@@ -326,82 +328,3 @@ def _build_plan(
                 module_plan[name].cache_params = params.to_dict()
         plans[path] = module_plan
     return ShardingPlan(plans)
-
-
-# ---- errors -------------------------------------------------------------------------------------
-def _min_bytes(options: Sequence[ShardingOption]) -> float:
-    return min(storage_bytes(o, MIN_CACHE_LOAD_FACTOR) for o in options)
-
-
-def _largest(specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]]) -> str:
-    ranked = sorted(options, key=lambda key: (-_min_bytes(options[key]), key))[:3]
-    return ", ".join(
-        f"{_where(specs[key])} {specs[key].config.num_embeddings} x {specs[key].config.embedding_dim} "
-        f"{specs[key].config.data_type}: {_min_bytes(options[key]) / GIB:.2f} GiB"
-        for key in ranked
-    )
-
-
-def _where(spec: TableSpec) -> str:
-    return f"{spec.name!r}" + (f" (module {spec.path!r})" if spec.path else "")
-
-
-_ADVICE = (
-    "add ranks or memory (Topology hbm_cap / ddr_cap), allow splitting layouts (row_wise, "
-    "column_wise) or, on CUDA, UVM kernels for the largest tables, shrink them (rows, dim, FP16), "
-    "or lower storage_reservation"
-)
-
-
-def _check_total(
-    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]],
-    topology: Topology, hbm_budget: float, ddr_budget: float, reservation: float,
-) -> None:
-    """Fail early when no placement can work: the least each table needs (of each memory, and
-    in all) summed over tables, against what all ranks have."""
-    world = topology.world_size
-    kinds = [
-        ("memory", lambda o: storage_bytes(o, MIN_CACHE_LOAD_FACTOR), hbm_budget + ddr_budget),
-        ("HBM", lambda o: float(o.hbm.sum() + MIN_CACHE_LOAD_FACTOR * o.cache_hbm.sum() * o.is_caching), hbm_budget),
-        ("host memory (DDR)", lambda o: float(o.ddr.sum()), ddr_budget),
-    ]
-    for kind, size, budget in kinds:
-        needed = sum(min(size(o) for o in opts) for opts in options.values())
-        if needed > world * budget:
-            raise PlannerError(
-                f"the model does not fit: its tables need at least {needed / GIB:.2f} GiB of "
-                f"{kind} (weights, optimizer state and buffers in their most compact allowed "
-                f"layouts) but the {world} ranks have {world * budget / GIB:.2f} GiB usable "
-                f"(per rank: HBM {hbm_budget / GIB:.2f} GiB + DDR {ddr_budget / GIB:.2f} GiB "
-                f"after the {reservation:.0%} storage_reservation). Largest tables: "
-                f"{_largest(specs, options)}. To fix: {_ADVICE}"
-            )
-
-
-def _no_fit_error(
-    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]],
-    failed: TableKey, partition: Partition, topology: Topology, hbm_budget: float,
-    ddr_budget: float, reservation: float,
-) -> PlannerError:
-    spec = specs[failed]
-    # the candidate asking least of any one rank, and the rank with the most memory left
-    compact = min(
-        options[failed],
-        key=lambda o: float((o.hbm + o.ddr + MIN_CACHE_LOAD_FACTOR * o.cache_hbm * o.is_caching).max()),
-    )
-    per_shard = float((compact.hbm + compact.ddr + MIN_CACHE_LOAD_FACTOR * compact.cache_hbm * compact.is_caching).max())
-    free = (hbm_budget - partition.rank_hbm) + (ddr_budget - partition.rank_ddr)
-    rank = int(free.argmax())
-    placed = len(partition.assignments)
-    return PlannerError(
-        f"table {_where(spec)} ({spec.config.num_embeddings} x {spec.config.embedding_dim} "
-        f"{spec.config.data_type}) does not fit: its most compact candidate "
-        f"({compact.sharding_type.value}/{compact.compute_kernel.value}, {compact.num_shards} "
-        f"shard(s)) needs {per_shard / GIB:.2f} GiB on a rank, but with {placed} other "
-        f"table(s) placed the most any rank has free is {free[rank] / GIB:.2f} GiB (rank {rank}: "
-        f"HBM {(hbm_budget - partition.rank_hbm[rank]) / GIB:.2f} GiB + DDR "
-        f"{(ddr_budget - partition.rank_ddr[rank]) / GIB:.2f} GiB free of HBM "
-        f"{hbm_budget / GIB:.2f} + DDR {ddr_budget / GIB:.2f} GiB usable after the "
-        f"{reservation:.0%} storage_reservation). Largest tables: {_largest(specs, options)}. "
-        f"To fix: {_ADVICE}"
-    )

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum, unique
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from torch import nn
@@ -24,13 +24,26 @@ from recsys_core.distributed.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
+if TYPE_CHECKING:
+    from recsys_core.planner.shortfall import MemoryShortfall
+
 GIB = 1024**3
 GB = 1000**3
 
 
 class PlannerError(ValueError):
     """The planner cannot produce a plan: nothing fits, or the constraints exclude every layout
-    (a ValueError: the inputs, not the program, are what must change)."""
+    (a ValueError: the inputs, not the program, are what must change).
+
+    ``shortfall`` says, as data, what did not fit where memory ran out (None for other errors),
+    so an application can word its own remedies."""
+
+    def __init__(self, message: str, shortfall: MemoryShortfall | None = None) -> None:
+        super().__init__(message)
+        self.shortfall = shortfall
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the shortfall across processes
+        return (type(self), (str(self), self.shortfall))
 
 
 @unique
@@ -187,6 +200,8 @@ class Topology:
 
     ``Topology(world_size=8, compute_device="cuda")`` is 8 GPUs of 80 GiB on one host. On a CPU
     topology memory is DDR: each rank gets ``ddr_cap / local_world_size`` and ``hbm_cap`` is 0.
+    The defaults are TorchRec's constants, not this machine's memory:
+    ``recsys_core.planner.detect_topology`` reads what this machine has free.
     """
 
     world_size: int
@@ -208,6 +223,9 @@ class Topology:
     """Bytes/s a rank sends to ranks of its host (None: 600 GB/s NVLink on CUDA, 1 GB/s on CPU)."""
     inter_host_bw: float = DEFAULT_INTER_HOST_BW
     """Bytes/s a rank sends to other hosts."""
+    memory_source: str | None = field(default=None, compare=False)
+    """Where hbm_cap and ddr_cap come from, for messages (``detect_topology`` fills it in;
+    None: given to this constructor, or its TorchRec defaults)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
