@@ -54,8 +54,7 @@ class TableMemory:
     """Weights, optimizer state and buffers, summed over its shards."""
 
     def __str__(self) -> str:
-        where = f"{self.table!r}" + (f" (module {self.module!r})" if self.module else "")
-        return (f"{where} {self.num_embeddings} x {self.embedding_dim} {self.data_type}: "
+        return (f"{self.table!r} {self.num_embeddings} x {self.embedding_dim} {self.data_type}: "
                 f"{_gib(self.needed_bytes)}")
 
 
@@ -111,7 +110,7 @@ def check_total(
             f"the {world} ranks have {_gib(world * budget)} usable: {_gib(budget)} per rank = "
             f"{_per_rank(kind, topology, reservation)}. Source of these figures: "
             f"{memory_origin(topology)}. Largest tables: "
-            f"{', '.join(str(t) for t in tables[:SHOWN_TABLES])}."
+            f"{_largest(tables)}."
         )
         raise PlannerError(f"{summary} {REMEDIES}", MemoryShortfall(
             summary=summary, memory=kind, needed_bytes=needed, usable_bytes=world * budget,
@@ -148,7 +147,7 @@ def no_fit_error(
         f"{_memory(topology, hbm_budget, ddr_budget)} usable = "
         f"{_per_rank('memory', topology, reservation)}). Source of these figures: "
         f"{memory_origin(topology)}. Largest tables: "
-        f"{', '.join(str(t) for t in tables[:SHOWN_TABLES])}."
+        f"{_largest(tables)}."
     )
     budget = ddr_budget + (hbm_budget if topology.is_cuda else 0.0)
     return PlannerError(f"{summary} {REMEDIES}", MemoryShortfall(
@@ -204,6 +203,14 @@ def _per_rank(kind: str, topology: Topology, reservation: float) -> str:
         total = f"HBM {_gib(hbm)} + host {_gib(ddr)} per rank{shared}"
     return (f"{total} less the {reservation:.0%} storage_reservation kept for dense parameters "
             "and activations")
+
+
+def _largest(tables: Sequence[TableMemory]) -> str:
+    """The largest tables, with their module where several collections have tables."""
+    several = len({t.module for t in tables}) > 1
+    return ", ".join(
+        str(t) + (f" (module {t.module!r})" if several else "") for t in tables[:SHOWN_TABLES]
+    )
 
 
 def _tables(
