@@ -1,0 +1,166 @@
+"""What a run may use of this machine, and what the DLRM's tables need of it.
+
+    topology = topology_for_run(world_size, local_world_size, device, args.memory_per_rank)
+    try:
+        plan = plan_for_env(model, env, [sharder], device, topology=topology)
+    except PlannerError as e:
+        raise planning_error_for_user(e) from None
+
+The planner reads the memory this machine has free (``recsys_core.planner.detect_topology``);
+``--memory-per-rank GIB`` overrides that. When the tables do not fit, the planner's error names
+library remedies (Topology, storage_reservation); :func:`planning_error_for_user` keeps its
+figures and names this application's flags instead. :func:`table_memory_bytes` is what the
+preprocess command prints: the fp32 weights and optimizer state of a dataset's tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from dlrm_app.config import EmbeddingOptimizer
+from recsys_core import DataType, EmbOptimType
+from recsys_core.planner import MemoryShortfall, PlannerError, Topology, detect_topology
+from recsys_core.planner.estimators import weights_and_state_bytes
+
+GIB = 1024**3
+# The suggested smaller sizes aim below the usable memory: buffers and the row-wise state do not
+# shrink in proportion, and the estimate is the planner's, not a measurement.
+SUGGESTION_HEADROOM = 0.8
+
+FUSED_OPTIMIZER = {
+    EmbeddingOptimizer.SGD: EmbOptimType.EXACT_SGD,
+    EmbeddingOptimizer.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
+    EmbeddingOptimizer.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+}
+
+
+def topology_for_run(
+    world_size: int,
+    local_world_size: int,
+    device: torch.device | str,
+    memory_per_rank_gib: float | None,
+) -> Topology:
+    """The topology to plan this run for: the memory this machine has free (host memory, and on
+    CUDA the device's free memory), or ``--memory-per-rank`` GiB per rank where given (host
+    memory on CPU, GPU memory on CUDA)."""
+    override = None
+    if memory_per_rank_gib is not None:
+        if not (math.isfinite(memory_per_rank_gib) and memory_per_rank_gib > 0):
+            raise ValueError(
+                f"--memory-per-rank {memory_per_rank_gib}: give a positive number of GiB per "
+                "rank, e.g. --memory-per-rank 16"
+            )
+        override = int(memory_per_rank_gib * GIB)
+    device = torch.device(device)
+    return detect_topology(
+        world_size, device.type, local_world_size=local_world_size, memory_per_rank=override,
+        device=device if device.type == "cuda" else None,
+    )
+
+
+def table_memory_bytes(
+    num_embeddings: Sequence[int], embedding_dim: int, optimizer: str | EmbeddingOptimizer
+) -> int:
+    """Bytes the tables need in training: fp32 weights plus the fused optimizer's state
+    (rowwise_adagrad: one float per row, adagrad: one per element, sgd: none), summed. Buffers
+    and dense parameters come on top (the planner keeps a reserve for them)."""
+    try:
+        fused = FUSED_OPTIMIZER[EmbeddingOptimizer(optimizer)]
+    except ValueError:
+        choices = ", ".join(o.value for o in EmbeddingOptimizer)
+        raise ValueError(f"embedding optimizer {optimizer!r} is not one of {choices}") from None
+    if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
+        raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+    bad = [n for n in num_embeddings if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise ValueError(f"num_embeddings must be positive ints (rows per table), got {bad}")
+    return int(sum(
+        float(weights_and_state_bytes(rows, embedding_dim, DataType.FP32, fused))
+        for rows in num_embeddings
+    ))
+
+
+def planning_error_for_user(error: PlannerError) -> ValueError:
+    """The planner's error about the DLRM's tables, with the fixes a user of this application
+    has: its command-line flags. Errors not about memory keep their message."""
+    shortfall = error.shortfall
+    if shortfall is None:
+        return ValueError(str(error))
+    fixes = "\n".join(f"  - {fix}" for fix in _fixes(shortfall))
+    return ValueError(f"{shortfall.summary}\nTo fix, any one of:\n{fixes}")
+
+
+def _fixes(s: MemoryShortfall) -> list[str]:
+    topology = s.topology
+    short = s.needed_bytes > s.usable_bytes  # False: it fits in total, one table fits nowhere
+    target = SUGGESTION_HEADROOM * s.usable_bytes
+    cap = _row_cap(s, target) if short else None
+    dims = {t.embedding_dim for t in s.tables}
+    dim = max(dims) if dims else 0
+    new_dim = 8 * int(dim * target / s.needed_bytes / 8) if short and len(dims) == 1 else 0
+
+    rows = ("smaller tables: preprocess again with a cap on rows per feature, "
+            "`dlrm-app preprocess criteo ... --max-embeddings-per-feature N`")
+    if cap is not None:
+        capped = sum(t.needed_bytes * min(t.num_embeddings, cap) / t.num_embeddings for t in s.tables)
+        rows += f", e.g. N = {cap} (about {_gib(capped)} instead of {_gib(s.needed_bytes)})"
+    fixes = [rows + ", then train on the new dataset"]
+
+    embeddings = "smaller embeddings: `dlrm-app train ... --embedding-dim N`"
+    if 8 <= new_dim < dim:
+        embeddings += f", e.g. N = {new_dim} instead of {dim}"
+    fixes.append(embeddings + " (if you set --dense-arch-layer-sizes, end it with the same N)")
+
+    per_rank = s.usable_bytes / topology.world_size / (1.0 - s.reservation)
+    memory = ("`dlrm-app train ... --memory-per-rank GIB` if each rank really has more free "
+              f"memory than the {_gib(per_rank)} above (e.g. memory other jobs are about to "
+              "release)")
+    if short and s.memory != "memory (HBM + host)":
+        need = s.needed_bytes / topology.world_size / (1.0 - s.reservation)
+        memory += f"; this model needs about {need / GIB:.1f} GiB per rank"
+    fixes.append(memory + ". If the memory is not there, the run fails with out-of-memory")
+
+    if topology.is_cuda and s.memory == "HBM":
+        ranks = ""
+        if short:
+            per = s.usable_bytes / topology.world_size
+            ranks = f" (about {math.ceil(s.needed_bytes / per)} GPUs in all)"
+        fixes.append(f"more GPUs{ranks}: `torchrun --nproc-per-node G` on each node, or more "
+                     "nodes (`torchrun --nnodes M`); each GPU holds a share of the tables")
+    elif topology.is_cuda:
+        fixes.append("more GPUs or nodes: `torchrun --nproc-per-node G`, `torchrun --nnodes M`")
+    else:
+        hosts = ""
+        if short:
+            per_host = s.usable_bytes / topology.num_hosts
+            hosts = f" (about {math.ceil(s.needed_bytes / per_host)} in all)"
+        fixes.append(f"more nodes{hosts}: `torchrun --nnodes M --nproc-per-node "
+                     f"{topology.local_size}`; more ranks on this host "
+                     "(`--nproc-per-node`) share its memory and do not add any")
+    return fixes
+
+
+def _row_cap(s: MemoryShortfall, target: float) -> int | None:
+    """The largest rows-per-table cap, rounded down to two significant digits, under which the
+    tables need at most ``target`` bytes (a table's need taken as proportional to its rows)."""
+    def need(cap: int) -> float:
+        return sum(t.needed_bytes * min(t.num_embeddings, cap) / t.num_embeddings for t in s.tables)
+
+    low, high = 0, max(t.num_embeddings for t in s.tables)
+    while low < high:  # largest cap with need(cap) <= target
+        mid = (low + high + 1) // 2
+        if need(mid) <= target:
+            low = mid
+        else:
+            high = mid - 1
+    if low < 1:
+        return None
+    step = 10 ** max(0, len(str(low)) - 2)
+    return low // step * step
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"

@@ -1,0 +1,129 @@
+"""dlrm_app.resources: the run's topology (--memory-per-rank), table memory, and the user-level
+error when the DLRM's tables do not fit."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from dlrm_app.config import EmbeddingOptimizer
+from dlrm_app.data.schema import DatasetKind, DatasetSpec, SparseFeature, SplitSpec
+from dlrm_app.model import ModelConfig, build_dlrm
+from dlrm_app.resources import planning_error_for_user, table_memory_bytes, topology_for_run
+from recsys_core import EmbOptimType
+from recsys_core.distributed import EmbeddingBagCollectionSharder, ShardingEnv
+from recsys_core.planner import PlannerError, plan_for_env
+
+GIB = 1024**3
+# Criteo-1TB-like cardinalities, a few tables large: 44.4M rows in all
+ROWS = [40_000_000, 3_000_000, 1_000_000, 200_000] + [10_000] * 22
+SHARDER = EmbeddingBagCollectionSharder(fused_params={
+    "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+
+
+def dlrm_spec(rows: list[int]) -> DatasetSpec:
+    return DatasetSpec(
+        name="criteo-like", kind=DatasetKind.SYNTHETIC, dense_features=("d0", "d1"),
+        sparse_features=tuple(SparseFeature(name=f"c{i}", num_embeddings=r, multi_hot=False)
+                              for i, r in enumerate(rows)),
+        label="label", label_dtype="float32", parameters={}, created_by="test",
+        splits=tuple(SplitSpec(name=n, label_rate=0.5, shards=()) for n in ("train", "validation", "test")),
+    )
+
+
+def plan_dlrm(rows: list[int], dim: int, memory_per_rank_gib: float | None) -> None:
+    model = build_dlrm(dlrm_spec(rows), ModelConfig(embedding_dim=dim), device="meta")
+    topology = topology_for_run(2, 2, "cpu", memory_per_rank_gib)
+    plan_for_env(model, ShardingEnv(world_size=2, rank=0, local_world_size=2), [SHARDER], "cpu",
+                 topology=topology)
+
+
+def user_error(rows: list[int], dim: int, memory_per_rank_gib: float) -> tuple[str, PlannerError]:
+    with pytest.raises(PlannerError) as info:
+        plan_dlrm(rows, dim, memory_per_rank_gib)
+    error = planning_error_for_user(info.value)
+    assert isinstance(error, ValueError)
+    return str(error), info.value
+
+
+def test_memory_per_rank_overrides_detection() -> None:
+    topology = topology_for_run(4, 2, "cpu", 3.5)
+    assert (topology.ddr_per_rank, topology.num_hosts, topology.hbm_per_rank) == (3.5 * GIB, 2, 0)
+    assert "given explicitly" in topology.memory_source
+
+
+def test_without_override_the_machine_is_read() -> None:
+    topology = topology_for_run(2, 2, torch.device("cpu"), None)
+    assert topology.ddr_cap > 0 and topology.local_world_size == 2
+    assert "read by detect_topology" in topology.memory_source
+
+
+@pytest.mark.gpu
+def test_cuda_run_reads_the_device() -> None:
+    topology = topology_for_run(1, 1, torch.device("cuda", 0), None)
+    assert 0 < topology.hbm_cap <= torch.cuda.mem_get_info(0)[1]
+    assert topology_for_run(1, 1, "cuda:0", 2.0).hbm_cap == 2 * GIB
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_bad_memory_per_rank_names_the_flag(bad: float) -> None:
+    with pytest.raises(ValueError, match="--memory-per-rank"):
+        topology_for_run(1, 1, "cpu", bad)
+
+
+@pytest.mark.parametrize(("optimizer", "expected"), [
+    ("rowwise_adagrad", 1000 * 16 * 4 + 1000 * 4),  # one float of state per row
+    ("adagrad", 1000 * 16 * 4 * 2),  # one per element
+    ("sgd", 1000 * 16 * 4),  # none
+    (EmbeddingOptimizer.ROWWISE_ADAGRAD, 1000 * 16 * 4 + 1000 * 4),
+])
+def test_table_memory_is_weights_plus_optimizer_state(optimizer: str, expected: int) -> None:
+    assert table_memory_bytes([1000], 16, optimizer) == expected
+    assert table_memory_bytes([1000, 1000, 1000], 16, optimizer) == 3 * expected
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (([10], 16, "adam"), "not one of sgd, adagrad, rowwise_adagrad"),
+    (([10], 0, "sgd"), "embedding_dim"),
+    (([10, 0], 8, "sgd"), r"num_embeddings.*\[0\]"),
+])
+def test_table_memory_rejects_bad_arguments(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        table_memory_bytes(*args)
+
+
+def test_dlrm_too_big_names_the_cli_fixes() -> None:
+    text, error = user_error(ROWS, 128, 4.0)
+    # the figures: need, per rank, where that came from, largest tables
+    assert "21." in text and "6.80 GiB usable" in text and "4.00 GiB of host memory per rank" in text
+    assert "memory_per_rank 4.00 GiB given explicitly" in text
+    assert "'t_c0' 40000000 x 128 FP32" in text
+    # the fixes are this application's flags, not the library's knobs
+    for flag in ["dlrm-app preprocess criteo ... --max-embeddings-per-feature N",
+                 "dlrm-app train ... --embedding-dim N", "--memory-per-rank GIB",
+                 "torchrun --nnodes M --nproc-per-node 2", "more nodes (about 4 in all)"]:
+        assert flag in text, flag
+    assert "Topology hbm_cap" not in text and "detect_topology(memory_per_rank" not in text
+    # what preprocess prints is the planner's own estimate, without the buffers
+    weights = table_memory_bytes(ROWS, 128, "rowwise_adagrad")
+    assert error.shortfall is not None
+    assert 0.95 * error.shortfall.needed_bytes < weights < error.shortfall.needed_bytes
+
+
+def test_suggested_sizes_fit() -> None:
+    text, _ = user_error(ROWS, 128, 4.0)
+    cap = int(re.search(r"--max-embeddings-per-feature N`, e\.g\. N = (\d+)", text).group(1))
+    dim = int(re.search(r"--embedding-dim N`, e\.g\. N = (\d+) instead of 128", text).group(1))
+    assert 1_000_000 < cap < 40_000_000 and 8 <= dim < 128
+    plan_dlrm([min(r, cap) for r in ROWS], 128, 4.0)
+    plan_dlrm(ROWS, dim, 4.0)
+    need = float(re.search(r"needs about (\d+\.\d) GiB per rank", text).group(1))
+    plan_dlrm(ROWS, 128, need + 0.1)
+
+
+def test_other_planner_errors_keep_their_message() -> None:
+    error = planning_error_for_user(PlannerError("constraints name tables ['x']"))
+    assert isinstance(error, ValueError) and str(error) == "constraints name tables ['x']"
