@@ -17,14 +17,17 @@ import torch.distributed as dist
 from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.model import build_dlrm, init_embedding_tables
+from dlrm_app.resources import planning_error_for_user, topology_for_run
 from recsys_core.distributed import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
+    ShardingEnv,
     ShardingPlan,
 )
 from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+from recsys_core.planner import PlannerError, plan_for_env
 
 _FUSED = {
     EmbeddingOptimizer.SGD: EmbOptimType.EXACT_SGD,
@@ -59,7 +62,16 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         "eps": config.eps,
     })
     model = build_dlrm(spec, config.model, device="meta")
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
+    env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
+           else ShardingEnv.from_local(1, 0))
+    if plan is None:
+        topology = topology_for_run(env.world_size, env.local_world_size, device,
+                                    config.memory_per_rank)
+        try:
+            plan = plan_for_env(model, env, [sharder], device, topology=topology)
+        except PlannerError as e:
+            raise planning_error_for_user(e) from None
+    dmp = DistributedModelParallel(model, device=device, env=env, plan=plan, sharders=[sharder])
     torch.manual_seed(config.seed)
     for module in dmp.module.modules():
         if not isinstance(module, ShardedEmbeddingBagCollection) and hasattr(module, "reset_parameters"):

@@ -13,6 +13,7 @@ from pathlib import Path
 from dlrm_app.config import TrainConfig, resume_config
 from dlrm_app.demo import DEMO_ROWS
 from dlrm_app.flags import add_config_flags, config_values
+from dlrm_app.report import add_report_command
 from dlrm_app.serve import add_serve_command
 
 HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
@@ -122,6 +123,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ex.set_defaults(func=_cmd_export)
 
     add_serve_command(sub)
+    add_report_command(sub)
 
     demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start",
                           formatter_class=HELP_FORMAT)

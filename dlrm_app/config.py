@@ -45,8 +45,9 @@ class TrainConfig:
     """Passes over the train split (early stopping usually ends training sooner)."""
     max_steps: int | None = None
     """Stop after this many steps in total (over epochs); None: run all epochs."""
-    batch_size: int = 2048
-    """Rows per rank per step (the global batch is ``batch_size * world_size``)."""
+    batch_size: int | None = None
+    """Rows per rank per step (the global batch is batch_size * world_size); None: from the
+    data, about 64 steps an epoch: train rows / (64 * ranks) as a power of two in 32..2048."""
     embedding_optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD
     """Optimizer of the embedding tables, fused into backward."""
     embedding_learning_rate: float = 0.05
@@ -97,7 +98,10 @@ class TrainConfig:
     """Shuffle the train split's rows per (seed, epoch)."""
 
     def __post_init__(self) -> None:
-        positive = ("epochs", "batch_size", "keep_checkpoints", "log_every")
+        positive = ("epochs", "keep_checkpoints", "log_every")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(
+                self.batch_size, int) or self.batch_size < 1):
+            raise ValueError(f"--batch-size must be a positive int, got {self.batch_size!r}")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -143,6 +147,14 @@ class TrainConfig:
                         for f in dataclasses.fields(self.model)}
         return out
 
+    def with_batch_size(self, train_rows: int, world_size: int) -> TrainConfig:
+        """This config with ``batch_size`` decided (see the field) for ``train_rows`` rows."""
+        if self.batch_size is not None:
+            return self
+        target = max(1, train_rows // (STEPS_PER_EPOCH_TARGET * world_size))
+        size = min(MAX_AUTO_BATCH, max(MIN_AUTO_BATCH, 1 << (target.bit_length() - 1)))
+        return dataclasses.replace(self, batch_size=size)
+
     def validation_interval(self, steps_per_epoch: int) -> int:
         """Steps between validations (0: only at epoch ends); see ``validate_every``."""
         if self.validate_every is not None:
@@ -184,6 +196,8 @@ class TrainConfig:
         return cls.from_json_dict(json.loads(path.read_text()), where=str(path))
 
 
+STEPS_PER_EPOCH_TARGET = 64
+MIN_AUTO_BATCH, MAX_AUTO_BATCH = 32, 2048
 VALIDATIONS_PER_EPOCH = 4
 MAX_AUTO_VALIDATE_EVERY = 10_000
 

@@ -19,12 +19,16 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.metrics import BinaryClassificationMetrics
+from dlrm_app.report import save_evaluation, write_report
 from dlrm_app.runtime import autocast, init_distributed, world
 
 
 def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
-                   max_batches: int = 0, amp: bool = False) -> dict[str, float]:
-    """AUC, NE, logloss... of ``dmp`` on ``loader``'s split, exact over all ranks."""
+                   max_batches: int = 0, amp: bool = False,
+                   save_to: tuple[str | Path, str] | None = None) -> dict[str, float]:
+    """AUC, NE, logloss... of ``dmp`` on ``loader``'s split, exact over all ranks.
+    ``save_to=(run_dir, name)``: rank 0 also stores the metrics with the ROC and calibration
+    curves for the report (``dlrm_app.report.save_evaluation``)."""
     metrics = BinaryClassificationMetrics()
     was_training = dmp.training
     dmp.eval()
@@ -39,7 +43,12 @@ def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
             valid = len(batch.labels) if batch.valid_rows is None else batch.valid_rows
             metrics.update(logits[:valid].float(), batch.labels[:valid])
     dmp.train(was_training)
-    return metrics.compute()
+    result = metrics.compute()
+    if save_to is not None:
+        rows = metrics.gather_rows()  # a collective: every rank calls it
+        if rows is not None:
+            save_evaluation(save_to[0], save_to[1], {"split": loader.split, **result}, *rows)
+    return result
 
 
 def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
@@ -63,12 +72,16 @@ def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
 def evaluate_checkpoint(run: str | Path, *, split: str = "test",
                         checkpoint: str | Path | None = None, data: str | None = None,
                         batch_size: int = 8192) -> dict[str, Any]:
-    """Metrics of the run's (newest or given) checkpoint on ``split``."""
+    """Metrics of the run's best (or the given) checkpoint on ``split`` of the run's dataset
+    (or of ``data``: a dataset encoded like it); saved with curves in the run for its report."""
     model, config, spec, path = load_trained_model(run, checkpoint, data)
     rank, world_size = world()
     loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
                            world_size=world_size, drop_last=False, pad_last=True)
-    metrics = evaluate_model(model, loader, init_distributed())
+    name = split if data is None else f"{split}_{Path(data).resolve().name}"
+    metrics = evaluate_model(model, loader, init_distributed(), save_to=(run, name))
+    if rank == 0:
+        write_report(run)
     return {"split": split, "checkpoint": str(path), "world_size": world_size, **metrics,
             "teacher_auc": spec.parameters.get("teacher_auc", {}).get(split)
             if isinstance(spec.parameters.get("teacher_auc"), dict) else None}

@@ -46,14 +46,16 @@ DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Layer sizes of a DLRM (defaults: the reference DLRM's Criteo configuration)."""
+    """Layer sizes of a DLRM (defaults: the reference DLRM's Criteo Kaggle configuration: dim 16,
+    bottom 512-256-64-16, top 512-256-1; its Criteo 1TB one is dim 128, bottom 512-256-128, top
+    1024-1024-512-256-1)."""
 
-    embedding_dim: int = 128
+    embedding_dim: int = 16
     """Width of every embedding table (and of the bottom MLP's output)."""
     dense_arch_layer_sizes: tuple[int, ...] | None = None
     """Bottom MLP; the last size must equal the embedding dim. None: 512-256-64 and then the
     embedding dim."""
-    over_arch_layer_sizes: tuple[int, ...] = (1024, 1024, 512, 256, 1)
+    over_arch_layer_sizes: tuple[int, ...] = (512, 256, 1)
     """Top MLP; the last size must be 1 (one logit)."""
     interaction: Interaction = Interaction.DOT
     """``dot``: pairwise dot products (DLRM paper); ``dcn``: DCN-v2 low-rank cross network."""

@@ -553,7 +553,8 @@ def write_tensorboard(run_dir: str | Path) -> Path:
 
 def add_report_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="write RUN/report.md with plots (loss, validation AUC/NE, "
-                                      "samples/s, ROC, calibration)")
+                                      "samples/s, ROC, calibration)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
     p.add_argument("--tensorboard", action="store_true",
                    help='also write TensorBoard event files to RUN/tensorboard (needs pip '

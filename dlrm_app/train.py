@@ -44,6 +44,7 @@ from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.evaluate import evaluate_model
 from dlrm_app.pipeline import device_batches
+from dlrm_app.report import write_report
 from dlrm_app.run_dir import prepare_run_dir
 from dlrm_app.runtime import autocast, gather, global_mean, init_distributed, peak_memory_mb, world
 
@@ -100,8 +101,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints."""
     device = init_distributed()
     rank, world_size = world()
-    config = prepare_run_dir(config, rank)
     spec = DatasetSpec.load(config.data)
+    config = prepare_run_dir(config.with_batch_size(spec.split("train").rows, world_size), rank)
     out, ckpt_dir = Path(config.out), Path(config.out) / "checkpoints"
     torch.manual_seed(config.seed)
 
@@ -243,7 +244,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         best = best_checkpoint(ckpt_dir) or latest_checkpoint(ckpt_dir)
     elif best != latest_checkpoint(ckpt_dir):
         load_checkpoint(best, model=dmp, optimizer=None, extra={})
-    final = evaluate_model(dmp, val_loader, device, config.val_batches, config.amp)
+    final = evaluate_model(dmp, val_loader, device, config.val_batches, config.amp,
+                           save_to=(out, "validation"))
     busy = sum(phase_s.values()) or 1.0
     summary = {
         "event": "summary",
@@ -265,6 +267,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     }
     log.write(summary)
     log.close()
+    if rank == 0:
+        summary["report"] = str(write_report(out))
     return summary
 
 

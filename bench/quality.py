@@ -1,0 +1,177 @@
+"""Model quality with default flags on real data, against a logistic regression on the same rows.
+
+For each dataset the CLI runs as a new user would, with no tuning flag:
+
+    dlrm-app preprocess <criteo|movielens> SRC --out DATA
+    dlrm-app train --data DATA --out RUN                    (1 rank, or torchrun with --nproc)
+    dlrm-app evaluate RUN --split test
+
+and prints one JSON line per system and dataset (test AUC, NE, logloss, rows, seconds):
+
+  dlrm_defaults        the DLRM above (its best checkpoint, chosen on the validation split)
+  logistic_regression  the same encoded dataset, same splits: one weight per categorical id (the
+                       preprocessor's vocabulary) + the log-transformed dense features, L2 chosen
+                       on the validation split from a small grid; full-batch L-BFGS in plain
+                       PyTorch
+  base_rate            predicts the train split's positive rate (AUC 0.5; NE 1 by definition
+                       on the train rate)
+
+Datasets (found beside the repository: ../shared/data from its root, or --criteo/--movielens):
+the Criteo Kaggle 10k-row sample and MovieLens 100K.
+
+Usage: python bench/quality.py [--nproc 1] [--datasets criteo_kaggle_10k movielens_100k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.metrics import BinaryClassificationMetrics
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SOURCES = {
+    "criteo_kaggle_10k": ("criteo", SHARED / "criteo" / "kaggle_head_10k.tsv"),
+    "movielens_100k": ("movielens", SHARED / "movielens" / "ml-100k"),
+}
+L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1)
+
+
+def _cli(nproc: int, *args: str) -> dict:
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", "dlrm_app", *args]
+    else:
+        cmd = [sys.executable, "-m", "dlrm_app", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _split_tensors(data: Path, split: str) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """(dense [n, d], per-feature bag ids with offsets as (values, offsets), labels [n])."""
+    loader = ParquetLoader(data, split, batch_size=1 << 30, drop_last=False, shuffle=False,
+                           prefetch=0)
+    (batch,) = list(loader)
+    sparse = batch.sparse.to_dict()
+    bags = [(jt.values(), jt.offsets()) for jt in sparse.values()]
+    return batch.dense, bags, batch.labels
+
+
+class _LogReg(torch.nn.Module):
+    def __init__(self, sizes: list[int], num_dense: int) -> None:
+        super().__init__()
+        self.tables = torch.nn.ModuleList(torch.nn.EmbeddingBag(n, 1, mode="sum") for n in sizes)
+        for t in self.tables:
+            torch.nn.init.zeros_(t.weight)
+        self.dense = torch.nn.Linear(num_dense, 1)
+        torch.nn.init.zeros_(self.dense.weight)
+        torch.nn.init.zeros_(self.dense.bias)
+
+    def forward(self, dense: torch.Tensor, bags: list) -> torch.Tensor:
+        out = self.dense(dense)
+        for table, (values, offsets) in zip(self.tables, bags, strict=True):
+            out = out + table(values, offsets[:-1])
+        return out.squeeze(1)
+
+    def l2(self) -> torch.Tensor:
+        return sum((t.weight ** 2).sum() for t in self.tables) + (self.dense.weight ** 2).sum()
+
+
+def _auc_ne(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    metrics = BinaryClassificationMetrics()
+    metrics.update(logits.detach(), labels)
+    found = metrics.compute()
+    return {"auc": found["auc"], "ne": found["ne"], "logloss": found["logloss"]}
+
+
+def logistic_regression(data: Path) -> dict:
+    spec = DatasetSpec.load(data)
+    sizes = [f.num_embeddings for f in spec.sparse_features]
+    train, val, test = (_split_tensors(data, s) for s in ("train", "validation", "test"))
+    mean, std = train[0].mean(0), train[0].std(0).clamp_min(1e-6)
+
+    def fit(l2: float) -> _LogReg:
+        torch.manual_seed(0)
+        model = _LogReg(sizes, train[0].shape[1])
+        opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=200, history_size=20,
+                                line_search_fn="strong_wolfe")
+        x, bags, y = (train[0] - mean) / std, train[1], train[2]
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(model(x, bags), y) + l2 * model.l2() / len(y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return model
+
+    def score(model: _LogReg, split: tuple) -> dict[str, float]:
+        with torch.no_grad():
+            return _auc_ne(model((split[0] - mean) / std, split[1]), split[2])
+
+    start = time.perf_counter()
+    chosen = max(L2_GRID, key=lambda l2: score(fit(l2), val)["auc"])
+    test_metrics = score(fit(chosen), test)
+    base = train[2].mean()
+    base_logit = torch.full_like(test[2], float(torch.logit(base)))
+    return {"logistic_regression": {**test_metrics, "l2": chosen,
+                                    "seconds": time.perf_counter() - start},
+            "base_rate": _auc_ne(base_logit, test[2]),
+            "rows": {"train": len(train[2]), "validation": len(val[2]), "test": len(test[2])}}
+
+
+def run(name: str, work: Path, nproc: int) -> list[dict]:
+    kind, src = SOURCES[name]
+    if not src.exists():
+        raise SystemExit(f"{src} not found: pass --criteo / --movielens")
+    data, run_dir = work / f"{name}_data", work / f"{name}_run"
+    start = time.perf_counter()
+    _cli(1, "preprocess", kind, str(src), "--out", str(data))
+    summary = _cli(nproc, "train", "--data", str(data), "--out", str(run_dir), "--quiet")
+    test = _cli(1, "evaluate", str(run_dir), "--split", "test")
+    seconds = time.perf_counter() - start
+    baselines = logistic_regression(data)
+    common = {"dataset": name, "rows": baselines["rows"]}
+    lines = [{**common, "system": "dlrm_defaults", "nproc": nproc, "auc": test["auc"],
+              "ne": test["ne"], "logloss": test["logloss"],
+              "validation_auc": summary["validation"]["auc"], "steps": summary["steps"],
+              "stopped": summary["stopped"], "seconds": round(seconds, 1)}]
+    for system in ("logistic_regression", "base_rate"):
+        lines.append({**common, "system": system, **baselines[system]})
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=list(SOURCES), choices=list(SOURCES))
+    parser.add_argument("--nproc", type=int, default=1, help="ranks for dlrm-app train")
+    parser.add_argument("--criteo", type=Path, default=None, help="a Criteo Kaggle TSV")
+    parser.add_argument("--movielens", type=Path, default=None, help="an ml-100k folder")
+    args = parser.parse_args()
+    if args.criteo:
+        SOURCES["criteo_kaggle_10k"] = ("criteo", args.criteo)
+    if args.movielens:
+        SOURCES["movielens_100k"] = ("movielens", args.movielens)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.datasets:
+            for line in run(name, Path(tmp), args.nproc):
+                print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
