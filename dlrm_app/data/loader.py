@@ -1,19 +1,23 @@
-"""Parquet -> ``Batch(dense, sparse KJT, labels)`` with row groups split across ranks.
+"""Parquet -> ``Batch(dense, sparse KJT, labels)`` with the split's rows dealt to ranks.
 
-The unit of work is one Parquet row group of the split's shards (listed in ``dataset.json``).
-Each epoch the loader lists every row group of the split in shard order, shuffles that list
-with ``(seed, epoch)`` when ``shuffle`` is on, and deals it round-robin to the ranks. Example:
-two shards of 3 and 2 row groups, ``world_size=2``, no shuffle::
+Each epoch the loader lists every row group of the split (the shards listed in
+``dataset.json``) in shard order, shuffles that list with ``(seed, epoch)`` when ``shuffle`` is
+on, and reads it as one stream of ``N`` rows. Rank ``r`` of ``W`` takes the contiguous rows
+``[floor(r*N/W), floor((r+1)*N/W))`` of that stream, so shares differ by at most one row and a
+rank reads only the row groups that overlap its range (a row group cut by a boundary is read by
+both neighbours, each keeping its part). Example: two shards of 3 and 2 row groups, ``W=3``, no
+shuffle::
 
-    row group    g0=(shard0,rg0) g1=(shard0,rg1) g2=(shard0,rg2) g3=(shard1,rg0) g4=(shard1,rg1)
-    rows         1000            1000            500             1000            700
-    rank 0       g0, g2, g4  -> 2200 rows
-    rank 1       g1, g3      -> 2000 rows
+    row group   g0=(shard0,rg0) g1=(shard0,rg1) g2=(shard0,rg2) g3=(shard1,rg0) g4=(shard1,rg1)
+    rows        1000            1000            500             1000            701
+    stream      [0, 1000)       [1000, 2000)    [2000, 2500)    [2500, 3500)    [3500, 4201)
+    rank 0      [0, 1400)     g0, g1[0:400]                 -> 1400 rows
+    rank 1      [1400, 2800)  g1[400:1000], g2, g3[0:300]   -> 1400 rows
+    rank 2      [2800, 4201)  g3[300:1000], g4              -> 1401 rows
 
-Each rank reads its row groups in that order as one stream of rows and cuts it into batches of
-``batch_size`` (a batch can span two row groups: the leftover rows are carried over). Every rank
-computes every rank's row count from the Parquet metadata alone, so all ranks agree without
-communicating on the number of batches per epoch:
+A split with one row group thus trains on any number of ranks; one with fewer rows than ranks
+is refused. Every rank computes every rank's row count from the Parquet metadata alone, so all
+ranks agree without communicating on the number of batches per epoch:
 
     drop_last=True   num_batches = min over ranks of floor(rows_r / batch_size)
     pad_last=True    num_batches = max over ranks of ceil(rows_r / batch_size); every batch
@@ -24,14 +28,30 @@ communicating on the number of batches per epoch:
     drop_last=False  num_batches = min over ranks of ceil(rows_r / batch_size); a rank's last
                      batch may then be shorter than ``batch_size`` (and differ between ranks)
 
-With ``batch_size=512`` above: rank 0 has floor(2200/512)=4, rank 1 floor(2000/512)=3, so both
-ranks yield 3 batches and the remaining rows of the epoch (2200-1536 and 2000-1536) are dropped.
-Equal batch counts matter because every batch triggers collectives (KJT all-to-all, gradient
-all-reduce): a rank with one extra batch would hang the others.
+With ``batch_size=512`` above: every rank has floor(1400/512) = 2 batches, and the remaining
+376 (377 on rank 2) rows of each share are dropped this epoch. Equal batch counts matter because
+every batch triggers collectives (KJT all-to-all, gradient all-reduce): a rank with one extra
+batch would hang the others.
 
-Shuffling is at row-group granularity (rows inside a row group keep their file order); the
-preprocessors write rows already shuffled, so this is enough to vary the order per epoch
-without a random-access read per row.
+Shuffling (``shuffle=True``) is two-level. The row-group order above changes with
+``(seed, epoch)``, so each epoch a rank gets different row groups; then the rank cuts its share
+into windows of ``shuffle_window`` rows (the last may be shorter) and deals each window's rows
+to batches in a random order drawn from ``(seed, epoch, rank, window index)``. A window spans
+several row groups (4 of the default 65,536 rows), so rows move across row groups, and memory
+stays bounded by one window of decoded rows (plus the row group its end cuts). Rows are
+gathered from the decoded row groups, not copied into a window first; inside a batch the rows
+of one window are listed in window order (the order inside a batch does not change the loss,
+and ascending indices make the gather cache-friendly). Example with ``shuffle_window=4``,
+``batch_size=2``, a share of rows r0..r5 and a window permutation (2, 0, 3, 1)::
+
+    windows      [r0 r1 r2 r3] [r4 r5]
+    dealt        r2 r0 | r3 r1 | r5 r4        (second window permuted (1, 0))
+    batches      (r0, r2) (r1, r3) (r4, r5)
+
+Same ``(seed, epoch)``: same order; ``shuffle=False``: file order.
+
+Resuming (``load_state_dict``) skips, unread, every row group before the resume point (with
+shuffling: before the window that holds it, which is read whole to redraw its order).
 
 Example::
 
@@ -46,6 +66,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import os
 import queue
@@ -62,6 +84,8 @@ import torch
 from dlrm_app.data.schema import DENSE_COLUMN, SPLIT_NAMES, DatasetSpec
 from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
+DEFAULT_SHUFFLE_WINDOW = 262_144
+"""Rows permuted together when shuffling: 4 row groups of the preprocessors' default 65,536."""
 _PUT_POLL_S = 0.1
 """How often a blocked producer re-checks whether the consumer went away."""
 
@@ -104,6 +128,16 @@ class _RowGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Part:
+    """Some rows of a batch in the batch's layout; ``_make_batch`` concatenates parts."""
+
+    dense: np.ndarray  # [m, n_dense] float32
+    labels: np.ndarray  # [m] float32
+    lengths: np.ndarray  # [n_features, m] int32
+    values: list[np.ndarray]  # per feature, the ids of the m rows in order, int64
+
+
+@dataclasses.dataclass(frozen=True)
 class _Decoded:
     """One row group as numpy arrays: the fast path, built from Arrow buffers, no row loops."""
 
@@ -117,6 +151,92 @@ class _Decoded:
     def rows(self) -> int:
         return int(self.labels.shape[0])
 
+    @functools.cached_property
+    def one_hot(self) -> list[bool]:
+        """Per feature: exactly one id in every row (then row i's id is at offsets[0] + i)."""
+        return (self.lengths == 1).all(axis=1).tolist()
+
+    def parts(self, rows: slice) -> list[_Part]:
+        """Contiguous rows, as views."""
+        a, b = rows.start, rows.stop
+        return [_Part(dense=self.dense[a:b], labels=self.labels[a:b],
+                      lengths=self.lengths[:, a:b],
+                      values=[v[off[a]:off[b]] for v, off in zip(self.values, self.offsets,
+                                                                  strict=True)])]
+
+    def gather(self, rows: np.ndarray) -> _Part:
+        """The rows at indices ``rows``, in that order (copies; ``take`` is numpy's fastest
+        gather)."""
+        lengths = np.ones((len(self.values), rows.shape[0]), np.int32)
+        values = []
+        for k, (v, off) in enumerate(zip(self.values, self.offsets, strict=True)):
+            if self.one_hot[k]:
+                values.append(v[off[0]:].take(rows))
+                continue
+            starts = off.take(rows)
+            bag = off[1:].take(rows) - starts
+            lengths[k] = bag
+            # each output id's position in v: its bag's start plus its index inside the bag
+            shift = starts - (np.cumsum(bag) - bag)
+            values.append(v.take(np.repeat(shift, bag) + np.arange(int(bag.sum()))))
+        return _Part(dense=self.dense.take(rows, axis=0), labels=self.labels.take(rows),
+                     lengths=lengths, values=values)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """The rows of one shuffle window: slices of decoded row groups, in stream order. Not a
+    copy: batches gather their rows straight from the row groups."""
+
+    chunks: list[tuple[_Decoded, slice]]
+
+    @functools.cached_property
+    def _starts(self) -> np.ndarray:
+        """Window row at which each chunk starts, then the window's size."""
+        return np.cumsum([0] + [s.stop - s.start for _, s in self.chunks])
+
+    def parts(self, rows: np.ndarray) -> list[_Part]:
+        """The rows at window indices ``rows``, in ascending order: the order of rows inside
+        a batch does not change its loss, and ascending indices are one cache-friendly gather
+        per row group."""
+        rows = np.sort(rows)
+        bounds = np.searchsorted(rows, self._starts)
+        return [d.gather(rows[lo:hi] - start + s.start)
+                for (d, s), start, lo, hi in zip(self.chunks, self._starts, bounds, bounds[1:],
+                                                 strict=False) if lo < hi]
+
+
+class _RowStream:
+    """Rows from an iterator of row-group slices, taken ``n`` at a time."""
+
+    def __init__(self, chunks: Iterator[tuple[_Decoded, slice]]) -> None:
+        self._chunks = chunks
+        self._carry: tuple[_Decoded, slice] | None = None  # a row group cut by the last take
+
+    def take(self, n: int) -> list[tuple[_Decoded, slice]]:
+        parts: list[tuple[_Decoded, slice]] = []
+        while n > 0:
+            decoded, rows = self._carry if self._carry is not None else next(self._chunks)
+            cut = min(rows.start + n, rows.stop)
+            parts.append((decoded, slice(rows.start, cut)))
+            self._carry = (decoded, slice(cut, rows.stop)) if cut < rows.stop else None
+            n -= cut - rows.start
+        return parts
+
+
+_Piece = tuple[_Decoded, slice] | tuple[_Window, np.ndarray]
+"""Rows of one source: a slice of a row group (file order) or indices into a window."""
+
+
+def _num_rows(rows: slice | np.ndarray) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else int(rows.shape[0])
+
+
+def _sub_rows(rows: slice | np.ndarray, start: int, stop: int) -> slice | np.ndarray:
+    if isinstance(rows, slice):
+        return slice(rows.start + start, rows.start + stop)
+    return rows[start:stop]
+
 
 class _Failure:
     """Carries an exception from the prefetch thread to the consumer."""
@@ -129,15 +249,17 @@ _END = object()
 
 
 class ParquetLoader:
-    """Iterable of :class:`Batch` over one split, this rank's share of its row groups.
+    """Iterable of :class:`Batch` over one split, this rank's contiguous share of its rows.
 
-    See the module docstring for the row-group assignment and the batch count. Iterating runs
-    a background thread that keeps up to ``prefetch`` batches ready (0: no thread); an error in
-    the thread is raised in the consumer, and abandoning the iterator stops the thread.
+    See the module docstring for the row assignment, the shuffle and the batch count.
+    Iterating runs a background thread that keeps up to ``prefetch`` batches ready (0: no
+    thread); an error in the thread is raised in the consumer, and abandoning the iterator
+    stops the thread.
 
-    Order is a pure function of ``(seed, epoch)``; ``state_dict()`` records the epoch and how
-    many batches the consumer received, and ``load_state_dict()`` makes the next iteration
-    resume right after them (whole row groups before that point are skipped unread).
+    ``shuffle_window`` is the number of rows permuted together when ``shuffle`` is on; memory
+    grows with it. Order is a pure function of ``(seed, epoch, rank, world_size,
+    shuffle_window)`` and the batch size; ``state_dict()`` records the epoch and how many batches the consumer received, and
+    ``load_state_dict()`` makes the next iteration resume right after them.
     """
 
     def __init__(
@@ -154,6 +276,7 @@ class ParquetLoader:
         pad_last: bool = False,
         prefetch: int = 2,
         epoch: int = 0,
+        shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
     ) -> None:
         if split not in SPLIT_NAMES:
             raise ValueError(f"unknown split {split!r}; choose one of {SPLIT_NAMES}")
@@ -168,6 +291,8 @@ class ParquetLoader:
             raise ValueError(f"prefetch must be >= 0 batches (0 = no thread), got {prefetch}")
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if shuffle_window < 1:
+            raise ValueError(f"shuffle_window must be >= 1 row, got {shuffle_window}")
         self.dataset_dir = Path(dataset_dir)
         self.spec = DatasetSpec.load(self.dataset_dir)
         self.split = split
@@ -182,16 +307,27 @@ class ParquetLoader:
         self.drop_last = drop_last
         self.pad_last = pad_last
         self.prefetch = prefetch
+        self.shuffle_window = shuffle_window
         self.keys = [f.name for f in self.spec.sparse_features]
         self._columns = [self.spec.label, DENSE_COLUMN, *self.keys]
         self._n_dense = len(self.spec.dense_features)
         self._paths = [self.dataset_dir / s.file for s in self.spec.split(split).shards]
         self._row_groups = self._scan_metadata()
-        if len(self._row_groups) < world_size:
+        total = sum(g.rows for g in self._row_groups)
+        if total < world_size:
             raise ValueError(
-                f"split '{split}' of {self.dataset_dir} has {len(self._row_groups)} row groups, "
-                f"fewer than world_size={world_size}; some ranks would get no data. Regenerate "
-                f"the dataset with a smaller row_group_size or use fewer ranks")
+                f"split '{split}' of {self.dataset_dir} has {total} rows, fewer than "
+                f"world_size={world_size}: every rank needs at least one row. Use at most "
+                f"{max(total, 1)} ranks or a dataset with more rows in this split")
+        # rank r's rows of the epoch's stream: [bounds[r], bounds[r + 1])
+        self._bounds = [r * total // world_size for r in range(world_size + 1)]
+        per_rank = [b - a for a, b in itertools.pairwise(self._bounds)]
+        if pad_last:
+            self._count = max(math.ceil(rows / batch_size) for rows in per_rank)
+        elif drop_last:
+            self._count = min(rows // batch_size for rows in per_rank)
+        else:
+            self._count = min(math.ceil(rows / batch_size) for rows in per_rank)
         self._epoch = epoch
         self._resume_from = 0  # batches to skip at the start of the next iteration
         self._yielded = 0  # batches handed to the consumer in the current epoch
@@ -221,22 +357,9 @@ class ParquetLoader:
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(self._row_groups))
         return [self._row_groups[i] for i in perm]
 
-    def _assignment(self, epoch: int) -> tuple[list[_RowGroup], int]:
-        """This rank's row groups for ``epoch`` and the batch count shared by all ranks."""
-        order = self._epoch_order(epoch)
-        per_rank = [sum(g.rows for g in order[r::self.world_size])
-                    for r in range(self.world_size)]
-        if self.pad_last:
-            count = max(math.ceil(rows / self.batch_size) for rows in per_rank)
-        elif self.drop_last:
-            count = min(rows // self.batch_size for rows in per_rank)
-        else:
-            count = min(math.ceil(rows / self.batch_size) for rows in per_rank)
-        return order[self.rank::self.world_size], count
-
     def __len__(self) -> int:
-        """Batches per epoch for the current epoch (the same on every rank)."""
-        return self._assignment(self._epoch)[1]
+        """Batches per epoch (the same on every rank and in every epoch)."""
+        return self._count
 
     # -- epoch and resume state -----------------------------------------------------------
 
@@ -265,10 +388,9 @@ class ParquetLoader:
         epoch, done = int(state["epoch"]), int(state["batches_yielded"])
         if epoch < 0 or done < 0:
             raise ValueError(f"loader state has negative values: {dict(state)}")
-        total = self._assignment(epoch)[1]
-        if done > total:
+        if done > self._count:
             raise ValueError(f"loader state says {done} batches were yielded in epoch {epoch}, "
-                             f"but this loader has only {total} per epoch (different dataset, "
+                             f"but this loader has only {self._count} per epoch (different dataset, "
                              f"batch_size or world_size?)")
         self._epoch = epoch
         self._resume_from = done
@@ -302,21 +424,55 @@ class ParquetLoader:
                         labels=labels.to_numpy(zero_copy_only=False).astype(np.float32),
                         lengths=lengths, offsets=offsets, values=values)
 
-    def _make_batch(self, pieces: list[tuple[_Decoded, int, int]], pad: bool = False) -> Batch:
-        """Rows ``[a, b)`` of each decoded row group, concatenated (copies: batches own memory);
-        with ``pad``, padding rows up to ``batch_size``."""
-        valid = sum(b - a for _, a, b in pieces)
+    def _chunks(self, epoch: int, start: int, stop: int) -> Iterator[tuple[_Decoded, slice]]:
+        """Rows ``[start, stop)`` of ``epoch``'s stream, one row group (or part of one) at a
+        time; row groups outside the range are not read."""
+        files: dict[int, pq.ParquetFile] = {}
+        first = 0  # stream position of g's first row
+        for g in self._epoch_order(epoch):
+            lo, hi = max(start - first, 0), min(stop - first, g.rows)
+            first += g.rows
+            if lo >= hi:
+                if first >= stop:
+                    return
+                continue
+            if g.shard not in files:
+                files[g.shard] = pq.ParquetFile(self._paths[g.shard])
+            table = files[g.shard].read_row_group(g.index, columns=self._columns)
+            yield self._decode(table, self._paths[g.shard]), slice(lo, hi)
+
+    def _pieces(self, epoch: int, skip: int) -> Iterator[_Piece]:
+        """This rank's rows of ``epoch`` in yield order, after its first ``skip`` rows."""
+        begin, end = self._bounds[self.rank], self._bounds[self.rank + 1]
+        if not self.shuffle:
+            yield from self._chunks(epoch, min(begin + skip, end), end)
+            return
+        size = self.shuffle_window
+        window = skip // size  # the windows before it were consumed whole: not read
+        skip -= window * size
+        stream = _RowStream(self._chunks(epoch, min(begin + window * size, end), end))
+        while begin + window * size < end:
+            want = min(size, end - begin - window * size)
+            # rank and window are shifted by one: numpy seeds [a, b] and [a, b, 0] collide
+            rng = np.random.default_rng([self.seed, epoch, self.rank + 1, window + 1])
+            # no name here keeps the window or its row groups once the consumer drops them
+            yield _Window(stream.take(want)), rng.permutation(want)[skip:]
+            skip = 0
+            window += 1
+
+    def _make_batch(self, parts: list[_Part], pad: bool = False) -> Batch:
+        """``parts`` concatenated (copies: batches own memory); with ``pad``, padding rows up
+        to ``batch_size``."""
+        valid = sum(p.labels.shape[0] for p in parts)
         padding = self.batch_size - valid if pad else 0
         n_sparse = len(self.keys)
-        dense = np.concatenate([d.dense[a:b] for d, a, b in pieces]
+        dense = np.concatenate([p.dense for p in parts]
                                + [np.zeros((padding, self._n_dense), np.float32)])
-        labels = np.concatenate([d.labels[a:b] for d, a, b in pieces]
-                                + [np.zeros(padding, np.float32)])
-        lengths = np.concatenate([d.lengths[:, a:b] for d, a, b in pieces]
+        labels = np.concatenate([p.labels for p in parts] + [np.zeros(padding, np.float32)])
+        lengths = np.concatenate([p.lengths for p in parts]
                                  + [np.zeros((n_sparse, padding), np.int32)], axis=1)
-        values = np.concatenate([
-            d.values[k][d.offsets[k][a]:d.offsets[k][b]]
-            for k in range(n_sparse) for d, a, b in pieces] + [np.zeros(0, np.int64)])
+        values = np.concatenate([p.values[k] for k in range(n_sparse) for p in parts]
+                                + [np.zeros(0, np.int64)])
         sparse = KeyedJaggedTensor(
             keys=self.keys, values=torch.from_numpy(values),
             lengths=torch.from_numpy(lengths.ravel()), stride=labels.shape[0],
@@ -326,32 +482,25 @@ class ParquetLoader:
 
     def _generate(self, epoch: int, skip_batches: int) -> Iterator[Batch]:
         """This rank's batches of ``epoch`` from batch ``skip_batches`` on (no thread)."""
-        groups, count = self._assignment(epoch)
-        remaining = count - skip_batches
-        skip_rows = skip_batches * self.batch_size  # every batch before the last is full
-        files: dict[int, pq.ParquetFile] = {}
-        pending: list[tuple[_Decoded, int, int]] = []
+        remaining = self._count - skip_batches
+        # every batch before the last is full, so the skipped batches held exactly these rows
+        pieces = self._pieces(epoch, skip_batches * self.batch_size)
+        pending: list[_Part] = []
         pending_rows = 0
-        for g in groups:
-            if remaining <= 0:
-                break
-            if skip_rows >= g.rows:  # resume: the whole row group was consumed, do not read
-                skip_rows -= g.rows
-                continue
-            if g.shard not in files:
-                files[g.shard] = pq.ParquetFile(self._paths[g.shard])
-            table = files[g.shard].read_row_group(g.index, columns=self._columns)
-            decoded = self._decode(table, self._paths[g.shard])
-            start, skip_rows = skip_rows, 0
-            while start < decoded.rows and remaining > 0:
-                take = min(self.batch_size - pending_rows, decoded.rows - start)
-                pending.append((decoded, start, start + take))
+        for source, rows in pieces if remaining > 0 else ():
+            start, n = 0, _num_rows(rows)
+            while start < n and remaining > 0:
+                take = min(self.batch_size - pending_rows, n - start)
+                pending += source.parts(_sub_rows(rows, start, start + take))
                 pending_rows += take
                 start += take
                 if pending_rows == self.batch_size:
                     yield self._make_batch(pending)
                     remaining -= 1
                     pending, pending_rows = [], 0
+            if remaining == 0:
+                break  # drop_last: the rest of the share is not read
+            del source  # free this window before the next one is built
         if remaining > 0 and pending_rows:  # drop_last=False: the short final batch
             yield self._make_batch(pending, pad=self.pad_last)
             remaining -= 1
