@@ -80,6 +80,7 @@ from dlrm_app.data.schema import (
     sha256_file,
 )
 from dlrm_app.data.shard_writer import write_split_shards
+from dlrm_app.data.tables import table_summary
 
 LABEL = "label"
 DENSE_NAMES = ("release_year", "log_movie_count", "log_user_count")
@@ -392,12 +393,13 @@ def preprocess_movielens(
         splits.append(_write_split(out, name, pa.table(arrays), rows_per_shard,
                                    row_group_size))
     sparse_names = list(arrays)[2:]
+    features = tuple(SparseFeature(name=n, num_embeddings=max(vocab.sizes[n], 1),
+                                   multi_hot=n == "genres") for n in sparse_names)
     spec = DatasetSpec(
         name=f"movielens-{release if release != 'csv' else src.name}",
         kind=DatasetKind.MOVIELENS,
         dense_features=DENSE_NAMES,
-        sparse_features=tuple(SparseFeature(name=n, num_embeddings=max(vocab.sizes[n], 1),
-                                            multi_hot=n == "genres") for n in sparse_names),
+        sparse_features=features,
         label=LABEL,
         label_dtype="float32",
         splits=tuple(splits),
@@ -421,6 +423,7 @@ def preprocess_movielens(
             "dense_transform": "release_year: (year-min)/(max-min), missing -> 0; "
                                "log_movie_count, log_user_count: log(1+n) over train only",
             "release_year_range": [y_min, y_max],
+            "tables": table_summary(features),
             "seed": seed,
             "rows_per_shard": rows_per_shard,
             "row_group_size": row_group_size,

@@ -96,6 +96,22 @@ def test_ml100k_rows_match_plain_parse(ml100k: Path) -> None:
 
 
 @needs_100k
+def test_ml100k_table_summary(ml100k: Path) -> None:
+    """The table sizes follow the data (remapped ids) and the summary says what they need."""
+    spec = verify(ml100k)
+    tables = spec.parameters["tables"]
+    sizes = {f.name: f.num_embeddings for f in spec.sparse_features}
+    assert tables["num_embeddings"] == sizes
+    assert sizes["user_id"] == 943 and sizes["movie_id"] == 1682 and sizes["genres"] == 19
+    assert sizes["age"] == 7 and sizes["gender"] == 2
+    assert tables["total_rows"] == sum(sizes.values())
+    # fp32 weights + one fp32 row-wise Adagrad accumulator per row
+    assert tables["optimizer"] == "rowwise_adagrad"
+    assert tables["train_memory_bytes"] == {str(d): sum(sizes.values()) * (4 * d + 4)
+                                            for d in (16, 64, 128)}
+
+
+@needs_100k
 def test_ml100k_popularity_counts_train_only(ml100k: Path) -> None:
     train = read_split(ml100k, "train")
     per_movie: dict[int, int] = defaultdict(int)

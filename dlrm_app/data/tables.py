@@ -1,0 +1,58 @@
+"""What a dataset's embedding tables will need: the summary every preprocessor records.
+
+``parameters["tables"]`` of ``dataset.json`` (and what ``dlrm-app preprocess`` prints)::
+
+    {"num_embeddings": {"cat_0": 1461, "cat_1": 584, ...},    # rows per table
+     "total_rows": 1234567,
+     "optimizer": "rowwise_adagrad",
+     "train_memory_bytes": {"16": ..., "64": ..., "128": ...}}  # per embedding dim
+
+The memory is :func:`dlrm_app.resources.table_memory_bytes`: fp32 weights plus the fused
+optimizer's state (row-wise Adagrad: one float per row), summed over the tables; buffers and
+the dense model come on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dlrm_app.data.schema import SparseFeature
+
+SUMMARY_EMBEDDING_DIMS = (16, 64, 128)
+"""Embedding dims the summary gives the training memory for."""
+SUMMARY_OPTIMIZER = "rowwise_adagrad"
+"""The embedding optimizer the summary assumes (the app's default)."""
+
+_GIB = 1 << 30
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def table_summary(features: Sequence[SparseFeature]) -> dict[str, Any]:
+    """The ``tables`` summary (see the module doc) of a dataset's sparse features."""
+    # resources imports torch and the planner: only the parent of a preprocessing run needs
+    # them, not its worker processes (which import the preprocessors).
+    from dlrm_app.resources import table_memory_bytes
+
+    sizes = [f.num_embeddings for f in features]
+    return {
+        "num_embeddings": {f.name: f.num_embeddings for f in features},
+        "total_rows": sum(sizes),
+        "optimizer": SUMMARY_OPTIMIZER,
+        "train_memory_bytes": {str(d): table_memory_bytes(sizes, d, SUMMARY_OPTIMIZER)
+                               for d in SUMMARY_EMBEDDING_DIMS},
+    }
+
+
+def format_table_summary(summary: Mapping[str, Any]) -> str:
+    """The summary as lines for a person: each table's rows, then the memory per dim."""
+    sizes = summary["num_embeddings"]
+    width = max((len(n) for n in sizes), default=0)
+    lines = [f"{name:<{width}}  {rows:>13,} rows" for name, rows in sizes.items()]
+    lines.append(f"{'total':<{width}}  {summary['total_rows']:>13,} rows")
+    memory = ", ".join(f"dim {d}: {_size(b)}" for d, b in summary["train_memory_bytes"].items())
+    lines.append(f"tables in training (fp32 weights + {summary['optimizer']} state): {memory}")
+    return "\n".join(lines)
