@@ -49,7 +49,8 @@ def write_rows(path: Path, rows: int, seed: int, bad: tuple[int, ...] = ()) -> N
 
 
 @needs_data
-@pytest.mark.parametrize("case", ["kaggle_gz", "terabyte", "vocabulary"])
+@pytest.mark.parametrize("case", ["kaggle_gz", "terabyte", "vocabulary", "default",
+                                  "default_gz"])
 def test_two_workers_match_one_on_samples(tmp_path: Path, case: str) -> None:
     head = DATA / "kaggle_head_10k.tsv"
     day = DATA / "terabyte_day_sample_1k.tsv"
@@ -61,6 +62,9 @@ def test_two_workers_match_one_on_samples(tmp_path: Path, case: str) -> None:
         "terabyte": ([day, gz, day], [day, gz, day],
                      dict(fmt="terabyte", num_embeddings_per_feature=1000)),
         "vocabulary": ([head], [head], dict(frequency_threshold=3)),
+        # the default encoding: a train vocabulary sized from the data
+        "default": ([head], [head], {}),
+        "default_gz": ([gz], [head], dict(max_embeddings_per_feature=100)),
     }[case]
     one = preprocess_criteo(one_inputs, tmp_path / "one", **SMALL, **kwargs)
     two = preprocess_criteo(inputs, tmp_path / "two", workers=2, **SMALL, **kwargs)

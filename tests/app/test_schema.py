@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -101,3 +102,18 @@ def test_post_init_rejects_bad_values() -> None:
         SplitSpec(name="train", label_rate=1.5, shards=())
     with pytest.raises(ValueError, match="sha256"):
         ShardFile(file="a.parquet", rows=1, sha256="xyz", row_group_size=1)
+
+
+def test_empty_splits_round_trip(tmp_path: Path) -> None:
+    """A held-out file encoded as one split: the other splits have no shards."""
+    spec = _spec(tmp_path)
+    train, validation, test = spec.splits
+    empty = dataclasses.replace(
+        spec, splits=(SplitSpec(name="train", label_rate=0.0, shards=()),
+                      SplitSpec(name="validation", label_rate=0.0, shards=()), test))
+    empty.save(tmp_path)
+    loaded = verify(tmp_path)
+    assert loaded == empty
+    assert [s.rows for s in loaded.splits] == [0, 0, 10]
+    assert json.loads((tmp_path / "dataset.json").read_text())["splits"]["train"] == {
+        "label_rate": 0.0, "shards": []}

@@ -7,8 +7,8 @@ Modules, in the order data flows through them:
                    serving
 ``parse``          blocks of raw lines -> validated typed columns (vectorized)
 ``lines``          reading blocks of whole lines; line counts and line indexes
-``vocabulary``     the train-split frequency vocabulary (count, save, load)
-``encoding``       hashing or vocabulary: raw ids -> table rows; the block encoder
+``vocabulary``     the train-split vocabulary that sizes the tables (count, select, save, load)
+``encoding``       vocabulary, hashing or ``like``: raw ids -> table rows; the block encoder
 ``workers``        running tasks in this process or in worker processes
 ``staging``        the single streaming pass into staging shards
 ``shard_tasks``    whole staging shards as worker tasks (bad rows are errors)
@@ -17,7 +17,7 @@ Modules, in the order data flows through them:
 =================  =========================================================================
 """
 
-from dlrm_app.data.criteo.encoding import DEFAULT_NUM_EMBEDDINGS
+from dlrm_app.data.criteo.encoding import EncodingRequest
 from dlrm_app.data.criteo.format import (
     DENSE_NAMES,
     FORMATS,
@@ -30,10 +30,19 @@ from dlrm_app.data.criteo.format import (
 from dlrm_app.data.criteo.parse import count_lines
 from dlrm_app.data.criteo.preprocess import preprocess_criteo
 from dlrm_app.data.criteo.staging import STAGING_DIR
-from dlrm_app.data.criteo.vocabulary import RARE_ID, VOCABULARY_FILE, load_vocabulary
+from dlrm_app.data.criteo.vocabulary import (
+    DEFAULT_FREQUENCY_THRESHOLD,
+    DEFAULT_MAX_EMBEDDINGS_PER_FEATURE,
+    DEFAULT_VOCABULARY_MEMORY_BYTES,
+    RARE_ID,
+    VOCABULARY_FILE,
+    load_vocabulary,
+)
 
 __all__ = [
-    "DEFAULT_NUM_EMBEDDINGS",
+    "DEFAULT_FREQUENCY_THRESHOLD",
+    "DEFAULT_MAX_EMBEDDINGS_PER_FEATURE",
+    "DEFAULT_VOCABULARY_MEMORY_BYTES",
     "DENSE_NAMES",
     "FORMATS",
     "LABEL",
@@ -44,6 +53,7 @@ __all__ = [
     "SPARSE_NAMES",
     "STAGING_DIR",
     "VOCABULARY_FILE",
+    "EncodingRequest",
     "count_lines",
     "load_vocabulary",
     "preprocess_criteo",

@@ -56,6 +56,23 @@ def check_not_empty(path: Path) -> None:
         raise ValueError(f"{path}: empty file (no rows); remove it from the inputs")
 
 
+def no_valid_rows_error(paths: list[Path], fmt: str, lines: int) -> ValueError:
+    """The error for inputs whose every row read (``lines`` of them) was a bad row, skipped:
+    most likely not Criteo files at all. Shows why their first line is not a row."""
+    opener = gzip.open if paths[0].suffix == ".gz" else open
+    with opener(paths[0], "rb") as f:
+        text = f.read(1 << 16).split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8", "replace")
+    shown = text if len(text) <= 60 else text[:60] + "..."
+    names = ", ".join(map(str, paths)) if len(paths) <= 3 else \
+        f"{paths[0]} ... {paths[-1]} ({len(paths)} files)"
+    return ValueError(
+        f"{names}: all {lines:,} rows read are bad rows (skipped with on_bad_row='skip'), "
+        f"e.g. {paths[0]}:1 {shown!r}: {row_problem(text)}. These are not Criteo {fmt} rows "
+        f"(label, {NUM_DENSE} integer and {NUM_SPARSE} hex categorical fields, "
+        f"tab-separated): check that these are the files you meant (not another dataset, a "
+        f"comma-separated export or a file with only a header)")
+
+
 def read_blocks(path: Path, block_bytes: int, offset: int = 0,
                 end: int | None = None) -> Iterator[bytes]:
     """Whole lines of ``path`` (plain or .gz) from byte ``offset`` (of the decompressed data; a

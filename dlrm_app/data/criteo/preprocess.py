@@ -26,8 +26,14 @@ at most ``2 * workers`` shards on disk. Streaming: one process about 0.2 GB + 10
 ``block_bytes``; with workers, each about 0.2 GB + 6 x ``block_bytes`` and the parent (up to
 ``2 * workers`` blocks and their encoded rows in flight) about 0.2 GB + (3 + 4 x workers) x
 ``block_bytes``. Measured with 32 MB blocks, in total: plain 0.4 GB (one process) / 0.8 GB
-(two workers), gzip 0.5 / 0.9 GB. Add the vocabulary counts (one entry per distinct raw id)
-and the line numbers of skipped bad rows (8 bytes each).
+(two workers), gzip 0.5 / 0.9 GB. Add the line numbers of skipped bad rows (8 bytes each),
+and for the default vocabulary: its counting pass (bounded by ``vocabulary_memory_bytes``, see
+:mod:`~dlrm_app.data.criteo.vocabulary`) and the vocabulary itself in every encoding process (8
+bytes per id with a row).
+
+The default vocabulary reads the train split twice (a counting pass, then the main pass); a
+kaggle vocabulary needs every input's line count first (a gzip input is decompressed once
+more to count them).
 
 Resumption: each shard is written to a hidden temp name and renamed when complete, then a
 small done-marker records its checksum; a rerun keeps every finished shard and redoes only
@@ -38,6 +44,7 @@ Finished shards are not re-parsed. ``dataset.json`` is written last.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -47,13 +54,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from dlrm_app.data.criteo.encoding import EncodeSpec, choose_encoding, encoder
+from dlrm_app.data.criteo.encoding import EncodeSpec, EncodingRequest, choose_encoding, encoder
 from dlrm_app.data.criteo.finalize import finalize
 from dlrm_app.data.criteo.format import DENSE_NAMES, LABEL, SPARSE_NAMES, SplitRule
 from dlrm_app.data.criteo.lines import blocks, line_counts, prefetch
-from dlrm_app.data.criteo.parse import check_not_empty
+from dlrm_app.data.criteo.parse import check_not_empty, no_valid_rows_error
 from dlrm_app.data.criteo.shard_tasks import Spiller, run_shard_tasks, stage_shards
 from dlrm_app.data.criteo.staging import STAGING_DIR, stage
+from dlrm_app.data.criteo.vocabulary import DEFAULT_VOCABULARY_MEMORY_BYTES
 from dlrm_app.data.criteo.workers import Runner, runner
 from dlrm_app.data.schema import (
     DatasetKind,
@@ -61,6 +69,7 @@ from dlrm_app.data.schema import (
     SparseFeature,
     SplitSpec,
 )
+from dlrm_app.data.tables import table_summary
 
 
 def many_shards(paths: list[Path], rows_per_shard: int, workers: int) -> bool:
@@ -70,60 +79,77 @@ def many_shards(paths: list[Path], rows_per_shard: int, workers: int) -> bool:
     return sum(p.stat().st_size for p in paths) // 1024 * 8 >= 2 * workers * rows_per_shard
 
 
-def _preprocess(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
-                num_embeddings_per_feature: int | Sequence[int] | None,
-                frequency_threshold: int | None, rows_per_shard: int, row_group_size: int,
-                on_bad_row: str, like: str | os.PathLike[str] | None, block_bytes: int,
-                workers: int) -> tuple[tuple[SplitSpec, ...], list[int], dict, list[int], list]:
-    """preprocess_criteo's work, with its runner: the splits, table sizes, encoding record,
-    input line counts and skipped lines."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Job:
+    """preprocess_criteo's checked arguments."""
+
+    paths: list[Path]
+    out: Path
+    rule: SplitRule
+    request: EncodingRequest
+    rows_per_shard: int
+    row_group_size: int
+    on_bad_row: str
+    block_bytes: int
+    workers: int
+
+
+def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, list[int], list]:
+    """preprocess_criteo's work, with its runner: the splits, the encoding record, the input
+    line counts and the skipped lines."""
+    paths, out, rule = job.paths, job.out, job.rule
     # Line counts up front where cheap (plain files: a newline count over byte ranges, in
     # the workers) or needed anyway (a kaggle vocabulary); a gzip input is decompressed
     # once. With bad rows as errors, rows are lines and the workers write whole shards:
     # plain inputs are read by the workers, gzip is cut into shards here (see the doc).
     plain = [p.suffix != ".gz" for p in paths]
-    direct = all(plain) and on_bad_row == "error"
-    spill = not direct and on_bad_row == "error" and workers > 1 and \
-        many_shards(paths, rows_per_shard, workers)
+    direct = all(plain) and job.on_bad_row == "error"
+    spill = not direct and job.on_bad_row == "error" and job.workers > 1 and \
+        many_shards(paths, job.rows_per_shard, job.workers)
     if direct:
         which = [True] * len(paths)
+    elif rule.one_split is not None:
+        which = [False] * len(paths)  # no split starts to find
     elif rule.fmt == "terabyte":
         which = [False] * (len(paths) - 1) + plain[-1:]
     else:
-        which = [all(plain) or frequency_threshold is not None] * len(paths)
-    counts, indexes = line_counts(run, paths, which, block_bytes)
-    encoding = choose_encoding(run, paths, out, rule, counts, num_embeddings_per_feature,
-                               frequency_threshold, like, block_bytes, on_bad_row)
-    num_embeddings = list(encoding["num_embeddings"])
+        which = [all(plain) or job.request.mode == "vocabulary"] * len(paths)
+    counts, indexes = line_counts(run, paths, which, job.block_bytes)
+    encoding = choose_encoding(run, paths, out, rule, counts, job.request, job.block_bytes,
+                               job.on_bad_row)
     spec = EncodeSpec.of(encoding, out)
     # block_bytes and workers are left out: they do not change a byte of the output
     config = {"inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
-              "fmt": rule.fmt, "encoding": encoding, "rows_per_shard": rows_per_shard,
-              "row_group_size": row_group_size, "on_bad_row": on_bad_row}
+              "fmt": rule.fmt, "one_split": rule.one_split, "encoding": encoding,
+              "rows_per_shard": job.rows_per_shard, "row_group_size": job.row_group_size,
+              "on_bad_row": job.on_bad_row}
     fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    shard_args = (spec, block_bytes, row_group_size, fingerprint)
+    shard_args = (spec, job.block_bytes, job.row_group_size, fingerprint)
     if direct:
-        staged = stage_shards(run, paths, out, rule, counts, indexes, rows_per_shard,
+        staged = stage_shards(run, paths, out, rule, counts, indexes, job.rows_per_shard,
                               *shard_args)
         input_lines, skipped = counts, []
     elif spill:
-        spiller = Spiller(paths, out, rule.starts(counts), rows_per_shard, fingerprint)
-        with contextlib.closing(prefetch(blocks(paths, block_bytes))) as read:
+        spiller = Spiller(paths, out, rule.starts(counts), job.rows_per_shard, fingerprint)
+        with contextlib.closing(prefetch(blocks(paths, job.block_bytes))) as read:
             staged = run_shard_tasks(run, out, spiller.tasks(read), spiller.shards,
                                      *shard_args, total=None)
         input_lines, skipped = spiller.input_lines, []
     else:
-        stream = stage(run, paths, out, spec, rule.starts(counts), rows_per_shard,
-                       row_group_size, on_bad_row, block_bytes, fingerprint,
+        stream = stage(run, paths, out, spec, rule.starts(counts), job.rows_per_shard,
+                       job.row_group_size, job.on_bad_row, job.block_bytes, fingerprint,
                        None if None in counts else sum(counts))
         staged, input_lines, skipped = stream.shards, stream.input_lines, stream.skipped
     for p, n, m in zip(paths, counts, input_lines, strict=True):
         if n is not None and n != m:
             raise ValueError(f"{p}: {n} lines when counted, {m} when read; the file "
                              f"changed during the run, rerun when it is complete")
+    if len(skipped) == sum(input_lines):
+        raise no_valid_rows_error(paths, rule.fmt, sum(input_lines))
     edges = rule.row_edges(input_lines, skipped)
-    splits = finalize(run, out, staged, edges, rows_per_shard, row_group_size, fingerprint)
-    return splits, num_embeddings, encoding, input_lines, skipped
+    splits = finalize(run, out, staged, edges, job.rows_per_shard, job.row_group_size,
+                      fingerprint)
+    return splits, encoding, input_lines, skipped
 
 
 def preprocess_criteo(
@@ -133,32 +159,56 @@ def preprocess_criteo(
     fmt: Literal["kaggle", "terabyte"] = "kaggle",
     num_embeddings_per_feature: int | Sequence[int] | None = None,
     frequency_threshold: int | None = None,
+    max_embeddings_per_feature: int | Sequence[int] | None = None,
+    like: str | os.PathLike[str] | None = None,
+    one_split: Literal["train", "validation", "test"] | None = None,
     rows_per_shard: int = 1_000_000,
     row_group_size: int = 65_536,
     on_bad_row: Literal["error", "skip"] = "error",
-    like: str | os.PathLike[str] | None = None,
     block_bytes: int = 32 << 20,
     workers: int = 1,
+    vocabulary_memory_bytes: int = DEFAULT_VOCABULARY_MEMORY_BYTES,
 ) -> DatasetSpec:
     """Preprocess Criteo TSV files into ``out_dir`` (shards + dataset.json); see the module doc.
 
-    Encoding: modulo hashing into ``num_embeddings_per_feature`` (one int or 26; default
-    40,000,000) or, with ``frequency_threshold=K``, a train-split vocabulary; ``like`` reuses
-    an existing dataset's encoding instead (its vocabulary is copied). Bad rows raise
-    ValueError with file and line, or with ``on_bad_row="skip"`` are dropped and counted in
-    ``parameters["skipped_rows"]``. Empty or truncated (gzip) inputs always raise.
-    ``workers > 1`` runs the parsing, encoding and (plain input) shard writing in that many
-    processes; the output is byte-identical for every ``workers``. As with any
+    Table sizes (one kind per call):
+
+    * default: a train-split vocabulary, tables sized from the data. Ids seen at least
+      ``frequency_threshold`` times in train (default ``DEFAULT_FREQUENCY_THRESHOLD`` = 1) get
+      rows, at most ``max_embeddings_per_feature`` rows per table (one int or 26; default
+      ``DEFAULT_MAX_EMBEDDINGS_PER_FEATURE`` = 10 M; the most frequent ids keep rows), every
+      other id shares row 0. The count of distinct train ids may use
+      ``vocabulary_memory_bytes``; past that it stops with an error naming the hashing option.
+    * ``num_embeddings_per_feature`` (one int or 26): modulo hashing into that many rows (e.g.
+      40,000,000, the reference's for Criteo 1TB).
+    * ``like``: the encoding (and vocabulary) of an existing dataset, so that its model reads
+      this one. With ``one_split`` (``"train"``, ``"validation"`` or ``"test"``), every row
+      goes to that split and the others are empty: a held-out file evaluated as a whole.
+
+    ``parameters["tables"]`` summarizes the table sizes and the memory they need to train
+    (:func:`dlrm_app.data.tables.table_summary`). Bad rows raise ValueError with file and
+    line, or with ``on_bad_row="skip"`` are dropped and counted in
+    ``parameters["skipped_rows"]``; inputs of bad rows only, empty or truncated (gzip) inputs
+    always raise. ``workers > 1`` runs the parsing, encoding and (plain input) shard writing
+    in that many processes; the output is byte-identical for every ``workers``. As with any
     multiprocessing, a script that passes ``workers > 1`` needs the
     ``if __name__ == "__main__":`` guard.
     """
     paths = [Path(p) for p in inputs]
     if not paths:
         raise ValueError("no input files; pass at least one Criteo TSV (plain or .gz)")
-    rule = SplitRule(fmt)
-    if fmt == "terabyte" and len(paths) < 2:
+    rule = SplitRule(fmt, one_split)
+    if one_split is not None and like is None:
+        raise ValueError(f"one_split={one_split!r} encodes a held-out file for a model trained "
+                         f"on another dataset: pass that dataset as like= (--like DIR)")
+    if fmt == "terabyte" and one_split is None and len(paths) < 2:
         raise ValueError("terabyte format needs at least 2 day files (train days + the last "
                          "day for validation/test); pass the day files in order")
+    request = EncodingRequest(
+        num_embeddings_per_feature=num_embeddings_per_feature,
+        frequency_threshold=frequency_threshold,
+        max_embeddings_per_feature=max_embeddings_per_feature, like=like,
+        vocabulary_memory_bytes=vocabulary_memory_bytes)
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if rows_per_shard < 1 or row_group_size < 1 or block_bytes < 1:
@@ -172,23 +222,25 @@ def preprocess_criteo(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dataset.json").unlink(missing_ok=True)  # a run in progress is not finished
+    job = _Job(paths=paths, out=out, rule=rule, request=request, rows_per_shard=rows_per_shard,
+               row_group_size=row_group_size, on_bad_row=on_bad_row, block_bytes=block_bytes,
+               workers=workers)
     try:
         with runner(workers) as run:
             try:
-                splits, num_embeddings, encoding, input_lines, skipped = _preprocess(
-                    run, paths, out, rule, num_embeddings_per_feature, frequency_threshold,
-                    rows_per_shard, row_group_size, on_bad_row, like, block_bytes, workers)
+                splits, encoding, input_lines, skipped = _preprocess(run, job)
             finally:
                 encoder.cache_clear()  # this process's vocabulary, if it encoded rows itself
     finally:  # after the workers stopped: spilled lines of shards not written (after an error)
         for spilled in (out / STAGING_DIR).glob("*.tsv"):
             spilled.unlink()
+    features = tuple(SparseFeature(name=n, num_embeddings=e, multi_hot=False)
+                     for n, e in zip(SPARSE_NAMES, encoding["num_embeddings"], strict=True))
     spec = DatasetSpec(
         name=f"criteo-{fmt}",
         kind=DatasetKind.CRITEO,
         dense_features=DENSE_NAMES,
-        sparse_features=tuple(SparseFeature(name=n, num_embeddings=e, multi_hot=False)
-                              for n, e in zip(SPARSE_NAMES, num_embeddings, strict=True)),
+        sparse_features=features,
         label=LABEL,
         label_dtype="float32",
         splits=splits,
@@ -198,9 +250,11 @@ def preprocess_criteo(
             "inputs": [str(p) for p in paths],
             "input_lines": input_lines,
             "split_rule": rule.description,
+            "one_split": one_split,
             "dense_transform": "missing->0, clamp negatives to 0, log(x+1)",
             "categorical_transform": "hex->int, missing->0, then encoding",
             "encoding": encoding,
+            "tables": table_summary(features),
             "rows_per_shard": rows_per_shard,
             "row_group_size": row_group_size,
             "on_bad_row": on_bad_row,

@@ -1,58 +1,207 @@
-"""The frequency-threshold vocabulary: raw ids seen at least ``K`` times in the train split.
+"""The train-split vocabulary: table rows for the ids the training data has, sized from it.
 
-Raw ids of the vocabulary get ids ``1..V`` (in raw-id order); every other raw id maps to the
-shared rare id ``0``. The vocabulary is saved as ``vocabulary.parquet`` (rows ``(feature,
-raw_id)``) beside the shards; training and export read it from there.
+Per feature, the raw ids seen at least ``frequency_threshold`` times in the *train* split
+qualify; if more than ``max_embeddings - 1`` qualify, the most frequent keep rows (ties: the
+smaller raw id). The kept ids get rows ``1..V`` in raw-id order; every other raw id (rarer,
+cut by the cap, or never seen in train) shares the out-of-vocabulary row ``0``. So a table has
+``V + 1 <= max_embeddings`` rows. The kept ids are saved as ``vocabulary.parquet`` (rows
+``(feature, raw_id)``) beside the shards; training and export read it from there.
+
+Counting is exact: per feature, the sorted distinct raw ids of the train split and their
+counts (16 bytes per distinct id), merged in this process from per-block counts made in the
+workers. Its memory is bounded by ``memory_bytes`` (default 4 GiB): the held counts (merged,
+and per-block ones waiting to be merged) plus the temporaries of the merge in progress (about 40
+bytes per id merged). Estimates from the published per-feature counts of the whole sets:
+
+* Criteo Kaggle: at most 33.8 M distinct ids over the 26 features, 10.1 M in the largest:
+  0.5 GB of merged counts, at most about 1.9 GB while merging (measured on 1 M synthetic rows
+  of 21 M distinct ids: 0.32 GB of counts, 0.54 GB peak for the whole counting pass);
+* Criteo 1TB: about 880 M distinct ids (293 M in the largest feature), some 14 GB of counts
+  plus 20 GB or more to merge them: more than a machine's memory should hold. The pass stops
+  as soon as the bound is reached (for 1TB, within its first few train days) with an error
+  naming the hashing option: ``num_embeddings_per_feature`` (e.g. 40,000,000 per feature as
+  the reference does; ``--num-embeddings-per-feature``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+from collections import deque
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dlrm_app.data.criteo.format import NUM_SPARSE, SplitRule
+from dlrm_app.data.criteo.format import NUM_SPARSE, SPARSE_NAMES, SplitRule
 from dlrm_app.data.criteo.lines import Block, blocks, prefetch
-from dlrm_app.data.criteo.parse import parse_block
+from dlrm_app.data.criteo.parse import no_valid_rows_error, parse_block
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.schema import sha256_file
 
 VOCABULARY_FILE = "vocabulary.parquet"
 RARE_ID = 0
-"""With a frequency threshold, every raw id seen fewer than K times in train maps here."""
+"""The out-of-vocabulary row: every raw id without a row of its own maps here."""
+DEFAULT_FREQUENCY_THRESHOLD = 1
+"""Train occurrences a raw id needs for a row of its own (1: every id seen in train)."""
+DEFAULT_MAX_EMBEDDINGS_PER_FEATURE = 10_000_000
+"""Rows per table at most (the out-of-vocabulary row included)."""
+DEFAULT_VOCABULARY_MEMORY_BYTES = 4 << 30
+"""Memory the exact count of distinct train ids may use (roughly 100-200 M distinct ids,
+depending on how they spread over the features)."""
+
+_ENTRY_BYTES = 16  # a held (raw id, count) pair: two int64
+_MERGE_BYTES = 40  # per id merged: concatenated ids and counts, the sort order, the results
 
 
-def count_ids(path: Path, block: Block, on_bad_row: str,
-              train_lines: float) -> list[tuple[np.ndarray, np.ndarray]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """Per feature, the kept raw ids (sorted) and what the train split had."""
+
+    ids: list[np.ndarray]
+    """Kept raw ids per feature, sorted; id ``ids[k][i]`` is row ``i + 1`` of table ``k``."""
+    distinct: list[int]
+    """Distinct raw ids per feature in the train split."""
+    qualified: list[int]
+    """Of those, the ids seen at least ``frequency_threshold`` times (before the cap)."""
+    coverage: list[float]
+    """Fraction of the train rows whose id has a row of its own, per feature."""
+
+    @property
+    def num_embeddings(self) -> list[int]:
+        return [len(v) + 1 for v in self.ids]
+
+
+class IdCounts:
+    """Exact counts of raw ids per feature, merged from per-block counts.
+
+    Block counts wait in ``pending`` until they hold as many ids as the merged counts, then all
+    are merged at once: a merge costs at most about twice the ids that waited for it, and the
+    waiting ids at most double the memory of the merged ones. Raises ValueError once the
+    counts and a merge's temporaries would need more than ``memory_bytes``.
+    """
+
+    def __init__(self, memory_bytes: int, where: str) -> None:
+        self.memory_bytes, self.where = memory_bytes, where
+        self.ids = [np.zeros(0, np.int64) for _ in range(NUM_SPARSE)]
+        self.counts = [np.zeros(0, np.int64) for _ in range(NUM_SPARSE)]
+        self.pending: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(NUM_SPARSE)]
+        self.pending_ids = [0] * NUM_SPARSE
+        self.rows = 0  # train rows counted
+
+    def held(self) -> int:
+        return sum(len(i) for i in self.ids) + sum(self.pending_ids)
+
+    def add(self, per_feature: Sequence[tuple[np.ndarray, np.ndarray]], rows: int,
+            lines_read: str) -> None:
+        """Add one block's (distinct ids, counts) per feature, of ``rows`` train rows."""
+        self.rows += rows
+        for k, (ids, counts) in enumerate(per_feature):
+            if len(ids):
+                self.pending[k].append((ids, counts))
+                self.pending_ids[k] += len(ids)
+        self._check(0, lines_read)
+        for k in range(NUM_SPARSE):
+            if self.pending_ids[k] >= max(len(self.ids[k]), 1 << 14):
+                self._merge(k, lines_read)
+
+    def _check(self, merging: int, lines_read: str) -> None:
+        need = _ENTRY_BYTES * self.held() + _MERGE_BYTES * merging
+        if need > self.memory_bytes:
+            big = max(range(NUM_SPARSE), key=lambda k: len(self.ids[k]) + self.pending_ids[k])
+            raise ValueError(
+                f"{self.where}: counting the train ids for the vocabulary needs more than "
+                f"{_size(self.memory_bytes)} (vocabulary_memory_bytes): "
+                f"{self.held():,} distinct ids so far ({SPARSE_NAMES[big]}: "
+                f"{len(self.ids[big]) + self.pending_ids[big]:,}) after {lines_read}. Hash the "
+                f"ids instead with num_embeddings_per_feature (--num-embeddings-per-feature, "
+                f"e.g. 40000000 as the reference does for Criteo 1TB; no counting pass), or "
+                f"allow more memory if this machine has it")
+
+    def _merge(self, k: int, lines_read: str) -> None:
+        parts = [(self.ids[k], self.counts[k]), *self.pending[k]]
+        self._check(sum(len(i) for i, _ in parts), lines_read)
+        ids = np.concatenate([i for i, _ in parts])
+        counts = np.concatenate([c for _, c in parts])
+        order = np.argsort(ids, kind="stable")  # sorted runs: a merge, not a full sort
+        ids, counts = ids[order], counts[order]
+        del order
+        first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        self.ids[k], self.counts[k] = ids[first], np.add.reduceat(counts, first)
+        self.pending[k], self.pending_ids[k] = [], 0
+
+    def finish(self, lines_read: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(sorted distinct ids, their counts) per feature."""
+        for k in range(NUM_SPARSE):
+            if self.pending[k]:
+                self._merge(k, lines_read)
+        return self.ids, self.counts
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def select(ids: np.ndarray, counts: np.ndarray, threshold: int,
+           max_embeddings: int) -> np.ndarray:
+    """Indices into ``ids`` (sorted, so the ids they pick are sorted) of the ids that keep
+    rows: ``counts >= threshold``, the ``max_embeddings - 1`` most frequent of those (ties:
+    the smaller raw id)."""
+    ok = np.flatnonzero(counts >= threshold)
+    keep = max_embeddings - 1
+    if len(ok) <= keep:
+        return ok
+    order = np.lexsort((ids[ok], -counts[ok]))[:keep]  # by count descending, then raw id
+    return np.sort(ok[order])
+
+
+def count_ids(path: Path, block: Block, on_bad_row: str, train_lines: float
+              ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Worker task of the vocabulary pass: per feature, the distinct raw ids of the block's
-    train rows (its lines up to ``train_lines`` of the input) and their counts."""
+    train rows (its lines up to ``train_lines`` of the input) and their counts; and the number
+    of those rows."""
     rows, _ = parse_block(block.data, block.line, path, on_bad_row, block.lines)
     n_train = int(np.searchsorted(rows.lines, train_lines, side="right"))
-    return [np.unique(c[:n_train], return_counts=True) for c in rows.cats]
+    return [np.unique(c[:n_train], return_counts=True) for c in rows.cats], n_train
 
 
 def build_vocabulary(run: Runner, paths: list[Path], rule: SplitRule,
-                     counts: list[int | None], threshold: int, block_bytes: int,
-                     on_bad_row: str) -> list[np.ndarray]:
-    """Sorted raw ids seen at least ``threshold`` times in the train split, per feature. Only
-    the train lines are read (kaggle: ``counts`` has every input's line count)."""
+                     counts: list[int | None], threshold: int, max_embeddings: Sequence[int],
+                     block_bytes: int, on_bad_row: str, memory_bytes: int) -> Vocabulary:
+    """The vocabulary of the train split; only the train lines are read (kaggle: ``counts``
+    has every input's line count)."""
     train_lines = rule.train_lines(counts)
-    uniq = [np.zeros(0, np.int64)] * NUM_SPARSE
-    counts_ = [np.zeros(0, np.int64)] * NUM_SPARSE
+    where = ", ".join(map(str, paths)) if len(paths) <= 3 else f"{paths[0]} ... {paths[-1]}"
+    counter = IdCounts(memory_bytes, where)
+    # per block in flight, in task order: where it ends, and its train lines
+    positions: deque[tuple[str, int]] = deque()
+
+    def tasks(stream: Iterator[Block]) -> Iterator[tuple]:
+        for b in stream:
+            lines = int(min(b.lines, train_lines[b.input] - (b.line - 1)))
+            positions.append((f"line {b.line - 1 + b.lines:,} of {paths[b.input]}", lines))
+            yield paths[b.input], b, on_bad_row, train_lines[b.input]
+
+    read, lines_read = "nothing", 0
     with contextlib.closing(prefetch(blocks(paths, block_bytes, max_lines=train_lines))) \
             as stream:
-        tasks = ((paths[b.input], b, on_bad_row, train_lines[b.input]) for b in stream)
-        for per_feature in run.map(count_ids, tasks):
-            for k, (u, c) in enumerate(per_feature):
-                merged, inv = np.unique(np.concatenate([uniq[k], u]), return_inverse=True)
-                counts_[k] = np.bincount(inv, np.concatenate([counts_[k], c]),
-                                         minlength=len(merged)).astype(np.int64)
-                uniq[k] = merged
-    return [u[c >= threshold] for u, c in zip(uniq, counts_, strict=True)]
+        for per_feature, n_train in run.map(count_ids, tasks(stream)):
+            read, lines = positions.popleft()
+            lines_read += lines
+            counter.add(per_feature, n_train, read)
+    if lines_read and not counter.rows:  # stop before a second pass over the wrong files
+        raise no_valid_rows_error(paths, rule.fmt, lines_read)
+    ids, id_counts = counter.finish(read)
+    kept, coverage = [], []
+    for k in range(NUM_SPARSE):
+        rows = select(ids[k], id_counts[k], threshold, max_embeddings[k])
+        kept.append(ids[k][rows])
+        coverage.append(float(id_counts[k][rows].sum() / counter.rows) if counter.rows else 0.0)
+    qualified = [int((c >= threshold).sum()) for c in id_counts]
+    return Vocabulary(kept, [len(i) for i in ids], qualified, coverage)
 
 
 def save_vocabulary(out: Path, vocab: list[np.ndarray]) -> str:
@@ -66,8 +215,9 @@ def save_vocabulary(out: Path, vocab: list[np.ndarray]) -> str:
 
 
 def load_vocabulary(directory: str | os.PathLike[str]) -> list[np.ndarray]:
-    """The per-feature sorted raw ids saved by a frequency-threshold run."""
+    """The per-feature sorted raw ids that have rows (id ``i`` of the list is row ``i + 1``)."""
     table = pq.read_table(Path(directory) / VOCABULARY_FILE)
     feature = table["feature"].to_numpy()
     raw = table["raw_id"].to_numpy()
-    return [raw[feature == k] for k in range(NUM_SPARSE)]
+    edges = np.searchsorted(feature, np.arange(NUM_SPARSE + 1))  # rows are by feature
+    return [raw[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
