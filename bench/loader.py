@@ -8,6 +8,8 @@ Implementations (one JSON line each: batches/s and rows/s over the train split):
 
   parquet_loader      ParquetLoader, prefetch thread on (the training path)
   parquet_loader_sync ParquetLoader, prefetch=0 (conversion cost alone, no overlap)
+  parquet_loader_shuffle  ParquetLoader, prefetch on, shuffle=True (row groups shuffled, rows
+                      permuted within the default shuffle window: batches gather rows)
   naive_pylist        pyarrow reads each row group, ``to_pylist()``, then per-row Python loops
                       build lengths/values lists and ``torch.tensor`` them (what a first
                       version usually does); timed on ``--naive-batches`` batches only
@@ -47,8 +49,10 @@ def _ensure_data(directory: Path, rows: int, multi_hot: bool) -> DatasetSpec:
                     splits=(0.98, 0.01, 0.01), seed=0)
 
 
-def _time_loader(directory: Path, batch_size: int, prefetch: int) -> tuple[int, int, float]:
-    loader = ParquetLoader(directory, "train", batch_size=batch_size, prefetch=prefetch)
+def _time_loader(directory: Path, batch_size: int, prefetch: int,
+                 shuffle: bool = False) -> tuple[int, int, float]:
+    loader = ParquetLoader(directory, "train", batch_size=batch_size, prefetch=prefetch,
+                           shuffle=shuffle)
     start = time.perf_counter()
     batches = rows = 0
     for batch in loader:
@@ -110,6 +114,8 @@ def main() -> None:
                 _time_loader(directory, args.batch_size, 2))
         _report("parquet_loader_sync", args.batch_size, multi_hot,
                 _time_loader(directory, args.batch_size, 0))
+        _report("parquet_loader_shuffle", args.batch_size, multi_hot,
+                _time_loader(directory, args.batch_size, 2, shuffle=True))
         _report("naive_pylist", args.batch_size, multi_hot,
                 _time_naive(directory, spec, args.batch_size, args.naive_batches))
 
