@@ -1,10 +1,13 @@
 """Criteo-shaped synthetic data with a known best achievable AUC.
 
 ``generate`` writes Parquet shards in the layout documented in ``dlrm_app.data.schema`` plus a
-``dataset.json``. Rows are produced one row group at a time, so memory is bounded by
+``dataset.json``. Each split's rows are produced in chunks of ``GENERATION_CHUNK`` rows and
+written as shards of ``rows_per_shard`` rows in row groups of ``row_group_size`` rows (the last
+of each shard may be shorter), so memory is bounded by
 
-    O(row_group_size * (num_dense + sum(pooling_factors)) * ~48 bytes)   for the row group
-  + 9 bytes per row of the largest split                                  for the exact AUC
+    O((GENERATION_CHUNK + row_group_size) * (num_dense + sum(pooling_factors)) * ~48 bytes)
+                                                  for a chunk and the row group being filled
+  + 9 bytes per row of the largest split          for the exact AUC
 
 (the second term keeps each split's teacher probabilities and labels to compute the AUC exactly;
 1e8 rows per split need ~0.9 GB).
@@ -21,9 +24,11 @@ terms), ``p = sigmoid(logit / temperature)`` and ``label ~ Bernoulli(p)``. The t
 each split, computed exactly from ``p`` and the labels, is recorded in ``parameters.teacher_auc``
 as the best AUC any model can expect.
 
-Determinism: every row group draws from its own generator seeded by ``(seed, row group index)``,
-and the teacher from ``seed`` alone, so a seed (with the same arguments) gives byte-identical
-shards and dataset.json.
+Determinism: chunk ``c`` of split ``s`` draws from its own generator seeded by
+``(seed, s, c)``, and the teacher from ``seed`` alone. The rows therefore depend on the seed,
+the feature arguments and the split sizes, but not on ``row_group_size`` or ``rows_per_shard``
+(those only cut the same rows into files), and a seed with the same arguments gives
+byte-identical shards and dataset.json.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ TEACHER_BIAS = -4.0
 LABEL = "label"
 MAX_CARDINALITY = 2**31
 """Ids are scattered with int64 products of two values below the cardinality."""
+GENERATION_CHUNK = 65_536
+"""Rows generated at a time (per split); fixed, so the data does not depend on the file layout."""
 
 _MASK16 = np.uint64(0xFFFF)
 _UNIT = math.sqrt(12.0) / 65536.0  # 16-bit uniform -> unit variance
@@ -126,6 +133,69 @@ def _split_rows(rows: int, splits: Sequence[float]) -> list[int]:
     return counts
 
 
+class _SplitWriter:
+    """One split's rows, added in chunks of any size, as shards ``<split>-00000.parquet``, ...
+    of ``rows_per_shard`` rows in row groups of ``row_group_size`` rows (the last of each shard
+    may be shorter). Each shard is written to a hidden temporary name and renamed when
+    complete. Every row group is written from one chunk per column, so the bytes depend on the
+    rows and the layout, not on how ``add`` calls cut them."""
+
+    def __init__(self, out: Path, split: str, schema: pa.Schema, rows_per_shard: int,
+                 row_group_size: int) -> None:
+        self.out, self.split, self.schema = out, split, schema
+        self.rows_per_shard, self.row_group_size = rows_per_shard, row_group_size
+        self.shards: list[ShardFile] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._shard_rows = 0
+        self._pending: list[pa.Table] = []  # rows of the shard not yet in a row group
+        self._pending_rows = 0
+
+    def _file(self) -> str:
+        return f"{self.split}-{len(self.shards):05d}.parquet"
+
+    def add(self, table: pa.Table) -> None:
+        while len(table):
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self.out / f".{self._file()}.tmp", self.schema)
+            room = self.rows_per_shard - self._shard_rows
+            head, table = table.slice(0, room), table.slice(room)
+            self._pending.append(head)
+            self._pending_rows += len(head)
+            self._shard_rows += len(head)
+            while self._pending_rows >= self.row_group_size:
+                self._flush(self.row_group_size)
+            if self._shard_rows == self.rows_per_shard:
+                self._finish_shard()
+
+    def _flush(self, n: int) -> None:
+        table = self._pending[0] if len(self._pending) == 1 else pa.concat_tables(self._pending)
+        if any(c.num_chunks != 1 for c in table.columns):
+            table = table.combine_chunks()
+        assert self._writer is not None
+        self._writer.write_table(table.slice(0, n), row_group_size=n)
+        rest = table.slice(n)
+        self._pending = [rest] if len(rest) else []
+        self._pending_rows -= n
+
+    def _finish_shard(self) -> None:
+        if self._pending_rows:
+            self._flush(self._pending_rows)
+        assert self._writer is not None
+        self._writer.close()
+        file = self._file()
+        os.replace(self.out / f".{file}.tmp", self.out / file)
+        self.shards.append(ShardFile(file=file, rows=self._shard_rows,
+                                     sha256=sha256_file(self.out / file),
+                                     row_group_size=self.row_group_size))
+        self._writer, self._shard_rows = None, 0
+
+    def close(self) -> list[ShardFile]:
+        """Finish the last shard; the shards in order."""
+        if self._writer is not None:
+            self._finish_shard()
+        return self.shards
+
+
 def generate(
     out_dir: str | os.PathLike[str],
     *,
@@ -177,8 +247,8 @@ def generate(
         [(LABEL, pa.float32()), (DENSE_COLUMN, pa.list_(pa.float32(), num_dense))]
         + [(n, pa.list_(pa.int64())) for n in sparse_names])
 
-    def row_group(index: int, n: int) -> tuple[pa.Table, np.ndarray, np.ndarray]:
-        rng = np.random.default_rng([seed, 1, index])
+    def chunk(split: int, index: int, n: int) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([seed, 1, split, index])
         dense = rng.standard_normal((n, num_dense), dtype=np.float32)
         z = np.zeros((n, TEACHER_DIM), dtype=np.float32)
         columns = []
@@ -210,25 +280,15 @@ def generate(
 
     split_specs = []
     teacher_auc: dict[str, float | None] = {}
-    group_index = 0
-    for name, n_split in zip(SPLIT_NAMES, split_rows, strict=True):
-        shards = []
+    for split, (name, n_split) in enumerate(zip(SPLIT_NAMES, split_rows, strict=True)):
+        writer = _SplitWriter(out, name, schema, rows_per_shard, row_group_size)
         probs, labels_all = [], []
-        for shard_index, start in enumerate(range(0, n_split, rows_per_shard)):
-            n_shard = min(rows_per_shard, n_split - start)
-            file = f"{name}-{shard_index:05d}.parquet"
-            tmp = out / f".{file}.tmp"
-            with pq.ParquetWriter(tmp, schema) as writer:
-                for g_start in range(0, n_shard, row_group_size):
-                    n = min(row_group_size, n_shard - g_start)
-                    table, p, labels = row_group(group_index, n)
-                    group_index += 1
-                    writer.write_table(table, row_group_size=row_group_size)
-                    probs.append(p)
-                    labels_all.append(labels.astype(np.int8))
-            os.replace(tmp, out / file)
-            shards.append(ShardFile(file=file, rows=n_shard, sha256=sha256_file(out / file),
-                                    row_group_size=row_group_size))
+        for index, start in enumerate(range(0, n_split, GENERATION_CHUNK)):
+            table, p, labels = chunk(split, index, min(GENERATION_CHUNK, n_split - start))
+            writer.add(table)
+            probs.append(p)
+            labels_all.append(labels.astype(np.int8))
+        shards = writer.close()
         all_labels = np.concatenate(labels_all)
         teacher_auc[name] = binary_auc(np.concatenate(probs), all_labels)
         split_specs.append(SplitSpec(name=name, label_rate=int(all_labels.sum()) / n_split,

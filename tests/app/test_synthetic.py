@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrm_app.data import DatasetSpec, generate, verify
-from dlrm_app.data.synthetic import binary_auc
+from dlrm_app.data.synthetic import GENERATION_CHUNK, binary_auc
 
 CARDS = [50, 1000, 7, 100_000]
 POOLING = [1.0, 3.0, 1.0, 5.0]
@@ -81,6 +81,31 @@ def test_same_seed_is_byte_identical_other_seed_differs(
             assert (tmp_path / "again" / shard.file).read_bytes() == (out / shard.file).read_bytes()
     other = _make(tmp_path / "other", seed=2)
     assert other.split("train").shards[0].sha256 != spec.split("train").shards[0].sha256
+
+
+@pytest.mark.parametrize(("rows_per_shard", "row_group_size"), [(100_000, 70_000),
+                                                                 (25_000, 777)])
+def test_rows_do_not_depend_on_file_layout(tmp_path: Path, rows_per_shard: int,
+                                           row_group_size: int) -> None:
+    """Same seed, other row groups and shards: the same rows (and teacher AUC), only cut
+    differently; the train split spans two generation chunks."""
+    kw = dict(rows=90_000, num_dense=5, cardinalities=CARDS, pooling_factors=POOLING, seed=6)
+    base = generate(tmp_path / "base", rows_per_shard=40_000, row_group_size=4096, **kw)
+    other = generate(tmp_path / "other", rows_per_shard=rows_per_shard,
+                     row_group_size=row_group_size, **kw)
+    assert base.split("train").rows == 72_000 > GENERATION_CHUNK
+    assert base.parameters["teacher_auc"] == other.parameters["teacher_auc"]
+    for split in base.splits:
+        assert other.split(split.name).label_rate == split.label_rate
+        tables = []
+        for out, spec in ((tmp_path / "base", base), (tmp_path / "other", other)):
+            files = [pq.ParquetFile(out / s.file) for s in spec.split(split.name).shards]
+            groups = {f.metadata.row_group(i).num_rows for f in files
+                      for i in range(f.metadata.num_row_groups)}
+            assert max(groups) == min(spec.parameters["row_group_size"], split.rows,
+                                      spec.parameters["rows_per_shard"])
+            tables.append(pa.concat_tables([f.read() for f in files]).combine_chunks())
+        assert tables[0].equals(tables[1]), split.name
 
 
 def test_binary_auc_matches_pairwise_definition() -> None:
