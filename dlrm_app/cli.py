@@ -16,9 +16,15 @@ from collections.abc import Sequence
 import torch
 
 from dlrm_app import cli_train
-from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data.criteo import (
+    DEFAULT_FREQUENCY_THRESHOLD,
+    DEFAULT_MAX_EMBEDDINGS_PER_FEATURE,
+    preprocess_criteo,
+)
 from dlrm_app.data.movielens import preprocess_movielens
+from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
+from dlrm_app.data.tables import format_table_summary, table_summary
 from recsys_core.kernels import fbgemm_status, fbgemm_version
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.tbe import fbgemm_missing, select_backend
@@ -60,18 +66,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _per_feature(text: str, count: int, kind: type, flag: str) -> list:
+def _per_feature(text: str, count: int, kind: type, flag: str,
+                 command: str = "generate") -> list:
     """One value for every feature, or a comma list with exactly ``count`` values."""
     try:
         values = [kind(v) for v in text.split(",")]
     except ValueError:
-        raise SystemExit(f"dlrm-app generate: {flag} {text!r} is not a {kind.__name__} "
+        raise SystemExit(f"dlrm-app {command}: {flag} {text!r} is not a {kind.__name__} "
                          f"or a comma list of them") from None
     if len(values) == 1:
         return values * count
     if len(values) != count:
-        raise SystemExit(f"dlrm-app generate: {flag} has {len(values)} values but "
-                         f"--num-sparse is {count}; pass one value or {count}")
+        raise SystemExit(f"dlrm-app {command}: {flag} has {len(values)} values but there are "
+                         f"{count} sparse features; pass one value or {count}")
     return values
 
 
@@ -96,23 +103,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tables_report(spec: DatasetSpec) -> None:
+    """The table sizes and the memory they need, for a person (stderr; stdout stays JSON)."""
+    summary = spec.parameters.get("tables") or table_summary(spec.sparse_features)
+    print(format_table_summary(summary), file=sys.stderr)
+
+
 def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
-    if args.num_embeddings_per_feature is not None and args.frequency_threshold is not None:
-        raise SystemExit("dlrm-app preprocess criteo: pass --num-embeddings-per-feature or "
-                         "--frequency-threshold, not both")
-    sizes = None
+    hashed = caps = None
     if args.num_embeddings_per_feature is not None:
-        sizes = _per_feature(args.num_embeddings_per_feature, 26, int,
-                             "--num-embeddings-per-feature")
+        hashed = _per_feature(args.num_embeddings_per_feature, 26, int,
+                              "--num-embeddings-per-feature", "preprocess criteo")
+    if args.max_embeddings_per_feature is not None:
+        caps = _per_feature(args.max_embeddings_per_feature, 26, int,
+                            "--max-embeddings-per-feature", "preprocess criteo")
     start = time.perf_counter()
     try:
         spec = preprocess_criteo(
-            args.inputs, args.out, fmt=args.format, num_embeddings_per_feature=sizes,
-            frequency_threshold=args.frequency_threshold, rows_per_shard=args.rows_per_shard,
-            row_group_size=args.row_group_size, on_bad_row=args.on_bad_row, like=args.like,
+            args.inputs, args.out, fmt=args.format, num_embeddings_per_feature=hashed,
+            frequency_threshold=args.frequency_threshold, max_embeddings_per_feature=caps,
+            rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
+            on_bad_row=args.on_bad_row, like=args.like, one_split=args.one_split,
             workers=args.workers)
     except ValueError as e:
         raise SystemExit(f"dlrm-app preprocess criteo: {e}") from None
+    _tables_report(spec)
     seconds = time.perf_counter() - start
     rows = sum(s.rows for s in spec.splits)
     print(json.dumps({
@@ -130,11 +145,12 @@ def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         spec = preprocess_movielens(
-            args.src, args.out, positive_rating=args.positive_rating, split=args.split,
+            args.src, args.out, positive_rating=args.positive_rating, split=args.split_method,
             test_fraction=args.test_fraction, seed=args.seed,
             rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size)
     except ValueError as e:
         raise SystemExit(f"dlrm-app preprocess movielens: {e}") from None
+    _tables_report(spec)
     seconds = time.perf_counter() - start
     print(json.dumps({
         "out": str(args.out),
@@ -183,16 +199,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="kaggle: split by row order 6/7, 1/14, 1/14; terabyte: last day "
                            "halves are validation/test")
     crit.add_argument("--num-embeddings-per-feature", default=None,
-                      help="modulo hash size: one int or a comma list of 26 (default 40000000)")
+                      help="hash ids modulo this many rows instead of a vocabulary: one int or "
+                           "a comma list of 26 (the reference DLRM uses 40000000 for Criteo "
+                           "1TB)")
     crit.add_argument("--frequency-threshold", type=int, default=None,
-                      help="vocabulary of ids seen >= K times in train; the rest share id 0")
+                      help="vocabulary of the ids seen >= K times in the train split; the rest "
+                           f"share row 0 (None: {DEFAULT_FREQUENCY_THRESHOLD})")
+    crit.add_argument("--max-embeddings-per-feature", default=None,
+                      help="cap on vocabulary rows per table, the most frequent ids kept: one "
+                           f"int or a comma list of 26 (None: {DEFAULT_MAX_EMBEDDINGS_PER_FEATURE})")
+    crit.add_argument("--one-split", choices=("train", "validation", "test"), default=None,
+                      help="with --like: every row into this split (a held-out file to score "
+                           "whole with `dlrm-app evaluate RUN --data OUT --split test`)")
     crit.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
     crit.add_argument("--row-group-size", type=int, default=65_536,
                       help="rows per Parquet row group")
     crit.add_argument("--on-bad-row", choices=("error", "skip"), default="error",
                       help="error: stop at the first bad row; skip: drop and count them")
     crit.add_argument("--like", default=None,
-                      help="encode with this existing dataset's hashing or vocabulary")
+                      help="encode with this existing dataset's hashing or vocabulary (so its "
+                           "model reads the output)")
     crit.add_argument("--workers", type=int, default=1,
                       help="processes that parse, encode and write (default 1, the least "
                            "memory: each worker adds about 0.4 GB); the output is "
@@ -204,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     ml.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
     ml.add_argument("--positive-rating", type=float, default=4.0,
                     help="label is 1 when rating >= this")
-    ml.add_argument("--split", choices=("leave_last_out", "fraction"), default="leave_last_out",
+    ml.add_argument("--split-method", choices=("leave_last_out", "fraction"),
+                    default="leave_last_out",
                     help="per user by time: last rating test, one before validation; or the "
                          "last --test-fraction test and as many before validation")
     ml.add_argument("--test-fraction", type=float, default=0.1,
