@@ -2,13 +2,18 @@
 
 1. ``generate``: a small Criteo-shaped synthetic dataset (13 dense, 26 sparse features) whose
    labels come from a hidden teacher; its AUC is the best any model can reach.
-2. ``train``: a small DLRM (fused row-wise Adagrad tables, Adagrad dense) for one epoch.
-3. ``evaluate``: AUC, NE, logloss on the test split, printed next to the teacher's AUC.
+2. ``train``: the default DLRM and training flags (fused row-wise Adagrad tables, Adagrad
+   dense, early stopping on validation AUC, the best checkpoint kept).
+3. ``evaluate``: AUC, NE, logloss of the best checkpoint on the test split, next to the
+   teacher's AUC; the run's report (``report.md`` + plots) is written.
 4. ``export``: an int8 TorchScript artifact, ready for ``dlrm-app serve``.
+
+A rerun reuses the generated data and trains the run again from scratch.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +22,10 @@ from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.evaluate import evaluate_checkpoint
 from dlrm_app.export import export_model
-from dlrm_app.model import ModelConfig
+from dlrm_app.report import human_summary
 from dlrm_app.train import train
 
-DEMO_MODEL = ModelConfig(embedding_dim=16, dense_arch_layer_sizes=(64, 16),
-                         over_arch_layer_sizes=(128, 64, 1))
 DEMO_CARDINALITY = 1_000
-DEMO_BATCH = 1024
 DEMO_ROWS = 500_000
 
 
@@ -33,19 +35,21 @@ def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
     if not (data / "dataset.json").is_file():
         generate(data, rows=rows, num_dense=13, cardinalities=[DEMO_CARDINALITY] * 26,
                  pooling_factors=[1.0] * 26, zipf_alpha=1.05, seed=0,
-                 rows_per_shard=1_000_000, row_group_size=DEMO_BATCH * 8)
+                 rows_per_shard=1_000_000)
     spec = DatasetSpec.load(data)
-    config = TrainConfig(data=str(data), out=str(run), model=DEMO_MODEL, batch_size=DEMO_BATCH,
-                         max_steps=steps, embedding_learning_rate=0.05, learning_rate=0.02,
-                         log_every=20)
+    config = TrainConfig(data=str(data), out=str(run), max_steps=steps, log_every=20,
+                         overwrite=True)
     summary = train(config, progress=progress)
     test = evaluate_checkpoint(run, split="test")
     artifact = export_model(run, out / "model_int8.pt", "int8")
+    print(human_summary(run), file=sys.stderr)
     return {
         "data": str(data),
         "run": str(run),
         "train_samples_per_s": round(summary["samples_per_s"]),
         "train_seconds": round(summary["seconds"], 1),
+        "steps": summary["steps"],
+        "stopped": summary["stopped"],
         "validation_auc": summary["validation"]["auc"],
         "test_auc": test["auc"],
         "test_ne": test["ne"],
@@ -53,5 +57,6 @@ def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
         "best_achievable_test_auc": spec.parameters["teacher_auc"]["test"],
         "exported": artifact["path"],
         "exported_bytes": artifact["bytes"],
+        "report": str(run / "report.md"),
         "serve": f"dlrm-app serve {artifact['path']}",
     }

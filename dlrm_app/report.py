@@ -43,6 +43,8 @@ from dlrm_app.metrics import calibration_curve, roc_curve
 ROC_POINTS = 201
 """Most ROC points stored per evaluation (vertices of the exact curve, spread along it)."""
 CALIBRATION_BINS = 10
+LEARNING_CURVE = "learning_curve.json"
+"""Written into a run by bench/learning_curve.py: [{rows, test_auc, teacher_auc, ...}, ...]."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _METRIC_KEYS = ("auc", "ne", "logloss", "accuracy", "calibration")
 
@@ -328,6 +330,23 @@ def write_plots(run: Run) -> dict[str, Path]:
             ax_count.tick_params(axis="y", which="minor", labelleft=False)
             ax_count.set(xlabel="mean predicted probability (per bin)", ylabel="rows")
             save(fig, f"Calibration: {name}", f"calibration_{name}.png")
+
+    try:
+        curve = json.loads((run.path / LEARNING_CURVE).read_text())
+    except (OSError, ValueError):
+        curve = None
+    if isinstance(curve, list) and curve and all(isinstance(p, dict) for p in curve):
+        rows = [int(p["rows"]) for p in curve]
+        fig = Figure(figsize=(7, 4))
+        ax = fig.add_subplot()
+        ax.plot(rows, [p["test_auc"] for p in curve], "o-", color="C0", label="default DLRM")
+        ax.plot(rows, [p["teacher_auc"] for p in curve], "--", color="C2",
+                label="teacher (best achievable)")
+        ax.set(xscale="log", xlabel="generated rows", ylabel="test AUC",
+               title="Learning curve (bench/learning_curve.py)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, "Learning curve", "learning_curve.png")
     return plots
 
 

@@ -392,3 +392,12 @@ def test_tensorboard_missing_says_how_to_install(run: Path) -> None:
                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert 'pip install -e ".[tensorboard]"' in out.stdout, out.stderr
     assert not (run / "tensorboard").exists()
+
+
+def test_learning_curve_is_plotted_when_the_bench_stored_one(run: Path) -> None:
+    (run / "learning_curve.json").write_text(json.dumps([
+        {"rows": 1000, "test_auc": 0.7, "teacher_auc": 0.8},
+        {"rows": 4000, "test_auc": 0.76, "teacher_auc": 0.8}]))
+    text = write_report(run).read_text()
+    assert "![Learning curve](plots/learning_curve.png)" in text
+    assert (run / "plots" / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

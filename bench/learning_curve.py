@@ -1,0 +1,62 @@
+"""How close the default DLRM gets to the demo's teacher as the data grows: test AUC against
+rows, on the `dlrm-app demo` dataset (13 dense and 26 sparse features of 1,000 ids, labels from
+a hidden teacher whose own AUC is the best achievable), trained with every default.
+
+One JSON line per row count (test AUC, the teacher's test AUC, the gap, steps, seconds). With
+``--run RUN`` (e.g. runs/demo/run) it also writes RUN/learning_curve.json and
+RUN/plots/learning_curve.png, which ``dlrm-app report RUN`` includes.
+
+Usage: python bench/learning_curve.py [--rows 125000 250000 500000 1000000 2000000] [--run DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.data.synthetic import generate
+from dlrm_app.demo import DEMO_CARDINALITY
+from dlrm_app.evaluate import evaluate_checkpoint
+from dlrm_app.report import LEARNING_CURVE, write_report
+from dlrm_app.train import train
+
+
+def point(rows: int, work: Path) -> dict:
+    data, run = work / f"data_{rows}", work / f"run_{rows}"
+    generate(data, rows=rows, num_dense=13, cardinalities=[DEMO_CARDINALITY] * 26,
+             pooling_factors=[1.0] * 26, zipf_alpha=1.05, seed=0)
+    start = time.perf_counter()
+    summary = train(TrainConfig(data=str(data), out=str(run)), progress=False)
+    test = evaluate_checkpoint(run, split="test")
+    teacher = DatasetSpec.load(data).parameters["teacher_auc"]["test"]
+    return {"rows": rows, "train_rows": DatasetSpec.load(data).split("train").rows,
+            "test_auc": test["auc"], "teacher_auc": teacher, "gap": teacher - test["auc"],
+            "steps": summary["steps"], "stopped": summary["stopped"],
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+",
+                        default=[125_000, 250_000, 500_000, 1_000_000, 2_000_000])
+    parser.add_argument("--run", type=Path, default=None,
+                        help="also store the curve in this run directory for its report")
+    args = parser.parse_args()
+    points = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rows in args.rows:
+            points.append(point(rows, Path(tmp)))
+            print(json.dumps(points[-1]), flush=True)
+    if args.run is not None:
+        (args.run / LEARNING_CURVE).write_text(json.dumps(points, indent=1) + "\n")
+        print(write_report(args.run), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
