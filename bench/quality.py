@@ -45,7 +45,7 @@ SOURCES = {
     "criteo_kaggle_10k": ("criteo", SHARED / "criteo" / "kaggle_head_10k.tsv"),
     "movielens_100k": ("movielens", SHARED / "movielens" / "ml-100k"),
 }
-L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1)
+L2_GRID = (1e-2, 1e-1, 1.0, 10.0, 100.0)
 
 
 def _cli(nproc: int, *args: str) -> dict:
@@ -107,7 +107,7 @@ def logistic_regression(data: Path) -> dict:
     def fit(l2: float) -> _LogReg:
         torch.manual_seed(0)
         model = _LogReg(sizes, train[0].shape[1])
-        opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=200, history_size=20,
+        opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=100, history_size=20,
                                 line_search_fn="strong_wolfe")
         x, bags, y = (train[0] - mean) / std, train[1], train[2]
 
