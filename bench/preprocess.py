@@ -1,18 +1,24 @@
 """Criteo preprocessing throughput against the parse limit and a plain-Python parser.
 
 Writes a seeded random Criteo-format TSV (``--rows`` rows, some missing fields) and its .gz
-into a temp dir, then prints one JSON line per (input, impl):
+into a temp dir, then prints one JSON line per (input, impl, encoding):
 
   ours          dlrm_app.data.criteo.preprocess_criteo (parse + transform + Parquet shards),
                 once per ``--workers`` count (``rows_per_s_per_worker`` is rows_per_s / workers)
+                and encoding: ``hash`` (num_embeddings_per_feature=1000) and ``vocabulary``
+                (the default: a counting pass over the train split, then tables sized from
+                it; ``ratio_to_hash`` compares the two, ``table_rows`` is the rows it made)
   pyarrow_bare  pyarrow.csv.read_csv of the same file, no transforms (the parse limit)
   plain_python  line.split('\\t') + int()/log1p/int(h, 16) per field (reference DLRM style)
 
 ``ratio_to_pyarrow`` is ours / pyarrow_bare in rows/s (target >= 0.6). Output shards hold
 ``--rows-per-shard`` rows (default 100,000: several shards per split, as real datasets have;
 workers write whole shards of plain input in parallel, so one huge shard would be serial).
+``--ids uniform`` (default) draws every categorical id uniformly from 32 bits: nearly every id
+is distinct, the worst case for the vocabulary; ``--ids skewed`` draws Zipf-distributed ids
+(a few ids in most rows, a long tail), closer to the real data.
 Usage: python bench/preprocess.py [--rows 1000000] [--workers 1 2] [--rows-per-shard N]
-[--skip-python]
+[--ids uniform|skewed] [--skip-python]
 """
 
 from __future__ import annotations
@@ -30,18 +36,27 @@ import numpy as np
 import pyarrow.csv as pacsv
 
 from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.data.tables import table_summary
 
 
-def write_tsv(path: Path, rows: int, seed: int) -> None:
+def write_tsv(path: Path, rows: int, seed: int, ids: str = "uniform") -> None:
     """A Criteo-shaped TSV: 0/1 labels, small skewed ints, 8-hex-digit ids, ~5% missing."""
     rng = np.random.default_rng(seed)
+    # skewed: feature k's ids are Zipf ranks (exponent 1.05 .. 2.3) scattered over 32 bits
+    alpha = 1.05 + 0.05 * np.arange(26)
     with open(path, "w") as f:
         for start in range(0, rows, 100_000):
             n = min(100_000, rows - start)
             label = rng.integers(0, 2, n).astype(str)
             dense = rng.geometric(0.01, (n, 13)).astype(str)
             dense[rng.random((n, 13)) < 0.05] = ""
-            cats = np.char.mod("%08x", rng.integers(0, 2**32, (n, 26), dtype=np.uint64))
+            if ids == "uniform":
+                raw = rng.integers(0, 2**32, (n, 26), dtype=np.uint64)
+            else:
+                raw = (rng.zipf(alpha, (n, 26)).astype(np.uint64) * np.uint64(2654435761)
+                       + np.arange(26, dtype=np.uint64)) % np.uint64(2**32)
+            cats = np.char.mod("%08x", raw)
             cats[rng.random((n, 26)) < 0.05] = ""
             table = np.concatenate([label[:, None], dense, cats], axis=1)
             f.write("\n".join("\t".join(r) for r in table.tolist()) + "\n")
@@ -73,28 +88,36 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="worker process counts to run ours with")
     parser.add_argument("--rows-per-shard", type=int, default=100_000)
+    parser.add_argument("--ids", choices=("uniform", "skewed"), default="uniform",
+                        help="categorical ids: uniform over 32 bits or Zipf-skewed")
     parser.add_argument("--skip-python", action="store_true", help="skip the slow baseline")
     args = parser.parse_args()
+    table_summary([])  # its one-time import (torch, the planner) is not preprocessing time
     with tempfile.TemporaryDirectory() as tmp:
         tsv = Path(tmp) / "day_0.tsv"
-        write_tsv(tsv, args.rows, args.seed)
+        write_tsv(tsv, args.rows, args.seed, args.ids)
         gz = Path(tmp) / "day_0.tsv.gz"
         gz.write_bytes(gzip.compress(tsv.read_bytes(), compresslevel=6))
         mb = tsv.stat().st_size / 1e6
         for path in (tsv, gz):
-            impls: dict[tuple[str, int | None], Callable[[], int]] = {
-                ("pyarrow_bare", None): lambda p=path: bare_pyarrow(p)}
+            impls: dict[tuple[str, int | None, str | None], Callable[[], DatasetSpec | int]] = {
+                ("pyarrow_bare", None, None): lambda p=path: bare_pyarrow(p)}
             for w in args.workers:
-                impls[("ours", w)] = lambda p=path, w=w: sum(s.rows for s in preprocess_criteo(
-                    [p], Path(tmp) / f"out-{p.suffix}-{w}", num_embeddings_per_feature=1000,
-                    rows_per_shard=args.rows_per_shard, workers=w).splits)
+                for encoding, sizing in (("hash", {"num_embeddings_per_feature": 1000}),
+                                         ("vocabulary", {})):
+                    impls[("ours", w, encoding)] = lambda p=path, w=w, e=encoding, s=sizing: \
+                        preprocess_criteo([p], Path(tmp) / f"out-{p.suffix}-{w}-{e}",
+                                          rows_per_shard=args.rows_per_shard, workers=w, **s)
             if not args.skip_python:
-                impls[("plain_python", None)] = lambda p=path: plain_python(p, 1000)
+                impls[("plain_python", None, None)] = lambda p=path: plain_python(p, 1000)
             bare = 0.0
-            for (name, workers), fn in impls.items():
+            hashed: dict[int, float] = {}  # workers -> rows/s of the hash encoding
+            for (name, workers, encoding), fn in impls.items():
                 start = time.perf_counter()
-                rows = fn()
+                result = fn()
                 seconds = time.perf_counter() - start
+                spec = result if isinstance(result, DatasetSpec) else None
+                rows = result if spec is None else sum(s.rows for s in spec.splits)
                 line = {"bench": "preprocess_criteo", "input": path.name, "impl": name,
                         "rows": rows, "seconds": round(seconds, 3),
                         "rows_per_s": round(rows / seconds),
@@ -103,10 +126,17 @@ def main() -> None:
                     bare = rows / seconds
                 else:
                     line["ratio_to_pyarrow"] = round(rows / seconds / bare, 3)
-                if workers is not None:
+                if workers is not None and spec is not None:
+                    line["encoding"] = encoding
                     line["rows_per_shard"] = args.rows_per_shard
                     line["workers"] = workers
                     line["rows_per_s_per_worker"] = round(rows / seconds / workers)
+                    line["table_rows"] = spec.parameters["tables"]["total_rows"]
+                    line["ids"] = args.ids
+                    if encoding == "hash":
+                        hashed[workers] = rows / seconds
+                    else:
+                        line["ratio_to_hash"] = round(rows / seconds / hashed[workers], 3)
                 print(json.dumps(line), flush=True)
 
 
