@@ -38,10 +38,12 @@ Shuffling (``shuffle=True``) is two-level. The row-group order above changes wit
 into windows of ``shuffle_window`` rows (the last may be shorter) and deals each window's rows
 to batches in a random order drawn from ``(seed, epoch, rank, window index)``. A window spans
 several row groups (4 of the default 65,536 rows), so rows move across row groups, and memory
-stays bounded by one window of decoded rows (plus the row group its end cuts). Rows are
-gathered from the decoded row groups, not copied into a window first; inside a batch the rows
-of one window are listed in window order (the order inside a batch does not change the loss,
-and ascending indices make the gather cache-friendly). Example with ``shuffle_window=4``,
+stays bounded by the decoded row groups of one window (whole row groups: at most two more than
+its rows need). Rows are gathered from the decoded row groups, not copied into a window first;
+inside a batch the rows of one window are listed in window order (the order inside a batch
+does not change the loss, and ascending indices make the gather cache-friendly). Gathering
+costs more than slicing: ``bench/loader.py`` reports both, and a smaller window is faster (it
+stays in cache) but mixes fewer row groups. Example with ``shuffle_window=4``,
 ``batch_size=2``, a share of rows r0..r5 and a window permutation (2, 0, 3, 1)::
 
     windows      [r0 r1 r2 r3] [r4 r5]
