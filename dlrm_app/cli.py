@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="same seed -> identical files")
     gen.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
     gen.add_argument("--row-group-size", type=int, default=65_536,
-                     help="rows per Parquet row group (also the generation chunk)")
+                     help="rows per Parquet row group (the generated rows do not depend on it)")
     gen.set_defaults(func=_cmd_generate)
     prep = sub.add_parser("preprocess", help="raw dataset files -> Parquet shards",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

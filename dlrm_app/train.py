@@ -18,9 +18,9 @@ Gradients: each rank's loss is its rows' summed log loss divided by the *global*
 collections' output dist) and the dense gradients (DDP, with a summing comm hook) are summed over
 ranks. Every step therefore applies exactly the gradient of the global batch's mean loss, so N
 ranks with ``batch_size`` rows each follow the same trajectory as one rank with
-``N * batch_size`` rows (up to float summation order). With row groups of exactly
-``batch_size`` rows (the loader deals row groups round-robin) the global batches even hold the
-same rows.
+``N * batch_size`` rows (up to float summation order); the rows of a global batch differ,
+since each rank reads its own contiguous share of the data (tested by giving one rank a copy
+interleaved like the shares, in tests/integration/test_torchrun.py).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ id):
 * ``fraction``: the last ``floor(n * test_fraction)`` ratings are test, the
   ``floor(n * test_fraction)`` before them validation, the rest train.
 
-Inside each split the rows are shuffled with ``seed`` (the loader only shuffles whole row
-groups, so the files must not be user-ordered). Everything is held in memory (about 100 bytes
+Inside each split the rows are shuffled with ``seed`` (the loader shuffles rows only within a
+window of a few row groups, so the files must not be user-ordered). Everything is held in memory (about 100 bytes
 per rating: fine for ml-25m on a workstation). Every shard is written to a hidden temp name
 and renamed when complete; ``dataset.json`` is removed at the start and written last, so a
 directory with a ``dataset.json`` is always complete. A rerun rewrites every file.

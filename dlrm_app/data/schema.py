@@ -120,7 +120,7 @@ class ShardFile:
     sha256: str
     """Hex SHA-256 of the file's bytes, checked by ``verify``."""
     row_group_size: int
-    """Maximum rows per Parquet row group (the unit the loader splits across ranks)."""
+    """Maximum rows per Parquet row group (the unit the loader reads)."""
 
     def __post_init__(self) -> None:
         _check_name("file", self.file)

@@ -32,8 +32,9 @@ from recsys_core.testing import find_free_port
 BATCH = 128  # rows per rank; the 1-rank run uses 2 * BATCH
 MODEL = ["--embedding-dim", "8", "--dense-arch-layer-sizes", "16-8",
          "--over-arch-layer-sizes", "16-1"]
+# --patience 0: these runs compare exact step counts, so no early stop
 COMMON = [*MODEL, "--embedding-learning-rate", "0.1", "--learning-rate", "0.05",
-          "--log-every", "1", "--epochs", "2", "--quiet"]
+          "--log-every", "1", "--epochs", "2", "--patience", "0", "--quiet"]
 AUC_GAP_CLOSED = 1 / 3
 """Documented threshold after 80 steps (20k rows) on generated data: the validation AUC closes
 at least this part of the gap from random (0.5) to the teacher's, the best achievable (0.717 on
@@ -97,7 +98,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def two_rank_run(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     run = tmp_path_factory.mktemp("two") / "run"
     summary = _run(2, "train", "--data", str(data), "--out", str(run), "--batch-size",
-                   str(BATCH), "--max-steps", "80", "--save-every", "20", *COMMON)
+                   str(BATCH), "--max-steps", "80", "--save-every", "20",
+                   "--keep-checkpoints", "10", *COMMON)
     return run, summary
 
 
@@ -196,8 +198,8 @@ def test_two_rank_checkpoint_resumes_on_other_world_sizes(
     run2, _ = two_rank_run
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    step40 = run2 / "checkpoints" / "step_00000060"
-    os.symlink(step40, run / "checkpoints" / "step_00000060")
+    step60 = run2 / "checkpoints" / "step_00000060"
+    os.symlink(step60, run / "checkpoints" / "step_00000060")
     batch = 2 * BATCH if nproc == 0 else BATCH // 2  # same global batch
     summary = _run(nproc, "train", "--data", str(data), "--out", str(run), "--batch-size",
                    str(batch), "--max-steps", "70", "--resume", *COMMON)
