@@ -1,7 +1,9 @@
 """``dlrm-app``: the application's command line.
 
-Subcommands are added as they work end to end; each parses its flags into typed arguments and
-calls library functions (``recsys_core`` never sees argparse).
+Every subcommand is defined here; each parses its flags into typed arguments and calls library
+functions (``recsys_core`` never sees argparse). The flags of ``train`` and ``serve`` are
+generated from ``TrainConfig`` and ``ServeConfig`` (``dlrm_app.flags``): a new config field is
+one edit, with its docstring as the help line and its default shown.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from dlrm_app import cli_train
+from dlrm_app.config import TrainConfig, resume_config
 from dlrm_app.data.criteo import (
     DEFAULT_FREQUENCY_THRESHOLD,
     DEFAULT_MAX_EMBEDDINGS_PER_FEATURE,
@@ -25,6 +28,9 @@ from dlrm_app.data.movielens import preprocess_movielens
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.data.tables import format_table_summary, table_summary
+from dlrm_app.demo import DEMO_ROWS
+from dlrm_app.flags import add_config_flags, config_values
+from dlrm_app.serve import ServeConfig
 from recsys_core.kernels import fbgemm_status, fbgemm_version
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.tbe import fbgemm_missing, select_backend
@@ -163,17 +169,117 @@ def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
     return 0
 
 
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The CLI namespace -> TrainConfig. With ``--resume`` of an existing run the saved config
+    is the base and only the flags given on the command line change it (a flag that would
+    change the model or the data is an error naming it)."""
+    given = config_values(args, TrainConfig)
+    saved = Path(given["out"]) / "config.json"
+    if given.get("resume") and saved.is_file():
+        return resume_config(TrainConfig.load(saved), given, where=str(saved))
+    if "data" not in given:
+        raise ValueError("--data is required (it may be left out only with --resume of an "
+                         "existing run, whose config names its data)")
+    return TrainConfig.from_json_dict(given, where="the command line")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from dlrm_app.runtime import shutdown_distributed, world
+    from dlrm_app.train import train
+
+    try:
+        config = config_from_args(args)
+        summary = train(config, progress=not args.quiet)
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app train: {e}") from None
+    if world()[0] == 0:
+        print(json.dumps(summary))
+    shutdown_distributed()
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from dlrm_app.evaluate import evaluate_checkpoint
+    from dlrm_app.runtime import shutdown_distributed, world
+
+    try:
+        result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,
+                                     data=args.data, batch_size=args.batch_size)
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app evaluate: {e}") from None
+    if world()[0] == 0:
+        print(json.dumps(result))
+    shutdown_distributed()
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from dlrm_app.export import export_model
+
+    try:
+        meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
+                            quantize_dense=args.quantize_dense)
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app export: {e}") from None
+    print(json.dumps({k: meta[k] for k in ("path", "bytes", "embedding_dtype", "dense_dtype",
+                                             "raw_input", "needs_fbgemm", "checkpoint")}))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dlrm_app.demo import run_demo
+
+    try:
+        result = run_demo(Path(args.out), rows=args.rows, steps=args.max_steps,
+                          progress=not args.quiet)
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app demo: {e}") from None
+    print(json.dumps(result))
+    return 0
+
+
+CHECKPOINT_HELP = ("best (the best validation AUC; the newest checkpoint where none was "
+                   "recorded), latest, or a step_* directory")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from dlrm_app.serve import ServeConfig, serve_forever
+
+    try:
+        config = ServeConfig(**config_values(args, ServeConfig))
+    except ValueError as e:
+        raise SystemExit(f"dlrm-app serve: {e}") from None
+    return serve_forever(args.model, config)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from dlrm_app.report import write_report, write_tensorboard
+
+    try:
+        path = write_report(args.run)
+        logdir = write_tensorboard(args.run) if args.tensorboard else None
+    except (ValueError, ImportError, OSError) as e:
+        raise SystemExit(f"dlrm-app report: {e}") from None
+    print(path)
+    if logdir is not None:
+        print(f"tensorboard --logdir {logdir}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HELP_FORMAT)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="show versions, FBGEMM status and kernel choices",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HELP_FORMAT)
     info.add_argument("--device", default="cpu", help="device to report kernel choices for")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_cmd_info)
     gen = sub.add_parser("generate", help="write a synthetic Criteo-shaped dataset",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HELP_FORMAT)
     gen.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
     gen.add_argument("--rows", type=int, default=100_000, help="total rows over all splits")
     gen.add_argument("--num-dense", type=int, default=13, help="number of dense features")
@@ -189,10 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rows per Parquet row group (the generated rows do not depend on it)")
     gen.set_defaults(func=_cmd_generate)
     prep = sub.add_parser("preprocess", help="raw dataset files -> Parquet shards",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HELP_FORMAT)
     prep_sub = prep.add_subparsers(dest="dataset", required=True)
     crit = prep_sub.add_parser("criteo", help="Criteo Kaggle / 1TB TSV (plain or .gz)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HELP_FORMAT)
     crit.add_argument("inputs", nargs="+", help="TSV files in order (terabyte: one per day)")
     crit.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
     crit.add_argument("--format", choices=("kaggle", "terabyte"), default="kaggle",
@@ -225,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "byte-identical for every N; up to the number of cores pays off")
     crit.set_defaults(func=_cmd_preprocess_criteo)
     ml = prep_sub.add_parser("movielens", help="MovieLens 100k / 1m / 20m / 25m / latest folder",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HELP_FORMAT)
     ml.add_argument("src", help="unpacked release folder (u.data, ratings.dat or ratings.csv)")
     ml.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
     ml.add_argument("--positive-rating", type=float, default=4.0,
@@ -241,7 +347,56 @@ def build_parser() -> argparse.ArgumentParser:
     ml.add_argument("--row-group-size", type=int, default=65_536,
                     help="rows per Parquet row group")
     ml.set_defaults(func=_cmd_preprocess_movielens)
-    cli_train.add_commands(sub)
+    train = sub.add_parser("train", help="train a DLRM (one process or under torchrun)",
+                           formatter_class=HELP_FORMAT)
+    train.add_argument("--quiet", action="store_true", help="no progress bar or plan print")
+    add_config_flags(train, TrainConfig, required=("out",))
+    train.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("evaluate", help="AUC, NE, logloss... of a checkpoint on a split",
+                        formatter_class=HELP_FORMAT)
+    ev.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
+    ev.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
+    ev.add_argument("--split", choices=("train", "validation", "test"), default="test",
+                    help="which split of the dataset to score")
+    ev.add_argument("--data", default=None,
+                    help="dataset directory (default: the run's); encode other files with "
+                         "`dlrm-app preprocess ... --like RUN_DATA`")
+    ev.add_argument("--batch-size", type=int, default=8192, help="rows per rank per batch")
+    ev.set_defaults(func=_cmd_evaluate)
+
+    ex = sub.add_parser("export", help="a checkpoint -> one TorchScript file for serving",
+                        formatter_class=HELP_FORMAT)
+    ex.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
+    ex.add_argument("--out", required=True, help="the artifact to write, e.g. model.pt")
+    ex.add_argument("--dtype", choices=("fp32", "fp16", "int8", "int4"), default="int8",
+                    help="embedding table storage (row-wise scale/bias for int8/int4)")
+    ex.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
+    ex.add_argument("--quantize-dense", action="store_true",
+                    help="also dynamic-int8 quantize the MLPs' linear layers")
+    ex.set_defaults(func=_cmd_export)
+
+    serve = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model",
+                           formatter_class=HELP_FORMAT)
+    serve.add_argument("model", help="exported model file (dlrm-app export)")
+    add_config_flags(serve, ServeConfig)
+    serve.set_defaults(func=_cmd_serve)
+
+    report = sub.add_parser("report", help="write RUN/report.md with plots (loss, validation "
+                            "AUC/NE, samples/s, ROC, calibration)", formatter_class=HELP_FORMAT)
+    report.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
+    report.add_argument("--tensorboard", action="store_true",
+                        help='also write TensorBoard event files to RUN/tensorboard (needs pip '
+                             'install -e ".[tensorboard]")')
+    report.set_defaults(func=_cmd_report)
+
+    demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start",
+                          formatter_class=HELP_FORMAT)
+    demo.add_argument("--out", default="runs/demo", help="where data and the run go")
+    demo.add_argument("--rows", type=int, default=DEMO_ROWS, help="synthetic rows")
+    demo.add_argument("--max-steps", type=int, default=None, help="cap on training steps")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -21,14 +21,12 @@ its last record. Events used: ``start``, ``train`` (loss, lr, samples_per_s), ``
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
 import math
 import os
 import re
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -568,26 +566,3 @@ def write_tensorboard(run_dir: str | Path) -> Path:
                     writer.add_scalar(f"{tag}/{key}", value, record["step"])
     writer.close()
     return logdir
-
-
-def add_report_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="write RUN/report.md with plots (loss, validation AUC/NE, "
-                                      "samples/s, ROC, calibration)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
-    p.add_argument("--tensorboard", action="store_true",
-                   help='also write TensorBoard event files to RUN/tensorboard (needs pip '
-                        'install -e ".[tensorboard]")')
-    p.set_defaults(func=_cmd_report)
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    try:
-        path = write_report(args.run)
-        logdir = write_tensorboard(args.run) if args.tensorboard else None
-    except (ValueError, ImportError, OSError) as e:
-        raise SystemExit(f"dlrm-app report: {e}") from None
-    print(path)
-    if logdir is not None:
-        print(f"tensorboard --logdir {logdir}", file=sys.stderr)
-    return 0

@@ -37,7 +37,6 @@ slice of the result.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import dataclasses
@@ -484,39 +483,18 @@ class PredictionServer:
 
 
 # ---- command line ---------------------------------------------------------------------------
-def add_serve_command(sub: argparse._SubParsersAction) -> None:
-    d = ServeConfig()
-    p = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model", help="exported model file (dlrm-app export)")
-    p.add_argument("--host", default=d.host, help="address to bind (default: this machine only)")
-    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (printed)")
-    p.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows,
-                   help="rows merged into one model call")
-    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
-                   help="how long a request waits for others to batch with")
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="larger request bodies get 413")
-    p.add_argument("--max-rows", type=int, default=d.max_rows,
-                   help="requests with more rows get 413")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's, one per core)")
-    p.set_defaults(func=_cmd_serve)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
+def serve_forever(model: str | Path, config: ServeConfig) -> int:
+    """``dlrm-app serve``: load ``model``, print where it listens (one JSON line), serve until
+    SIGTERM or Ctrl-C, then stop."""
     try:
-        config = ServeConfig(host=args.host, port=args.port, max_batch_rows=args.max_batch_rows,
-                             max_wait_ms=args.max_wait_ms, max_body_bytes=args.max_body_bytes,
-                             max_rows=args.max_rows, threads=args.threads)
-        server = PredictionServer.from_file(args.model, config)
+        server = PredictionServer.from_file(model, config)
         port = server.start()
     except (ValueError, OSError) as e:
         raise SystemExit(f"dlrm-app serve: {e}") from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(json.dumps({"listening": f"http://{args.host}:{port}", "port": port,
-                      "model": str(args.model),
+    print(json.dumps({"listening": f"http://{config.host}:{port}", "port": port,
+                      "model": str(model),
                       "embedding_dtype": server.metadata.get("embedding_dtype")}), flush=True)
     try:
         stop.wait()

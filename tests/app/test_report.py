@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from dlrm_app.cli import build_parser
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.metrics import BinaryClassificationMetrics, calibration_curve, roc_curve
 from dlrm_app.model import ModelConfig
 from dlrm_app.report import (
     ROC_POINTS,
-    add_report_command,
     human_summary,
     read_run,
     save_evaluation,
@@ -345,9 +345,7 @@ def test_human_summary(run: Path) -> None:
 
 # ---- the command and TensorBoard ----------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dlrm-app")
-    add_report_command(p.add_subparsers(dest="command", required=True))
-    return p
+    return build_parser()
 
 
 def test_report_command(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dlrm_app.checkpoint import best_checkpoint, latest_checkpoint, resolve_run
-from dlrm_app.cli_train import add_commands, config_from_args
+from dlrm_app.cli import build_parser, config_from_args
 from dlrm_app.config import DenseOptimizer, TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.evaluate import evaluate_checkpoint
@@ -42,9 +42,7 @@ def _events(run: Path, event: str) -> list[dict]:
 
 
 def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers(dest="command"))
-    return parser.parse_args(list(argv))
+    return build_parser().parse_args(list(argv))
 
 
 def test_validation_schedule_follows_the_data() -> None:
@@ -127,8 +125,6 @@ def test_resume_reads_the_saved_config(data: Path, tmp_path: Path) -> None:
 
 
 def test_every_option_has_help_and_shows_its_default() -> None:
-    from dlrm_app.cli import build_parser
-
     stack = [("", build_parser())]
     checked = 0
     while stack:
