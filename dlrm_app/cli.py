@@ -29,7 +29,7 @@ from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.data.tables import format_table_summary, table_summary
 from dlrm_app.demo import DEMO_ROWS
-from dlrm_app.flags import add_config_flags, config_values
+from dlrm_app.flags import HelpFormatter, add_config_flags, config_values
 from dlrm_app.serve import ServeConfig
 from recsys_core.kernels import fbgemm_status, fbgemm_version
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
@@ -169,7 +169,7 @@ def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
     return 0
 
 
-HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+HELP_FORMAT = HelpFormatter
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -310,10 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "1TB)")
     crit.add_argument("--frequency-threshold", type=int, default=None,
                       help="vocabulary of the ids seen >= K times in the train split; the rest "
-                           f"share row 0 (None: {DEFAULT_FREQUENCY_THRESHOLD})")
+                           f"share row 0 (default: {DEFAULT_FREQUENCY_THRESHOLD})")
     crit.add_argument("--max-embeddings-per-feature", default=None,
                       help="cap on vocabulary rows per table, the most frequent ids kept: one "
-                           f"int or a comma list of 26 (None: {DEFAULT_MAX_EMBEDDINGS_PER_FEATURE})")
+                           f"int or a comma list of 26 (default: {DEFAULT_MAX_EMBEDDINGS_PER_FEATURE})")
     crit.add_argument("--one-split", choices=("train", "validation", "test"), default=None,
                       help="with --like: every row into this split (a held-out file to score "
                            "whole with `dlrm-app evaluate RUN --data OUT --split test`)")

@@ -45,6 +45,15 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every optional flag's default; not for required ones (they have none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(v) for v in text.replace(",", "-").split("-") if v)
