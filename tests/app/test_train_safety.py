@@ -140,3 +140,12 @@ def test_every_option_has_help_and_shows_its_default() -> None:
                     f"{flag} hides its default"
                 checked += 1
     assert checked > 60
+
+
+def test_a_model_that_does_not_fit_fails_at_planning_with_the_flags(data: Path, tmp_path: Path
+                                                                    ) -> None:
+    # 3,550 rows of dim 8 need ~0.1 MiB with their optimizer state: give each rank 10 KiB
+    with pytest.raises(ValueError, match=r"(?s)does not fit.*--max-embeddings-per-feature.*"
+                                         r"--embedding-dim.*--memory-per-rank"):
+        train(_config(data, tmp_path / "run", memory_per_rank=1e-5), progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
