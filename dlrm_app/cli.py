@@ -27,7 +27,7 @@ from dlrm_app.data.criteo import (
 from dlrm_app.data.movielens import preprocess_movielens
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
-from dlrm_app.data.tables import format_table_summary, table_summary
+from dlrm_app.data.tables import format_table_summary
 from dlrm_app.demo import DEMO_ROWS
 from dlrm_app.flags import HelpFormatter, add_config_flags, config_values
 from dlrm_app.serve import ServeConfig
@@ -111,8 +111,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _tables_report(spec: DatasetSpec) -> None:
     """The table sizes and the memory they need, for a person (stderr; stdout stays JSON)."""
-    summary = spec.parameters.get("tables") or table_summary(spec.sparse_features)
-    print(format_table_summary(summary), file=sys.stderr)
+    print(format_table_summary(spec.parameters["tables"]), file=sys.stderr)
 
 
 def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import types
 import typing
 from typing import Any
 
-BOOLEAN_FLAGS = {"pipelined": "pipeline", "shuffle": "shuffle"}
+BOOLEAN_FLAGS = {"pipelined": "pipeline"}
 """Boolean fields whose flag pair reads better under another stem (``--no-pipeline``)."""
 
 

@@ -234,16 +234,15 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     bar.close()
     elapsed = time.perf_counter() - started
     if state.stop_reason is None:
-        state.stop_reason = "max steps reached" if state.step >= total_steps and (
-            config.max_steps is not None and total_steps == config.max_steps) else "epochs done"
+        state.stop_reason = ("max steps reached" if config.max_steps is not None
+                             and state.step >= config.max_steps else "epochs done")
     if state.step > start_step and saved_at != state.step:
         checkpoint()  # the last state, for --resume
-    best = best_checkpoint(ckpt_dir)
-    if best is None:  # no validation could rank the model (e.g. one class only)
-        validate()
-        best = best_checkpoint(ckpt_dir) or latest_checkpoint(ckpt_dir)
-    elif best != latest_checkpoint(ckpt_dir):
+    # no best where no validation could rank the model (one class only): keep the last
+    best, latest = best_checkpoint(ckpt_dir), latest_checkpoint(ckpt_dir)
+    if best is not None and best != latest:
         load_checkpoint(best, model=dmp, optimizer=None, extra={})
+    best = best or latest
     final = evaluate_model(dmp, val_loader, device, config.val_batches, config.amp,
                            save_to=(out, "validation"))
     busy = sum(phase_s.values()) or 1.0
