@@ -1,5 +1,7 @@
 """Sharding planner: (tables, Topology, constraints) -> ShardingPlan, with per-rank estimates."""
 
+from recsys_core.planner.constraints import CacheAlgorithm, CacheParams, ParameterConstraints
+from recsys_core.planner.errors import MemoryShortfall, PlannerError, TableMemory
 from recsys_core.planner.machine import (
     MemoryReading,
     detect_topology,
@@ -8,15 +10,8 @@ from recsys_core.planner.machine import (
     smallest_over_ranks,
 )
 from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
-from recsys_core.planner.shortfall import MemoryShortfall, TableMemory
 from recsys_core.planner.stats import PlanStats, RankStats
-from recsys_core.planner.types import (
-    CacheAlgorithm,
-    CacheParams,
-    ParameterConstraints,
-    PlannerError,
-    Topology,
-)
+from recsys_core.planner.topology import Topology
 
 __all__ = [
     "CacheAlgorithm",

@@ -26,22 +26,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from recsys_core.distributed.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS
+from recsys_core.plan.sharder import Sharder
+from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
+from recsys_core.planner.errors import PlannerError
 from recsys_core.planner.estimators import (
     DATA_PARALLEL_MAX_BYTES,
     DEFAULT_MIN_PARTITION,
     estimate_option,
 )
-from recsys_core.planner.types import (
-    Placement,
-    PlannerError,
-    Sharder,
-    ShardingOption,
-    TableSpec,
-    Topology,
-)
+from recsys_core.planner.topology import Topology
+from recsys_core.planner.types import Placement, ShardingOption, TableSpec
 
 # Also the tie-break order between equally good options: simplest layout first.
 SHARDING_TYPE_ORDER = (

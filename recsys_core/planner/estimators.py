@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from recsys_core.distributed.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, DataType
-from recsys_core.planner.types import GIB, Placement, ShardingOption, TableSpec, Topology
+from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
+from recsys_core.planner.topology import GIB, Topology
+from recsys_core.planner.types import Placement, ShardingOption, TableSpec
 
 # ---- Model constants ----------------------------------------------------------------------------
 ID_BYTES = 8  # ids travel as int64 (the KJT values the sharded modules send)

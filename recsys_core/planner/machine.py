@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recsys_core.planner.types import GIB, Topology
+from recsys_core.planner.topology import GIB, Topology
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -24,14 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recsys_core.distributed.types import EmbeddingComputeKernel
+from recsys_core.plan.types import EmbeddingComputeKernel
 from recsys_core.planner.estimators import (
     DEFAULT_CACHE_LOAD_FACTOR,
     MAX_CACHE_LOAD_FACTOR,
     MIN_CACHE_LOAD_FACTOR,
     storage_bytes,
 )
-from recsys_core.planner.types import Placement, ShardingOption, Topology
+from recsys_core.planner.topology import Topology
+from recsys_core.planner.types import Placement, ShardingOption
 
 TableKey = tuple[str, str]  # (module path, table name)
 _TIERS = {

@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recsys_core.distributed.sharding_plan import (
+from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recsys_core.plan.env import ShardingEnv
+from recsys_core.plan.generators import (
     ParameterShardingGenerator,
     column_wise,
     construct_module_sharding_plan,
@@ -29,28 +32,18 @@ from recsys_core.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from recsys_core.distributed.types import (
-    EmbeddingComputeKernel,
-    ShardingEnv,
-    ShardingPlan,
-    ShardingType,
-)
-from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recsys_core.plan.sharder import Sharder
+from recsys_core.plan.types import EmbeddingComputeKernel, ShardingPlan, ShardingType
+from recsys_core.planner.constraints import CacheParams, ParameterConstraints
 from recsys_core.planner.enumerators import enumerate_options
+from recsys_core.planner.errors import PlannerError
 from recsys_core.planner.estimators import DEFAULT_OPTIMIZER, DEFAULT_STORAGE_RESERVATION
 from recsys_core.planner.machine import detect_topology, smallest_over_ranks
 from recsys_core.planner.partitioners import Assignment, GreedyPartitioner, Partition
 from recsys_core.planner.shortfall import check_total, no_fit_error
 from recsys_core.planner.stats import PlanStats
-from recsys_core.planner.types import (
-    CacheParams,
-    ParameterConstraints,
-    PlannerError,
-    Sharder,
-    TableSpec,
-    Topology,
-)
+from recsys_core.planner.topology import Topology
+from recsys_core.planner.types import TableSpec
 
 
 class EmbeddingShardingPlanner:

@@ -10,22 +10,12 @@ flags) instead of the library's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from recsys_core.modules.embedding_configs import DataType
+from recsys_core.planner.errors import SHOWN_TABLES, MemoryShortfall, PlannerError, TableMemory
 from recsys_core.planner.estimators import MIN_CACHE_LOAD_FACTOR, storage_bytes
 from recsys_core.planner.partitioners import Partition, TableKey
-from recsys_core.planner.types import (
-    DEFAULT_DDR_CAP,
-    DEFAULT_HBM_CAP,
-    GIB,
-    PlannerError,
-    ShardingOption,
-    TableSpec,
-    Topology,
-)
-
-SHOWN_TABLES = 3  # the largest tables a message names
+from recsys_core.planner.topology import DEFAULT_DDR_CAP, DEFAULT_HBM_CAP, GIB, Topology
+from recsys_core.planner.types import ShardingOption, TableSpec
 
 REMEDIES = (
     "To fix: use smaller tables (fewer rows, a smaller embedding_dim, FP16 weights); use more "
@@ -34,54 +24,6 @@ REMEDIES = (
     "Topology hbm_cap / ddr_cap, a lower storage_reservation). Constraints that allow few "
     "layouts (or, on CUDA, no UVM kernels for the largest tables) make tables harder to place."
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TableMemory:
-    """The least memory one table needs (its most compact allowed layout)."""
-
-    table: str
-    """Table name."""
-    module: str
-    """Module path of its collection (``""`` at the top level)."""
-    num_embeddings: int
-    """Rows."""
-    embedding_dim: int
-    """Columns."""
-    data_type: DataType
-    """Weight data type."""
-    needed_bytes: float
-    """Weights, optimizer state and buffers, summed over its shards."""
-
-    def __str__(self) -> str:
-        return (f"{self.table!r} {self.num_embeddings} x {self.embedding_dim} {self.data_type}: "
-                f"{_gib(self.needed_bytes)}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryShortfall:
-    """Why a plan failed for lack of memory, as data (for an application's own remedies)."""
-
-    summary: str
-    """What does not fit, how much it needs, how much each rank has and where that figure came
-    from: the error message without its remedies."""
-    memory: str
-    """The memory that ran out: "host memory", "HBM" or "memory (HBM + host)"."""
-    needed_bytes: float
-    """The least all tables need of that memory together (most compact allowed layouts)."""
-    usable_bytes: float
-    """What all ranks have of it together, after the storage reservation. When one table fits
-    on no rank although the total would fit, needed_bytes <= usable_bytes."""
-    reservation: float
-    """Fraction of each rank's memory kept for dense parameters and activations."""
-    topology: Topology
-    """What was planned for (ranks, hosts, memory per rank and its source)."""
-    tables: tuple[TableMemory, ...]
-    """Every table, largest first."""
-
-    @property
-    def largest(self) -> tuple[TableMemory, ...]:
-        return self.tables[:SHOWN_TABLES]
 
 
 def check_total(

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from recsys_core.planner.partitioners import Partition
-from recsys_core.planner.types import GIB, Topology
+from recsys_core.planner.topology import GIB, Topology
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,79 @@
+"""The planner's error, and what it says as data when memory ran out.
+
+A :class:`PlannerError` about memory carries a :class:`MemoryShortfall`: how much the tables
+need (the largest by name), how much the ranks have and where that figure came from, so an
+application can word its own remedies (its flags) instead of the library's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from recsys_core.modules.embedding_configs import DataType
+from recsys_core.planner.topology import GIB, Topology
+
+SHOWN_TABLES = 3  # the largest tables a message names
+
+
+class PlannerError(ValueError):
+    """The planner cannot produce a plan: nothing fits, or the constraints exclude every layout
+    (a ValueError: the inputs, not the program, are what must change).
+
+    ``shortfall`` says, as data, what did not fit where memory ran out (None for other errors),
+    so an application can word its own remedies."""
+
+    def __init__(self, message: str, shortfall: MemoryShortfall | None = None) -> None:
+        super().__init__(message)
+        self.shortfall = shortfall
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the shortfall across processes
+        return (type(self), (str(self), self.shortfall))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableMemory:
+    """The least memory one table needs (its most compact allowed layout)."""
+
+    table: str
+    """Table name."""
+    module: str
+    """Module path of its collection (``""`` at the top level)."""
+    num_embeddings: int
+    """Rows."""
+    embedding_dim: int
+    """Columns."""
+    data_type: DataType
+    """Weight data type."""
+    needed_bytes: float
+    """Weights, optimizer state and buffers, summed over its shards."""
+
+    def __str__(self) -> str:
+        return (f"{self.table!r} {self.num_embeddings} x {self.embedding_dim} {self.data_type}: "
+                f"{self.needed_bytes / GIB:.2f} GiB")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryShortfall:
+    """Why a plan failed for lack of memory, as data (for an application's own remedies)."""
+
+    summary: str
+    """What does not fit, how much it needs, how much each rank has and where that figure came
+    from: the error message without its remedies."""
+    memory: str
+    """The memory that ran out: "host memory", "HBM" or "memory (HBM + host)"."""
+    needed_bytes: float
+    """The least all tables need of that memory together (most compact allowed layouts)."""
+    usable_bytes: float
+    """What all ranks have of it together, after the storage reservation. When one table fits
+    on no rank although the total would fit, needed_bytes <= usable_bytes."""
+    reservation: float
+    """Fraction of each rank's memory kept for dense parameters and activations."""
+    topology: Topology
+    """What was planned for (ranks, hosts, memory per rank and its source)."""
+    tables: tuple[TableMemory, ...]
+    """Every table, largest first."""
+
+    @property
+    def largest(self) -> tuple[TableMemory, ...]:
+        return self.tables[:SHOWN_TABLES]

@@ -1,0 +1,128 @@
+"""The ranks a plan is for (:class:`Topology`): how many, their memory, their links' bandwidth.
+
+Units: bytes for memory, bytes per second for bandwidths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import KW_ONLY, dataclass, field
+
+import torch
+
+GIB = 1024**3
+GB = 1000**3
+
+
+# Defaults of a Topology (per rank unless said otherwise). Sources: TorchRec's planner constants
+# (torchrec/distributed/planner/constants.py) and vendor data sheets, rounded.
+DEFAULT_HBM_CAP = 80 * GIB  # H100 / A100-80GB
+DEFAULT_DDR_CAP = 128 * GIB  # per HOST; each rank gets ddr_cap / local_world_size
+DEFAULT_HBM_MEM_BW = 897 * GB  # TorchRec's HBM_MEM_BW: effective for random row gathers
+# TorchRec's DDR_MEM_BW: host-memory row reads by a CPU kernel or over UVM. With
+# NS_PER_UPDATED_ROW it matches FBGEMM-CPU step times within ~30% on the development VM
+# (bench/planner.py).
+DEFAULT_DDR_MEM_BW = 51 * GB
+DEFAULT_CUDA_INTRA_HOST_BW = 600 * GB  # TorchRec's INTRA_NODE_BANDWIDTH (NVLink)
+# gloo over loopback TCP between the processes of one host: 0.97 GB/s per rank measured for a
+# 64 MiB all-to-all between 2 ranks on the 2-vCPU development VM (bigger hosts do better).
+DEFAULT_CPU_INTRA_HOST_BW = 1 * GB
+DEFAULT_INTER_HOST_BW = 12.5 * GB  # TorchRec's CROSS_NODE_BANDWIDTH (a 100 Gb/s NIC per rank)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The ranks a model is planned for: how many, what memory each has, how fast links are.
+
+    ``Topology(world_size=8, compute_device="cuda")`` is 8 GPUs of 80 GiB on one host. On a CPU
+    topology memory is DDR: each rank gets ``ddr_cap / local_world_size`` and ``hbm_cap`` is 0.
+    The defaults are TorchRec's constants, not this machine's memory:
+    ``recsys_core.planner.detect_topology`` reads what this machine has free.
+    """
+
+    world_size: int
+    """Number of ranks."""
+    compute_device: str = "cuda"
+    """Where lookups run, "cuda" or "cpu" (this also decides which kernels exist)."""
+    _: KW_ONLY
+    local_world_size: int | None = None
+    """Ranks per host (None: all ranks on one host). Must divide world_size."""
+    hbm_cap: int | None = None
+    """HBM bytes per rank (None: 80 GiB on CUDA, 0 on CPU)."""
+    ddr_cap: int | None = None
+    """Host memory bytes per HOST, shared by its ranks (None: 128 GiB)."""
+    hbm_mem_bw: float = DEFAULT_HBM_MEM_BW
+    """Bytes/s a rank's lookups read from HBM."""
+    ddr_mem_bw: float = DEFAULT_DDR_MEM_BW
+    """Bytes/s a rank's lookups read from host memory (CPU kernels and UVM)."""
+    intra_host_bw: float | None = None
+    """Bytes/s a rank sends to ranks of its host (None: 600 GB/s NVLink on CUDA, 1 GB/s on CPU)."""
+    inter_host_bw: float = DEFAULT_INTER_HOST_BW
+    """Bytes/s a rank sends to other hosts."""
+    memory_source: str | None = field(default=None, compare=False)
+    """Where hbm_cap and ddr_cap come from, for messages (``detect_topology`` fills it in;
+    None: given to this constructor, or its TorchRec defaults)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Topology: world_size must be an int >= 1, got {self.world_size!r}")
+        device = getattr(self.compute_device, "type", self.compute_device)
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"Topology: compute_device must be 'cuda' or 'cpu', got {self.compute_device!r}")
+        object.__setattr__(self, "compute_device", device)
+        local = self.world_size if self.local_world_size is None else self.local_world_size
+        if isinstance(local, bool) or not isinstance(local, int) or local < 1 or self.world_size % local:
+            raise ValueError(
+                f"Topology: local_world_size {self.local_world_size!r} must be an int >= 1 that "
+                f"divides world_size {self.world_size}; pass the number of ranks per host"
+            )
+        object.__setattr__(self, "local_world_size", local)
+        if device == "cpu" and self.hbm_cap:
+            raise ValueError(
+                f"Topology: hbm_cap {self.hbm_cap} on a CPU topology; CPU ranks have no HBM, "
+                "so size their memory with ddr_cap (bytes per host)"
+            )
+        hbm = (DEFAULT_HBM_CAP if device == "cuda" else 0) if self.hbm_cap is None else self.hbm_cap
+        ddr = DEFAULT_DDR_CAP if self.ddr_cap is None else self.ddr_cap
+        for name, value in (("hbm_cap", hbm), ("ddr_cap", ddr)):
+            if not value >= 0:
+                raise ValueError(f"Topology: {name} must be >= 0 bytes, got {value!r}")
+        object.__setattr__(self, "hbm_cap", int(hbm))
+        object.__setattr__(self, "ddr_cap", int(ddr))
+        if self.intra_host_bw is None:
+            default = DEFAULT_CUDA_INTRA_HOST_BW if device == "cuda" else DEFAULT_CPU_INTRA_HOST_BW
+            object.__setattr__(self, "intra_host_bw", default)
+        for name in ("hbm_mem_bw", "ddr_mem_bw", "intra_host_bw", "inter_host_bw"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Topology: {name} must be > 0 bytes/s, got {getattr(self, name)!r}")
+
+    @property
+    def local_size(self) -> int:
+        assert self.local_world_size is not None  # resolved in __post_init__
+        return self.local_world_size
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_size
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.compute_device == "cuda"
+
+    @property
+    def hbm_per_rank(self) -> int:
+        return int(self.hbm_cap or 0)
+
+    @property
+    def ddr_per_rank(self) -> int:
+        return int(self.ddr_cap or 0) // self.local_size
+
+    @classmethod
+    def default(cls, world_size: int, compute_device: str | None = None) -> Topology:
+        """As TorchRec when no topology is given: ranks per host from ``LOCAL_WORLD_SIZE``
+        (torchrun sets it), CUDA when available."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if local < 1 or world_size % local:
+            local = world_size
+        device = compute_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(world_size=world_size, compute_device=device, local_world_size=local)

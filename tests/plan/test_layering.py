@@ -1,0 +1,40 @@
+"""The plan-data layer sits below the planner and the distributed runtime."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _loaded_after_import(module: str) -> list[str]:
+    code = (
+        f"import sys, {module}; "
+        "print('\\n'.join(m for m in sys.modules if m.startswith('recsys_core.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("module", ["recsys_core.plan", "recsys_core.planner"])
+def test_plan_and_planner_do_not_load_the_distributed_runtime(module: str) -> None:
+    loaded = _loaded_after_import(module)
+    assert module in loaded
+    assert [m for m in loaded if m.startswith("recsys_core.distributed")] == []
+
+
+def test_plan_does_not_load_the_planner() -> None:
+    loaded = _loaded_after_import("recsys_core.plan")
+    assert [m for m in loaded if m.startswith("recsys_core.planner")] == []
+
+
+def test_distributed_paths_re_export_the_plan_layer_objects() -> None:
+    from recsys_core import plan
+    from recsys_core.distributed import sharding_plan, types
+
+    for name in ("ShardingType", "EmbeddingComputeKernel", "ParameterSharding", "ShardingPlan",
+                 "EmbeddingModuleShardingPlan", "ShardMetadata", "ShardingEnv"):
+        assert getattr(types, name) is getattr(plan, name)
+    for name in ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise",
+                 "table_column_wise", "construct_module_sharding_plan",
+                 "validate_module_sharding_plan"):
+        assert getattr(sharding_plan, name) is getattr(plan, name)
