@@ -1,7 +1,7 @@
 """Sharding planner: (tables, Topology, constraints) -> ShardingPlan, with per-rank estimates."""
 
 from recsys_core.planner.constraints import CacheAlgorithm, CacheParams, ParameterConstraints
-from recsys_core.planner.errors import MemoryShortfall, PlannerError, TableMemory
+from recsys_core.planner.errors import MemoryShortfall, PlannerError, PlannerErrorType, TableMemory
 from recsys_core.planner.machine import (
     MemoryReading,
     detect_topology,
@@ -11,9 +11,15 @@ from recsys_core.planner.machine import (
 )
 from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
 from recsys_core.planner.stats import PlanStats, RankStats
+from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage
 from recsys_core.planner.topology import Topology
 
 __all__ = [
+    "DeviceHardware",
+    "Perf",
+    "PlannerErrorType",
+    "Shard",
+    "Storage",
     "CacheAlgorithm",
     "CacheParams",
     "EmbeddingShardingPlanner",

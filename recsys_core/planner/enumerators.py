@@ -30,7 +30,7 @@ from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS
 from recsys_core.plan.sharder import Sharder
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
-from recsys_core.planner.errors import PlannerError
+from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.estimators import (
     DATA_PARALLEL_MAX_BYTES,
     DEFAULT_MIN_PARTITION,
@@ -73,7 +73,8 @@ def enumerate_options(table: TableSpec, sharder: Sharder, topology: Topology) ->
         raise PlannerError(
             f"table {table.name!r}: no layout satisfies its constraints and sharder on this "
             f"topology ({topology.world_size} ranks, {topology.local_size} per host); relax "
-            "ParameterConstraints.sharding_types / compute_kernels for it"
+            "ParameterConstraints.sharding_types / compute_kernels for it",
+            PlannerErrorType.STRICT_CONSTRAINTS
         )
     return options
 
@@ -90,7 +91,8 @@ def allowed_sharding_types(
             raise PlannerError(
                 f"table {table.name!r}: constraints ask for sharding types {unsupported}, which "
                 f"{type(sharder).__name__} does not support on {device} (it supports "
-                f"{[t.value for t in supported]}); choose among those"
+                f"{[t.value for t in supported]}); choose among those",
+                PlannerErrorType.STRICT_CONSTRAINTS
             )
         return [t for t in SHARDING_TYPE_ORDER if t in requested]
     config = table.config
@@ -118,7 +120,8 @@ def allowed_kernels(
         if not_fused:
             raise PlannerError(
                 f"table {table.name!r}: constraints ask for compute kernels {not_fused}; "
-                "training plans use fused kernels: fused, fused_uvm_caching or fused_uvm (CUDA)"
+                "training plans use fused kernels: fused, fused_uvm_caching or fused_uvm (CUDA)",
+                PlannerErrorType.STRICT_CONSTRAINTS
             )
         uvm = [k.value for k in requested if k in UVM_KERNELS]
         if uvm and device == "cpu":
@@ -126,7 +129,8 @@ def allowed_kernels(
                 f"table {table.name!r}: constraints ask for compute kernels {uvm} on a CPU "
                 "topology; UVM and UVM caching are CUDA managed memory (a CPU table already "
                 "lives in host memory): use EmbeddingComputeKernel.FUSED, or plan for "
-                "Topology(compute_device='cuda')"
+                "Topology(compute_device='cuda')",
+                PlannerErrorType.STRICT_CONSTRAINTS
             )
     kernels = [k for k in PLANNER_KERNELS[device] if requested is None or k in requested]
     if constraints.enforce_hbm:
@@ -140,7 +144,8 @@ def allowed_kernels(
             f"table {table.name!r}: constraints allow compute kernels "
             f"{[k.value for k in kernels]} for {sharding_type.value}, but "
             f"{type(sharder).__name__} runs only {sorted(k.value for k in supported)} on "
-            f"{device}; allow one of those"
+            f"{device}; allow one of those",
+            PlannerErrorType.STRICT_CONSTRAINTS
         )
     return allowed
 

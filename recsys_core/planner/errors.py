@@ -8,6 +8,7 @@ application can word its own remedies (its flags) instead of the library's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum, unique
 from typing import Any
 
 from recsys_core.modules.embedding_configs import DataType
@@ -16,19 +17,42 @@ from recsys_core.planner.topology import GIB, Topology
 SHOWN_TABLES = 3  # the largest tables a message names
 
 
+@unique
+class PlannerErrorType(Enum):
+    """What kind of failure a :class:`PlannerError` reports (TorchRec's values)."""
+
+    INSUFFICIENT_STORAGE = "insufficient_storage"  # the tables need more memory than all ranks have
+    STRICT_CONSTRAINTS = "strict_constraints"  # it would fit, but not with the allowed layouts
+    PARTITION = "partition"
+    OTHER = "other"
+    PLANNER_INPUT_CONTEXT_MISMATCH = "planner_input_context_mismatch"
+    PLAN_LOADING_FAILED = "plan_loading_failed"
+    INVALID_RANK_ASSIGNMENT = "invalid_rank_assignment"
+    INPUT_VALIDATION = "input_validation"  # e.g. constraints for tables the model does not have
+    MISSING_MODULE_IN_PLAN = "missing_module_in_plan"
+    INVALID_COMPUTE_KERNEL = "invalid_compute_kernel"
+
+
 class PlannerError(ValueError):
     """The planner cannot produce a plan: nothing fits, or the constraints exclude every layout
     (a ValueError: the inputs, not the program, are what must change).
 
+    ``error_type`` classifies it as TorchRec does (``PlannerError(message, error_type)``).
     ``shortfall`` says, as data, what did not fit where memory ran out (None for other errors),
     so an application can word its own remedies."""
 
-    def __init__(self, message: str, shortfall: MemoryShortfall | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        error_type: PlannerErrorType = PlannerErrorType.OTHER,
+        shortfall: MemoryShortfall | None = None,
+    ) -> None:
         super().__init__(message)
+        self.error_type = PlannerErrorType(error_type)
         self.shortfall = shortfall
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keep the shortfall across processes
-        return (type(self), (str(self), self.shortfall))
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the type and shortfall across processes
+        return (type(self), (str(self), self.error_type, self.shortfall))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,7 @@ import numpy as np
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, DataType
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
-from recsys_core.planner.topology import GIB, Topology
+from recsys_core.planner.topology import DEFAULT_BWD_COMPUTE_MULTIPLIER, GIB, Topology
 from recsys_core.planner.types import Placement, ShardingOption, TableSpec
 
 # ---- Model constants ----------------------------------------------------------------------------
@@ -51,9 +51,9 @@ LENGTH_BYTES = 8  # one int64 length per bag
 ID_WEIGHT_BYTES = 4  # fp32 per-id weight of weighted features
 OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32
 STATE_BYTES = 4  # fused optimizer state is fp32
-# TorchRec's BWD_COMPUTE_MULTIPLIER: backward scatters gradients and the fused optimizer
-# read-modify-writes every touched row, about twice the forward's memory traffic.
-BWD_COMPUTE_MULTIPLIER = 2.0
+# The backward's lookup traffic relative to the forward's is topology.bwd_compute_multiplier
+# (TorchRec's BWD_COMPUTE_MULTIPLIER, 2 by default).
+BWD_COMPUTE_MULTIPLIER = DEFAULT_BWD_COMPUTE_MULTIPLIER
 BWD_COMM_MULTIPLIER = 1.0  # output gradients retrace the forward output all-to-all, same bytes
 # Fixed ns per distinct row the backward updates, on top of its bytes. GPU kernels are
 # bandwidth-bound (TorchRec models only bytes). FBGEMM-CPU 1.8's backward (sort ids, aggregate
@@ -130,10 +130,10 @@ def estimate_option(
         unique = np.where(rows > 0, rows * -np.expm1(-ids / rows), 0.0)
     updated = rows if dp else unique  # data-parallel updates its whole replica (dense gradient)
     table_bytes = (
-        ids * cols * elem * (1 + BWD_COMPUTE_MULTIPLIER)
+        ids * cols * elem * (1 + topology.bwd_compute_multiplier)
         + updated * (cols * elem + state_row) * 2  # optimizer: read and write row and state
     )
-    local_bytes = out_bytes * (1 + BWD_COMPUTE_MULTIPLIER)
+    local_bytes = out_bytes * (1 + topology.bwd_compute_multiplier)
     compute_bw = topology.hbm_mem_bw if topology.is_cuda else topology.ddr_mem_bw
     table_bw = {
         EmbeddingComputeKernel.FUSED: compute_bw,

@@ -36,7 +36,7 @@ from recsys_core.plan.sharder import Sharder
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingPlan, ShardingType
 from recsys_core.planner.constraints import CacheParams, ParameterConstraints
 from recsys_core.planner.enumerators import enumerate_options
-from recsys_core.planner.errors import PlannerError
+from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.estimators import DEFAULT_OPTIMIZER, DEFAULT_STORAGE_RESERVATION
 from recsys_core.planner.machine import detect_topology, smallest_over_ranks
 from recsys_core.planner.partitioners import Assignment, GreedyPartitioner, Partition
@@ -123,14 +123,15 @@ class EmbeddingShardingPlanner:
                 payload = [("ok", plan.to_json(), self._stats)]
             except Exception as exc:  # every rank must leave the broadcast, then raise
                 failure = exc
-                shortfall = exc.shortfall if isinstance(exc, PlannerError) else None
-                payload = [("error", f"{type(exc).__name__} on rank 0: {exc}", shortfall)]
+                extra = (exc.error_type, exc.shortfall) if isinstance(exc, PlannerError) else None
+                payload = [("error", f"{type(exc).__name__} on rank 0: {exc}", extra)]
         dist.broadcast_object_list(payload, group=pg, group_src=0)
-        status, text, extra = payload[0]  # type: ignore[misc]  # extra: stats, or a shortfall
+        status, text, extra = payload[0]  # type: ignore[misc]  # stats, or (type, shortfall)
         if failure is not None:
             raise failure
         if status == "error":
-            raise PlannerError(text, extra)
+            error_type, shortfall = extra or (PlannerErrorType.OTHER, None)
+            raise PlannerError(text, error_type, shortfall)
         self._stats = extra
         return ShardingPlan.from_json(text)
 
@@ -151,6 +152,8 @@ class EmbeddingShardingPlanner:
     def _plan(self, module: nn.Module, sharders: Sequence[Sharder], topology: Topology) -> ShardingPlan:
         start = time.perf_counter()
         collections = _collections(module, sharders)
+        if not collections:  # as TorchRec: no sharder handles any module, nothing to shard
+            return ShardingPlan({})
         tables = self._table_specs(collections)
         options = {
             spec.key: enumerate_options(spec, collections[spec.path][1], topology)
@@ -183,7 +186,8 @@ class EmbeddingShardingPlanner:
         if unknown:
             raise PlannerError(
                 f"constraints name tables {unknown} that no planned collection has (its tables: "
-                f"{names}); key constraints by table name"
+                f"{names}); key constraints by table name",
+                PlannerErrorType.INPUT_VALIDATION,
             )
         specs = []
         for path, (sub, sharder, configs) in collections.items():
@@ -213,7 +217,8 @@ class EmbeddingShardingPlanner:
                 raise PlannerError(
                     f"table {config.name!r}: constraints give {len(values)} {what} but the table "
                     f"has {len(features)} features {features}; give one value per feature or one "
-                    "for all"
+                    "for all",
+                    PlannerErrorType.INPUT_VALIDATION,
                 )
             return [float(v) for v in values]
 
@@ -259,8 +264,6 @@ def _collections(
     module: nn.Module, sharders: Sequence[Sharder]
 ) -> dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]]:
     """``{path: (collection, its sharder, its table configs)}`` in ``named_modules`` order."""
-    if not sharders:
-        raise PlannerError("no sharders given; pass e.g. [EmbeddingBagCollectionSharder()]")
     found: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]] = {}
     for path, sub in module.named_modules():
         if any(path.startswith(p + ".") or (not p and path) for p in found):

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from recsys_core.planner.errors import SHOWN_TABLES, MemoryShortfall, PlannerError, TableMemory
+from recsys_core.planner.errors import (
+    SHOWN_TABLES,
+    MemoryShortfall,
+    PlannerError,
+    PlannerErrorType,
+    TableMemory,
+)
 from recsys_core.planner.estimators import MIN_CACHE_LOAD_FACTOR, storage_bytes
 from recsys_core.planner.partitioners import Partition, TableKey
 from recsys_core.planner.topology import DEFAULT_DDR_CAP, DEFAULT_HBM_CAP, GIB, Topology
@@ -54,7 +60,7 @@ def check_total(
             f"{memory_origin(topology)}. Largest tables: "
             f"{_largest(tables)}."
         )
-        raise PlannerError(f"{summary} {REMEDIES}", MemoryShortfall(
+        raise PlannerError(f"{summary} {REMEDIES}", PlannerErrorType.INSUFFICIENT_STORAGE, MemoryShortfall(
             summary=summary, memory=kind, needed_bytes=needed, usable_bytes=world * budget,
             reservation=reservation, topology=topology, tables=tables,
         ))
@@ -92,10 +98,13 @@ def no_fit_error(
         f"{_largest(tables)}."
     )
     budget = ddr_budget + (hbm_budget if topology.is_cuda else 0.0)
-    return PlannerError(f"{summary} {REMEDIES}", MemoryShortfall(
+    needed, usable = sum(t.needed_bytes for t in tables), topology.world_size * budget
+    # As TorchRec: enough memory in all, but not in the pieces the allowed layouts make
+    kind = (PlannerErrorType.INSUFFICIENT_STORAGE if needed > usable
+            else PlannerErrorType.STRICT_CONSTRAINTS)
+    return PlannerError(f"{summary} {REMEDIES}", kind, MemoryShortfall(
         summary=summary, memory="memory (HBM + host)" if topology.is_cuda else "host memory",
-        needed_bytes=sum(t.needed_bytes for t in tables),
-        usable_bytes=topology.world_size * budget, reservation=reservation, topology=topology,
+        needed_bytes=needed, usable_bytes=usable, reservation=reservation, topology=topology,
         tables=tables,
     ))
 

@@ -10,6 +10,8 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
+from recsys_core.planner.storage import DeviceHardware, Perf, Storage
+
 GIB = 1024**3
 GB = 1000**3
 
@@ -28,13 +30,17 @@ DEFAULT_CUDA_INTRA_HOST_BW = 600 * GB  # TorchRec's INTRA_NODE_BANDWIDTH (NVLink
 # 64 MiB all-to-all between 2 ranks on the 2-vCPU development VM (bigger hosts do better).
 DEFAULT_CPU_INTRA_HOST_BW = 1 * GB
 DEFAULT_INTER_HOST_BW = 12.5 * GB  # TorchRec's CROSS_NODE_BANDWIDTH (a 100 Gb/s NIC per rank)
+# TorchRec's BWD_COMPUTE_MULTIPLIER: backward scatters gradients and the fused optimizer
+# read-modify-writes every touched row, about twice the forward's memory traffic.
+DEFAULT_BWD_COMPUTE_MULTIPLIER = 2.0
 
 
 @dataclass(frozen=True)
 class Topology:
     """The ranks a model is planned for: how many, what memory each has, how fast links are.
 
-    ``Topology(world_size=8, compute_device="cuda")`` is 8 GPUs of 80 GiB on one host. On a CPU
+    Positional arguments follow TorchRec's order: ``Topology(8, "cuda", 40 * GIB)`` is 8 GPUs
+    of 40 GiB on one host; ``Topology(world_size=8, compute_device="cuda")`` has 80 GiB each. On a CPU
     topology memory is DDR: each rank gets ``ddr_cap / local_world_size`` and ``hbm_cap`` is 0.
     The defaults are TorchRec's constants, not this machine's memory:
     ``recsys_core.planner.detect_topology`` reads what this machine has free.
@@ -44,21 +50,32 @@ class Topology:
     """Number of ranks."""
     compute_device: str = "cuda"
     """Where lookups run, "cuda" or "cpu" (this also decides which kernels exist)."""
-    _: KW_ONLY
-    local_world_size: int | None = None
-    """Ranks per host (None: all ranks on one host). Must divide world_size."""
     hbm_cap: int | None = None
     """HBM bytes per rank (None: 80 GiB on CUDA, 0 on CPU)."""
     ddr_cap: int | None = None
     """Host memory bytes per HOST, shared by its ranks (None: 128 GiB)."""
+    ssd_cap: int | None = None
+    """TorchRec's SSD tier: no kernel here uses one, so only None or 0."""
+    local_world_size: int | None = None
+    """Ranks per host (None: all ranks on one host). Must divide world_size."""
+    pod_size: int | None = None
+    """TorchRec's hosts per NVLink domain: not modelled here (hosts talk over inter_host_bw),
+    so only None."""
     hbm_mem_bw: float = DEFAULT_HBM_MEM_BW
     """Bytes/s a rank's lookups read from HBM."""
     ddr_mem_bw: float = DEFAULT_DDR_MEM_BW
     """Bytes/s a rank's lookups read from host memory (CPU kernels and UVM)."""
+    ssd_mem_bw: float | None = None
+    """TorchRec's SSD bandwidth: no SSD tier here, so only None."""
+    hbm_to_ddr_mem_bw: float | None = None
+    """TorchRec's HBM <-> host copy bandwidth (for prefetching caches): not modelled, only None."""
     intra_host_bw: float | None = None
     """Bytes/s a rank sends to ranks of its host (None: 600 GB/s NVLink on CUDA, 1 GB/s on CPU)."""
     inter_host_bw: float = DEFAULT_INTER_HOST_BW
     """Bytes/s a rank sends to other hosts."""
+    bwd_compute_multiplier: float = DEFAULT_BWD_COMPUTE_MULTIPLIER
+    """Backward lookup traffic as a multiple of the forward's (TorchRec's default 2)."""
+    _: KW_ONLY
     memory_source: str | None = field(default=None, compare=False)
     """Where hbm_cap and ddr_cap come from, for messages (``detect_topology`` fills it in;
     None: given to this constructor, or its TorchRec defaults)."""
@@ -77,6 +94,14 @@ class Topology:
                 f"divides world_size {self.world_size}; pass the number of ranks per host"
             )
         object.__setattr__(self, "local_world_size", local)
+        for name, value in (("ssd_cap", self.ssd_cap or None), ("pod_size", self.pod_size),
+                            ("ssd_mem_bw", self.ssd_mem_bw),
+                            ("hbm_to_ddr_mem_bw", self.hbm_to_ddr_mem_bw)):
+            if value is not None:
+                raise ValueError(
+                    f"Topology: {name}={value!r} is not supported (no SSD tier, NVLink pods or "
+                    f"cache-prefetch copies are modelled by this planner); leave {name} as None"
+                )
         if device == "cpu" and self.hbm_cap:
             raise ValueError(
                 f"Topology: hbm_cap {self.hbm_cap} on a CPU topology; CPU ranks have no HBM, "
@@ -95,6 +120,10 @@ class Topology:
         for name in ("hbm_mem_bw", "ddr_mem_bw", "intra_host_bw", "inter_host_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Topology: {name} must be > 0 bytes/s, got {getattr(self, name)!r}")
+        if not self.bwd_compute_multiplier >= 0:
+            raise ValueError(
+                f"Topology: bwd_compute_multiplier must be >= 0, got {self.bwd_compute_multiplier!r}"
+            )
 
     @property
     def local_size(self) -> int:
@@ -116,6 +145,15 @@ class Topology:
     @property
     def ddr_per_rank(self) -> int:
         return int(self.ddr_cap or 0) // self.local_size
+
+    @property
+    def devices(self) -> list[DeviceHardware]:
+        """TorchRec's per-rank view: each rank's usable memory (``ddr_per_rank`` of host memory)
+        and no load yet."""
+        return [
+            DeviceHardware(rank, Storage(self.hbm_per_rank, self.ddr_per_rank, 0), Perf(0, 0, 0, 0))
+            for rank in range(self.world_size)
+        ]
 
     @classmethod
     def default(cls, world_size: int, compute_device: str | None = None) -> Topology:
