@@ -4,6 +4,8 @@ The definitions live in :mod:`recsys_core.plan`, the layer below the planner and
 """
 
 from recsys_core.plan.env import ShardingEnv
+from recsys_core.plan.params import BoundsCheckMode, CacheAlgorithm, CacheParams, KeyValueParams
+from recsys_core.plan.spec import EnumerableShardingSpec
 from recsys_core.plan.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -15,6 +17,11 @@ from recsys_core.plan.types import (
 )
 
 __all__ = [
+    "BoundsCheckMode",
+    "CacheAlgorithm",
+    "CacheParams",
+    "EnumerableShardingSpec",
+    "KeyValueParams",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "ParameterSharding",

@@ -19,7 +19,9 @@ from recsys_core.plan.generators import (
     table_row_wise,
     table_wise,
 )
+from recsys_core.plan.params import BoundsCheckMode, CacheAlgorithm, CacheParams, KeyValueParams
 from recsys_core.plan.sharder import Sharder
+from recsys_core.plan.spec import EnumerableShardingSpec
 from recsys_core.plan.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -32,6 +34,11 @@ from recsys_core.plan.types import (
 from recsys_core.plan.validation import TRAINING_KERNELS, validate_module_sharding_plan
 
 __all__ = [
+    "BoundsCheckMode",
+    "CacheAlgorithm",
+    "CacheParams",
+    "EnumerableShardingSpec",
+    "KeyValueParams",
     "TRAINING_KERNELS",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",

@@ -14,10 +14,15 @@ from typing import Any
 
 import torch
 
+from recsys_core.modules.embedding_configs import DataType
+from recsys_core.plan.params import BoundsCheckMode, CacheParams, KeyValueParams
+from recsys_core.plan.spec import EnumerableShardingSpec, ShardMetadata
+
 
 @unique
-class ShardingType(Enum):
-    """How one table is split across ranks."""
+class ShardingType(str, Enum):
+    """How one table is split across ranks (a str enum: ``ShardingType.ROW_WISE == "row_wise"``,
+    as TorchRec's plans hold the string values)."""
 
     DATA_PARALLEL = "data_parallel"  # full replica on every rank, gradients summed
     TABLE_WISE = "table_wise"  # whole table on one rank
@@ -31,7 +36,7 @@ class ShardingType(Enum):
 
 
 @unique
-class EmbeddingComputeKernel(Enum):
+class EmbeddingComputeKernel(str, Enum):
     """Which kernel holds a shard. On CPU every fused variant keeps the table in host memory."""
 
     DENSE = "dense"
@@ -45,78 +50,58 @@ class EmbeddingComputeKernel(Enum):
 
 
 @dataclass
-class ShardMetadata:
-    """One shard: its offsets and sizes within the ``[rows, dim]`` table and its placement.
-
-    ``placement`` reads ``"rank:<r>/<device>"`` (e.g. ``"rank:0/cpu"``, ``"rank:1/cuda:1"``).
-    """
-
-    shard_offsets: list[int]
-    shard_sizes: list[int]
-    placement: str
-
-    @property
-    def rank(self) -> int:
-        head, _, _ = self.placement.partition("/")
-        number = head[len("rank:"):]
-        if not head.startswith("rank:") or not number.isdigit():
-            raise ValueError(
-                f"shard placement {self.placement!r} must read 'rank:<r>/<device>', "
-                "e.g. 'rank:0/cpu'"
-            )
-        return int(number)
-
-    @property
-    def device(self) -> str:
-        _, sep, device = self.placement.partition("/")
-        if not sep or not device:
-            raise ValueError(
-                f"shard placement {self.placement!r} must read 'rank:<r>/<device>', "
-                "e.g. 'rank:0/cpu'"
-            )
-        return device
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "shard_offsets": list(self.shard_offsets),
-            "shard_sizes": list(self.shard_sizes),
-            "placement": self.placement,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ShardMetadata:
-        return cls(list(data["shard_offsets"]), list(data["shard_sizes"]), str(data["placement"]))
-
-
-@dataclass
 class ParameterSharding:
-    """How one table (parameter) is sharded.
+    """How one table (parameter) is sharded: TorchRec's fields, in TorchRec's order.
 
-    Attributes:
-        sharding_type: the split.
-        compute_kernel: the kernel that holds each shard.
-        ranks: the ranks holding a shard, in shard order.
-        sharding_spec: one :class:`ShardMetadata` per shard (None for DATA_PARALLEL).
-        cache_params: UVM-caching parameters as plain data (JSON-able), used only with
-            FUSED_UVM_CACHING on CUDA.
+    ``sharding_type`` and ``compute_kernel`` accept the enums or their string values (stored as
+    the enums, which compare equal to those strings). ``sharding_spec`` is an
+    :class:`EnumerableShardingSpec` (a list of :class:`ShardMetadata` is wrapped into one);
+    None for DATA_PARALLEL. The remaining fields come from the table's ``ParameterConstraints``
+    and are passed to the kernel that holds the table.
     """
 
     sharding_type: ShardingType
+    """The split."""
     compute_kernel: EmbeddingComputeKernel
+    """The kernel that holds each shard."""
     ranks: list[int] = field(default_factory=list)
-    sharding_spec: list[ShardMetadata] | None = None
-    cache_params: dict[str, Any] | None = None
+    """The rank of each shard, in shard order (DATA_PARALLEL: every rank)."""
+    sharding_spec: EnumerableShardingSpec | None = None
+    """Offsets, sizes and placement of each shard."""
+    cache_params: CacheParams | None = None
+    """UVM cache settings (FUSED_UVM_CACHING); the planner fills in the load factor it chose."""
+    enforce_hbm: bool | None = None
+    """Keep the table's weights in HBM even with a caching kernel."""
+    stochastic_rounding: bool | None = None
+    """Stochastic rounding of FP16 weight updates."""
+    bounds_check_mode: BoundsCheckMode | None = None
+    """What the kernel does with out-of-range ids."""
+    output_dtype: DataType | None = None
+    """Data type of the table's output embeddings (None: FP32)."""
+    key_value_params: KeyValueParams | None = None
+    """Key-value store settings (no kernel here uses them)."""
 
     def __post_init__(self) -> None:
         self.sharding_type = ShardingType(getattr(self.sharding_type, "value", self.sharding_type))
         self.compute_kernel = EmbeddingComputeKernel(
             getattr(self.compute_kernel, "value", self.compute_kernel)
         )
-        self.ranks = [int(r) for r in self.ranks]
+        self.ranks = [int(r) for r in self.ranks or []]
+        if self.sharding_spec is not None:
+            self.sharding_spec = EnumerableShardingSpec.of(self.sharding_spec)
+        if isinstance(self.cache_params, Mapping):  # as stored in plan JSON
+            self.cache_params = CacheParams.from_dict(self.cache_params)
+        if self.bounds_check_mode is not None:
+            self.bounds_check_mode = BoundsCheckMode(
+                getattr(self.bounds_check_mode, "value", self.bounds_check_mode)
+            )
+        if self.output_dtype is not None:
+            self.output_dtype = DataType(getattr(self.output_dtype, "value", self.output_dtype))
 
     @property
     def shards(self) -> list[ShardMetadata]:
-        return list(self.sharding_spec or [])
+        """The shards of ``sharding_spec`` in order (empty for DATA_PARALLEL)."""
+        return [] if self.sharding_spec is None else list(self.sharding_spec.shards)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -125,19 +110,32 @@ class ParameterSharding:
             "ranks": list(self.ranks),
             "sharding_spec": None
             if self.sharding_spec is None
-            else [s.to_dict() for s in self.sharding_spec],
-            "cache_params": None if self.cache_params is None else dict(self.cache_params),
+            else [s.to_dict() for s in self.shards],
+            "cache_params": None if self.cache_params is None else self.cache_params.to_dict(),
+            "enforce_hbm": self.enforce_hbm,
+            "stochastic_rounding": self.stochastic_rounding,
+            "bounds_check_mode": None
+            if self.bounds_check_mode is None
+            else self.bounds_check_mode.name,
+            "output_dtype": None if self.output_dtype is None else self.output_dtype.value,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParameterSharding:
         spec = data.get("sharding_spec")
+        bounds = data.get("bounds_check_mode")
         return cls(
             sharding_type=ShardingType(data["sharding_type"]),
             compute_kernel=EmbeddingComputeKernel(data["compute_kernel"]),
             ranks=list(data.get("ranks") or []),
-            sharding_spec=None if spec is None else [ShardMetadata.from_dict(s) for s in spec],
+            sharding_spec=None
+            if spec is None
+            else EnumerableShardingSpec([ShardMetadata.from_dict(s) for s in spec]),
             cache_params=data.get("cache_params"),
+            enforce_hbm=data.get("enforce_hbm"),
+            stochastic_rounding=data.get("stochastic_rounding"),
+            bounds_check_mode=None if bounds is None else BoundsCheckMode[bounds],
+            output_dtype=data.get("output_dtype"),
         )
 
 
@@ -150,7 +148,7 @@ class EmbeddingModuleShardingPlan(dict[str, ParameterSharding]):
             for name, ps in self.items()
         ]
         shards = [
-            [name, str(s.shard_offsets), str(s.shard_sizes), s.placement]
+            [name, str(s.shard_offsets), str(s.shard_sizes), str(s.placement)]
             for name, ps in self.items()
             for s in ps.shards
         ]

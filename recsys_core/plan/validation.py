@@ -125,17 +125,17 @@ def _check_ranks(where: str, sharding: ParameterSharding, world_size: int) -> No
     if sharding.sharding_spec is None:
         return
     placed = []
-    for i, shard in enumerate(sharding.sharding_spec):
+    for i, shard in enumerate(sharding.shards):
         try:
             rank = shard.rank
         except ValueError as exc:
             raise ValueError(
-                f"{where}: shard {i} has placement {shard.placement!r}; write it as "
+                f"{where}: shard {i} has placement {str(shard.placement)!r}; write it as "
                 "'rank:<r>/<device>', e.g. 'rank:0/cpu'"
             ) from exc
         if not 0 <= rank < world_size:
             raise ValueError(
-                f"{where}: shard {i} is placed on rank {rank} ({shard.placement!r}), outside "
+                f"{where}: shard {i} is placed on rank {rank} ({str(shard.placement)!r}), outside "
                 f"[0, {world_size}); place shards on ranks 0..{world_size - 1}"
             )
         placed.append(rank)

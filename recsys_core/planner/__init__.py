@@ -1,6 +1,12 @@
 """Sharding planner: (tables, Topology, constraints) -> ShardingPlan, with per-rank estimates."""
 
-from recsys_core.planner.constraints import CacheAlgorithm, CacheParams, ParameterConstraints
+from recsys_core.planner.constraints import (
+    BoundsCheckMode,
+    CacheAlgorithm,
+    CacheParams,
+    KeyValueParams,
+    ParameterConstraints,
+)
 from recsys_core.planner.errors import MemoryShortfall, PlannerError, PlannerErrorType, TableMemory
 from recsys_core.planner.machine import (
     MemoryReading,
@@ -15,6 +21,8 @@ from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage
 from recsys_core.planner.topology import Topology
 
 __all__ = [
+    "BoundsCheckMode",
+    "KeyValueParams",
     "DeviceHardware",
     "Perf",
     "PlannerErrorType",

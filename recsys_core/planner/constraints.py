@@ -1,128 +1,98 @@
-"""What a user tells the planner about one table: :class:`ParameterConstraints`, and the UVM cache
-settings it may carry (:class:`CacheParams`)."""
+"""What a user tells the planner about one table: :class:`ParameterConstraints` (TorchRec's fields,
+order and mutability), and the kernel parameters it may carry (re-exported from
+:mod:`recsys_core.plan.params`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import Enum, unique
-from typing import Any
+import dataclasses
+from dataclasses import dataclass, field
 
 from recsys_core.modules.embedding_configs import DataType
+from recsys_core.plan.params import (
+    BoundsCheckMode,
+    CacheAlgorithm,
+    CacheParams,
+    KeyValueParams,
+    coerce_enum,
+)
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 
+__all__ = [
+    "BoundsCheckMode",
+    "CacheAlgorithm",
+    "CacheParams",
+    "KeyValueParams",
+    "ParameterConstraints",
+]
 
-@unique
-class CacheAlgorithm(Enum):
-    """Eviction policy of the UVM cache (FBGEMM's ``CacheAlgorithm``)."""
-
-    LRU = "lru"
-    LFU = "lfu"
-
-
-@dataclass(frozen=True, kw_only=True)
-class CacheParams:
-    """Settings of a FUSED_UVM_CACHING table: the HBM cache in front of rows kept in host memory.
-
-    ``to_dict()`` is what a plan stores in ``ParameterSharding.cache_params`` (plain JSON).
-    """
-
-    algorithm: CacheAlgorithm = CacheAlgorithm.LRU
-    """Which rows the cache evicts first."""
-    load_factor: float | None = None
-    """Cache slots as a fraction of the table's rows, in (0, 1]. None: the planner sizes it to
-    the free HBM. Given in a constraint, the planner uses exactly this value."""
-    reserved_memory: float | None = None
-    """GiB of HBM the cache leaves unused on its rank (FBGEMM's ``cache_reserved_memory``)."""
-    precision: DataType | None = None
-    """Precision of cached rows (FP32 or FP16); None: the table's data type."""
-    prefetch_pipeline: bool | None = None
-    """Whether the training pipeline prefetches the next batch's rows into the cache."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.algorithm, CacheAlgorithm):
-            object.__setattr__(self, "algorithm", _coerce(CacheAlgorithm, self.algorithm, "algorithm"))
-        if self.load_factor is not None and not 0.0 < self.load_factor <= 1.0:
-            raise ValueError(
-                f"CacheParams: load_factor {self.load_factor} must be in (0, 1] (cache slots as a "
-                "fraction of the table's rows); leave it None to size it to the free HBM"
-            )
-        if self.reserved_memory is not None and self.reserved_memory < 0:
-            raise ValueError(f"CacheParams: reserved_memory {self.reserved_memory} GiB must be >= 0")
-        if self.precision is not None:
-            precision = _coerce(DataType, self.precision, "precision")
-            if precision not in (DataType.FP32, DataType.FP16):
-                raise ValueError(
-                    f"CacheParams: precision {precision} is not a cache precision; use "
-                    "DataType.FP32 or DataType.FP16"
-                )
-            object.__setattr__(self, "precision", precision)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "algorithm": self.algorithm.value,
-            "load_factor": self.load_factor,
-            "reserved_memory": self.reserved_memory,
-            "precision": None if self.precision is None else self.precision.value,
-            "prefetch_pipeline": self.prefetch_pipeline,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CacheParams:
-        unknown = set(data) - {
-            "algorithm", "load_factor", "reserved_memory", "precision", "prefetch_pipeline"
-        }
-        if unknown:
-            raise ValueError(f"CacheParams.from_dict: unknown keys {sorted(unknown)}")
-        return cls(
-            algorithm=CacheAlgorithm(data.get("algorithm", CacheAlgorithm.LRU.value)),
-            load_factor=data.get("load_factor"),
-            reserved_memory=data.get("reserved_memory"),
-            precision=None if data.get("precision") is None else DataType(data["precision"]),
-            prefetch_pipeline=data.get("prefetch_pipeline"),
-        )
+DEVICE_GROUPS = ("cpu", "cuda")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass
 class ParameterConstraints:
     """What the planner may do with one table, and what it should assume about its traffic.
 
-    Keyed by table name in ``EmbeddingShardingPlanner(constraints={...})``. Lists may be given
-    as lists of enums or of their string values; they are stored as tuples of enums.
+    Keyed by table name in ``EmbeddingShardingPlanner(constraints={...})``. A plain mutable
+    dataclass with TorchRec 1.8's fields in TorchRec's order, so positional use ports unchanged.
+    Lists may hold enums or their string values (stored as lists of the enums, which compare
+    equal to those strings). Checked when built and again when a plan is made
+    (:meth:`checked`), so fields assigned later are checked too.
+
+    ``pooling_factors``, ``num_poolings`` and ``batch_sizes`` hold one value per feature of the
+    table (in ``feature_names`` order when given, else the table config's), or one value for all.
     """
 
-    sharding_types: Sequence[ShardingType | str] | None = None
+    sharding_types: list[ShardingType | str] | None = None
     """Allowed sharding types (None: every type the sharder supports)."""
-    compute_kernels: Sequence[EmbeddingComputeKernel | str] | None = None
+    compute_kernels: list[EmbeddingComputeKernel | str] | None = None
     """Allowed kernels (None: FUSED on CPU; FUSED, FUSED_UVM_CACHING, FUSED_UVM on CUDA)."""
     min_partition: int | None = None
     """Narrowest column-wise shard, in columns (None: the planner's default, 32)."""
-    pooling_factors: Sequence[float] = (1.0,)
-    """Mean ids per bag, one per feature of the table (or one value for all features)."""
-    num_poolings: Sequence[float] | None = None
+    pooling_factors: list[float] = field(default_factory=lambda: [1.0])
+    """Mean ids per bag, per feature."""
+    num_poolings: list[float] | None = None
     """Bags per sample, per feature (None: 1)."""
-    batch_sizes: Sequence[int] | None = None
+    batch_sizes: list[int] | None = None
     """Samples per rank per step, per feature (None: the planner's batch_size)."""
-    cache_params: CacheParams | None = None
-    """UVM cache settings; its load_factor, if set, is used exactly."""
-    enforce_hbm: bool | None = None
-    """True: keep this table in HBM (FUSED only, never UVM) on a CUDA topology."""
     is_weighted: bool = False
     """Ids carry weights (adds 4 bytes per id to the input all-to-all)."""
+    cache_params: CacheParams | None = None
+    """UVM cache settings, carried into the plan; its load_factor, if set, is used exactly."""
+    enforce_hbm: bool | None = None
+    """True: keep this table in HBM (FUSED only, never UVM) on a CUDA topology; carried into
+    the plan."""
+    stochastic_rounding: bool | None = None
+    """Stochastic rounding of FP16 updates; carried into the plan for the kernel."""
+    bounds_check_mode: BoundsCheckMode | None = None
+    """What the kernel does with out-of-range ids; carried into the plan for the kernel."""
+    feature_names: list[str] | None = None
+    """The order in which the per-feature lists give the table's features (None: its config's
+    order); must list each of the table's features once."""
+    output_dtype: DataType | None = None
+    """Data type of the table's output embeddings (None: FP32): sizes the planner's output
+    traffic and buffers, and is carried into the plan."""
+    device_group: str | None = None
+    """"cpu" or "cuda": where the table must live. This planner plans one device type, so it
+    must be the topology's compute_device."""
+    key_value_params: KeyValueParams | None = None
+    """Key-value (SSD / parameter server) settings: no kernel here stores tables that way, so
+    the planner refuses a table that sets them."""
+    use_virtual_table: bool = False
+    """TorchRec's virtual (key-value) tables: not supported, the planner refuses True."""
 
     def __post_init__(self) -> None:
         if self.sharding_types is not None:
-            types = tuple(_coerce(ShardingType, t, "sharding_types") for t in self.sharding_types)
+            types = [coerce_enum(ShardingType, t, "sharding_types") for t in self.sharding_types]
             if not types:
                 raise ValueError("ParameterConstraints: sharding_types is empty; allow at least one")
-            object.__setattr__(self, "sharding_types", types)
+            self.sharding_types = types
         if self.compute_kernels is not None:
-            kernels = tuple(
-                _coerce(EmbeddingComputeKernel, k, "compute_kernels") for k in self.compute_kernels
-            )
+            kernels = [
+                coerce_enum(EmbeddingComputeKernel, k, "compute_kernels") for k in self.compute_kernels
+            ]
             if not kernels:
                 raise ValueError("ParameterConstraints: compute_kernels is empty; allow at least one")
-            object.__setattr__(self, "compute_kernels", kernels)
+            self.compute_kernels = kernels
         if self.min_partition is not None and (
             isinstance(self.min_partition, bool) or int(self.min_partition) != self.min_partition
             or self.min_partition < 1
@@ -134,22 +104,37 @@ class ParameterConstraints:
                 continue
             if isinstance(values, int | float):
                 raise ValueError(f"ParameterConstraints: {name} is a list (one value per feature), got {values!r}")
-            values = tuple(values)
+            values = list(values)
             if not values or any(not v > 0 for v in values):
-                raise ValueError(f"ParameterConstraints: {name} {list(values)} must be non-empty and > 0")
-            object.__setattr__(self, name, values)
+                raise ValueError(f"ParameterConstraints: {name} {values} must be non-empty and > 0")
+            setattr(self, name, values)
         if self.cache_params is not None and not isinstance(self.cache_params, CacheParams):
             raise ValueError(
                 f"ParameterConstraints: cache_params must be a CacheParams, got {self.cache_params!r}"
             )
+        if self.bounds_check_mode is not None:
+            self.bounds_check_mode = coerce_enum(BoundsCheckMode, self.bounds_check_mode, "bounds_check_mode")
+        if self.output_dtype is not None:
+            self.output_dtype = coerce_enum(DataType, self.output_dtype, "output_dtype")
+        if self.feature_names is not None:
+            if isinstance(self.feature_names, str) or not self.feature_names:
+                raise ValueError(
+                    f"ParameterConstraints: feature_names must be a non-empty list of feature "
+                    f"names, got {self.feature_names!r}"
+                )
+            self.feature_names = list(self.feature_names)
+        if self.device_group is not None and self.device_group not in DEVICE_GROUPS:
+            raise ValueError(
+                f"ParameterConstraints: device_group {self.device_group!r} must be one of "
+                f"{DEVICE_GROUPS} (or None)"
+            )
 
+    def checked(self) -> ParameterConstraints:
+        """A checked, normalized copy of the current values (fields may have been set later)."""
+        return dataclasses.replace(self)
 
-def _coerce(enum: type[Enum], value: Any, what: str) -> Any:
-    if isinstance(value, enum):
-        return value
-    raw = getattr(value, "value", value)
-    try:
-        return enum(raw)
-    except ValueError:
-        valid = ", ".join(repr(m.value) for m in enum)  # type: ignore[attr-defined]
-        raise ValueError(f"{what}: {value!r} is not a {enum.__name__}; use one of {valid}") from None
+    def __hash__(self) -> int:
+        def frozen(value: object) -> object:
+            return tuple(value) if isinstance(value, list) else value
+
+        return hash(tuple(frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))

@@ -49,7 +49,7 @@ from recsys_core.planner.types import Placement, ShardingOption, TableSpec
 ID_BYTES = 8  # ids travel as int64 (the KJT values the sharded modules send)
 LENGTH_BYTES = 8  # one int64 length per bag
 ID_WEIGHT_BYTES = 4  # fp32 per-id weight of weighted features
-OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32
+OUTPUT_BYTES = 4  # fp32: data-parallel gradients (and outputs unless output_dtype says otherwise)
 STATE_BYTES = 4  # fused optimizer state is fp32
 # The backward's lookup traffic relative to the forward's is topology.bwd_compute_multiplier
 # (TorchRec's BWD_COMPUTE_MULTIPLIER, 2 by default).
@@ -121,7 +121,7 @@ def estimate_option(
 
     # ---- storage
     stored = weights_and_state_bytes(rows, cols, config.data_type, table.optimizer)  # weights + state
-    out_bytes = out_rows * cols * OUTPUT_BYTES
+    out_bytes = out_rows * cols * table.output_bytes
     buffers = 2 * out_bytes + (rows * cols * OUTPUT_BYTES if dp else ids * id_bytes + bags * LENGTH_BYTES)
 
     # ---- compute: table-memory and compute-device traffic, forward + backward

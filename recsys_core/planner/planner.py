@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
+from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, BaseEmbeddingConfig, DataType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.plan.env import ShardingEnv
 from recsys_core.plan.generators import (
@@ -154,7 +154,7 @@ class EmbeddingShardingPlanner:
         collections = _collections(module, sharders)
         if not collections:  # as TorchRec: no sharder handles any module, nothing to shard
             return ShardingPlan({})
-        tables = self._table_specs(collections)
+        tables = self._table_specs(collections, topology)
         options = {
             spec.key: enumerate_options(spec, collections[spec.path][1], topology)
             for spec in tables
@@ -179,7 +179,8 @@ class EmbeddingShardingPlanner:
         return plan
 
     def _table_specs(
-        self, collections: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]]
+        self, collections: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]],
+        topology: Topology,
     ) -> list[TableSpec]:
         names = sorted({c.name for _, _, configs in collections.values() for c in configs})
         unknown = sorted(set(self._constraints) - set(names))
@@ -195,18 +196,22 @@ class EmbeddingShardingPlanner:
             optimizer = optimizer_config(sub).optimizer if callable(optimizer_config) else DEFAULT_OPTIMIZER
             weighted = bool(getattr(sub, "is_weighted", lambda: False)())
             for config in configs:
-                constraints = self._constraints.get(config.name, ParameterConstraints())
+                given = self._constraints.get(config.name)
+                constraints = ParameterConstraints() if given is None else given.checked()
+                _check_supported(config, constraints, topology)
                 ids, bags = self._traffic(config, constraints)
+                output = constraints.output_dtype or DataType.FP32
                 specs.append(TableSpec(
                     path=path, config=config, pooled=isinstance(sub, EmbeddingBagCollection),
                     optimizer=optimizer.canonical, constraints=constraints, ids_per_batch=ids,
                     bags_per_batch=bags, is_weighted=weighted or constraints.is_weighted,
+                    output_bytes=DATA_TYPE_BITS[output] / 8,
                 ))
         return specs
 
     def _traffic(self, config: BaseEmbeddingConfig, c: ParameterConstraints) -> tuple[float, float]:
         """(ids, bags) one rank's batch sends to ``config``'s table per step."""
-        features = config.feature_names
+        features = c.feature_names or list(config.feature_names)
 
         def per_feature(values: Sequence[float] | None, default: float, what: str) -> list[float]:
             if values is None:
@@ -215,8 +220,8 @@ class EmbeddingShardingPlanner:
                 return [float(values[0])] * len(features)
             if len(values) != len(features):
                 raise PlannerError(
-                    f"table {config.name!r}: constraints give {len(values)} {what} but the table "
-                    f"has {len(features)} features {features}; give one value per feature or one "
+                    f"table {config.name!r}: constraints give {len(values)} {what} but there are "
+                    f"{len(features)} features {features}; give one value per feature or one "
                     "for all",
                     PlannerErrorType.INPUT_VALIDATION,
                 )
@@ -258,6 +263,34 @@ def plan_for_env(
     if env.pg is not None and env.world_size > 1:
         return planner.collective_plan(module, sharders, env.pg)
     return planner.plan(module, sharders)
+
+
+def _check_supported(
+    config: BaseEmbeddingConfig, c: ParameterConstraints, topology: Topology
+) -> None:
+    """Constraints this planner cannot honour are errors, not silently dropped."""
+    where = f"table {config.name!r}"
+    if c.feature_names is not None and sorted(c.feature_names) != sorted(config.feature_names):
+        raise PlannerError(
+            f"{where}: constraints give feature_names {c.feature_names} but the table's features "
+            f"are {list(config.feature_names)}; list each of them once (in the order of the "
+            "per-feature pooling_factors / num_poolings / batch_sizes)",
+            PlannerErrorType.INPUT_VALIDATION,
+        )
+    if c.device_group is not None and c.device_group != topology.compute_device:
+        raise PlannerError(
+            f"{where}: constraints put it on device_group {c.device_group!r} but the topology "
+            f"is {topology.compute_device!r}; this planner places every table on the topology's "
+            "compute device: drop device_group or plan for that device",
+            PlannerErrorType.STRICT_CONSTRAINTS,
+        )
+    if c.key_value_params is not None or c.use_virtual_table:
+        raise PlannerError(
+            f"{where}: constraints ask for a key-value (SSD / parameter-server) table, which no "
+            "kernel of this library provides; drop key_value_params / use_virtual_table (large "
+            "tables on CUDA can use EmbeddingComputeKernel.FUSED_UVM_CACHING)",
+            PlannerErrorType.STRICT_CONSTRAINTS,
+        )
 
 
 def _collections(
@@ -315,12 +348,20 @@ def _build_plan(
         module_plan = construct_module_sharding_plan(
             sub,  # type: ignore[arg-type]
             {name: _generator(a, topology) for name, a in chosen.items()},
-            topology.world_size, topology.local_size, topology.compute_device,
+            local_size=topology.local_size, world_size=topology.world_size,
+            device_type=topology.compute_device,
         )
         for name, a in chosen.items():
+            constraints = a.option.table.constraints
+            sharding = module_plan[name]
+            sharding.cache_params = constraints.cache_params
             if a.option.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
-                base = a.option.table.constraints.cache_params or CacheParams()
+                base = constraints.cache_params or CacheParams()
                 params = dataclasses.replace(base, load_factor=round(float(a.load_factor or 0), 6))
-                module_plan[name].cache_params = params.to_dict()
+                sharding.cache_params = params
+            sharding.enforce_hbm = constraints.enforce_hbm
+            sharding.stochastic_rounding = constraints.stochastic_rounding
+            sharding.bounds_check_mode = constraints.bounds_check_mode
+            sharding.output_dtype = constraints.output_dtype
         plans[path] = module_plan
     return ShardingPlan(plans)

@@ -68,6 +68,8 @@ class TableSpec:
     """Bags one rank's batch produces in this table per step (batch size x poolings)."""
     is_weighted: bool
     """Ids carry weights."""
+    output_bytes: float = 4.0
+    """Bytes per element of the table's output embeddings (4: FP32; ``output_dtype``)."""
 
     @property
     def name(self) -> str:

@@ -38,7 +38,7 @@ T2x8 = EmbeddingBagConfig(name="t", num_embeddings=2, embedding_dim=8, feature_n
 
 
 def shards(ps: ParameterSharding) -> list[tuple[list[int], list[int], str]]:
-    return [(s.shard_offsets, s.shard_sizes, s.placement) for s in ps.shards]
+    return [(s.shard_offsets, s.shard_sizes, str(s.placement)) for s in ps.shards]
 
 
 def test_row_blocks_follow_torchrec_ceil_rule() -> None:
@@ -70,7 +70,7 @@ def test_row_wise_keeps_empty_shards_for_every_rank() -> None:
 
 def test_row_wise_cuda_placement_uses_local_index() -> None:
     ps = row_wise()(T10x8, 2, 4, "cuda")
-    assert [s.placement for s in ps.shards] == [
+    assert [str(s.placement) for s in ps.shards] == [
         "rank:0/cuda:0", "rank:1/cuda:1", "rank:2/cuda:0", "rank:3/cuda:1"
     ]
 
@@ -236,7 +236,8 @@ RW_OK = [([0, 0], [3, 8], 0), ([3, 0], [3, 8], 1), ([6, 0], [3, 8], 2), ([9, 0],
 
 BAD_PLANS = {
     "rank_out_of_world": (_ps(TW, [([0, 0], [10, 8], 4)]), r"rank 4 in ranks \[4\] is outside"),
-    "negative_rank": (_ps(CW, [([0, 0], [10, 4], -1), ([0, 4], [10, 4], 0)]), "rank -1"),
+    "negative_rank": (
+        _ps(CW, [([0, 0], [10, 4], 0), ([0, 4], [10, 4], 1)], ranks=[-1, 1]), "rank -1"),
     "placement_out_of_world": (
         _ps(TW, [([0, 0], [10, 8], 7)], ranks=[0]), r"shard 0 is placed on rank 7"),
     "bad_placement": (
@@ -327,7 +328,13 @@ def test_inference_plans_need_quant() -> None:
     with pytest.raises(ValueError, match=r"table 'a'.*fused in an inference plan"):
         construct_module_sharding_plan(ebc, {"a": row_wise()}, world_size=2, inference=True)
     with pytest.raises(ValueError, match=r"table 'a'.*quant is for inference"):
-        construct_module_sharding_plan(ebc, {"a": row_wise(K.QUANT)}, world_size=2)
+        construct_module_sharding_plan(ebc, {"a": row_wise(K.QUANT)}, world_size=2, inference=False)
+    # by default, a plan with a QUANT table is an inference plan: every table must be QUANT
+    plan = construct_module_sharding_plan(ebc, {"a": row_wise(K.QUANT)}, world_size=2)
+    assert plan["a"].compute_kernel is K.QUANT
+    two = _ebc(("a", 10, 8), ("b", 10, 8))
+    with pytest.raises(ValueError, match=r"table 'b'.*fused in an inference plan"):
+        construct_module_sharding_plan(two, {"a": row_wise(K.QUANT), "b": row_wise()}, world_size=2)
 
 
 def test_other_modules_are_rejected() -> None:

@@ -191,7 +191,7 @@ def test_small_hbm_chooses_uvm_caching_sized_to_free_hbm() -> None:
     plan, planner = plan_checked(module, topology, [UvmSharder()])
     t0 = plan.plan[""]["t0"]
     assert t0.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
-    load_factor = t0.cache_params["load_factor"]
+    load_factor = t0.cache_params.load_factor
     assert 0.2 <= load_factor < 1.0  # grown into the free HBM, but the table does not fit
     assert max(r.hbm_bytes for r in planner.stats.ranks) == pytest.approx(0.85 * GIB, rel=0.01)
     assert all(r.ddr_bytes > 0 for r in planner.stats.ranks)  # the weights live in host memory
@@ -204,7 +204,7 @@ def test_uvm_caching_keeps_the_constraint_load_factor() -> None:
                            constraints=constraints)
     t0 = plan.plan[""]["t0"]
     assert t0.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
-    assert t0.cache_params == CacheParams(load_factor=0.05).to_dict()
+    assert t0.cache_params == CacheParams(load_factor=0.05)
 
 
 def test_no_room_for_a_cache_falls_back_to_uvm() -> None:

@@ -62,12 +62,13 @@ def test_cache_params_rejects_bad_values(kwargs: dict, message: str) -> None:
         CacheParams(**kwargs)
 
 
-def test_constraints_coerce_strings_to_enums_and_lists_to_tuples() -> None:
+def test_constraints_coerce_strings_to_enums_in_lists() -> None:
     c = ParameterConstraints(sharding_types=["table_wise", ShardingType.ROW_WISE],
-                             compute_kernels=["fused"], pooling_factors=[2.0, 3.0])
-    assert c.sharding_types == (ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
-    assert c.compute_kernels == (EmbeddingComputeKernel.FUSED,)
-    assert c.pooling_factors == (2.0, 3.0)
+                             compute_kernels=("fused",), pooling_factors=(2.0, 3.0))
+    assert c.sharding_types == [ShardingType.TABLE_WISE, ShardingType.ROW_WISE]
+    assert c.sharding_types == ["table_wise", "row_wise"]  # str enums, as TorchRec's strings
+    assert c.compute_kernels == [EmbeddingComputeKernel.FUSED]
+    assert c.pooling_factors == [2.0, 3.0]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,119 @@
+"""Per-table kernel parameters a plan carries (TorchRec's ``torchrec.distributed.types`` names):
+UVM cache settings (:class:`CacheParams`), id bounds checking (:class:`BoundsCheckMode`, FBGEMM's
+values) and key-value store settings (:class:`KeyValueParams`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum, unique
+from typing import Any
+
+from recsys_core.modules.embedding_configs import DataType
+
+
+@unique
+class BoundsCheckMode(Enum):
+    """What a kernel does with an id outside its table (FBGEMM's ``BoundsCheckMode`` values)."""
+
+    FATAL = 0  # raise
+    WARNING = 1  # warn and use row 0
+    IGNORE = 2  # use row 0 silently
+    NONE = 3  # no check
+    V2_IGNORE = 4
+    V2_WARNING = 5
+    V2_FATAL = 6
+
+
+@dataclass(frozen=True)
+class KeyValueParams:
+    """Settings of a key-value (SSD or parameter-server) backed table. No kernel of this library
+    stores tables that way: the planner refuses constraints that set these."""
+
+    ssd_storage_directory: str | None = None
+    ssd_rocksdb_write_buffer_size: int | None = None
+    ssd_rocksdb_shards: int | None = None
+    l2_cache_size: int | None = None
+    ps_hosts: tuple[tuple[str, int], ...] | None = None
+
+
+@unique
+class CacheAlgorithm(Enum):
+    """Eviction policy of the UVM cache (FBGEMM's ``CacheAlgorithm``)."""
+
+    LRU = "lru"
+    LFU = "lfu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheParams:
+    """Settings of a FUSED_UVM_CACHING table: the HBM cache in front of rows kept in host memory.
+
+    ``to_dict()`` is what a plan stores in ``ParameterSharding.cache_params`` (plain JSON).
+    """
+
+    algorithm: CacheAlgorithm = CacheAlgorithm.LRU
+    """Which rows the cache evicts first."""
+    load_factor: float | None = None
+    """Cache slots as a fraction of the table's rows, in (0, 1]. None: the planner sizes it to
+    the free HBM. Given in a constraint, the planner uses exactly this value."""
+    reserved_memory: float | None = None
+    """GiB of HBM the cache leaves unused on its rank (FBGEMM's ``cache_reserved_memory``)."""
+    precision: DataType | None = None
+    """Precision of cached rows (FP32 or FP16); None: the table's data type."""
+    prefetch_pipeline: bool | None = None
+    """Whether the training pipeline prefetches the next batch's rows into the cache."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.algorithm, CacheAlgorithm):
+            object.__setattr__(self, "algorithm", coerce_enum(CacheAlgorithm, self.algorithm, "algorithm"))
+        if self.load_factor is not None and not 0.0 < self.load_factor <= 1.0:
+            raise ValueError(
+                f"CacheParams: load_factor {self.load_factor} must be in (0, 1] (cache slots as a "
+                "fraction of the table's rows); leave it None to size it to the free HBM"
+            )
+        if self.reserved_memory is not None and self.reserved_memory < 0:
+            raise ValueError(f"CacheParams: reserved_memory {self.reserved_memory} GiB must be >= 0")
+        if self.precision is not None:
+            precision = coerce_enum(DataType, self.precision, "precision")
+            if precision not in (DataType.FP32, DataType.FP16):
+                raise ValueError(
+                    f"CacheParams: precision {precision} is not a cache precision; use "
+                    "DataType.FP32 or DataType.FP16"
+                )
+            object.__setattr__(self, "precision", precision)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.algorithm.value,
+            "load_factor": self.load_factor,
+            "reserved_memory": self.reserved_memory,
+            "precision": None if self.precision is None else self.precision.value,
+            "prefetch_pipeline": self.prefetch_pipeline,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheParams:
+        unknown = set(data) - {
+            "algorithm", "load_factor", "reserved_memory", "precision", "prefetch_pipeline"
+        }
+        if unknown:
+            raise ValueError(f"CacheParams.from_dict: unknown keys {sorted(unknown)}")
+        return cls(
+            algorithm=CacheAlgorithm(data.get("algorithm", CacheAlgorithm.LRU.value)),
+            load_factor=data.get("load_factor"),
+            reserved_memory=data.get("reserved_memory"),
+            precision=None if data.get("precision") is None else DataType(data["precision"]),
+            prefetch_pipeline=data.get("prefetch_pipeline"),
+        )
+
+
+def coerce_enum(enum: type[Enum], value: Any, what: str) -> Any:
+    if isinstance(value, enum):
+        return value
+    raw = getattr(value, "value", value)
+    try:
+        return enum(raw)
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in enum)  # type: ignore[attr-defined]
+        raise ValueError(f"{what}: {value!r} is not a {enum.__name__}; use one of {valid}") from None
