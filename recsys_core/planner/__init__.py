@@ -18,9 +18,15 @@ from recsys_core.planner.machine import (
 from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
 from recsys_core.planner.stats import PlanStats, RankStats
 from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage
+from recsys_core.planner.storage_reservations import (
+    HeuristicalStorageReservation,
+    StorageReservation,
+)
 from recsys_core.planner.topology import Topology
 
 __all__ = [
+    "HeuristicalStorageReservation",
+    "StorageReservation",
     "BoundsCheckMode",
     "KeyValueParams",
     "DeviceHardware",

@@ -73,7 +73,6 @@ MAX_CACHE_LOAD_FACTOR = 1.0
 # planner proposes it (unless constraints ask for it) only for tables at most this large.
 DATA_PARALLEL_MAX_BYTES = 1024**2
 DEFAULT_MIN_PARTITION = 32  # narrowest column-wise shard: narrower rows waste SIMD/warps
-DEFAULT_STORAGE_RESERVATION = 0.15  # of each rank's memory: dense parameters, activations
 DEFAULT_OPTIMIZER = EmbOptimType.EXACT_ROWWISE_ADAGRAD  # when the sharder names none
 
 ROW_SPLITS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)

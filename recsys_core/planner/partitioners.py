@@ -19,6 +19,7 @@ per candidate. Ties go to the lower rank, host and candidate index: plans are de
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -205,10 +206,14 @@ class GreedyPartitioner:
         self._ddr_budget = ddr_budget
 
     def partition(
-        self, options: dict[TableKey, Sequence[ShardingOption]], max_moves: int | None = None
+        self, options: dict[TableKey, Sequence[ShardingOption]], max_moves: int | None = None,
+        deadline: float | None = None,
     ) -> tuple[Partition, TableKey | None]:
         """Place every table: ``(partition, None)``; or, when a table fits nowhere, the tables
-        placed before it and its key (the state an error message should describe)."""
+        placed before it and its key (the state an error message should describe).
+
+        ``deadline`` (a ``time.perf_counter()`` value) stops the local search early; the greedy
+        placement always completes."""
         st = _State(self._topology, self._hbm_budget, self._ddr_budget, len(options))
         tiers = {key: _by_tier(opts) for key, opts in options.items()}
         cheapest = {
@@ -223,7 +228,9 @@ class GreedyPartitioner:
             if choice is None:
                 return self._result(options, st), key
             st.add(key, choice)
-        self._local_search(tiers, st, max_moves if max_moves is not None else 4 * len(options) + 64)
+        self._local_search(
+            tiers, st, max_moves if max_moves is not None else 4 * len(options) + 64, deadline
+        )
         self._grow_caches(st)
         return self._result(options, st), None
 
@@ -257,9 +264,12 @@ class GreedyPartitioner:
         return None
 
     def _local_search(
-        self, tiers: dict[TableKey, list[list[ShardingOption]]], st: _State, limit: int
+        self, tiers: dict[TableKey, list[list[ShardingOption]]], st: _State, limit: int,
+        deadline: float | None,
     ) -> None:
         for _ in range(limit):
+            if deadline is not None and time.perf_counter() > deadline:
+                return
             rank = int(np.argmax(st.cost))
             # swaps first: one vectorised pass over all table-wise shards is cheap
             if not (self._swap_from(rank, st) or self._move_from(rank, tiers, st)):

@@ -11,7 +11,6 @@ broadcasts the plan's JSON, so every rank shards with the identical plan.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 
@@ -20,31 +19,28 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, BaseEmbeddingConfig, DataType
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.plan.env import ShardingEnv
-from recsys_core.plan.generators import (
-    ParameterShardingGenerator,
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_column_wise,
-    table_row_wise,
-    table_wise,
-)
 from recsys_core.plan.sharder import Sharder
-from recsys_core.plan.types import EmbeddingComputeKernel, ShardingPlan, ShardingType
-from recsys_core.planner.constraints import CacheParams, ParameterConstraints
+from recsys_core.plan.types import ShardingPlan
+from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.enumerators import enumerate_options
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
-from recsys_core.planner.estimators import DEFAULT_OPTIMIZER, DEFAULT_STORAGE_RESERVATION
+from recsys_core.planner.estimators import DEFAULT_OPTIMIZER
 from recsys_core.planner.machine import detect_topology, smallest_over_ranks
-from recsys_core.planner.partitioners import Assignment, GreedyPartitioner, Partition
+from recsys_core.planner.partitioners import GreedyPartitioner
+from recsys_core.planner.plan_builder import build_plan, collections_of
 from recsys_core.planner.shortfall import check_total, no_fit_error
 from recsys_core.planner.stats import PlanStats
+from recsys_core.planner.storage_reservations import (
+    DEFAULT_STORAGE_RESERVATION,
+    HeuristicalStorageReservation,
+    StorageReservation,
+)
 from recsys_core.planner.topology import Topology
 from recsys_core.planner.types import TableSpec
 
+DEFAULT_BATCH_SIZE = 512  # TorchRec's BATCH_SIZE: samples per rank per step
 
 class EmbeddingShardingPlanner:
     """Plans how every embedding collection of a model is sharded.
@@ -55,26 +51,55 @@ class EmbeddingShardingPlanner:
             ``collective_plan`` takes the smallest reading of all ranks).
         batch_size: samples per rank per step (sets input/output traffic and buffers).
         constraints: ``{table name: ParameterConstraints}``.
-        storage_reservation: fraction of each rank's HBM and DDR kept free for dense parameters,
-            activations and allocator slack (default 0.15).
-        debug: print the per-rank summary after each plan.
+        storage_reservation: what each rank keeps free for dense parameters, activations and
+            allocator slack: a ``StorageReservation`` (default
+            ``HeuristicalStorageReservation(0.15)``) or the fraction as a float.
+        debug: print the plan and the per-rank summary after each plan.
+        timeout_seconds: bounds the search's improvement phase (the greedy placement always
+            completes); None: no bound.
+
+    TorchRec's argument order. Its ``enumerator``, ``proposer``, ``partitioner``,
+    ``performance_model``, ``stats``, ``callbacks`` and ``plan_loader`` pick other search
+    strategies than this planner's single one (every candidate layout, one greedy placement with
+    local search, see ``partitioners.py``): they must be None.
     """
 
     def __init__(
         self,
         topology: Topology | None = None,
-        batch_size: int = 512,
+        batch_size: int | None = None,
+        enumerator: object | None = None,
+        storage_reservation: StorageReservation | float | None = None,
+        proposer: object | None = None,
+        partitioner: object | None = None,
+        performance_model: object | None = None,
+        stats: object | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
-        storage_reservation: float | None = None,
         debug: bool = False,
+        callbacks: object | None = None,
+        timeout_seconds: float | None = None,
+        plan_loader: object | None = None,
     ) -> None:
+        batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"EmbeddingShardingPlanner: batch_size must be an int >= 1, got {batch_size!r}")
-        reservation = DEFAULT_STORAGE_RESERVATION if storage_reservation is None else storage_reservation
-        if not 0.0 <= reservation < 1.0:
+        strategies = {
+            "enumerator": enumerator, "proposer": proposer, "partitioner": partitioner,
+            "performance_model": performance_model, "stats": stats, "callbacks": callbacks,
+            "plan_loader": plan_loader,
+        }
+        custom = [name for name, value in strategies.items() if value is not None]
+        if custom:
             raise ValueError(
-                f"EmbeddingShardingPlanner: storage_reservation {reservation} must be in [0, 1) "
-                "(the fraction of memory kept for dense parameters and activations)"
+                f"EmbeddingShardingPlanner: {custom} are not supported: this planner has one "
+                "search (every candidate layout, greedy placement, local search); leave them "
+                "None and steer it with constraints, topology and storage_reservation"
+            )
+        if timeout_seconds is not None and not timeout_seconds > 0:
+            raise ValueError(f"EmbeddingShardingPlanner: timeout_seconds must be > 0, got {timeout_seconds!r}")
+        if storage_reservation is None or isinstance(storage_reservation, int | float):
+            storage_reservation = HeuristicalStorageReservation(
+                DEFAULT_STORAGE_RESERVATION if storage_reservation is None else storage_reservation
             )
         constraints = dict(constraints or {})
         for name, value in constraints.items():
@@ -86,8 +111,9 @@ class EmbeddingShardingPlanner:
         self._topology = topology
         self._batch_size = batch_size
         self._constraints = constraints
-        self._reservation = reservation
+        self._storage_reservation = storage_reservation
         self._debug = debug
+        self._timeout_seconds = timeout_seconds
         self._stats: PlanStats | None = None
 
     # ---- API ------------------------------------------------------------------------------------
@@ -151,7 +177,7 @@ class EmbeddingShardingPlanner:
     # ---- planning -------------------------------------------------------------------------------
     def _plan(self, module: nn.Module, sharders: Sequence[Sharder], topology: Topology) -> ShardingPlan:
         start = time.perf_counter()
-        collections = _collections(module, sharders)
+        collections = collections_of(module, sharders)
         if not collections:  # as TorchRec: no sharder handles any module, nothing to shard
             return ShardingPlan({})
         tables = self._table_specs(collections, topology)
@@ -159,16 +185,22 @@ class EmbeddingShardingPlanner:
             spec.key: enumerate_options(spec, collections[spec.path][1], topology)
             for spec in tables
         }
-        hbm_budget = topology.hbm_per_rank * (1.0 - self._reservation)
-        ddr_budget = topology.ddr_per_rank * (1.0 - self._reservation)
+        reserved = self._storage_reservation.reserve(
+            topology, self._batch_size, module, sharders, self._constraints
+        )
+        hbm_budget, ddr_budget = float(reserved.hbm_per_rank), float(reserved.ddr_per_rank)
+        reservation = _reserved_fraction(topology, reserved)
         specs = {spec.key: spec for spec in tables}
-        check_total(specs, options, topology, hbm_budget, ddr_budget, self._reservation)
-        partition, failed = GreedyPartitioner(topology, hbm_budget, ddr_budget).partition(options)
+        check_total(specs, options, topology, hbm_budget, ddr_budget, reservation)
+        deadline = None if self._timeout_seconds is None else start + self._timeout_seconds
+        partition, failed = GreedyPartitioner(topology, hbm_budget, ddr_budget).partition(
+            options, deadline=deadline
+        )
         if failed is not None:
             raise no_fit_error(
-                specs, options, failed, partition, topology, hbm_budget, ddr_budget, self._reservation
+                specs, options, failed, partition, topology, hbm_budget, ddr_budget, reservation
             )
-        plan = _build_plan(collections, partition, topology)
+        plan = build_plan(collections, partition, topology)
         self._stats = PlanStats.from_partition(
             partition, topology, hbm_budget, ddr_budget, self._batch_size,
             time.perf_counter() - start,
@@ -265,6 +297,16 @@ def plan_for_env(
     return planner.plan(module, sharders)
 
 
+def _reserved_fraction(topology: Topology, reserved: Topology) -> float:
+    """The fraction of memory a reservation kept back (for messages): of HBM on CUDA, of host
+    memory on CPU."""
+    full, left = (
+        (topology.hbm_per_rank, reserved.hbm_per_rank) if topology.is_cuda
+        else (topology.ddr_per_rank, reserved.ddr_per_rank)
+    )
+    return 1.0 - left / full if full > 0 else 0.0
+
+
 def _check_supported(
     config: BaseEmbeddingConfig, c: ParameterConstraints, topology: Topology
 ) -> None:
@@ -291,77 +333,3 @@ def _check_supported(
             "tables on CUDA can use EmbeddingComputeKernel.FUSED_UVM_CACHING)",
             PlannerErrorType.STRICT_CONSTRAINTS,
         )
-
-
-def _collections(
-    module: nn.Module, sharders: Sequence[Sharder]
-) -> dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]]:
-    """``{path: (collection, its sharder, its table configs)}`` in ``named_modules`` order."""
-    found: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]] = {}
-    for path, sub in module.named_modules():
-        if any(path.startswith(p + ".") or (not p and path) for p in found):
-            continue  # inside a collection already planned
-        sharder = next((s for s in sharders if isinstance(sub, s.module_type)), None)
-        if sharder is None:
-            continue
-        if isinstance(sub, EmbeddingBagCollection):
-            configs: list[BaseEmbeddingConfig] = list(sub.embedding_bag_configs())
-        elif isinstance(sub, EmbeddingCollection):
-            configs = list(sub.embedding_configs())
-        else:
-            raise PlannerError(
-                f"module {path!r} is a {type(sub).__name__}, which {type(sharder).__name__} "
-                "handles but the planner cannot read tables from; plan EmbeddingBagCollection "
-                "or EmbeddingCollection modules"
-            )
-        found[path] = (sub, sharder, configs)
-    return found
-
-
-def _generator(a: Assignment, topology: Topology) -> ParameterShardingGenerator:
-    kind, kernel = a.option.sharding_type, a.option.compute_kernel
-    ranks = [int(r) for r in a.ranks]
-    if kind is ShardingType.TABLE_WISE:
-        return table_wise(rank=ranks[0], compute_kernel=kernel)
-    if kind is ShardingType.COLUMN_WISE:
-        return column_wise(ranks=ranks, compute_kernel=kernel)
-    if kind is ShardingType.ROW_WISE:
-        return row_wise(compute_kernel=kernel)
-    if kind is ShardingType.TABLE_ROW_WISE:
-        return table_row_wise(host_index=a.host_index(topology.local_size), compute_kernel=kernel)
-    if kind is ShardingType.TABLE_COLUMN_WISE:
-        return table_column_wise(
-            host_index=a.host_index(topology.local_size), compute_kernel=kernel,
-            ranks_per_table=len(ranks),
-        )
-    return data_parallel(compute_kernel=kernel)
-
-
-def _build_plan(
-    collections: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]],
-    partition: Partition,
-    topology: Topology,
-) -> ShardingPlan:
-    plans = {}
-    for path, (sub, _, configs) in collections.items():
-        chosen = {c.name: partition.assignments[(path, c.name)] for c in configs}
-        module_plan = construct_module_sharding_plan(
-            sub,  # type: ignore[arg-type]
-            {name: _generator(a, topology) for name, a in chosen.items()},
-            local_size=topology.local_size, world_size=topology.world_size,
-            device_type=topology.compute_device,
-        )
-        for name, a in chosen.items():
-            constraints = a.option.table.constraints
-            sharding = module_plan[name]
-            sharding.cache_params = constraints.cache_params
-            if a.option.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
-                base = constraints.cache_params or CacheParams()
-                params = dataclasses.replace(base, load_factor=round(float(a.load_factor or 0), 6))
-                sharding.cache_params = params
-            sharding.enforce_hbm = constraints.enforce_hbm
-            sharding.stochastic_rounding = constraints.stochastic_rounding
-            sharding.bounds_check_mode = constraints.bounds_check_mode
-            sharding.output_dtype = constraints.output_dtype
-        plans[path] = module_plan
-    return ShardingPlan(plans)

@@ -17,6 +17,7 @@ from recsys_core.distributed import (
 from recsys_core.planner import (
     DeviceHardware,
     EmbeddingShardingPlanner,
+    HeuristicalStorageReservation,
     ParameterConstraints,
     Perf,
     PlannerError,
@@ -142,3 +143,35 @@ def test_bwd_compute_multiplier_scales_the_backward_lookup_traffic() -> None:
         return float(option.cost[0])
 
     assert cost(2.0) - cost(0.0) == pytest.approx(2 * 6400 / 51e9 * 1e3, rel=1e-9)
+
+
+def test_heuristical_storage_reservation_sets_the_budgets() -> None:
+    # CPU, 2 ranks on one host of 8 GiB: 4 GiB per rank, 25% kept back -> 3 GiB usable each
+    topology = Topology(2, "cpu", ddr_cap=8 * GIB)
+    reservation = HeuristicalStorageReservation(percentage=0.25)
+    planner = EmbeddingShardingPlanner(topology, 64, None, reservation)  # TorchRec's order
+    planner.plan(ebc(100, 64, 2), [EmbeddingBagCollectionSharder()])
+    assert planner.stats is not None
+    assert (planner.stats.ddr_budget, planner.stats.hbm_budget) == (3 * GIB, 0)
+    assert reservation.last_reserved_topology == Topology(2, "cpu", ddr_cap=6 * GIB)
+    # a float is the same reservation
+    floats = EmbeddingShardingPlanner(topology, storage_reservation=0.25)
+    floats.plan(ebc(100, 64, 2), [EmbeddingBagCollectionSharder()])
+    assert floats.stats is not None and floats.stats.ddr_budget == 3 * GIB
+    with pytest.raises(ValueError, match="percentage 1.0 must be in"):
+        HeuristicalStorageReservation(1.0)
+
+
+@pytest.mark.parametrize("name", ["enumerator", "proposer", "partitioner", "performance_model",
+                                  "stats", "callbacks", "plan_loader"])
+def test_other_search_strategies_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"\['{name}'\] are not supported: this planner has one"):
+        EmbeddingShardingPlanner(Topology(2, "cpu"), **{name: object()})
+
+
+def test_default_batch_size_is_torchrecs_and_timeout_is_checked() -> None:
+    planner = EmbeddingShardingPlanner(Topology(1, "cpu"), timeout_seconds=30)
+    planner.plan(ebc(100, 8), [EmbeddingBagCollectionSharder()])
+    assert planner.stats is not None and "batch 512 per rank" in planner.stats.topology
+    with pytest.raises(ValueError, match="timeout_seconds must be > 0"):
+        EmbeddingShardingPlanner(Topology(1, "cpu"), timeout_seconds=0)
