@@ -45,6 +45,7 @@ CRITEO_1TB_ROWS = [
 ]
 ROW_CAP = 40_000_000
 LOCAL = 8  # GPUs per host
+GIB = 1024**3
 
 
 def criteo_model() -> tuple[EmbeddingBagCollection, dict[str, ParameterConstraints]]:
@@ -70,7 +71,9 @@ def mixed_model(count: int, seed: int) -> tuple[EmbeddingBagCollection, dict[str
 
 def bench_plan(case: str, world: int, model: tuple) -> None:
     ebc, constraints = model
-    topology = Topology(world_size=world, compute_device="cuda", local_world_size=min(world, LOCAL))
+    # 80 GiB GPUs on hosts of 128 GiB (16 GiB per rank)
+    topology = Topology(world_size=world, compute_device="cuda", local_world_size=min(world, LOCAL),
+                        hbm_cap=80 * GIB, ddr_cap=16 * GIB)
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=512, constraints=constraints)
     start = time.perf_counter()
     # DLRM's usual optimizer: its row-wise state is sized, and it rules out column splits

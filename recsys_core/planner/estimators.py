@@ -30,7 +30,7 @@ cost (ms)
     Caching: a hit reads HBM, a miss host memory; the expected hit rate is the load factor (as if
     ids were uniform: real traffic is skewed, so this over-estimates misses).
 
-Bandwidths are the topology's, "per rank". Sources ids are spread evenly over ranks: a share
+Bandwidths are the topology's, "per rank", in bytes per ms (TorchRec's unit). Sources ids are spread evenly over ranks: a share
 ``(local - 1) / world`` arrives over the intra-host link, ``(world - local) / world`` over the
 inter-host link, and the rank's own share is free.
 """
@@ -139,26 +139,26 @@ def estimate_option(
         EmbeddingComputeKernel.FUSED_UVM: topology.ddr_mem_bw,
         EmbeddingComputeKernel.FUSED_UVM_CACHING: topology.hbm_mem_bw,  # all hits; misses below
     }[kernel]
-    row_s = NS_PER_UPDATED_ROW[topology.compute_device] * 1e-9
-    compute_s = updated * row_s + table_bytes / table_bw + local_bytes / compute_bw
+    row_ms = NS_PER_UPDATED_ROW[topology.compute_device] * 1e-6
+    compute_ms = updated * row_ms + table_bytes / table_bw + local_bytes / compute_bw
 
     # ---- communication
     intra = topology.intra_host_bw
     inter = topology.inter_host_bw
-    spread_s = ((local - 1) / world) / intra + ((world - local) / world) / inter  # per byte
+    spread_ms = ((local - 1) / world) / intra + ((world - local) / world) / inter  # per byte
     if dp:
         link = inter if topology.num_hosts > 1 else intra
-        comm_s = 2 * (world - 1) / world * rows * cols * OUTPUT_BYTES / link
+        comm_ms = 2 * (world - 1) / world * rows * cols * OUTPUT_BYTES / link
     else:
-        in_s = (ids * id_bytes + bags * LENGTH_BYTES) * spread_s
+        in_ms = (ids * id_bytes + bags * LENGTH_BYTES) * spread_ms
         if sharding_type is ShardingType.TABLE_ROW_WISE:
             # reduce-scatter inside the host, then each rank forwards its 1/local of the sums
-            out_s = out_bytes * (((local - 1) / local) / intra + ((world - local) / (world * local)) / inter)
+            out_ms = out_bytes * (((local - 1) / local) / intra + ((world - local) / (world * local)) / inter)
         else:
-            out_s = out_bytes * spread_s
-        comm_s = in_s + out_s * (1 + BWD_COMM_MULTIPLIER)
+            out_ms = out_bytes * spread_ms
+        comm_ms = in_ms + out_ms * (1 + BWD_COMM_MULTIPLIER)
 
-    cost = (compute_s + comm_s) * 1e3 + SHARD_OVERHEAD_MS
+    cost = compute_ms + comm_ms + SHARD_OVERHEAD_MS
     zeros = np.zeros_like(rows)
     if not topology.is_cuda:
         hbm, ddr = zeros, stored + buffers
@@ -172,7 +172,7 @@ def estimate_option(
         precision = config.data_type if params is None or params.precision is None else params.precision
         cache_elem = DATA_TYPE_BITS[precision] / 8
         cache_hbm = rows * (cols * cache_elem + CACHE_SLOT_OVERHEAD_BYTES)
-        miss_cost = table_bytes * (1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw) * 1e3
+        miss_cost = table_bytes * (1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw)
         if params is not None:
             load_factor = params.load_factor
             if params.reserved_memory:

@@ -1,7 +1,7 @@
 """The machine a plan is for: the memory this process can really use, read from the OS.
 
-``Topology()``'s defaults are TorchRec's constants (80 GiB of HBM per GPU, 128 GiB of host
-memory per host), not this machine's; a model that fits them may not fit here. These functions
+``Topology()``'s defaults are TorchRec's constants (32 GiB of HBM and 128 GiB of host memory
+per rank), not this machine's; a model that fits them may not fit here. These functions
 read what is free now:
 
     host_memory()     MemAvailable of /proc/meminfo, bounded by the process's cgroup limit
@@ -9,7 +9,8 @@ read what is free now:
                       memory.usage_in_bytes``, reclaimable page cache not counted as used);
                       os.sysconf's physical memory where /proc/meminfo is missing
     device_memory()   free memory of a CUDA device (torch.cuda.mem_get_info)
-    detect_topology() a Topology with those as ``ddr_cap`` (per host) and ``hbm_cap`` (per rank)
+    detect_topology() a Topology with those as ``ddr_cap`` and ``hbm_cap`` (per rank: a host's
+                      memory is split evenly over its ranks)
     smallest_over_ranks()  every rank reads its own machine; plan for the smallest reading
 
 The file locations are parameters so tests (and unusual systems) can point them elsewhere.
@@ -106,9 +107,10 @@ def detect_topology(
 ) -> Topology:
     """A Topology whose memory is this machine's, as free now (bandwidths: Topology's defaults).
 
-    CPU ranks: the host's available memory (:func:`host_memory`) is ``ddr_cap``, shared by the
-    host's ranks. CUDA ranks: the device's free memory (:func:`device_memory`) is ``hbm_cap``,
-    the host's available memory ``ddr_cap`` (for UVM tables). Every host is assumed to look like
+    CPU ranks: the host's available memory (:func:`host_memory`) split evenly over the host's
+    ranks is ``ddr_cap`` (per rank). CUDA ranks: the device's free memory
+    (:func:`device_memory`) is ``hbm_cap``; the host's, split over its ranks, ``ddr_cap`` (for
+    UVM tables). Every host is assumed to look like
     this one; :func:`smallest_over_ranks` takes the smallest over all ranks' readings.
 
     Args:
@@ -139,10 +141,10 @@ def detect_topology(
     )
     if not shape.is_cuda:
         if memory_per_rank is not None:
-            ddr_cap, source = memory_per_rank * local, str(override)
+            ddr_cap, source = memory_per_rank, str(override)
         else:
             reading = host or host_memory()
-            ddr_cap, source = reading.available, f"{_HOST_READ}{reading.source}"
+            ddr_cap, source = reading.available // local, f"{_HOST_READ}{reading.source}"
             if local > 1:
                 source += f", shared by {local} ranks on the host"
         return dataclasses.replace(shape, ddr_cap=ddr_cap, memory_source=source)
@@ -153,7 +155,7 @@ def detect_topology(
         hbm_reading = hbm or device_memory(device)
         hbm_cap, hbm_source = hbm_reading.available, hbm_reading.source
     return dataclasses.replace(
-        shape, hbm_cap=hbm_cap, ddr_cap=host_reading.available,
+        shape, hbm_cap=hbm_cap, ddr_cap=host_reading.available // local,
         memory_source=f"HBM: {hbm_source}; host memory: {_HOST_READ}{host_reading.source}"
         + (f", shared by {local} ranks on the host" if local > 1 else ""),
     )
@@ -181,7 +183,7 @@ def smallest_over_ranks(topology: Topology, pg: dist.ProcessGroup | None = None)
     chosen, least_ddr = readings[rank], readings[ddr_rank]
     source = f"the smallest of {world} ranks' readings, rank {rank}'s: {chosen.memory_source}"
     if least_ddr.ddr_cap < chosen.ddr_cap:
-        source += f"; host memory {_gib(least_ddr.ddr_cap)} as read on rank {ddr_rank}"
+        source += f"; host memory {_gib(least_ddr.ddr_cap)} per rank as read on rank {ddr_rank}"
     return dataclasses.replace(topology, hbm_cap=chosen.hbm_cap, ddr_cap=least_ddr.ddr_cap,
                                memory_source=source)
 

@@ -120,7 +120,7 @@ def memory_origin(topology: Topology) -> str:
         hbm_default = topology.hbm_cap == DEFAULT_HBM_CAP
         parts.append(f"HBM {_gib(topology.hbm_per_rank)} per rank "
                      + (default if hbm_default else "(Topology hbm_cap)"))
-    parts.append(f"host memory {_gib(topology.ddr_cap or 0)} per host "
+    parts.append(f"host memory {_gib(topology.ddr_cap or 0)} per rank "
                  + (default if topology.ddr_cap == DEFAULT_DDR_CAP else "(Topology ddr_cap)"))
     return "the Topology as given: " + ", ".join(parts)
 
@@ -145,7 +145,8 @@ def _per_rank(kind: str, topology: Topology, reservation: float) -> str:
     hbm, ddr = topology.hbm_per_rank, topology.ddr_per_rank
     shared = ""
     if topology.local_size > 1:
-        shared = f" ({_gib(topology.ddr_cap or 0)} on a host, shared by {topology.local_size} ranks)"
+        host = _gib((topology.ddr_cap or 0) * topology.local_size)
+        shared = f" ({host} on a host, shared by {topology.local_size} ranks)"
     if kind == "HBM":
         total = f"{_gib(hbm)} of HBM per rank"
     elif kind == "host memory" or not topology.is_cuda:

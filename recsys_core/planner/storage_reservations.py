@@ -65,7 +65,7 @@ class HeuristicalStorageReservation:
         keep = 1.0 - self.percentage
         self._last = dataclasses.replace(
             topology, hbm_cap=int(topology.hbm_per_rank * keep),
-            ddr_cap=int(topology.ddr_per_rank * keep) * topology.local_size,
+            ddr_cap=int(topology.ddr_per_rank * keep),
         )
         return self._last
 

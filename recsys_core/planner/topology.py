@@ -1,6 +1,6 @@
 """The ranks a plan is for (:class:`Topology`): how many, their memory, their links' bandwidth.
 
-Units: bytes for memory, bytes per second for bandwidths.
+Units, as TorchRec's: bytes for memory (per rank), bytes per millisecond for bandwidths.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ GIB = 1024**3
 GB = 1000**3
 
 
-# Defaults of a Topology (per rank unless said otherwise). Sources: TorchRec's planner constants
-# (torchrec/distributed/planner/constants.py) and vendor data sheets, rounded.
-DEFAULT_HBM_CAP = 80 * GIB  # H100 / A100-80GB
-DEFAULT_DDR_CAP = 128 * GIB  # per HOST; each rank gets ddr_cap / local_world_size
-DEFAULT_HBM_MEM_BW = 897 * GB  # TorchRec's HBM_MEM_BW: effective for random row gathers
-# TorchRec's DDR_MEM_BW: host-memory row reads by a CPU kernel or over UVM. With
+# Defaults of a Topology, per rank. Bandwidths are in bytes per MILLISECOND, as TorchRec's
+# (torchrec/distributed/planner/constants.py); sources there and vendor data sheets, rounded.
+DEFAULT_HBM_CAP = 32 * GIB  # TorchRec's HBM_CAP
+DEFAULT_DDR_CAP = 128 * GIB  # TorchRec's DDR_CAP (per rank)
+MS = 1000  # bytes/s -> bytes/ms
+DEFAULT_HBM_MEM_BW = 897 * GB / MS  # HBM_MEM_BW (in GB): effective for random row gathers
+# DDR_MEM_BW (in GB): host-memory row reads by a CPU kernel or over UVM. With
 # NS_PER_UPDATED_ROW it matches FBGEMM-CPU step times within ~30% on the development VM
 # (bench/planner.py).
-DEFAULT_DDR_MEM_BW = 51 * GB
-DEFAULT_CUDA_INTRA_HOST_BW = 600 * GB  # TorchRec's INTRA_NODE_BANDWIDTH (NVLink)
+DEFAULT_DDR_MEM_BW = 51 * GB / MS
+DEFAULT_CUDA_INTRA_HOST_BW = 600 * GB / MS  # INTRA_NODE_BANDWIDTH (NVLink)
 # gloo over loopback TCP between the processes of one host: 0.97 GB/s per rank measured for a
 # 64 MiB all-to-all between 2 ranks on the 2-vCPU development VM (bigger hosts do better).
-DEFAULT_CPU_INTRA_HOST_BW = 1 * GB
-DEFAULT_INTER_HOST_BW = 12.5 * GB  # TorchRec's CROSS_NODE_BANDWIDTH (a 100 Gb/s NIC per rank)
+DEFAULT_CPU_INTRA_HOST_BW = 1 * GB / MS
+DEFAULT_INTER_HOST_BW = 12.5 * GB / MS  # CROSS_NODE_BANDWIDTH (a 100 Gb/s NIC per rank)
 # TorchRec's BWD_COMPUTE_MULTIPLIER: backward scatters gradients and the fused optimizer
 # read-modify-writes every touched row, about twice the forward's memory traffic.
 DEFAULT_BWD_COMPUTE_MULTIPLIER = 2.0
@@ -40,8 +41,9 @@ class Topology:
     """The ranks a model is planned for: how many, what memory each has, how fast links are.
 
     Positional arguments follow TorchRec's order: ``Topology(8, "cuda", 40 * GIB)`` is 8 GPUs
-    of 40 GiB on one host; ``Topology(world_size=8, compute_device="cuda")`` has 80 GiB each. On a CPU
-    topology memory is DDR: each rank gets ``ddr_cap / local_world_size`` and ``hbm_cap`` is 0.
+    of 40 GiB on one host; ``Topology(world_size=8, compute_device="cuda")`` has 32 GiB each
+    (TorchRec's default). On a CPU topology memory is DDR, ``ddr_cap`` per rank, and ``hbm_cap``
+    is 0.
     The defaults are TorchRec's constants, not this machine's memory:
     ``recsys_core.planner.detect_topology`` reads what this machine has free.
     """
@@ -51,9 +53,9 @@ class Topology:
     compute_device: str = "cuda"
     """Where lookups run, "cuda" or "cpu" (this also decides which kernels exist)."""
     hbm_cap: int | None = None
-    """HBM bytes per rank (None: 80 GiB on CUDA, 0 on CPU)."""
+    """HBM bytes per rank (None: 32 GiB on CUDA, TorchRec's HBM_CAP; 0 on CPU)."""
     ddr_cap: int | None = None
-    """Host memory bytes per HOST, shared by its ranks (None: 128 GiB)."""
+    """Host memory bytes per rank (None: 128 GiB, TorchRec's DDR_CAP)."""
     ssd_cap: int | None = None
     """TorchRec's SSD tier: no kernel here uses one, so only None or 0."""
     local_world_size: int | None = None
@@ -62,17 +64,18 @@ class Topology:
     """TorchRec's hosts per NVLink domain: not modelled here (hosts talk over inter_host_bw),
     so only None."""
     hbm_mem_bw: float = DEFAULT_HBM_MEM_BW
-    """Bytes/s a rank's lookups read from HBM."""
+    """Bytes per ms a rank's lookups read from HBM."""
     ddr_mem_bw: float = DEFAULT_DDR_MEM_BW
-    """Bytes/s a rank's lookups read from host memory (CPU kernels and UVM)."""
+    """Bytes per ms a rank's lookups read from host memory (CPU kernels and UVM)."""
     ssd_mem_bw: float | None = None
     """TorchRec's SSD bandwidth: no SSD tier here, so only None."""
     hbm_to_ddr_mem_bw: float | None = None
     """TorchRec's HBM <-> host copy bandwidth (for prefetching caches): not modelled, only None."""
     intra_host_bw: float | None = None
-    """Bytes/s a rank sends to ranks of its host (None: 600 GB/s NVLink on CUDA, 1 GB/s on CPU)."""
+    """Bytes per ms a rank sends to ranks of its host (None: 600 GB/s NVLink on CUDA, 1 GB/s
+    over gloo on CPU)."""
     inter_host_bw: float = DEFAULT_INTER_HOST_BW
-    """Bytes/s a rank sends to other hosts."""
+    """Bytes per ms a rank sends to other hosts."""
     bwd_compute_multiplier: float = DEFAULT_BWD_COMPUTE_MULTIPLIER
     """Backward lookup traffic as a multiple of the forward's (TorchRec's default 2)."""
     _: KW_ONLY
@@ -105,7 +108,7 @@ class Topology:
         if device == "cpu" and self.hbm_cap:
             raise ValueError(
                 f"Topology: hbm_cap {self.hbm_cap} on a CPU topology; CPU ranks have no HBM, "
-                "so size their memory with ddr_cap (bytes per host)"
+                "so size their memory with ddr_cap (bytes per rank)"
             )
         hbm = (DEFAULT_HBM_CAP if device == "cuda" else 0) if self.hbm_cap is None else self.hbm_cap
         ddr = DEFAULT_DDR_CAP if self.ddr_cap is None else self.ddr_cap
@@ -119,7 +122,7 @@ class Topology:
             object.__setattr__(self, "intra_host_bw", default)
         for name in ("hbm_mem_bw", "ddr_mem_bw", "intra_host_bw", "inter_host_bw"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"Topology: {name} must be > 0 bytes/s, got {getattr(self, name)!r}")
+                raise ValueError(f"Topology: {name} must be > 0 bytes/ms, got {getattr(self, name)!r}")
         if not self.bwd_compute_multiplier >= 0:
             raise ValueError(
                 f"Topology: bwd_compute_multiplier must be >= 0, got {self.bwd_compute_multiplier!r}"
@@ -144,7 +147,7 @@ class Topology:
 
     @property
     def ddr_per_rank(self) -> int:
-        return int(self.ddr_cap or 0) // self.local_size
+        return int(self.ddr_cap or 0)
 
     @property
     def devices(self) -> list[DeviceHardware]:

@@ -76,7 +76,7 @@ def test_cgroup_v2_limit_bounds_mem_available_and_splits_over_local_ranks(tmp_pa
     assert reading.available == 7 * GIB
     assert "cgroup v2" in reading.source and "memory.max 8.00 GiB" in reading.source
     topology = detect_topology(2, "cpu", local_world_size=2, host=reading)
-    assert (topology.ddr_cap, topology.ddr_per_rank, topology.hbm_per_rank) == (7 * GIB, 3.5 * GIB, 0)
+    assert (topology.ddr_cap, topology.ddr_per_rank, topology.hbm_per_rank) == (3.5 * GIB, 3.5 * GIB, 0)
     assert "7.00 GiB" in topology.memory_source and "shared by 2 ranks" in topology.memory_source
 
 
@@ -119,7 +119,7 @@ def test_memory_per_rank_override_wins(tmp_path: Path) -> None:
     assert "given explicitly" in cpu.memory_source
     cuda = detect_topology(2, "cuda", local_world_size=2, memory_per_rank=5 * GIB, host=reading,
                            hbm=MemoryReading(available=70 * GIB, source="fake hbm"))
-    assert (cuda.hbm_per_rank, cuda.ddr_cap) == (5 * GIB, 7 * GIB)
+    assert (cuda.hbm_per_rank, cuda.ddr_cap) == (5 * GIB, 3.5 * GIB)  # the host's 7 GiB over 2 ranks
 
 
 def test_cuda_topology_takes_device_and_host_readings() -> None:
@@ -139,7 +139,7 @@ def test_bad_override_is_rejected(bad: object) -> None:
 
 def test_topology_constructor_keeps_torchrec_defaults() -> None:
     assert Topology(world_size=1, compute_device="cpu").ddr_cap == 128 * GIB
-    assert Topology(world_size=1, compute_device="cuda").hbm_cap == 80 * GIB
+    assert Topology(world_size=1, compute_device="cuda").hbm_cap == 32 * GIB
 
 
 def test_this_machine_is_read() -> None:
@@ -169,4 +169,4 @@ def test_every_rank_plans_for_the_smallest_reading() -> None:
     results = run_gloo(2, smallest_worker)
     assert results[0] == results[1]
     ddr, source = results[0]
-    assert ddr == 6 * GIB and "rank 1" in source and "fake reading of rank 1" in source
+    assert ddr == 3 * GIB and "rank 1" in source  # rank 1's 6 GiB host over its 2 ranks and "fake reading of rank 1" in source

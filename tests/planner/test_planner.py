@@ -103,7 +103,7 @@ def test_tutorial_plan_prints_like_torchrec(tutorial_tables: list[EmbeddingBagCo
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_table_larger_than_a_rank_is_split(device: str) -> None:
     # 2M x 64 fp32 = 488 MiB (+ buffers); a rank has 256 MiB, 218 MiB usable
-    caps = {"hbm_cap": 256 * MIB} if device == "cuda" else {"ddr_cap": 4 * 256 * MIB}
+    caps = {"hbm_cap": 256 * MIB} if device == "cuda" else {"ddr_cap": 256 * MIB}
     topology = Topology(world_size=4, compute_device=device, **caps)
     plan, planner = plan_checked(ebc([2_000_000, 1000]), topology)
     big = plan.plan[""]["t0"]
@@ -165,7 +165,7 @@ def test_unknown_constraint_names_list_the_tables() -> None:
 
 
 def test_too_big_model_says_how_much_and_which_tables() -> None:
-    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=2 * GIB)
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=GIB)
     planner = EmbeddingShardingPlanner(topology=topology)
     with pytest.raises(PlannerError) as info:
         planner.plan(ebc([8_000_000, 4_000_000, 1000], 128), [EmbeddingBagCollectionSharder()])
@@ -177,7 +177,7 @@ def test_too_big_model_says_how_much_and_which_tables() -> None:
 
 def test_one_table_that_fits_nowhere_names_the_rank() -> None:
     # The model fits in total, but t0 may only be table-wise and no rank can hold it
-    topology = Topology(world_size=4, compute_device="cpu", ddr_cap=4 * GIB)
+    topology = Topology(world_size=4, compute_device="cpu", ddr_cap=GIB)
     planner = EmbeddingShardingPlanner(
         topology=topology, constraints={"t0": ParameterConstraints(sharding_types=["table_wise"])}
     )
@@ -215,7 +215,7 @@ def test_no_room_for_a_cache_falls_back_to_uvm() -> None:
 
 
 def test_cpu_never_proposes_uvm_and_rejects_it_in_constraints() -> None:
-    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=2 * GIB)
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=GIB)
     plan, _ = plan_checked(ebc([1_000_000, 100_000], 128), topology, [UvmSharder()])
     assert {ps.compute_kernel for ps in plan.plan[""].values()} == {EmbeddingComputeKernel.FUSED}
     planner = EmbeddingShardingPlanner(

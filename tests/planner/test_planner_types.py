@@ -15,10 +15,11 @@ GIB = 1024**3
 
 def test_topology_defaults_cuda_and_cpu() -> None:
     cuda = Topology(world_size=16, compute_device="cuda", local_world_size=8)
-    assert (cuda.hbm_per_rank, cuda.ddr_per_rank, cuda.num_hosts) == (80 * GIB, 16 * GIB, 2)
+    # TorchRec's constants: 32 GiB of HBM and 128 GiB of host memory, each per rank
+    assert (cuda.hbm_per_rank, cuda.ddr_per_rank, cuda.num_hosts) == (32 * GIB, 128 * GIB, 2)
     cpu = Topology(world_size=4, compute_device="cpu")
     assert cpu.local_world_size == 4
-    assert (cpu.hbm_per_rank, cpu.ddr_per_rank) == (0, 32 * GIB)  # DDR per host / ranks per host
+    assert (cpu.hbm_per_rank, cpu.ddr_per_rank) == (0, 128 * GIB)  # ddr_cap is per rank
     assert cpu.intra_host_bw < cuda.intra_host_bw  # gloo loopback, not NVLink
 
 

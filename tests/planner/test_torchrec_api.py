@@ -44,7 +44,7 @@ def test_topology_positional_order_is_torchrecs() -> None:
     t = Topology(4, "cuda", 2 * GIB, 64 * GIB, None, 2)
     assert (t.world_size, t.compute_device, t.hbm_cap, t.ddr_cap, t.local_world_size) == (
         4, "cuda", 2 * GIB, 64 * GIB, 2)
-    assert (t.num_hosts, t.hbm_per_rank, t.ddr_per_rank) == (2, 2 * GIB, 32 * GIB)
+    assert (t.num_hosts, t.hbm_per_rank, t.ddr_per_rank) == (2, 2 * GIB, 64 * GIB)  # per rank
     assert t.bwd_compute_multiplier == 2.0
 
 
@@ -57,8 +57,8 @@ def test_topology_rejects_what_it_does_not_model(name: str) -> None:
 def test_topology_devices_are_per_rank_storage() -> None:
     t = Topology(2, "cuda", hbm_cap=3 * GIB, ddr_cap=8 * GIB)
     assert t.devices == [
-        DeviceHardware(0, Storage(3 * GIB, 4 * GIB, 0), Perf(0, 0, 0, 0)),
-        DeviceHardware(1, Storage(3 * GIB, 4 * GIB, 0), Perf(0, 0, 0, 0)),
+        DeviceHardware(0, Storage(3 * GIB, 8 * GIB, 0), Perf(0, 0, 0, 0)),
+        DeviceHardware(1, Storage(3 * GIB, 8 * GIB, 0), Perf(0, 0, 0, 0)),
     ]
 
 
@@ -146,14 +146,14 @@ def test_bwd_compute_multiplier_scales_the_backward_lookup_traffic() -> None:
 
 
 def test_heuristical_storage_reservation_sets_the_budgets() -> None:
-    # CPU, 2 ranks on one host of 8 GiB: 4 GiB per rank, 25% kept back -> 3 GiB usable each
-    topology = Topology(2, "cpu", ddr_cap=8 * GIB)
+    # CPU, 2 ranks of 4 GiB each: 25% kept back -> 3 GiB usable each
+    topology = Topology(2, "cpu", ddr_cap=4 * GIB)
     reservation = HeuristicalStorageReservation(percentage=0.25)
     planner = EmbeddingShardingPlanner(topology, 64, None, reservation)  # TorchRec's order
     planner.plan(ebc(100, 64, 2), [EmbeddingBagCollectionSharder()])
     assert planner.stats is not None
     assert (planner.stats.ddr_budget, planner.stats.hbm_budget) == (3 * GIB, 0)
-    assert reservation.last_reserved_topology == Topology(2, "cpu", ddr_cap=6 * GIB)
+    assert reservation.last_reserved_topology == Topology(2, "cpu", ddr_cap=3 * GIB)
     # a float is the same reservation
     floats = EmbeddingShardingPlanner(topology, storage_reservation=0.25)
     floats.plan(ebc(100, 64, 2), [EmbeddingBagCollectionSharder()])
@@ -175,3 +175,10 @@ def test_default_batch_size_is_torchrecs_and_timeout_is_checked() -> None:
     assert planner.stats is not None and "batch 512 per rank" in planner.stats.topology
     with pytest.raises(ValueError, match="timeout_seconds must be > 0"):
         EmbeddingShardingPlanner(Topology(1, "cpu"), timeout_seconds=0)
+
+
+def test_units_are_torchrecs_bytes_per_rank_and_bytes_per_ms() -> None:
+    t = Topology(2, "cuda", local_world_size=2)
+    assert (t.hbm_cap, t.ddr_cap, t.ddr_per_rank) == (32 * GIB, 128 * GIB, 128 * GIB)
+    assert (t.hbm_mem_bw, t.ddr_mem_bw) == (897e9 / 1000, 51e9 / 1000)
+    assert (t.intra_host_bw, t.inter_host_bw) == (600e9 / 1000, 12.5e9 / 1000)
