@@ -1,255 +1,203 @@
-"""KeyedJaggedTensor algorithms: per-key views and new key/batch layouts from existing ones.
+"""KeyedJaggedTensor algorithms on plain tensors and host lists (TorchScript-compilable).
 
-Layout functions return the parts of the result (:class:`KJTParts`); ``KeyedJaggedTensor``
-wraps them without re-checking, since they derive from already-checked inputs.
+``KeyedJaggedTensor`` methods call these and wrap the results; they never re-check inputs,
+since the parts derive from the KJT itself. ``stride_per_key`` is the number of bags of each
+key (all equal to ``stride()`` unless the batch size varies per key).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 
-from recsys_core.kernels import sparse_ops
-from recsys_core.sparse._utils import as_index_tensor
-from recsys_core.sparse.jagged_tensor import BatchedRows, JaggedTensor
-
-if TYPE_CHECKING:
-    from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+from recsys_core.sparse import _jit_ops
+from recsys_core.sparse.jagged_tensor import BatchedRows, JaggedTensor, jagged_view
 
 _OWNER = "KeyedJaggedTensor"
 
 
-class KJTParts(NamedTuple):
-    keys: list[str]
-    values: torch.Tensor
-    weights: torch.Tensor | None
-    lengths: torch.Tensor
-    stride: int
-    length_per_key: list[int] | None
-
-
-def check_layout(
+def compute_stride(
     keys: list[str],
-    num_bags: int,
-    stride: int | None,
-    length_per_key: Sequence[int] | None,
-    offset_per_key: Sequence[int] | None,
+    lengths: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    stride_per_key_per_rank: list[list[int]] | None,
+    inverse_indices: tuple[list[str], torch.Tensor] | None,
 ) -> int:
-    """Constructor checks on host metadata only; returns the stride."""
-    num_keys = len(keys)
-    if length_per_key is not None and len(length_per_key) != num_keys:
-        raise ValueError(
-            f"{_OWNER}: length_per_key has {len(length_per_key)} entries for {num_keys} keys; "
-            "pass one count per key or leave it out."
-        )
-    if offset_per_key is not None and len(offset_per_key) != num_keys + 1:
-        raise ValueError(
-            f"{_OWNER}: offset_per_key has {len(offset_per_key)} entries for {num_keys} keys; "
-            "it needs len(keys) + 1 (a leading 0) or leave it out."
-        )
-    if stride is not None:
-        if stride < 0 or num_bags != num_keys * stride:
-            raise ValueError(
-                f"{_OWNER}: lengths has {num_bags} entries but {num_keys} keys x stride "
-                f"{stride} = {num_keys * stride}; lengths needs one entry per (key, batch row)."
-            )
-        return stride
-    if num_keys == 0:
-        if num_bags:
-            raise ValueError(
-                f"{_OWNER}: got {num_bags} lengths but no keys; pass the feature names in keys."
-            )
+    """TorchRec's rule: with a variable batch, the batch of the inverse indices if given, else
+    the largest per-key batch; otherwise the number of bags over the number of keys."""
+    if len(keys) == 0:
         return 0
-    if num_bags % num_keys:
+    if stride_per_key_per_rank is not None and len(stride_per_key_per_rank) > 0:
+        if inverse_indices is not None and inverse_indices[1].numel() > 0:
+            return inverse_indices[1].size(-1)
+        return max([sum(per_rank) for per_rank in stride_per_key_per_rank])
+    if lengths is not None:
+        num_bags = lengths.numel()
+    elif offsets is not None and offsets.numel() > 0:
+        num_bags = offsets.numel() - 1
+    else:
+        num_bags = 0
+    if num_bags % len(keys) != 0:
         raise ValueError(
-            f"{_OWNER}: lengths has {num_bags} entries, not a multiple of the {num_keys} keys "
-            f"{keys}; every key needs one length per batch row (0 for an empty bag)."
+            f"KeyedJaggedTensor: lengths has {num_bags} entries, not a multiple of the {len(keys)} keys "
+            f"{keys}; every key needs one length per batch row (0 for an empty bag), or pass "
+            "stride_per_key_per_rank for a variable batch per key."
         )
-    return num_bags // num_keys
+    return num_bags // len(keys)
 
 
-def _weighted(flag: bool) -> str:
-    return "weighted" if flag else "unweighted"
-
-
-def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KJTParts:
-    keys = list(jt_dict)
-    jts = list(jt_dict.values())
-    stride = jts[0].lengths().numel()
-    weighted = jts[0].weights_or_none() is not None
-    for key, jt in zip(keys, jts, strict=True):
-        if jt.lengths().numel() != stride:
-            raise ValueError(
-                f"{_OWNER}.from_jt_dict: key '{key}' has batch size {jt.lengths().numel()} "
-                f"but key '{keys[0]}' has {stride}; every feature needs one bag per row "
-                "(use an empty bag, length 0, for rows without values)."
-            )
-        if (jt.weights_or_none() is not None) != weighted:
-            raise ValueError(
-                f"{_OWNER}.from_jt_dict: key '{key}' is {_weighted(not weighted)} but key "
-                f"'{keys[0]}' is {_weighted(weighted)}; weight all features or none."
-            )
-    return KJTParts(
-        keys=keys,
-        values=torch.cat([jt.values() for jt in jts]),
-        weights=torch.cat([jt.weights() for jt in jts]) if weighted else None,
-        lengths=torch.cat([jt.lengths() for jt in jts]),
-        stride=stride,
-        # A JaggedTensor's value count is metadata: no sync needed.
-        length_per_key=[jt.values().size(0) for jt in jts],
-    )
-
-
-def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KJTParts:
-    if not kjt_list:
-        raise ValueError(f"{_OWNER}.concat: got an empty list; pass at least one KJT.")
-    stride = kjt_list[0].stride()
-    weighted = kjt_list[0].weights_or_none() is not None
-    for i, kjt in enumerate(kjt_list):
-        if kjt.stride() != stride:
-            raise ValueError(
-                f"{_OWNER}.concat: KJT {i} (keys {kjt.keys()}) has stride {kjt.stride()} but "
-                f"KJT 0 has {stride}; only KJTs of the same batch size concatenate."
-            )
-        if (kjt.weights_or_none() is not None) != weighted:
-            raise ValueError(
-                f"{_OWNER}.concat: KJT {i} (keys {kjt.keys()}) is {_weighted(not weighted)} but "
-                f"KJT 0 is {_weighted(weighted)}; weight all or none."
-            )
-    cached = [kjt.length_per_key_or_none() for kjt in kjt_list]
-    # Keep the host-side counts only if every input already has them (no sync here).
-    length_per_key = (
-        [n for c in cached for n in (c or [])] if all(c is not None for c in cached) else None
-    )
-    return KJTParts(
-        keys=[key for kjt in kjt_list for key in kjt.keys()],
-        values=torch.cat([kjt.values() for kjt in kjt_list]),
-        weights=torch.cat([kjt.weights() for kjt in kjt_list]) if weighted else None,
-        lengths=torch.cat([kjt.lengths() for kjt in kjt_list]),
-        stride=stride,
-        length_per_key=length_per_key,
-    )
-
-
-def permute(
-    kjt: KeyedJaggedTensor, indices: Sequence[int], indices_tensor: torch.Tensor | None
-) -> KJTParts:
-    all_keys = kjt.keys()
-    num_keys = len(all_keys)
-    for i in indices:
-        if not -num_keys <= i < num_keys:
-            raise ValueError(
-                f"{_OWNER}.permute: index {i} is out of range for {num_keys} keys {all_keys}."
-            )
-    length_per_key = kjt.length_per_key()
-    permuted_length_per_key = [length_per_key[i] for i in indices]
-    if indices_tensor is None:
-        positive = [i % num_keys for i in indices]
-        indices_tensor = torch.tensor(positive, dtype=torch.int32, device=kjt.device())
-    lengths, values, weights = sparse_ops.permute_2d_sparse_data(
-        indices_tensor,
-        kjt.lengths().view(num_keys, kjt.stride()),
-        kjt.values(),
-        kjt.weights_or_none(),
-        sum(permuted_length_per_key),
-        length_per_row=length_per_key,
-    )
-    return KJTParts(
-        keys=[all_keys[i] for i in indices],
-        values=values,
-        weights=weights,
-        lengths=lengths.view(-1),
-        stride=kjt.stride(),
-        length_per_key=permuted_length_per_key,
-    )
-
-
-def split(kjt: KeyedJaggedTensor, segments: Sequence[int]) -> list[KJTParts]:
-    keys = kjt.keys()
-    if any(s < 0 for s in segments) or sum(segments) != len(keys):
-        raise ValueError(
-            f"{_OWNER}.split: segments {list(segments)} must be non-negative and sum to the "
-            f"number of keys ({len(keys)})."
-        )
-    offset_per_key, length_per_key = kjt.offset_per_key(), kjt.length_per_key()
-    values, weights, lengths, stride = (
-        kjt.values(),
-        kjt.weights_or_none(),
-        kjt.lengths(),
-        kjt.stride(),
-    )
-    parts, start = [], 0
-    for segment in segments:
-        end = start + segment
-        lo, hi = offset_per_key[start], offset_per_key[end]
-        parts.append(
-            KJTParts(
-                keys=keys[start:end],
-                values=values[lo:hi],
-                weights=None if weights is None else weights[lo:hi],
-                lengths=lengths[start * stride : end * stride],
-                stride=stride,
-                length_per_key=length_per_key[start:end],
-            )
-        )
-        start = end
-    return parts
-
-
-def index_select_batch(kjt: KeyedJaggedTensor, indices: torch.Tensor | Sequence[int]) -> KJTParts:
-    owner = f"{_OWNER}.index_select_batch"
-    indices = as_index_tensor(indices, "indices", owner, kjt.device())
-    stride = kjt.stride()
-    if indices.numel():
-        low, high = (int(x) for x in torch.aminmax(indices))
-        if low < 0 or high >= stride:
-            raise ValueError(
-                f"{owner}: index {low if low < 0 else high} is out of range for batch size "
-                f"{stride}; indices must be in [0, {stride})."
-            )
-    values, lengths, weights = sparse_ops.keyed_jagged_index_select_dim1(
-        kjt.values(), kjt.lengths(), kjt.offsets(), indices, stride, kjt.weights_or_none()
-    )
-    return KJTParts(kjt.keys(), values, weights, lengths, indices.numel(), None)
-
-
-def length_per_key(kjt: KeyedJaggedTensor) -> list[int]:
-    num_keys, stride = len(kjt.keys()), kjt.stride()
+def length_per_key(
+    num_keys: int,
+    stride_per_key: list[int],
+    variable_stride: bool,
+    lengths: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+) -> list[int]:
+    """Number of values of each key (one host sync)."""
     if num_keys == 0:
         return []
+    if variable_stride:
+        if lengths is None:
+            assert offsets is not None
+            lengths = _jit_ops.offsets_to_lengths(offsets)
+        return _jit_ops.sums_by_segments(lengths, stride_per_key)
+    stride = stride_per_key[0]
     if stride == 0:
         return [0] * num_keys
-    offsets = kjt.offsets_or_none()
-    if offsets is not None:
+    if offsets is not None and offsets.numel() == num_keys * stride + 1:
         # Key boundaries are every stride-th offset: O(keys) instead of a full reduction.
         bounds = offsets[::stride]
-        return (bounds[1:] - bounds[:-1]).tolist()
-    return kjt.lengths().view(num_keys, stride).sum(1).tolist()
+        counts: list[int] = (bounds[1:] - bounds[:-1]).tolist()
+        return counts
+    assert lengths is not None
+    sums: list[int] = lengths.reshape(num_keys, stride).sum(1).tolist()
+    return sums
 
 
-def key_view(kjt: KeyedJaggedTensor, index: int) -> JaggedTensor:
-    start, end = kjt.offset_per_key()[index], kjt.offset_per_key()[index + 1]
-    weights, stride = kjt.weights_or_none(), kjt.stride()
-    return JaggedTensor._trusted(
-        kjt.values()[start:end],
+def key_view(
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    lengths: torch.Tensor,
+    offset_per_key: list[int],
+    lengths_offset_per_key: list[int],
+    index: int,
+) -> JaggedTensor:
+    start, end = offset_per_key[index], offset_per_key[index + 1]
+    lo, hi = lengths_offset_per_key[index], lengths_offset_per_key[index + 1]
+    return jagged_view(
+        values[start:end],
         None if weights is None else weights[start:end],
-        kjt.lengths()[index * stride : (index + 1) * stride],
+        lengths.reshape(-1)[lo:hi],
         None,
     )
 
 
-def to_dict(kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-    keys, stride = kjt.keys(), kjt.stride()
-    if not keys:
-        return {}
-    split_sizes = kjt.length_per_key()
-    values = kjt.values().split(split_sizes)
-    weights = kjt.weights_or_none()
-    weight_parts = (None,) * len(keys) if weights is None else weights.split(split_sizes)
-    rows = BatchedRows(kjt.lengths().view(len(keys), stride))
-    return {
-        key: JaggedTensor._from_rows(v, w, rows, i)
-        for i, (key, v, w) in enumerate(zip(keys, values, weight_parts, strict=True))
-    }
+def to_dict(
+    keys: list[str],
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    lengths: torch.Tensor,
+    stride_per_key: list[int],
+    variable_stride: bool,
+    length_per_key: list[int],
+    compute_offsets: bool,
+) -> dict[str, JaggedTensor]:
+    """``{key: JaggedTensor}`` of views; for a fixed batch the per-key lengths/offsets are
+    built for all keys at once on first use (one unbind, one batched cumsum)."""
+    out: dict[str, JaggedTensor] = {}
+    if len(keys) == 0:
+        return out
+    covered = sum(length_per_key)
+    if values.size(0) != covered:
+        values = values.narrow(0, 0, covered)
+        if weights is not None:
+            weights = weights.narrow(0, 0, covered)
+    value_parts = torch.split(values, length_per_key)
+    weight_parts: list[torch.Tensor] = []
+    if weights is not None:
+        weight_parts = list(torch.split(weights, length_per_key))
+    flat = lengths.reshape(-1)
+    if variable_stride:
+        length_parts = torch.split(flat, stride_per_key)
+        for i, key in enumerate(keys):
+            part = length_parts[i]
+            offsets = _jit_ops.lengths_to_offsets(part) if compute_offsets else None
+            w = weight_parts[i] if weights is not None else None
+            out[key] = jagged_view(value_parts[i], w, part, offsets)
+        return out
+    rows = BatchedRows(flat.reshape(len(keys), stride_per_key[0]))
+    for i, key in enumerate(keys):
+        w = weight_parts[i] if weights is not None else None
+        out[key] = jagged_view(value_parts[i], w, None, None, rows, i)
+    return out
+
+
+def concat_layout(
+    strides: list[int],
+    variable: list[bool],
+    keys_per_kjt: list[list[str]],
+    weighted: list[bool],
+    has_inverse: list[bool],
+) -> None:
+    """Raise if the KJTs cannot sit side by side (host metadata only)."""
+    if len(strides) == 0:
+        raise ValueError("KeyedJaggedTensor.concat: got an empty list; pass at least one KJT.")
+    for i in range(len(strides)):
+        if variable[i] != variable[0]:
+            raise ValueError(
+                f"KeyedJaggedTensor.concat: KJT {i} (keys {keys_per_kjt[i]}) has a variable batch per "
+                "key but KJT 0 does not (or the reverse); concatenate KJTs of one kind."
+            )
+        if not variable[0] and strides[i] != strides[0]:
+            raise ValueError(
+                f"KeyedJaggedTensor.concat: KJT {i} (keys {keys_per_kjt[i]}) has stride {strides[i]} "
+                f"but KJT 0 has {strides[0]}; only KJTs of the same batch size concatenate."
+            )
+        if weighted[i] != weighted[0]:
+            raise ValueError(
+                f"KeyedJaggedTensor.concat: KJT {i} (keys {keys_per_kjt[i]}) is "
+                f"{'weighted' if weighted[i] else 'unweighted'} but KJT 0 is "
+                f"{'weighted' if weighted[0] else 'unweighted'}; weight all or none."
+            )
+        if has_inverse[i] != has_inverse[0]:
+            raise ValueError(
+                f"KeyedJaggedTensor.concat: KJT {i} (keys {keys_per_kjt[i]}) and KJT 0 disagree on "
+                "having inverse_indices; give them to all KJTs or to none."
+            )
+
+
+def check_jt_dict(keys: list[str], strides: list[int], weighted: list[bool]) -> None:
+    for i in range(len(keys)):
+        if weighted[i] != weighted[0]:
+            raise ValueError(
+                f"KeyedJaggedTensor.from_jt_dict: key '{keys[i]}' is "
+                f"{'weighted' if weighted[i] else 'unweighted'} but key '{keys[0]}' is "
+                f"{'weighted' if weighted[0] else 'unweighted'}; weight all features or none."
+            )
+
+
+def check_split(segments: list[int], keys: list[str]) -> None:
+    total = 0
+    for s in segments:
+        if s < 0:
+            raise ValueError(
+                f"KeyedJaggedTensor.split: segments {segments} must be non-negative and sum to the "
+                f"number of keys ({len(keys)})."
+            )
+        total += s
+    if total != len(keys):
+        raise ValueError(
+            f"KeyedJaggedTensor.split: segments {segments} must be non-negative and sum to the "
+            f"number of keys ({len(keys)})."
+        )
+
+
+def check_permute(indices: list[int], keys: list[str]) -> list[int]:
+    """Indices made non-negative; raises on one out of range."""
+    out: list[int] = []
+    for i in indices:
+        if i < -len(keys) or i >= len(keys):
+            raise ValueError(
+                f"KeyedJaggedTensor.permute: index {i} is out of range for {len(keys)} keys {keys}."
+            )
+        out.append(i % len(keys))
+    return out

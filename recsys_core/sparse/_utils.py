@@ -1,4 +1,4 @@
-"""Shared helpers for the sparse types: cheap structural checks, full validation, printing."""
+"""Shared eager-only helpers for the sparse types: constructor input checks, printing."""
 
 from __future__ import annotations
 
@@ -6,13 +6,17 @@ from collections.abc import Sequence
 
 import torch
 
+from recsys_core.kernels import sparse_ops
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def as_index_tensor(
     data: torch.Tensor | Sequence[int], name: str, owner: str, device: torch.device
 ) -> torch.Tensor:
-    """``lengths``/``offsets`` as an int32/int64 1-D tensor; Python lists become int64."""
+    """``lengths``/``offsets`` as an int32/int64 tensor; Python lists become int64."""
+    if isinstance(data, torch.Tensor) and data.dtype in _INDEX_DTYPES:
+        return data
     if not isinstance(data, torch.Tensor):
         try:
             # Infer the dtype first: torch.tensor([1.5], dtype=torch.int64) would truncate.
@@ -27,161 +31,66 @@ def as_index_tensor(
                 f"{owner}: {name} must be a list of ints, got {converted.dtype} entries."
             )
         data = converted.to(torch.int64)
-    elif data.numel() == 0 and data.dim() == 1 and data.dtype not in _INDEX_DTYPES:
+    elif data.numel() == 0 and data.dtype not in _INDEX_DTYPES:
         # torch.tensor([]) is float32; TorchRec accepts it for "no bags", so do we.
         return data.to(torch.int64)
-    if data.dtype not in _INDEX_DTYPES or data.dim() != 1:
+    if data.dtype not in _INDEX_DTYPES and data.numel() > 0:
         raise ValueError(
-            f"{owner}: {name} must be a 1-D int32 or int64 tensor, got dtype {data.dtype} with "
-            f"shape {tuple(data.shape)}; convert it with .to(torch.int64) or .view(-1)."
+            f"{owner}: {name} must be an int32 or int64 tensor, got dtype {data.dtype} with "
+            f"shape {tuple(data.shape)}; convert it with .to(torch.int64)."
         )
     return data
 
 
-def check_values_and_weights(
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
+def check_jagged_inputs(
     owner: str,
-    integer_weights_ok: bool = False,
-) -> None:
-    """Metadata-only checks (no device sync). ``integer_weights_ok``: a JaggedTensor may carry
-    integer "weights" (TorchRec's EmbeddingCollection(need_indices=True) stores the ids there)."""
-    if not isinstance(values, torch.Tensor):
-        raise ValueError(f"{owner}: values must be a torch.Tensor, got {type(values).__name__}.")
-    if values.dim() == 0:
-        raise ValueError(f"{owner}: values must have at least 1 dimension, got a scalar tensor.")
-    if weights is None:
-        return
-    if not isinstance(weights, torch.Tensor) or not (
-        weights.is_floating_point() or (integer_weights_ok and weights.dtype in _INDEX_DTYPES)
-    ):
-        got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
-        raise ValueError(
-            f"{owner}: weights must be a floating-point tensor, got {got}; "
-            "convert them with .float()."
-        )
-    if weights.dim() != 1 or weights.size(0) != values.size(0):
-        raise ValueError(
-            f"{owner}: weights has shape {tuple(weights.shape)} but values has "
-            f"{values.size(0)} entries; pass one weight per value."
-        )
-
-
-def parse_lengths_offsets(
+    values: torch.Tensor,
     lengths: torch.Tensor | Sequence[int] | None,
     offsets: torch.Tensor | Sequence[int] | None,
-    owner: str,
-    device: torch.device,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Convert and check ``lengths``/``offsets`` (at least one given; sizes agree)."""
+    """The constructor checks TorchRec also makes (no device sync): ``values`` is a tensor,
+    lengths or offsets is given, and they hold integers. Python lists become int64 tensors."""
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{owner}: values must be a torch.Tensor, got {type(values).__name__}.")
+    device = values.device
     if lengths is not None:
         lengths = as_index_tensor(lengths, "lengths", owner, device)
     if offsets is not None:
         offsets = as_index_tensor(offsets, "offsets", owner, device)
-        if offsets.numel() == 0:
-            # TorchRec code passes an empty offsets tensor for "no bags"; as lengths it is.
-            lengths, offsets = (offsets if lengths is None else lengths), None
     if lengths is None and offsets is None:
         raise ValueError(f"{owner}: pass lengths or offsets (or both); got neither.")
-    if lengths is not None and offsets is not None and offsets.numel() != lengths.numel() + 1:
-        raise ValueError(
-            f"{owner}: offsets has {offsets.numel()} entries but lengths has "
-            f"{lengths.numel()}; offsets needs len(lengths) + 1 entries (a leading 0)."
-        )
     return lengths, offsets
 
 
-def validate_jagged(
-    owner: str,
-    keys: Sequence[str] | None,
-    stride: int,
+def check_kjt_inputs(
+    keys: Sequence[str],
     values: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: torch.Tensor | None,
+    lengths: torch.Tensor | Sequence[int] | None,
+    offsets: torch.Tensor | Sequence[int] | None,
+    stride_per_key_per_rank: torch.Tensor | list[list[int]] | None,
     length_per_key: Sequence[int] | None,
-    offset_per_key: Sequence[int] | None = None,
-) -> list[int]:
-    """Full (syncing) consistency check of a key-major jagged layout; returns length_per_key.
-
-    ``keys=None`` means a single unnamed JaggedTensor (one "key" spanning all of ``lengths``).
-    The happy path costs one host transfer: every statistic is packed into one small tensor.
-    """
-    num_keys = 1 if keys is None else len(keys)
-    num_values = values.size(0)
-    if lengths.numel() == 0:
-        sums = [0] * num_keys if keys is not None else [0]
-    else:
-        per_key = lengths.view(num_keys, -1).sum(1, dtype=torch.int64)
-        stats = [per_key, lengths.min().to(torch.int64).view(1)]
-        if offsets is not None:
-            stats.append(offsets[:1].to(torch.int64))
-            stats.append((offsets[1:] - offsets[:-1] != lengths).sum().view(1))
-        packed = torch.cat(stats).tolist()
-        sums = packed[:num_keys]
-        if packed[num_keys] < 0:
-            _raise_negative(owner, keys, stride, lengths)
-        if offsets is not None:
-            if packed[num_keys + 1] != 0:
-                raise ValueError(
-                    f"{owner}: offsets must start at 0, got {packed[num_keys + 1]}; "
-                    "subtract offsets[0] or pass lengths instead."
-                )
-            if packed[num_keys + 2] != 0:
-                raise ValueError(
-                    f"{owner}: offsets and lengths disagree at {packed[num_keys + 2]} position(s); "
-                    "pass only one of them or make offsets the cumulative sum of lengths."
-                )
-    if offsets is not None and lengths.numel() == 0 and offsets.numel() == 1:
-        first = int(offsets[0])
-        if first != 0:
-            raise ValueError(f"{owner}: offsets must start at 0, got {first}.")
-    _check_sums(owner, keys, sums, num_values)
-    if length_per_key is not None and keys is not None and list(length_per_key) != sums:
-        bad = next(i for i, (a, b) in enumerate(zip(length_per_key, sums, strict=True)) if a != b)
+    offset_per_key: Sequence[int] | None,
+) -> tuple[list[str], torch.Tensor | None, torch.Tensor | None, list[list[int]] | None]:
+    """KeyedJaggedTensor's eager constructor checks (host metadata only, no device sync)."""
+    owner = "KeyedJaggedTensor"
+    if isinstance(keys, str):
+        raise ValueError(f"{owner}: keys must be a list of strings, got the string {keys!r}")
+    if type(keys) is not list:
+        keys = list(keys)
+    lengths, offsets = check_jagged_inputs(owner, values, lengths, offsets)
+    if isinstance(stride_per_key_per_rank, torch.Tensor):
+        stride_per_key_per_rank = stride_per_key_per_rank.tolist()
+    if length_per_key is not None and len(length_per_key) != len(keys):
         raise ValueError(
-            f"{owner}: length_per_key says key '{keys[bad]}' has {length_per_key[bad]} values "
-            f"but its lengths sum to {sums[bad]}; drop length_per_key or fix it."
+            f"{owner}: length_per_key has {len(length_per_key)} entries for {len(keys)} keys; "
+            "pass one count per key or leave it out."
         )
-    if offset_per_key is not None:
-        expected = [0]
-        for n in sums:
-            expected.append(expected[-1] + n)
-        if list(offset_per_key) != expected:
-            raise ValueError(
-                f"{owner}: offset_per_key {list(offset_per_key)} does not match the lengths "
-                f"(expected {expected}); drop it or fix it."
-            )
-    return sums
-
-
-def _raise_negative(
-    owner: str, keys: Sequence[str] | None, stride: int, lengths: torch.Tensor
-) -> None:
-    position = int(torch.nonzero(lengths < 0)[0, 0])
-    value = int(lengths[position])
-    if keys is None:
-        where = f"batch position {position}"
-    else:
-        where = f"key '{keys[position // stride]}' at batch position {position % stride}"
-    raise ValueError(f"{owner}: negative length {value} for {where}; lengths must be >= 0.")
-
-
-def _check_sums(owner: str, keys: Sequence[str] | None, sums: list[int], num_values: int) -> None:
-    end = 0
-    for i, count in enumerate(sums):
-        start, end = end, end + count
-        if end > num_values:
-            name = "the bags need" if keys is None else f"key '{keys[i]}' needs"
-            raise ValueError(
-                f"{owner}: {name} values[{start}:{end}] but values has only "
-                f"{num_values} entries; lengths and values disagree."
-            )
-    if end != num_values:
-        last = "" if keys is None or not keys else f" (after the last key '{keys[-1]}')"
+    if offset_per_key is not None and len(offset_per_key) != len(keys) + 1:
         raise ValueError(
-            f"{owner}: lengths sum to {end} but values has {num_values} entries{last}; "
-            "every value must belong to exactly one bag."
+            f"{owner}: offset_per_key has {len(offset_per_key)} entries for {len(keys)} keys; "
+            "it needs len(keys) + 1 (a leading 0) or leave it out."
         )
+    return keys, lengths, offsets, stride_per_key_per_rank
 
 
 def _values_string(values: list) -> str:
@@ -203,12 +112,13 @@ def keyed_jagged_string(
     values: torch.Tensor,
     weights: torch.Tensor | None,
     offsets: list[int],
-    stride: int,
+    stride_per_key: Sequence[int],
 ) -> str:
     """TorchRec's KeyedJaggedTensor printout, one ``"key": [[bag], ...]`` line per key."""
     lines = []
+    last = 0
     for i, key in enumerate(keys):
-        first, last = i * stride, (i + 1) * stride
+        first, last = last, last + stride_per_key[i]
         bags = jagged_values_string(values, offsets, first, last)
         if weights is None:
             lines.append(f'    "{key}": {bags}')
@@ -219,3 +129,27 @@ def keyed_jagged_string(
                 f'        "weights": {bag_weights}\n    }}'
             )
     return "KeyedJaggedTensor({\n" + ",\n".join(lines) + "\n})\n"
+
+
+def index_select_batch(
+    owner: str,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    stride: int,
+    indices: torch.Tensor | Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+    """Rows ``indices`` of every key (bounds-checked on the host, one sync)."""
+    indices = as_index_tensor(indices, "indices", owner, values.device)
+    if indices.numel():
+        low, high = (int(x) for x in torch.aminmax(indices))
+        if low < 0 or high >= stride:
+            raise ValueError(
+                f"{owner}: index {low if low < 0 else high} is out of range for batch size "
+                f"{stride}; indices must be in [0, {stride})."
+            )
+    new_values, new_lengths, new_weights = sparse_ops.keyed_jagged_index_select_dim1(
+        values, lengths, offsets, indices, stride, weights
+    )
+    return new_values, new_weights, new_lengths, indices.numel()

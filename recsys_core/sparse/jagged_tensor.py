@@ -1,26 +1,51 @@
 """JaggedTensor: one feature's variable-length bags over a batch."""
 
-from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import GetAttrKey, KeyEntry, register_pytree_node
 
-from recsys_core.kernels import sparse_ops
-from recsys_core.sparse._utils import (
-    as_index_tensor,
-    check_values_and_weights,
-    jagged_values_string,
-    parse_lengths_offsets,
-    validate_jagged,
-)
+from recsys_core.sparse import _jit_ops
+from recsys_core.sparse._fx import SparseTypeMeta
+from recsys_core.sparse._utils import check_jagged_inputs, jagged_values_string
+from recsys_core.sparse.jagged_tensor_validator import validate_jagged
 
 _OWNER = "JaggedTensor"
 
 
-class JaggedTensor:
+class BatchedRows:
+    """Per-row lengths and offsets views of a ``[K, B]`` lengths tensor, created together on
+    first request: one ``unbind`` and one batched cumsum instead of K separate ones."""
+
+    __slots__ = ("_lengths_2d", "_lengths", "_offsets")
+
+    def __init__(self, lengths_2d: torch.Tensor) -> None:
+        self._lengths_2d = lengths_2d
+        # torch.jit.annotate: TorchScript types a plain None attribute as NoneType.
+        self._lengths = torch.jit.annotate(Optional[list[torch.Tensor]], None)  # noqa: UP045
+        self._offsets = torch.jit.annotate(Optional[list[torch.Tensor]], None)  # noqa: UP045
+
+    def lengths(self, row: int) -> torch.Tensor:
+        lengths = self._lengths
+        if lengths is None:
+            lengths = self._lengths_2d.unbind(0)
+            self._lengths = lengths
+        return lengths[row]
+
+    def offsets(self, row: int) -> torch.Tensor:
+        offsets = self._offsets
+        if offsets is None:
+            lengths = self._lengths_2d
+            full = torch.zeros(
+                [lengths.size(0), lengths.size(1) + 1], dtype=lengths.dtype, device=lengths.device
+            )
+            full[:, 1:] = torch.cumsum(lengths, 1)
+            offsets = full.unbind(0)
+            self._offsets = offsets
+        return offsets[row]
+
+
+class JaggedTensor(metaclass=SparseTypeMeta):
     """An (optionally weighted) batch of variable-length bags, stored flat.
 
     ``values`` holds every bag back to back; ``lengths`` (one entry per batch row) or
@@ -34,9 +59,11 @@ class JaggedTensor:
         weights  [0.5, 1.0, 2.0]     (optional, one per value: float, or int32/int64 ids as
                                       TorchRec's EmbeddingCollection(need_indices=True) stores)
 
-    The constructor only checks metadata (dtypes, ranks, sizes) so it never waits for the
-    device; call :meth:`validate` for the full check. ``lengths``/``offsets`` may be Python
-    lists (converted to int64) or int32/int64 tensors.
+    As in TorchRec the constructor only stores its inputs (it checks that lengths or offsets
+    is given and that they are integers), so it never waits for the device; call
+    :meth:`validate` for the full check. ``lengths``/``offsets`` may be Python lists in eager
+    mode (converted to int64). The class is TorchScript-able and fx-traceable (constructing
+    one from traced tensors records the constructor in the graph).
     """
 
     __slots__ = ("_values", "_weights", "_lengths", "_offsets", "_rows", "_row")
@@ -45,57 +72,28 @@ class JaggedTensor:
         self,
         values: torch.Tensor,
         weights: torch.Tensor | None = None,
-        lengths: torch.Tensor | Sequence[int] | None = None,
-        offsets: torch.Tensor | Sequence[int] | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> None:
-        check_values_and_weights(values, weights, _OWNER, integer_weights_ok=True)
-        lengths, offsets = parse_lengths_offsets(lengths, offsets, _OWNER, values.device)
-        self._values: torch.Tensor = values
-        self._weights: torch.Tensor | None = weights
-        self._lengths: torch.Tensor | None = lengths
-        self._offsets: torch.Tensor | None = offsets
-        self._rows: BatchedRows | None = None
+        if not torch.jit.is_scripting():
+            lengths, offsets = check_jagged_inputs(_OWNER, values, lengths, offsets)
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths
+        self._offsets = offsets
+        self._rows = torch.jit.annotate(Optional[BatchedRows], None)  # noqa: UP045
         self._row = 0
-
-    @classmethod
-    def _trusted(
-        cls,
-        values: torch.Tensor,
-        weights: torch.Tensor | None,
-        lengths: torch.Tensor | None,
-        offsets: torch.Tensor | None,
-    ) -> JaggedTensor:
-        """Skip the checks for parts sliced out of an already-checked tensor (hot path)."""
-        jt = cls.__new__(cls)
-        jt._values = values
-        jt._weights = weights
-        jt._lengths = lengths
-        jt._offsets = offsets
-        jt._rows = None
-        jt._row = 0
-        return jt
-
-    @classmethod
-    def _from_rows(
-        cls, values: torch.Tensor, weights: torch.Tensor | None, rows: BatchedRows, row: int
-    ) -> JaggedTensor:
-        """Row ``row`` of a ``[K, B]`` lengths tensor: lengths/offsets views appear on first
-        use, for all K rows at once (``KeyedJaggedTensor.to_dict`` builds these)."""
-        jt = cls._trusted(values, weights, None, None)
-        jt._rows = rows
-        jt._row = row
-        return jt
 
     # -- constructors ---------------------------------------------------------------------
 
     @staticmethod
     def empty(
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
-        values_dtype: torch.dtype | None = None,
-        weights_dtype: torch.dtype | None = None,
+        device: Optional[torch.device] = None,  # noqa: UP045 (TorchScript)
+        values_dtype: Optional[torch.dtype] = None,  # noqa: UP045
+        weights_dtype: Optional[torch.dtype] = None,  # noqa: UP045
         lengths_dtype: torch.dtype = torch.int32,
-    ) -> JaggedTensor:
+    ) -> "JaggedTensor":
         """A batch of zero bags."""
         weights = torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None
         return JaggedTensor(
@@ -107,8 +105,8 @@ class JaggedTensor:
 
     @staticmethod
     def from_dense(
-        values: Sequence[torch.Tensor], weights: Sequence[torch.Tensor] | None = None
-    ) -> JaggedTensor:
+        values: list[torch.Tensor], weights: list[torch.Tensor] | None = None
+    ) -> "JaggedTensor":
         """One tensor per bag: ``[tensor([5]), tensor([7, 1])]`` -> lengths ``[1, 2]`` (int32)."""
         if len(values) == 0:
             raise ValueError(
@@ -123,22 +121,23 @@ class JaggedTensor:
         flat = torch.cat(list(values))
         lengths = torch.tensor([v.size(0) for v in values], dtype=torch.int32, device=flat.device)
         flat_weights = None if weights is None else torch.cat(list(weights))
-        return JaggedTensor(values=flat, weights=flat_weights, lengths=lengths)
+        return JaggedTensor(values=flat, weights=flat_weights, lengths=lengths, offsets=None)
 
     @staticmethod
     def from_dense_lengths(
         values: torch.Tensor,
-        lengths: torch.Tensor | Sequence[int],
+        lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
-    ) -> JaggedTensor:
+    ) -> "JaggedTensor":
         """Keep the first ``lengths[b]`` entries of row ``b`` of a padded ``[B, L]`` tensor."""
-        lengths = as_index_tensor(
-            lengths, "lengths", "JaggedTensor.from_dense_lengths", values.device
-        )
+        if not torch.jit.is_scripting():
+            lengths, _ = check_jagged_inputs(
+                "JaggedTensor.from_dense_lengths", values, lengths, None
+            )
         if values.dim() < 2 or values.size(0) != lengths.numel():
             raise ValueError(
                 f"JaggedTensor.from_dense_lengths: values must be [B, L] with B = len(lengths) "
-                f"= {lengths.numel()}, got shape {tuple(values.shape)}."
+                f"= {lengths.numel()}, got shape {values.shape}."
             )
         columns = torch.arange(values.size(1), device=values.device)
         mask = columns.unsqueeze(0) < lengths.unsqueeze(1)
@@ -146,6 +145,7 @@ class JaggedTensor:
             values=values[mask],
             weights=None if weights is None else weights[mask],
             lengths=lengths,
+            offsets=None,
         )
 
     # -- accessors --------------------------------------------------------------------------
@@ -154,53 +154,65 @@ class JaggedTensor:
         return self._values
 
     def weights(self) -> torch.Tensor:
-        if self._weights is None:
+        weights = self._weights
+        if weights is None:
             raise ValueError("This JaggedTensor has no weights; use weights_or_none().")
-        return self._weights
+        return weights
 
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
 
     def lengths(self) -> torch.Tensor:
-        if self._rows is not None:
-            self._materialize()
-        if self._lengths is None:
-            assert self._offsets is not None  # the constructor guarantees one of them
-            self._lengths = sparse_ops.offsets_to_lengths(self._offsets)
-        return self._lengths
+        self._materialize()
+        lengths = self._lengths
+        if lengths is None:
+            offsets = self._offsets
+            assert offsets is not None, "JaggedTensor needs lengths or offsets"
+            lengths = _jit_ops.offsets_to_lengths(offsets)
+            self._lengths = lengths
+        return lengths
 
     def lengths_or_none(self) -> torch.Tensor | None:
-        if self._rows is not None:
-            self._materialize()
+        self._materialize()
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
-        if self._rows is not None:
-            self._materialize()
-        if self._offsets is None:
-            assert self._lengths is not None
-            self._offsets = sparse_ops.lengths_to_offsets(self._lengths)
-        return self._offsets
+        self._materialize()
+        offsets = self._offsets
+        if offsets is None:
+            lengths = self._lengths
+            assert lengths is not None, "JaggedTensor needs lengths or offsets"
+            offsets = _jit_ops.lengths_to_offsets(lengths)
+            self._offsets = offsets
+        return offsets
 
     def offsets_or_none(self) -> torch.Tensor | None:
-        if self._rows is not None:
-            self._materialize()
+        self._materialize()
         return self._offsets
 
     def _materialize(self) -> None:
-        rows, self._rows = self._rows, None
-        assert rows is not None
-        self._lengths = rows.lengths(self._row)
-        self._offsets = rows.offsets(self._row)
+        rows = self._rows
+        if rows is not None:
+            self._rows = None
+            self._lengths = rows.lengths(self._row)
+            self._offsets = rows.offsets(self._row)
 
     def device(self) -> torch.device:
         return self._values.device
 
-    def validate(self) -> JaggedTensor:
+    @torch.jit.unused
+    def validate(self) -> "JaggedTensor":
         """Full check (syncs with the device): lengths >= 0, offsets start at 0 and agree
-        with lengths, and the bags cover exactly ``values``. Raises ``ValueError``."""
+        with lengths, the bags cover exactly ``values`` and there is one weight per value.
+        Raises ``ValueError``."""
         validate_jagged(
-            _OWNER, None, self.lengths().numel(), self._values, self.lengths(), self._offsets, None
+            _OWNER,
+            None,
+            [self.lengths().numel()],
+            self._values,
+            self._weights,
+            self.lengths(),
+            self.offsets_or_none(),
         )
         return self
 
@@ -208,28 +220,32 @@ class JaggedTensor:
 
     def to_dense(self) -> list[torch.Tensor]:
         """One view of ``values`` per bag."""
-        return list(self._values.split(self.lengths().tolist()))
+        sizes: list[int] = self.lengths().tolist()
+        return list(torch.split(self._values, sizes))
 
     def to_dense_weights(self) -> list[torch.Tensor] | None:
-        if self._weights is None:
+        weights = self._weights
+        if weights is None:
             return None
-        return list(self._weights.split(self.lengths().tolist()))
+        sizes: list[int] = self.lengths().tolist()
+        return list(torch.split(weights, sizes))
 
     def to_padded_dense(
         self, desired_length: int | None = None, padding_value: float = 0.0
     ) -> torch.Tensor:
         """``[B, L]``: each bag truncated or padded to ``L`` (default: the longest bag)."""
-        return sparse_ops.jagged_to_padded_dense(
+        return _jit_ops.padded_dense(
             self._values, self.offsets(), self._padded_length(desired_length), padding_value
         )
 
     def to_padded_dense_weights(
         self, desired_length: int | None = None, padding_value: float = 0.0
     ) -> torch.Tensor | None:
-        if self._weights is None:
+        weights = self._weights
+        if weights is None:
             return None
-        return sparse_ops.jagged_to_padded_dense(
-            self._weights, self.offsets(), self._padded_length(desired_length), padding_value
+        return _jit_ops.padded_dense(
+            weights, self.offsets(), self._padded_length(desired_length), padding_value
         )
 
     def _padded_length(self, desired_length: int | None) -> int:
@@ -238,28 +254,35 @@ class JaggedTensor:
                 raise ValueError(f"desired_length must be >= 0, got {desired_length}.")
             return desired_length
         lengths = self.lengths()
-        return int(lengths.max()) if lengths.numel() else 0
+        return int(lengths.max().item()) if lengths.numel() > 0 else 0
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
-        return JaggedTensor._trusted(*(_move(t, device, non_blocking) for t in self._parts()))
-
-    def pin_memory(self) -> JaggedTensor:
-        return JaggedTensor._trusted(
-            *(None if t is None else t.pin_memory() for t in self._parts())
+    def to(self, device: torch.device, non_blocking: bool = False) -> "JaggedTensor":
+        self._materialize()
+        weights, lengths, offsets = self._weights, self._lengths, self._offsets
+        return JaggedTensor(
+            values=self._values.to(device, non_blocking=non_blocking),
+            weights=None if weights is None else weights.to(device, non_blocking=non_blocking),
+            lengths=None if lengths is None else lengths.to(device, non_blocking=non_blocking),
+            offsets=None if offsets is None else offsets.to(device, non_blocking=non_blocking),
         )
 
+    def pin_memory(self) -> "JaggedTensor":
+        self._materialize()
+        weights, lengths, offsets = self._weights, self._lengths, self._offsets
+        return JaggedTensor(
+            values=self._values.pin_memory(),
+            weights=None if weights is None else weights.pin_memory(),
+            lengths=None if lengths is None else lengths.pin_memory(),
+            offsets=None if offsets is None else offsets.pin_memory(),
+        )
+
+    @torch.jit.unused
     def record_stream(self, stream: torch.Stream) -> None:
-        for t in self._parts():
+        for t in _parts(self):
             if t is not None:
                 t.record_stream(stream)
 
-    def _parts(
-        self,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        if self._rows is not None:
-            self._materialize()
-        return self._values, self._weights, self._lengths, self._offsets
-
+    @torch.jit.unused
     def __str__(self) -> str:
         offsets = self.offsets().tolist()
         bags = len(offsets) - 1
@@ -275,49 +298,46 @@ class JaggedTensor:
         return "JaggedTensor({\n" + body + "\n})\n"
 
 
-class BatchedRows:
-    """Per-row lengths and offsets views of a ``[K, B]`` lengths tensor, created together on
-    first request: one ``unbind`` and one batched cumsum instead of K separate ones."""
-
-    __slots__ = ("_lengths_2d", "_lengths", "_offsets")
-
-    def __init__(self, lengths_2d: torch.Tensor) -> None:
-        self._lengths_2d = lengths_2d
-        self._lengths: tuple[torch.Tensor, ...] | None = None
-        self._offsets: tuple[torch.Tensor, ...] | None = None
-
-    def lengths(self, row: int) -> torch.Tensor:
-        if self._lengths is None:
-            self._lengths = self._lengths_2d.unbind(0)
-        return self._lengths[row]
-
-    def offsets(self, row: int) -> torch.Tensor:
-        if self._offsets is None:
-            lengths = self._lengths_2d
-            offsets = lengths.new_zeros(lengths.size(0), lengths.size(1) + 1)
-            torch.cumsum(lengths, 1, out=offsets[:, 1:])
-            self._offsets = offsets.unbind(0)
-        return self._offsets[row]
-
-
-def _move(
-    t: torch.Tensor | None, device: torch.device | str, non_blocking: bool
-) -> torch.Tensor | None:
-    return None if t is None else t.to(device, non_blocking=non_blocking)
+def jagged_view(
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    rows: BatchedRows | None = None,
+    row: int = 0,
+) -> "JaggedTensor":
+    """A JaggedTensor over parts of an already-built KJT: eager skips the input checks (hot
+    path, e.g. ``to_dict`` builds one per key); ``rows`` gives lengths/offsets on first use."""
+    if torch.jit.is_scripting():
+        jt = JaggedTensor(values=values, weights=weights, lengths=lengths, offsets=offsets)
+    else:
+        jt = object.__new__(JaggedTensor)
+        jt._values, jt._weights = values, weights
+        jt._lengths, jt._offsets = lengths, offsets
+    jt._rows = rows
+    jt._row = row
+    return jt
 
 
 _FIELDS = ("_values", "_weights", "_lengths", "_offsets")
 
 
+def _parts(
+    jt: JaggedTensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    jt._materialize()
+    return jt._values, jt._weights, jt._lengths, jt._offsets
+
+
 def _flatten(jt: JaggedTensor) -> tuple[list[torch.Tensor | None], None]:
-    return list(jt._parts()), None
+    return list(_parts(jt)), None
 
 
 def _flatten_with_keys(jt: JaggedTensor) -> tuple[list[tuple[KeyEntry, Any]], None]:
-    return [(GetAttrKey(name), t) for name, t in zip(_FIELDS, jt._parts(), strict=True)], None
+    return [(GetAttrKey(name), t) for name, t in zip(_FIELDS, _parts(jt), strict=True)], None
 
 
-def _unflatten(children: Any, context: None) -> JaggedTensor:
+def _unflatten(children: Any, context: None) -> "JaggedTensor":
     values, weights, lengths, offsets = children
     return JaggedTensor(values=values, weights=weights, lengths=lengths, offsets=offsets)
 

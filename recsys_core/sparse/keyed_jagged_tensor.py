@@ -1,31 +1,24 @@
 """KeyedJaggedTensor: several features' jagged bags over one batch, in one key-major layout."""
 
-from __future__ import annotations
-
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import GetAttrKey, KeyEntry, register_pytree_node
 
-from recsys_core.kernels import sparse_ops
-from recsys_core.sparse import _kjt_ops
-from recsys_core.sparse._utils import (
-    check_values_and_weights,
-    keyed_jagged_string,
-    parse_lengths_offsets,
-    validate_jagged,
-)
+from recsys_core.sparse import _jit_ops, _kjt_ops
+from recsys_core.sparse._fx import SparseTypeMeta
+from recsys_core.sparse._utils import check_kjt_inputs, index_select_batch, keyed_jagged_string
 from recsys_core.sparse.jagged_tensor import JaggedTensor
+from recsys_core.sparse.jagged_tensor_validator import check_sums, validate_keyed_jagged_tensor
 
 _OWNER = "KeyedJaggedTensor"
 
 
-class KeyedJaggedTensor:
-    """Jagged bags for ``len(keys)`` features over a batch of ``stride()`` rows.
+class KeyedJaggedTensor(metaclass=SparseTypeMeta):
+    """Jagged bags for ``len(keys)`` features over a batch, key-major.
 
-    The layout is key-major: ``lengths`` holds key 0's whole batch, then key 1's, and
-    ``values`` follows the same order. Two keys, batch of 3::
+    ``lengths`` holds key 0's whole batch, then key 1's, and ``values`` follows the same
+    order. Two keys, batch of 3::
 
                     batch row 0   row 1     row 2
         "product"   [1, 2]        []        [3]
@@ -38,12 +31,21 @@ class KeyedJaggedTensor:
         stride()        3
         length_per_key  [3, 6]
         offset_per_key  [0, 3, 9]
-        index_per_key   {"product": 0, "user": 1}
 
-    ``weights`` (optional) has one float per value. Everything derivable is computed on first
-    use and cached; ``length_per_key``/``offset_per_key`` need the lengths on the host (a device
-    sync), which ``from_lengths_sync``/``from_offsets_sync``/``sync()`` do eagerly. The
-    constructor only checks metadata; :meth:`validate` does the full, syncing check.
+    Variable batch per key (VBE): ``stride_per_key_per_rank[k][r]`` bags of key ``k`` came
+    from rank ``r``; key ``k`` owns the next ``sum(stride_per_key_per_rank[k])`` lengths::
+
+        keys ["a", "b"], stride_per_key_per_rank [[2], [3]], lengths [1, 0 | 2, 1, 1]
+        stride_per_key() [2, 3]    stride() 3 (the largest, or inverse_indices' batch)
+
+    ``inverse_indices`` ``(keys, [len(keys), B] tensor)`` maps each row of the full batch ``B``
+    to its deduplicated bag, for expanding pooled outputs back to ``B`` rows.
+
+    As in TorchRec the constructor only stores its inputs: everything derivable is computed
+    on first use and cached (``length_per_key``/``offset_per_key`` read the lengths on the host,
+    which ``from_lengths_sync``/``from_offsets_sync``/``sync()`` do at once). Validation is
+    explicit: :meth:`validate` or ``jagged_tensor_validator.validate_keyed_jagged_tensor``.
+    TorchScript-able and fx-traceable.
     """
 
     __slots__ = (
@@ -53,142 +55,161 @@ class KeyedJaggedTensor:
         "_lengths",
         "_offsets",
         "_stride",
+        "_stride_per_key_per_rank",
+        "_stride_per_key",
         "_length_per_key",
+        "_lengths_offset_per_key",
         "_offset_per_key",
         "_index_per_key",
         "_jt_dict",
+        "_inverse_indices",
     )
 
     def __init__(
         self,
-        keys: Sequence[str],
-        values: torch.Tensor,
-        weights: torch.Tensor | None = None,
-        lengths: torch.Tensor | Sequence[int] | None = None,
-        offsets: torch.Tensor | Sequence[int] | None = None,
-        stride: int | None = None,
-        length_per_key: Sequence[int] | None = None,
-        offset_per_key: Sequence[int] | None = None,
-        index_per_key: dict[str, int] | None = None,
-        jt_dict: dict[str, JaggedTensor] | None = None,
-    ) -> None:
-        if isinstance(keys, str):
-            raise ValueError(f"{_OWNER}: keys must be a list of strings, got the string {keys!r}")
-        keys = list(keys)
-        check_values_and_weights(values, weights, _OWNER)
-        lengths, offsets = parse_lengths_offsets(lengths, offsets, _OWNER, values.device)
-        num_bags = lengths.numel() if lengths is not None else offsets.numel() - 1
-        stride = _kjt_ops.check_layout(keys, num_bags, stride, length_per_key, offset_per_key)
-        self._keys: list[str] = keys
-        self._values = values
-        self._weights = weights
-        self._lengths: torch.Tensor | None = lengths
-        self._offsets: torch.Tensor | None = offsets
-        self._stride: int = stride
-        self._length_per_key = None if length_per_key is None else list(length_per_key)
-        self._offset_per_key = None if offset_per_key is None else list(offset_per_key)
-        self._index_per_key = index_per_key
-        self._jt_dict = jt_dict
-
-    @classmethod
-    def _trusted(
-        cls,
         keys: list[str],
         values: torch.Tensor,
-        weights: torch.Tensor | None,
-        lengths: torch.Tensor | None,
-        offsets: torch.Tensor | None,
-        stride: int,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        stride_per_key: list[int] | None = None,
         length_per_key: list[int] | None = None,
+        lengths_offset_per_key: list[int] | None = None,
         offset_per_key: list[int] | None = None,
         index_per_key: dict[str, int] | None = None,
-    ) -> KeyedJaggedTensor:
-        """Skip the checks for results derived from an already-checked KJT (hot path)."""
-        kjt = cls.__new__(cls)
-        kjt._keys = keys
-        kjt._values = values
-        kjt._weights = weights
-        kjt._lengths = lengths
-        kjt._offsets = offsets
-        kjt._stride = stride
-        kjt._length_per_key = length_per_key
-        kjt._offset_per_key = offset_per_key
-        kjt._index_per_key = index_per_key
-        kjt._jt_dict = None
-        return kjt
-
-    @classmethod
-    def _from_parts(cls, parts: _kjt_ops.KJTParts) -> KeyedJaggedTensor:
-        keys, values, weights, lengths, stride, length_per_key = parts
-        return cls._trusted(keys, values, weights, lengths, None, stride, length_per_key)
+        jt_dict: dict[str, JaggedTensor] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
+    ) -> None:
+        if not torch.jit.is_scripting():
+            keys, lengths, offsets, stride_per_key_per_rank = check_kjt_inputs(
+                keys,
+                values,
+                lengths,
+                offsets,
+                stride_per_key_per_rank,
+                length_per_key,
+                offset_per_key,
+            )
+        self._keys: list[str] = keys
+        self._values: torch.Tensor = values
+        self._weights: torch.Tensor | None = weights
+        self._lengths: torch.Tensor | None = lengths
+        self._offsets: torch.Tensor | None = offsets
+        self._stride: int | None = stride
+        self._stride_per_key_per_rank: list[list[int]] | None = stride_per_key_per_rank
+        self._stride_per_key: list[int] | None = stride_per_key
+        self._length_per_key: list[int] | None = length_per_key
+        self._lengths_offset_per_key: list[int] | None = lengths_offset_per_key
+        self._offset_per_key: list[int] | None = offset_per_key
+        self._index_per_key: dict[str, int] | None = index_per_key
+        self._jt_dict: dict[str, JaggedTensor] | None = jt_dict
+        self._inverse_indices: tuple[list[str], torch.Tensor] | None = inverse_indices
 
     # -- constructors ---------------------------------------------------------------------
 
     @staticmethod
     def from_lengths_sync(
-        keys: Sequence[str],
+        keys: list[str],
         values: torch.Tensor,
-        lengths: torch.Tensor | Sequence[int],
+        lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
         stride: int | None = None,
-    ) -> KeyedJaggedTensor:
-        """Construct, :meth:`validate` and cache ``length_per_key`` (one device sync)."""
-        kjt = KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride)
-        return kjt.validate()
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
+    ) -> "KeyedJaggedTensor":
+        """Construct and :meth:`sync` (``length_per_key``/``offset_per_key`` on the host)."""
+        kjt = KeyedJaggedTensor(
+            keys=keys,
+            values=values,
+            weights=weights,
+            lengths=lengths,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+            offsets=None,
+            stride_per_key=None,
+            length_per_key=None,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
+        )
+        return kjt.sync()
 
     @staticmethod
     def from_offsets_sync(
-        keys: Sequence[str],
+        keys: list[str],
         values: torch.Tensor,
-        offsets: torch.Tensor | Sequence[int],
+        offsets: torch.Tensor,
         weights: torch.Tensor | None = None,
         stride: int | None = None,
-    ) -> KeyedJaggedTensor:
-        """Construct, :meth:`validate` and cache ``length_per_key`` (one device sync)."""
-        kjt = KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride)
-        return kjt.validate()
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
+    ) -> "KeyedJaggedTensor":
+        """Construct and :meth:`sync` (``length_per_key``/``offset_per_key`` on the host)."""
+        kjt = KeyedJaggedTensor(
+            keys=keys,
+            values=values,
+            weights=weights,
+            offsets=offsets,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+            lengths=None,
+            stride_per_key=None,
+            length_per_key=None,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
+        )
+        return kjt.sync()
 
     @staticmethod
-    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-        """One key per entry, in dict order. Every JaggedTensor needs the same batch size and
-        either all or none carry weights. ``length_per_key`` comes from the value counts."""
-        if not jt_dict:
-            return KeyedJaggedTensor.empty()
-        return KeyedJaggedTensor._from_parts(_kjt_ops.from_jt_dict(jt_dict))
+    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
+        """One key per entry, in dict order; all weighted or none. If the batch sizes differ
+        the result has a variable batch per key (``stride_per_key_per_rank = [[b] ...]``)."""
+        return _kjt_from_jt_dict(jt_dict)
 
     @staticmethod
     def empty(
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
-        values_dtype: torch.dtype | None = None,
-        weights_dtype: torch.dtype | None = None,
+        device: Optional[torch.device] = None,  # noqa: UP045 (TorchScript)
+        values_dtype: Optional[torch.dtype] = None,  # noqa: UP045
+        weights_dtype: Optional[torch.dtype] = None,  # noqa: UP045
         lengths_dtype: torch.dtype = torch.int32,
-    ) -> KeyedJaggedTensor:
+    ) -> "KeyedJaggedTensor":
         """No keys, stride 0."""
+        weights = torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None
         return KeyedJaggedTensor(
-            keys=[],
+            keys=torch.jit.annotate(list[str], []),
             values=torch.empty(0, dtype=values_dtype, device=device),
-            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            weights=weights,
             lengths=torch.empty(0, dtype=lengths_dtype, device=device),
             stride=0,
+            offsets=None,
+            stride_per_key_per_rank=None,
+            stride_per_key=None,
+            length_per_key=None,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
+            inverse_indices=None,
         )
 
     @staticmethod
-    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """No keys, but ``kjt``'s stride, device and dtypes."""
-        weights = kjt.weights_or_none()
-        return KeyedJaggedTensor(
-            keys=[],
-            values=kjt.values().new_empty(0),
-            weights=None if weights is None else weights.new_empty(0),
-            lengths=kjt.lengths().new_empty(0),
-            stride=kjt.stride(),
-        )
+    def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
+        """No keys, but ``kjt``'s stride (or per-key strides), device and dtypes."""
+        return _kjt_empty_like(kjt)
 
     @staticmethod
-    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-        """Keys of all inputs side by side (same stride; all weighted or none)."""
-        return KeyedJaggedTensor._from_parts(_kjt_ops.concat(kjt_list))
+    def concat(kjt_list: list["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        """Keys of all inputs side by side (same stride, or all variable-batch; all weighted
+        or none; inverse indices on all or none, concatenated)."""
+        return _kjt_concat(kjt_list)
 
     # -- accessors --------------------------------------------------------------------------
 
@@ -199,27 +220,34 @@ class KeyedJaggedTensor:
         return self._values
 
     def weights(self) -> torch.Tensor:
-        if self._weights is None:
+        weights = self._weights
+        if weights is None:
             raise ValueError("This KeyedJaggedTensor has no weights; use weights_or_none().")
-        return self._weights
+        return weights
 
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
 
     def lengths(self) -> torch.Tensor:
-        if self._lengths is None:
-            assert self._offsets is not None  # the constructor guarantees one of them
-            self._lengths = sparse_ops.offsets_to_lengths(self._offsets)
-        return self._lengths
+        lengths = self._lengths
+        if lengths is None:
+            offsets = self._offsets
+            assert offsets is not None, "KeyedJaggedTensor needs lengths or offsets"
+            lengths = _jit_ops.offsets_to_lengths(offsets)
+            self._lengths = lengths
+        return lengths
 
     def lengths_or_none(self) -> torch.Tensor | None:
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
-        if self._offsets is None:
-            assert self._lengths is not None
-            self._offsets = sparse_ops.lengths_to_offsets(self._lengths)
-        return self._offsets
+        offsets = self._offsets
+        if offsets is None:
+            lengths = self._lengths
+            assert lengths is not None, "KeyedJaggedTensor needs lengths or offsets"
+            offsets = _jit_ops.lengths_to_offsets(lengths)
+            self._offsets = offsets
+        return offsets
 
     def offsets_or_none(self) -> torch.Tensor | None:
         return self._offsets
@@ -228,209 +256,492 @@ class KeyedJaggedTensor:
         return self._values.device
 
     def stride(self) -> int:
-        return self._stride
+        """Batch size: given, or from the inverse indices / per-key strides / lengths."""
+        stride = self._stride
+        if stride is None:
+            stride = _kjt_ops.compute_stride(
+                self._keys,
+                self._lengths,
+                self._offsets,
+                self._stride_per_key_per_rank,
+                self._inverse_indices,
+            )
+            self._stride = stride
+        return stride
 
     def stride_per_key(self) -> list[int]:
-        return [self._stride] * len(self._keys)
+        """Bags per key: ``sum(stride_per_key_per_rank[k])`` for a variable batch, else
+        ``[stride()] * len(keys)``."""
+        stride_per_key = self._stride_per_key
+        if stride_per_key is None:
+            spkpr = self._stride_per_key_per_rank
+            if spkpr is not None:
+                stride_per_key = [sum(per_rank) for per_rank in spkpr]
+            else:
+                stride_per_key = [self.stride()] * len(self._keys)
+            self._stride_per_key = stride_per_key
+        return stride_per_key
 
     def stride_per_key_per_rank(self) -> list[list[int]]:
-        return [[self._stride] for _ in self._keys]
+        """Per key, the bags each rank contributed; ``[]`` for a fixed batch (as TorchRec)."""
+        spkpr = self._stride_per_key_per_rank
+        return [] if spkpr is None else spkpr
 
     def variable_stride_per_key(self) -> bool:
-        return False
+        return self._stride_per_key_per_rank is not None
 
-    def inverse_indices_or_none(self) -> None:
-        return None
+    def inverse_indices(self) -> tuple[list[str], torch.Tensor]:
+        inverse = self._inverse_indices
+        if inverse is None:
+            raise ValueError(
+                "This KeyedJaggedTensor has no inverse_indices; use inverse_indices_or_none()."
+            )
+        return inverse
+
+    def inverse_indices_or_none(self) -> tuple[list[str], torch.Tensor] | None:
+        return self._inverse_indices
 
     def length_per_key(self) -> list[int]:
         """Number of values per key (host ints; computing them syncs once, then cached)."""
-        if self._length_per_key is None:
-            per_key = _kjt_ops.length_per_key(self)
-            if sum(per_key) != self._values.numel():
-                # Inconsistent input would otherwise fail later in an anonymous split/cat; the
-                # full check names the key (this branch only runs on bad input).
-                self.validate()
-            self._length_per_key = per_key
-        return self._length_per_key
+        length_per_key = self._length_per_key
+        if length_per_key is None:
+            length_per_key = _kjt_ops.length_per_key(
+                len(self._keys),
+                self.stride_per_key(),
+                self.variable_stride_per_key(),
+                self._lengths,
+                self._offsets,
+            )
+            if not torch.jit.is_scripting():
+                # Values may run past the last bag (TorchRec allows it), never fall short.
+                check_sums(_OWNER, self._keys, length_per_key, self._values.size(0), exact=False)
+            self._length_per_key = length_per_key
+        return length_per_key
 
     def length_per_key_or_none(self) -> list[int] | None:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
         """Start of each key in ``values`` plus the end: ``len(keys) + 1`` host ints."""
-        if self._offset_per_key is None:
-            running, out = 0, [0]
-            for n in self.length_per_key():
-                running += n
-                out.append(running)
-            self._offset_per_key = out
-        return self._offset_per_key
+        offset_per_key = self._offset_per_key
+        if offset_per_key is None:
+            offset_per_key = _jit_ops.cumsum(self.length_per_key())
+            self._offset_per_key = offset_per_key
+        return offset_per_key
 
     def offset_per_key_or_none(self) -> list[int] | None:
         return self._offset_per_key
 
-    def index_per_key(self) -> dict[str, int]:
-        if self._index_per_key is None:
-            self._index_per_key = {key: i for i, key in enumerate(self._keys)}
-        return self._index_per_key
+    def lengths_offset_per_key(self) -> list[int]:
+        """Start of each key in ``lengths`` plus the end."""
+        lengths_offset_per_key = self._lengths_offset_per_key
+        if lengths_offset_per_key is None:
+            lengths_offset_per_key = _jit_ops.cumsum(self.stride_per_key())
+            self._lengths_offset_per_key = lengths_offset_per_key
+        return lengths_offset_per_key
 
-    def sync(self) -> KeyedJaggedTensor:
+    def index_per_key(self) -> dict[str, int]:
+        index_per_key = self._index_per_key
+        if index_per_key is None:
+            index_per_key = {key: i for i, key in enumerate(self._keys)}
+            self._index_per_key = index_per_key
+        return index_per_key
+
+    def sync(self) -> "KeyedJaggedTensor":
         """Compute and cache ``length_per_key``/``offset_per_key`` now."""
         self.offset_per_key()
         return self
 
-    def unsync(self) -> KeyedJaggedTensor:
+    def unsync(self) -> "KeyedJaggedTensor":
         """Drop the host-side caches (e.g. before tracing)."""
         self._length_per_key = None
         self._offset_per_key = None
         return self
 
-    def validate(self) -> KeyedJaggedTensor:
-        """Full check (one device sync): no negative lengths, offsets start at 0 and agree
-        with lengths, every key's bags lie inside ``values`` and cover all of it, cached
-        ``length_per_key``/``offset_per_key`` are right. Raises ``ValueError`` naming the key.
-        Caches ``length_per_key`` as a side effect."""
-        self._length_per_key = validate_jagged(
-            _OWNER,
-            self._keys,
-            self._stride,
-            self._values,
-            self.lengths(),
-            self._offsets,
-            self._length_per_key,
-            self._offset_per_key,
-        )
-        return self
+    @torch.jit.unused
+    def validate(self) -> "KeyedJaggedTensor":
+        """Full check (one device sync; see ``validate_keyed_jagged_tensor``). Raises
+        ``ValueError`` naming the key and the bad value; caches ``length_per_key``."""
+        validate_keyed_jagged_tensor(self)
+        return self.sync()
 
     # -- per-key views ----------------------------------------------------------------------
 
     def __getitem__(self, key: str) -> JaggedTensor:
-        index = self._key_index(key)
-        if self._jt_dict is not None:
-            return self._jt_dict[key]
-        return _kjt_ops.key_view(self, index)
+        index_per_key = self.index_per_key()
+        if key not in index_per_key:
+            raise KeyError(f"KeyedJaggedTensor has no key '{key}'; its keys are {self._keys}.")
+        jt_dict = self._jt_dict
+        if jt_dict is not None:
+            return jt_dict[key]
+        return _kjt_ops.key_view(
+            self._values,
+            self._weights,
+            self.lengths(),
+            self.offset_per_key(),
+            self.lengths_offset_per_key(),
+            index_per_key[key],
+        )
 
-    def _key_index(self, key: str) -> int:
-        try:
-            return self.index_per_key()[key]
-        except KeyError:
-            raise KeyError(f"{_OWNER} has no key {key!r}; its keys are {self._keys}.") from None
-
-    def to_dict(self) -> dict[str, JaggedTensor]:
-        """``{key: JaggedTensor}``; values, weights, lengths and offsets are views (no copy
-        per key). Per-key lengths/offsets are created when first asked for, for all keys at
-        once (one unbind, one batched cumsum). The dict is cached on this KJT."""
-        if self._jt_dict is None:
-            self._jt_dict = _kjt_ops.to_dict(self)
-        return self._jt_dict
+    def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+        """``{key: JaggedTensor}`` of views (no copy per key), cached on this KJT."""
+        jt_dict = self._jt_dict
+        if jt_dict is None:
+            jt_dict = _kjt_ops.to_dict(
+                self._keys,
+                self._values,
+                self._weights,
+                self.lengths(),
+                self.stride_per_key(),
+                self.variable_stride_per_key(),
+                self.length_per_key(),
+                compute_offsets,
+            )
+            self._jt_dict = jt_dict
+        return jt_dict
 
     # -- key reordering -------------------------------------------------------------------
 
     def permute(
-        self, indices: Sequence[int], indices_tensor: torch.Tensor | None = None
-    ) -> KeyedJaggedTensor:
-        """Keys in the order ``indices``; repeats are allowed (a key may appear twice).
-
-        ``indices_tensor``, if given, is ``indices`` already on the device (int32) and saves a
-        host-to-device copy. Values move with their keys::
+        self, indices: list[int], indices_tensor: torch.Tensor | None = None
+    ) -> "KeyedJaggedTensor":
+        """Keys in the order ``indices`` (repeats allowed); values move with their keys::
 
             keys [a, b], lengths [1, 2 | 0, 3], permute([1, 0, 1])
             -> keys [b, a, b], lengths [0, 3 | 1, 2 | 0, 3]
+
+        ``indices_tensor`` is ``indices`` already on the device (int32). Variable-batch
+        strides move with their keys; inverse indices are dropped (as in TorchRec).
         """
-        return self._from_parts(_kjt_ops.permute(self, indices, indices_tensor))
+        indices = _kjt_ops.check_permute(indices, self._keys)
+        length_per_key = self.length_per_key()
+        stride_per_key = self.stride_per_key()
+        lengths, values, weights = _jit_ops.permute_keys(
+            indices,
+            indices_tensor,
+            self.lengths(),
+            self._values,
+            self._weights,
+            stride_per_key,
+            length_per_key,
+            not self.variable_stride_per_key(),
+        )
+        spkpr = self._stride_per_key_per_rank
+        return KeyedJaggedTensor(
+            keys=[self._keys[i] for i in indices],
+            values=values,
+            weights=weights,
+            lengths=lengths,
+            stride=None if spkpr is not None else self.stride(),
+            stride_per_key_per_rank=None if spkpr is None else [spkpr[i] for i in indices],
+            stride_per_key=[stride_per_key[i] for i in indices],
+            length_per_key=[length_per_key[i] for i in indices],
+            offsets=None,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
+            inverse_indices=None,
+        )
 
-    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
-        """Consecutive groups of ``segments[i]`` keys; every part is a view (no copy)."""
-        return [self._from_parts(part) for part in _kjt_ops.split(self, segments)]
+    def split(self, segments: list[int]) -> list["KeyedJaggedTensor"]:
+        """Consecutive groups of ``segments[i]`` keys; every part is a view (no copy). A part
+        with every key is this KJT; parts keep this KJT's ``stride()`` (as in TorchRec)."""
+        _kjt_ops.check_split(segments, self._keys)
+        offset_per_key = self.offset_per_key()
+        length_per_key = self.length_per_key()
+        lengths_offset_per_key = self.lengths_offset_per_key()
+        lengths = self.lengths().reshape(-1)
+        spkpr = self._stride_per_key_per_rank
+        weights = self._weights
+        stride = self.stride()
+        parts: list[KeyedJaggedTensor] = []
+        start = 0
+        for segment in segments:
+            end = start + segment
+            if segment == len(self._keys):
+                parts.append(self)
+            else:
+                lo, hi = offset_per_key[start], offset_per_key[end]
+                parts.append(
+                    KeyedJaggedTensor(
+                        keys=self._keys[start:end],
+                        values=self._values[lo:hi],
+                        weights=None if weights is None else weights[lo:hi],
+                        lengths=lengths[
+                            lengths_offset_per_key[start] : lengths_offset_per_key[end]
+                        ],
+                        stride=stride,
+                        stride_per_key_per_rank=None if spkpr is None else spkpr[start:end],
+                        length_per_key=length_per_key[start:end],
+                        offsets=None,
+                        stride_per_key=None,
+                        lengths_offset_per_key=None,
+                        offset_per_key=None,
+                        index_per_key=None,
+                        jt_dict=None,
+                        inverse_indices=None,
+                    )
+                )
+            start = end
+        return parts
 
-    def index_select_batch(self, indices: torch.Tensor | Sequence[int]) -> KeyedJaggedTensor:
+    @torch.jit.unused
+    def index_select_batch(self, indices: torch.Tensor | list[int]) -> "KeyedJaggedTensor":
         """Keep batch rows ``indices`` (any order, repeats allowed) in every key.
 
-        Not in TorchRec; our addition for sub-batching and re-ordering samples (e.g. moving
-        rows between pipeline stages). ``stride()`` becomes ``len(indices)``. Indices are
-        bounds-checked once on the host (one sync)::
+        Not in TorchRec; our addition for sub-batching and re-ordering samples. ``stride()``
+        becomes ``len(indices)``; fixed batch only. Indices are bounds-checked (one sync)::
 
             lengths [1, 2 | 0, 1], indices [1, 1, 0] -> lengths [2, 2, 1 | 1, 1, 0]
         """
-        return self._from_parts(_kjt_ops.index_select_batch(self, indices))
-
-    def flatten_lengths(self) -> KeyedJaggedTensor:
-        """Same data with 1-D lengths (ours are always 1-D; kept for TorchRec code)."""
-        return KeyedJaggedTensor._trusted(
-            self._keys,
+        if self.variable_stride_per_key():
+            raise ValueError(
+                "KeyedJaggedTensor.index_select_batch: needs a fixed batch, but this KJT has a "
+                "variable batch per key."
+            )
+        values, weights, lengths, stride = index_select_batch(
+            "KeyedJaggedTensor.index_select_batch",
             self._values,
             self._weights,
-            self.lengths().view(-1),
-            None,
-            self._stride,
-            self._length_per_key,
+            self.lengths().reshape(-1),
+            self.offsets(),
+            self.stride(),
+            indices,
+        )
+        return KeyedJaggedTensor(self._keys, values, weights, lengths, stride=stride)
+
+    def flatten_lengths(self) -> "KeyedJaggedTensor":
+        """Same data with 1-D lengths."""
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=self._values,
+            weights=self._weights,
+            lengths=self.lengths().reshape(-1),
+            stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
+            length_per_key=self._length_per_key,
+            offsets=None,
+            stride_per_key=None,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
+            inverse_indices=None,
         )
 
     # -- device movement ------------------------------------------------------------------
 
     def to(
         self,
-        device: torch.device | str,
+        device: torch.device,
         non_blocking: bool = False,
-        dtype: torch.dtype | None = None,
-    ) -> KeyedJaggedTensor:
-        """Move every tensor; ``dtype`` (if given) converts the weights only."""
-        return self._map(
-            lambda t: t.to(device, non_blocking=non_blocking),
-            lambda w: w.to(device, dtype=dtype, non_blocking=non_blocking),
+        dtype: Optional[torch.dtype] = None,  # noqa: UP045 (TorchScript)
+    ) -> "KeyedJaggedTensor":
+        """Move every tensor (inverse indices too); ``dtype`` converts the weights only."""
+        weights, lengths, offsets = self._weights, self._lengths, self._offsets
+        inverse = self._inverse_indices
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=self._values.to(device, non_blocking=non_blocking),
+            weights=None
+            if weights is None
+            else weights.to(device=device, dtype=dtype, non_blocking=non_blocking),
+            lengths=None if lengths is None else lengths.to(device, non_blocking=non_blocking),
+            offsets=None if offsets is None else offsets.to(device, non_blocking=non_blocking),
+            stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
+            stride_per_key=self._stride_per_key,
+            length_per_key=self._length_per_key,
+            lengths_offset_per_key=self._lengths_offset_per_key,
+            offset_per_key=self._offset_per_key,
+            index_per_key=self._index_per_key,
+            inverse_indices=None
+            if inverse is None
+            else (inverse[0], inverse[1].to(device, non_blocking=non_blocking)),
+            jt_dict=None,
         )
 
-    def pin_memory(self) -> KeyedJaggedTensor:
-        return self._map(torch.Tensor.pin_memory, torch.Tensor.pin_memory)
+    def pin_memory(self) -> "KeyedJaggedTensor":
+        weights, lengths, offsets = self._weights, self._lengths, self._offsets
+        inverse = self._inverse_indices
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=self._values.pin_memory(),
+            weights=None if weights is None else weights.pin_memory(),
+            lengths=None if lengths is None else lengths.pin_memory(),
+            offsets=None if offsets is None else offsets.pin_memory(),
+            stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
+            stride_per_key=self._stride_per_key,
+            length_per_key=self._length_per_key,
+            lengths_offset_per_key=self._lengths_offset_per_key,
+            offset_per_key=self._offset_per_key,
+            index_per_key=self._index_per_key,
+            inverse_indices=None if inverse is None else (inverse[0], inverse[1].pin_memory()),
+            jt_dict=None,
+        )
 
+    @torch.jit.unused
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):
             if t is not None:
                 t.record_stream(stream)
 
-    def _map(
-        self,
-        fn: Callable[[torch.Tensor], torch.Tensor],
-        weights_fn: Callable[[torch.Tensor], torch.Tensor],
-    ) -> KeyedJaggedTensor:
-        """Same keys and host caches, every tensor passed through ``fn``."""
-        weights, lengths, offsets = self._weights, self._lengths, self._offsets
-        return KeyedJaggedTensor._trusted(
-            self._keys,
-            fn(self._values),
-            None if weights is None else weights_fn(weights),
-            None if lengths is None else fn(lengths),
-            None if offsets is None else fn(offsets),
-            self._stride,
-            self._length_per_key,
-            self._offset_per_key,
-            self._index_per_key,
-        )
-
+    @torch.jit.unused
     def __str__(self) -> str:
         if not self._keys or (self._lengths is None and self._offsets is None):
             return "KeyedJaggedTensor()\n"
         return keyed_jagged_string(
-            self._keys, self._values, self._weights, self.offsets().tolist(), self._stride
+            self._keys, self._values, self._weights, self.offsets().tolist(), self.stride_per_key()
         )
 
 
-_FIELDS = ("_values", "_weights", "_lengths", "_offsets")
+# Static constructors' bodies live in fx-wrapped functions: they read host metadata of their
+# inputs, so an fx trace records each as one call instead of tracing into it.
 
 
-def _flatten(kjt: KeyedJaggedTensor) -> tuple[list[torch.Tensor | None], list[str]]:
-    return [kjt._values, kjt._weights, kjt._lengths, kjt._offsets], kjt._keys
-
-
-def _flatten_with_keys(kjt: KeyedJaggedTensor) -> tuple[list[tuple[KeyEntry, Any]], list[str]]:
-    children, keys = _flatten(kjt)
-    return [(GetAttrKey(name), t) for name, t in zip(_FIELDS, children, strict=True)], keys
-
-
-def _unflatten(children: Any, context: list[str]) -> KeyedJaggedTensor:
-    values, weights, lengths, offsets = children
+@torch.fx.wrap
+def _kjt_from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+    keys = list(jt_dict.keys())
+    jts = list(jt_dict.values())
+    if len(jts) == 0:
+        return KeyedJaggedTensor.empty()
+    strides = [jt.lengths().numel() for jt in jts]
+    _kjt_ops.check_jt_dict(keys, strides, [jt.weights_or_none() is not None for jt in jts])
+    weights: torch.Tensor | None = None
+    if jts[0].weights_or_none() is not None:
+        weights = torch.cat([jt.weights() for jt in jts])
+    variable = any([s != strides[0] for s in strides])
     return KeyedJaggedTensor(
-        keys=list(context), values=values, weights=weights, lengths=lengths, offsets=offsets
+        keys=keys,
+        values=torch.cat([jt.values() for jt in jts]),
+        weights=weights,
+        lengths=torch.cat([jt.lengths().reshape(-1) for jt in jts]),
+        stride=None if variable else strides[0],
+        stride_per_key_per_rank=[[s] for s in strides] if variable else None,
+        length_per_key=[jt.values().size(0) for jt in jts],
+        offsets=None,
+        stride_per_key=None,
+        lengths_offset_per_key=None,
+        offset_per_key=None,
+        index_per_key=None,
+        jt_dict=None,
+        inverse_indices=None,
+    )
+
+
+@torch.fx.wrap
+def _kjt_empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    weights = kjt.weights_or_none()
+    variable = kjt.variable_stride_per_key()
+    return KeyedJaggedTensor(
+        keys=torch.jit.annotate(list[str], []),
+        values=kjt.values().new_empty(0),
+        weights=None if weights is None else weights.new_empty(0),
+        lengths=kjt.lengths().new_empty(0),
+        stride=None if variable else kjt.stride(),
+        stride_per_key_per_rank=kjt._stride_per_key_per_rank if variable else None,
+        offsets=None,
+        stride_per_key=None,
+        length_per_key=None,
+        lengths_offset_per_key=None,
+        offset_per_key=None,
+        index_per_key=None,
+        jt_dict=None,
+        inverse_indices=None,
+    )
+
+
+@torch.fx.wrap
+def _kjt_concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    _kjt_ops.concat_layout(
+        [k.stride() if not k.variable_stride_per_key() else 0 for k in kjt_list],
+        [k.variable_stride_per_key() for k in kjt_list],
+        [k.keys() for k in kjt_list],
+        [k.weights_or_none() is not None for k in kjt_list],
+        [k.inverse_indices_or_none() is not None for k in kjt_list],
+    )
+    first = kjt_list[0]
+    keys: list[str] = []
+    length_per_key: list[int] | None = []
+    spkpr: list[list[int]] = []
+    weights: list[torch.Tensor] = []
+    inverse_keys: list[str] = []
+    inverse_tensors: list[torch.Tensor] = []
+    for kjt in kjt_list:
+        keys.extend(kjt.keys())
+        cached = kjt.length_per_key_or_none()
+        # Keep the host-side counts only if every input has them (no sync here).
+        length_per_key = (
+            None if cached is None or length_per_key is None else (length_per_key + cached)
+        )
+        w = kjt.weights_or_none()
+        if w is not None:
+            weights.append(w)
+        if kjt.variable_stride_per_key():
+            spkpr.extend(kjt.stride_per_key_per_rank())
+        inverse = kjt.inverse_indices_or_none()
+        if inverse is not None:
+            inverse_keys.extend(inverse[0])
+            inverse_tensors.append(inverse[1])
+    variable = first.variable_stride_per_key()
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([k.values() for k in kjt_list]),
+        weights=torch.cat(weights) if len(weights) > 0 else None,
+        lengths=torch.cat([k.lengths().reshape(-1) for k in kjt_list]),
+        stride=None if variable else first.stride(),
+        stride_per_key_per_rank=spkpr if variable else None,
+        length_per_key=length_per_key,
+        inverse_indices=(inverse_keys, torch.cat(inverse_tensors))
+        if len(inverse_tensors) > 0
+        else None,
+        offsets=None,
+        stride_per_key=None,
+        lengths_offset_per_key=None,
+        offset_per_key=None,
+        index_per_key=None,
+        jt_dict=None,
+    )
+
+
+def _flatten(kjt: KeyedJaggedTensor) -> tuple[list[torch.Tensor | None], Any]:
+    children = [kjt._values, kjt._weights, kjt._lengths, kjt._offsets]
+    inverse = kjt._inverse_indices
+    if inverse is not None:
+        children.append(inverse[1])
+    return children, (
+        kjt._keys,
+        kjt._stride_per_key_per_rank,
+        None if inverse is None else inverse[0],
+    )
+
+
+def _flatten_with_keys(kjt: KeyedJaggedTensor) -> tuple[list[tuple[KeyEntry, Any]], Any]:
+    children, context = _flatten(kjt)
+    names = ("_values", "_weights", "_lengths", "_offsets", "_inverse_indices")
+    return [(GetAttrKey(name), t) for name, t in zip(names, children, strict=False)], context
+
+
+def _unflatten(children: Any, context: Any) -> "KeyedJaggedTensor":
+    keys, spkpr, inverse_keys = context
+    values, weights, lengths, offsets = children[:4]
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=values,
+        weights=weights,
+        lengths=lengths,
+        offsets=offsets,
+        stride_per_key_per_rank=spkpr,
+        inverse_indices=None if inverse_keys is None else (list(inverse_keys), children[4]),
+        stride=None,
+        stride_per_key=None,
+        length_per_key=None,
+        lengths_offset_per_key=None,
+        offset_per_key=None,
+        index_per_key=None,
+        jt_dict=None,
     )
 
 

@@ -1,7 +1,5 @@
 """KeyedTensor: dense per-key tensors (e.g. pooled embeddings) side by side in one tensor."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,11 +7,12 @@ import torch
 from torch.utils._pytree import GetAttrKey, KeyEntry, register_pytree_node
 
 from recsys_core.kernels import sparse_ops
+from recsys_core.sparse._fx import SparseTypeMeta
 
 _OWNER = "KeyedTensor"
 
 
-class KeyedTensor:
+class KeyedTensor(metaclass=SparseTypeMeta):
     """Dense tensors of one batch, one per key, concatenated along ``key_dim``.
 
     Pooled embeddings for a batch of 2, key ``a`` of dim 2 and key ``b`` of dim 3::
@@ -38,64 +37,43 @@ class KeyedTensor:
 
     def __init__(
         self,
-        keys: Sequence[str],
-        length_per_key: Sequence[int],
+        keys: list[str],
+        length_per_key: list[int],
         values: torch.Tensor,
         key_dim: int = 1,
-        offset_per_key: Sequence[int] | None = None,
+        offset_per_key: list[int] | None = None,
         index_per_key: dict[str, int] | None = None,
     ) -> None:
-        if isinstance(keys, str):
-            raise ValueError(f"{_OWNER}: keys must be a list of strings, got the string {keys!r}.")
-        keys, length_per_key = list(keys), list(length_per_key)
-        if len(keys) != len(length_per_key):
-            raise ValueError(
-                f"{_OWNER}: {len(keys)} keys but {len(length_per_key)} entries in "
-                "length_per_key; pass one width per key."
+        if not torch.jit.is_scripting():
+            keys, length_per_key = _check_inputs(
+                keys, length_per_key, values, key_dim, offset_per_key
             )
-        if not isinstance(values, torch.Tensor):
-            raise ValueError(
-                f"{_OWNER}: values must be a torch.Tensor, got {type(values).__name__}."
-            )
-        if not -values.dim() <= key_dim < values.dim():
-            raise ValueError(
-                f"{_OWNER}: key_dim {key_dim} is out of range for values of shape "
-                f"{tuple(values.shape)}."
-            )
-        if values.size(key_dim) != sum(length_per_key):
-            raise ValueError(
-                f"{_OWNER}: values has size {values.size(key_dim)} along key_dim {key_dim} but "
-                f"length_per_key {length_per_key} sums to {sum(length_per_key)}."
-            )
-        if offset_per_key is not None and len(offset_per_key) != len(keys) + 1:
-            raise ValueError(
-                f"{_OWNER}: offset_per_key needs len(keys) + 1 = {len(keys) + 1} entries, got "
-                f"{len(offset_per_key)}."
-            )
-        self._keys = keys
-        self._length_per_key = length_per_key
-        self._values = values
-        self._key_dim = key_dim
-        self._offset_per_key = None if offset_per_key is None else list(offset_per_key)
-        self._index_per_key = index_per_key
+        self._keys: list[str] = keys
+        self._length_per_key: list[int] = length_per_key
+        self._values: torch.Tensor = values
+        self._key_dim: int = key_dim
+        self._offset_per_key: list[int] | None = offset_per_key
+        self._index_per_key: dict[str, int] | None = index_per_key
 
     @staticmethod
     def from_tensor_list(
-        keys: Sequence[str],
-        tensors: Sequence[torch.Tensor],
+        keys: list[str],
+        tensors: list[torch.Tensor],
         key_dim: int = 1,
         cat_dim: int = 1,
-    ) -> KeyedTensor:
+    ) -> "KeyedTensor":
         """Concatenate ``tensors`` (one per key) along ``cat_dim``."""
         if len(keys) != len(tensors):
             raise ValueError(
-                f"{_OWNER}.from_tensor_list: {len(keys)} keys but {len(tensors)} tensors."
+                f"KeyedTensor.from_tensor_list: {len(keys)} keys but {len(tensors)} tensors."
             )
         return KeyedTensor(
             keys=keys,
             length_per_key=[t.size(key_dim) for t in tensors],
-            values=torch.cat(list(tensors), dim=cat_dim),
+            values=torch.cat(tensors, dim=cat_dim),
             key_dim=key_dim,
+            offset_per_key=None,
+            index_per_key=None,
         )
 
     def keys(self) -> list[str]:
@@ -114,89 +92,78 @@ class KeyedTensor:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
-        if self._offset_per_key is None:
-            running, out = 0, [0]
+        offset_per_key = self._offset_per_key
+        if offset_per_key is None:
+            offset_per_key = [0]
             for n in self._length_per_key:
-                running += n
-                out.append(running)
-            self._offset_per_key = out
-        return self._offset_per_key
+                offset_per_key.append(offset_per_key[-1] + n)
+            self._offset_per_key = offset_per_key
+        return offset_per_key
 
     def index_per_key(self) -> dict[str, int]:
-        if self._index_per_key is None:
-            self._index_per_key = {key: i for i, key in enumerate(self._keys)}
-        return self._index_per_key
+        index_per_key = self._index_per_key
+        if index_per_key is None:
+            index_per_key = {key: i for i, key in enumerate(self._keys)}
+            self._index_per_key = index_per_key
+        return index_per_key
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        try:
-            index = self.index_per_key()[key]
-        except KeyError:
-            raise KeyError(f"{_OWNER} has no key {key!r}; its keys are {self._keys}.") from None
+        index_per_key = self.index_per_key()
+        if key not in index_per_key:
+            raise KeyError(f"KeyedTensor has no key '{key}'; its keys are {self._keys}.")
+        index = index_per_key[key]
         return self._values.narrow(
             self._key_dim, self.offset_per_key()[index], self._length_per_key[index]
         )
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         """``{key: view}`` from one split of ``values``."""
-        return dict(
-            zip(
-                self._keys, self._values.split(self._length_per_key, dim=self._key_dim), strict=True
-            )
-        )
+        parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
+        out: dict[str, torch.Tensor] = {}
+        for i, key in enumerate(self._keys):
+            out[key] = parts[i]
+        return out
 
     @staticmethod
-    def regroup(
-        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]
-    ) -> list[torch.Tensor]:
+    def regroup(keyed_tensors: list["KeyedTensor"], groups: list[list[str]]) -> list[torch.Tensor]:
         """One tensor per group: the group's keys concatenated along the key dim, in order.
 
         Differentiable; a key may appear in several groups. Keys must be unique across
         ``keyed_tensors``; every KeyedTensor needs the same key_dim and batch size.
         """
-        if not keyed_tensors:
-            raise ValueError(f"{_OWNER}.regroup: got no keyed tensors.")
-        key_dim = keyed_tensors[0].key_dim()
-        for i, kt in enumerate(keyed_tensors):
-            if kt.key_dim() != key_dim:
-                raise ValueError(
-                    f"{_OWNER}.regroup: keyed tensor {i} (keys {kt.keys()}) has key_dim "
-                    f"{kt.key_dim()} but keyed tensor 0 has {key_dim}."
-                )
-        return sparse_ops.regroup_keyed_tensor(
-            [kt.values() for kt in keyed_tensors],
-            [kt.keys() for kt in keyed_tensors],
-            [kt.length_per_key() for kt in keyed_tensors],
-            groups,
-            dim=key_dim,
-        )
+        return _regroup_keyed_tensors(keyed_tensors, groups)
 
     @staticmethod
     def regroup_as_dict(
-        keyed_tensors: Sequence[KeyedTensor],
-        groups: Sequence[Sequence[str]],
-        keys: Sequence[str],
+        keyed_tensors: list["KeyedTensor"], groups: list[list[str]], keys: list[str]
     ) -> dict[str, torch.Tensor]:
         """:meth:`regroup`, with group ``i`` named ``keys[i]``."""
         if len(groups) != len(keys):
             raise ValueError(
-                f"{_OWNER}.regroup_as_dict: {len(groups)} groups but {len(keys)} names; pass "
+                f"KeyedTensor.regroup_as_dict: {len(groups)} groups but {len(keys)} names; pass "
                 "one name per group."
             )
-        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
+        grouped = _regroup_keyed_tensors(keyed_tensors, groups)
+        out: dict[str, torch.Tensor] = {}
+        for i, key in enumerate(keys):
+            out[key] = grouped[i]
+        return out
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+    def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedTensor":
         return KeyedTensor(
-            self._keys,
-            self._length_per_key,
-            self._values.to(device, non_blocking=non_blocking),
-            self._key_dim,
-            self._offset_per_key,
-            self._index_per_key,
+            keys=self._keys,
+            length_per_key=self._length_per_key,
+            values=self._values.to(device, non_blocking=non_blocking),
+            key_dim=self._key_dim,
+            offset_per_key=self._offset_per_key,
+            index_per_key=self._index_per_key,
         )
 
+    @torch.jit.unused
     def record_stream(self, stream: torch.Stream) -> None:
         self._values.record_stream(stream)
 
+    @torch.jit.unused
     def __str__(self) -> str:
         if not self._keys:
             return "KeyedTensor()\n"
@@ -204,18 +171,96 @@ class KeyedTensor:
         return "KeyedTensor({\n" + ",\n".join(lines) + "\n})\n"
 
 
-def _flatten(kt: KeyedTensor) -> tuple[list[torch.Tensor], tuple[list[str], list[int], int]]:
+def _check_inputs(
+    keys: Sequence[str],
+    length_per_key: Sequence[int],
+    values: torch.Tensor,
+    key_dim: int,
+    offset_per_key: Sequence[int] | None,
+) -> tuple[list[str], list[int]]:
+    """The constructor's eager checks (shapes and counts only, no device sync)."""
+    if isinstance(keys, str):
+        raise ValueError(f"{_OWNER}: keys must be a list of strings, got the string {keys!r}.")
+    keys, length_per_key = list(keys), list(length_per_key)
+    if len(keys) != len(length_per_key):
+        raise ValueError(
+            f"{_OWNER}: {len(keys)} keys but {len(length_per_key)} entries in "
+            "length_per_key; pass one width per key."
+        )
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{_OWNER}: values must be a torch.Tensor, got {type(values).__name__}.")
+    if not -values.dim() <= key_dim < values.dim():
+        raise ValueError(
+            f"{_OWNER}: key_dim {key_dim} is out of range for values of shape "
+            f"{tuple(values.shape)}."
+        )
+    if values.size(key_dim) != sum(length_per_key):
+        raise ValueError(
+            f"{_OWNER}: values has size {values.size(key_dim)} along key_dim {key_dim} but "
+            f"length_per_key {length_per_key} sums to {sum(length_per_key)}."
+        )
+    if offset_per_key is not None and len(offset_per_key) != len(keys) + 1:
+        raise ValueError(
+            f"{_OWNER}: offset_per_key needs len(keys) + 1 = {len(keys) + 1} entries, got "
+            f"{len(offset_per_key)}."
+        )
+    return keys, length_per_key
+
+
+@torch.fx.wrap
+def _regroup_keyed_tensors(
+    keyed_tensors: list[KeyedTensor], groups: list[list[str]]
+) -> list[torch.Tensor]:
+    """KeyedTensor.regroup's body; one node in an fx graph (it reads host metadata)."""
+    if len(keyed_tensors) == 0:
+        raise ValueError("KeyedTensor.regroup: got no keyed tensors.")
+    key_dim = keyed_tensors[0].key_dim()
+    for i, kt in enumerate(keyed_tensors):
+        if kt.key_dim() != key_dim:
+            raise ValueError(
+                f"KeyedTensor.regroup: keyed tensor {i} (keys {kt.keys()}) has key_dim "
+                f"{kt.key_dim()} but keyed tensor 0 has {key_dim}."
+            )
+    return _regroup(
+        [kt.values() for kt in keyed_tensors],
+        [kt.keys() for kt in keyed_tensors],
+        [kt.length_per_key() for kt in keyed_tensors],
+        groups,
+        key_dim,
+    )
+
+
+def _regroup(
+    values: list[torch.Tensor],
+    keys: list[list[str]],
+    lengths: list[list[int]],
+    groups: list[list[str]],
+    dim: int,
+) -> list[torch.Tensor]:
+    """Eager: ``sparse_ops`` (checked, FBGEMM where it pays); scripted: the same torch ops."""
+    if not torch.jit.is_scripting():
+        return sparse_ops.regroup_keyed_tensor(values, keys, lengths, groups, dim=dim)
+    else:
+        slices: dict[str, torch.Tensor] = {}
+        for i in range(len(values)):
+            parts = torch.split(values[i], lengths[i], dim=dim)
+            for j, name in enumerate(keys[i]):
+                slices[name] = parts[j]
+        return [torch.cat([slices[name] for name in group], dim=dim) for group in groups]
+
+
+def _flatten(kt: "KeyedTensor") -> tuple[list[torch.Tensor], tuple[list[str], list[int], int]]:
     return [kt._values], (kt._keys, kt._length_per_key, kt._key_dim)
 
 
 def _flatten_with_keys(
-    kt: KeyedTensor,
+    kt: "KeyedTensor",
 ) -> tuple[list[tuple[KeyEntry, Any]], tuple[list[str], list[int], int]]:
     children, context = _flatten(kt)
     return [(GetAttrKey("_values"), children[0])], context
 
 
-def _unflatten(children: Any, context: Any) -> KeyedTensor:
+def _unflatten(children: Any, context: Any) -> "KeyedTensor":
     keys, length_per_key, key_dim = context
     return KeyedTensor(list(keys), list(length_per_key), children[0], key_dim)
 

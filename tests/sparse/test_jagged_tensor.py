@@ -235,17 +235,11 @@ def test_pytree_round_trip() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"lengths": torch.tensor([1.0, 2.0])}, "lengths must be a 1-D int32 or int64 tensor"),
-        ({"lengths": torch.tensor([[1, 2]])}, r"shape \(1, 2\)"),
+        ({"lengths": torch.tensor([1.0, 2.0])}, "lengths must be an int32 or int64 tensor"),
         ({"offsets": torch.tensor([0, 1], dtype=torch.int16)}, "offsets must be"),
         ({}, "pass lengths or offsets"),
-        ({"lengths": [1, 2], "offsets": [0, 3]}, "offsets has 2 entries but lengths has 2"),
-        (
-            {"lengths": [3], "weights": torch.tensor([True, False, True])},
-            "weights must be a floating-point tensor, got torch.bool",
-        ),
-        ({"lengths": [3], "weights": torch.ones(2)}, "values has 3 entries"),
         ({"lengths": ["a"]}, "lengths must be a tensor or a list of ints"),
+        ({"lengths": [1.5, 1.5]}, "lengths must be a list of ints, got torch.float32"),
     ],
 )
 def test_constructor_rejects_bad_metadata(kwargs: dict, message: str) -> None:
@@ -274,10 +268,33 @@ def test_validate_accepts_consistent_tensor(dtype: torch.dtype) -> None:
         ({"offsets": [1, 2, 3]}, "offsets must start at 0, got 1"),
         ({"offsets": [0, 2, 1, 3]}, "negative length -1 for batch position 1"),
         ({"lengths": [1, 2], "offsets": [0, 2, 3]}, "offsets and lengths disagree"),
+        ({"lengths": [1, 2], "offsets": [0, 3]}, "offsets has 2 entries but lengths has 2"),
+        ({"lengths": [3], "weights": [1.0, 2.0]}, "weights has 2 entries but values has 3"),
     ],
 )
 def test_validate_reports_what_is_wrong(kwargs: dict, message: str, dtype: torch.dtype) -> None:
-    converted = {k: torch.tensor(v, dtype=dtype) for k, v in kwargs.items()}
+    converted = {
+        k: torch.tensor(v, dtype=torch.float32 if k == "weights" else dtype)
+        for k, v in kwargs.items()
+    }
     jt = JaggedTensor(values=torch.tensor([1, 2, 3]), **converted)
     with pytest.raises(ValueError, match=message):
         jt.validate()
+
+
+def test_constructor_is_lazy_like_torchrec() -> None:
+    # TorchRec's constructor stores what it gets; these only fail in validate().
+    jt = JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=[1, 1], weights=torch.ones(2))
+    assert jt.lengths().tolist() == [1, 1]
+    assert jt.offsets().tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="weights has 2 entries but values has 3"):
+        jt.validate()
+    # Any weights dtype is stored as given (bools included).
+    flags = torch.tensor([True, False, True])
+    assert (
+        JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=[3], weights=flags).weights() is flags
+    )
+    # 2-D lengths are kept as given; offsets come from the flattened lengths.
+    two_d = JaggedTensor(values=torch.arange(4), lengths=torch.tensor([[1, 0], [2, 1]]))
+    assert two_d.lengths().shape == (2, 2)
+    assert two_d.offsets().tolist() == [0, 1, 1, 3, 4]

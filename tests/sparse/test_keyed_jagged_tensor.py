@@ -7,6 +7,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
+from recsys_core.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 INDEX_DTYPES = [torch.int32, torch.int64]
 
@@ -97,7 +98,7 @@ def test_layout_metadata(lengths_dtype: torch.dtype, values_dtype: torch.dtype) 
     kjt = layout_kjt(lengths_dtype, values_dtype)
     assert kjt.stride() == 3
     assert kjt.stride_per_key() == [3, 3]
-    assert kjt.stride_per_key_per_rank() == [[3], [3]]
+    assert kjt.stride_per_key_per_rank() == []  # TorchRec: empty for a fixed batch
     assert kjt.variable_stride_per_key() is False
     assert kjt.inverse_indices_or_none() is None
     assert kjt.offsets().tolist() == [0, 2, 2, 3, 4, 6, 9]
@@ -451,29 +452,82 @@ def test_pytree_round_trip_and_export() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"lengths": [1, 1, 1, 1, 1]}, r"5 entries, not a multiple of the 2 keys \['a', 'b'\]"),
-        ({"lengths": [1, 2, 3, 0], "stride": 3}, r"2 keys x stride 3 = 6"),
         ({"lengths": [1.0, 2.0, 3.0, 0.0]}, "lengths must be a list of ints, got torch.float32"),
-        ({"lengths": [[1, 2], [3, 0]]}, r"lengths must be a 1-D .* shape \(2, 2\)"),
         ({"lengths": "1230"}, "lengths must be a tensor or a list of ints, got str"),
-        ({"lengths": torch.tensor([1.0, 2.0, 3.0, 0.0])}, "lengths must be a 1-D int32 or int64"),
-        ({"offsets": torch.tensor([[0, 1, 2, 3, 6]])}, "offsets must be a 1-D int32 or int64"),
-        ({"lengths": [3, 0, 3, 0], "weights": torch.ones(6, dtype=torch.int64)}, "floating"),
-        ({"lengths": [3, 0, 3, 0], "weights": torch.ones(5)}, "values has 6 entries"),
+        ({"lengths": torch.tensor([1.0, 2.0, 3.0, 0.0])}, "lengths must be an int32 or int64"),
+        ({"offsets": torch.tensor([0.0, 3.0, 6.0])}, "offsets must be an int32 or int64"),
+        ({}, "pass lengths or offsets"),
         ({"lengths": [3, 0, 3, 0], "length_per_key": [6]}, "1 entries for 2 keys"),
         ({"lengths": [3, 0, 3, 0], "offset_per_key": [0, 6]}, r"needs len\(keys\) \+ 1"),
     ],
 )
-def test_constructor_rejects_bad_metadata(kwargs: dict, message: str) -> None:
+def test_constructor_rejects_what_torchrec_rejects(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(6), **kwargs)
 
 
-def test_constructor_rejects_string_keys_and_lengths_without_keys() -> None:
+def test_constructor_rejects_string_keys() -> None:
     with pytest.raises(ValueError, match="keys must be a list of strings, got the string 'ab'"):
         KeyedJaggedTensor(keys="ab", values=torch.arange(2), lengths=[1, 1])
-    with pytest.raises(ValueError, match="got 2 lengths but no keys"):
-        KeyedJaggedTensor(keys=[], values=torch.arange(2), lengths=[1, 1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lengths": [1, 2, 3, 0], "stride": 3}, r"batch sizes per key \[3, 3\] .* sum to 6"),
+        ({"lengths": [3, 0, 3, 0], "weights": torch.ones(5)}, "weights has 5 entries"),
+        ({"lengths": [3, 0, 2, 0]}, "lengths sum to 5 but values has 6 entries"),
+        ({"lengths": [3, 0, 3, 0], "keys": ["a", "a"]}, r"keys must be unique, but \['a'\]"),
+        ({"lengths": [1, 1], "keys": []}, "got 2 lengths but no keys"),
+        (
+            {"lengths": [3, 0, 3], "stride_per_key_per_rank": [[2], [2]]},
+            r"lengths has 3 entries but the batch sizes per key \[2, 2\]",
+        ),
+    ],
+)
+def test_constructor_is_lazy_and_validate_rejects(kwargs: dict, message: str) -> None:
+    # TorchRec's constructor stores these; the explicit validation names what is wrong.
+    kwargs = {"keys": ["a", "b"], **kwargs}
+    kjt = KeyedJaggedTensor(values=torch.arange(6), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        kjt.validate()
+    with pytest.raises(ValueError, match=message):
+        validate_keyed_jagged_tensor(kjt)
+
+
+def test_constructor_accepts_what_torchrec_accepts() -> None:
+    # Integer weights, 2-D lengths, values longer than sum(lengths), offsets only.
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.tensor([10, 11, 12, 13, 99, 98]),
+        lengths=torch.tensor([[1, 1], [0, 2]]),
+        weights=torch.tensor([1, 2, 3, 4, 5, 6]),
+    )
+    assert kjt.stride() == 2
+    assert kjt.length_per_key() == [2, 2]
+    assert kjt.offset_per_key() == [0, 2, 4]
+    assert kjt["b"].values().tolist() == [12, 13]
+    assert kjt["b"].weights().tolist() == [3, 4]
+    assert kjt.to_dict()["b"].lengths().tolist() == [0, 2]
+    assert kjt.flatten_lengths().lengths().tolist() == [1, 1, 0, 2]
+    permuted = kjt.permute([1, 0])
+    assert permuted.values().tolist() == [12, 13, 10, 11]
+    assert permuted.weights().tolist() == [3, 4, 1, 2]
+    assert permuted.lengths().tolist() == [0, 2, 1, 1]
+    # A lengths count that does not divide among the keys fails when the stride is needed.
+    odd = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(5), lengths=[1, 1, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"5 entries, not a multiple of the 2 keys \['a', 'b'\]"):
+        odd.stride()
+
+
+def test_values_shorter_than_lengths_fail_when_counted() -> None:
+    kjt = KeyedJaggedTensor(["product", "user"], torch.arange(1, 9), lengths=[2, 0, 1, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"key 'user' needs values\[3:9\] but values has only 8"):
+        kjt.length_per_key()
+    with pytest.raises(ValueError, match=r"key 'user' needs values\[3:9\]"):
+        KeyedJaggedTensor.from_lengths_sync(
+            ["product", "user"], torch.arange(1, 9), torch.tensor([2, 0, 1, 1, 2, 3])
+        )
 
 
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
@@ -491,21 +545,22 @@ def test_constructor_rejects_string_keys_and_lengths_without_keys() -> None:
     ],
 )
 def test_validate_names_the_key(lengths: list[int], message: str, dtype: torch.dtype) -> None:
+    kjt = KeyedJaggedTensor(
+        ["product", "user"], torch.arange(1, 10), lengths=torch.tensor(lengths, dtype=dtype)
+    )
     with pytest.raises(ValueError, match=message):
-        KeyedJaggedTensor.from_lengths_sync(
-            ["product", "user"], torch.arange(1, 10), torch.tensor(lengths, dtype=dtype)
-        )
+        kjt.validate()
 
 
 def test_validate_offsets_and_cached_metadata() -> None:
     with pytest.raises(ValueError, match="offsets must start at 0, got 1"):
-        KeyedJaggedTensor.from_offsets_sync(
-            ["product", "user"], torch.arange(1, 10), torch.tensor([1, 2, 2, 3, 4, 6, 9])
-        )
+        KeyedJaggedTensor(
+            ["product", "user"], torch.arange(1, 10), offsets=torch.tensor([1, 2, 2, 3, 4, 6, 9])
+        ).validate()
     with pytest.raises(ValueError, match="negative length -1 for key 'user' at batch position 0"):
-        KeyedJaggedTensor.from_offsets_sync(
-            ["product", "user"], torch.arange(1, 10), torch.tensor([0, 2, 2, 4, 3, 6, 9])
-        )
+        KeyedJaggedTensor(
+            ["product", "user"], torch.arange(1, 10), offsets=torch.tensor([0, 2, 2, 4, 3, 6, 9])
+        ).validate()
     wrong_lpk = KeyedJaggedTensor(
         ["product", "user"], torch.arange(1, 10), lengths=[2, 0, 1, 1, 2, 3], length_per_key=[4, 5]
     )
@@ -525,10 +580,7 @@ def test_validate_offsets_and_cached_metadata() -> None:
 
 def test_from_jt_dict_errors_name_the_key() -> None:
     a = JaggedTensor(values=torch.tensor([1, 2]), lengths=[1, 1])
-    short = JaggedTensor(values=torch.tensor([3]), lengths=[1])
     weighted = JaggedTensor(values=torch.tensor([3, 4]), lengths=[1, 1], weights=torch.ones(2))
-    with pytest.raises(ValueError, match="key 'short' has batch size 1 but key 'a' has 2"):
-        KeyedJaggedTensor.from_jt_dict({"a": a, "short": short})
     with pytest.raises(ValueError, match="key 'w' is weighted but key 'a' is unweighted"):
         KeyedJaggedTensor.from_jt_dict({"a": a, "w": weighted})
 

@@ -1,0 +1,211 @@
+"""Explicit, syncing validation of jagged inputs (TorchRec: ``torchrec.sparse.jagged_tensor_validator``).
+
+Constructors only store their inputs (as TorchRec's do); these checks read the data, so they
+wait for the device. Call them where inputs enter the system (data loaders, a module's first
+use), or through ``KeyedJaggedTensor.validate()`` / ``JaggedTensor.validate()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+logger = logging.getLogger(__name__)
+
+_OWNER = "KeyedJaggedTensor"
+
+
+class _FeatureTable(Protocol):
+    """What the id-range check reads from an ``EmbeddingBagConfig``."""
+
+    feature_names: list[str]
+    num_embeddings: int
+
+
+def validate_keyed_jagged_tensor(
+    kjt: KeyedJaggedTensor, configs: Sequence[_FeatureTable] | None = None
+) -> bool:
+    """Raise ``ValueError`` (naming the key and the bad value) if ``kjt`` is inconsistent.
+
+    Checks TorchRec's list: lengths or offsets present; offsets start at 0 and agree with
+    lengths; no negative lengths; the lengths sum to the number of values; weights (if any)
+    have one entry per value; keys are unique and, for a fixed batch, the lengths divide
+    evenly among them; for a variable batch (``stride_per_key_per_rank``) the strides sum to
+    the number of lengths. With ``configs`` (embedding bag configs) it also checks that every
+    id is in ``[0, num_embeddings)`` of its table: as in TorchRec that part only logs a warning
+    and returns ``False``. Returns ``True`` when everything holds.
+    """
+    validate_jagged(
+        _OWNER,
+        kjt.keys(),
+        kjt.stride_per_key(),
+        kjt.values(),
+        kjt.weights_or_none(),
+        kjt.lengths(),
+        kjt.offsets_or_none(),
+        kjt.length_per_key_or_none(),
+        kjt.offset_per_key_or_none(),
+    )
+    if configs is None:
+        return True
+    return _ids_in_range(kjt, configs)
+
+
+def _ids_in_range(kjt: KeyedJaggedTensor, configs: Sequence[_FeatureTable]) -> bool:
+    rows = {name: c.num_embeddings for c in configs for name in c.feature_names}
+    valid = True
+    for key, jt in kjt.to_dict().items():
+        if key not in rows or jt.values().numel() == 0:
+            continue
+        low, high = (int(x) for x in torch.aminmax(jt.values()))
+        if low < 0 or high >= rows[key]:
+            logger.warning(
+                "Feature %s has ids in [%d, %d], outside its table's range [0, %d).",
+                key,
+                low,
+                high,
+                rows[key],
+            )
+            valid = False
+    return valid
+
+
+def validate_jagged(
+    owner: str,
+    keys: Sequence[str] | None,
+    stride_per_key: Sequence[int],
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor | None,
+    length_per_key: Sequence[int] | None = None,
+    offset_per_key: Sequence[int] | None = None,
+) -> list[int]:
+    """Full consistency check of a key-major jagged layout; returns length_per_key.
+
+    ``keys=None`` means a single unnamed JaggedTensor (one "key" spanning all of ``lengths``);
+    key ``i`` owns the next ``stride_per_key[i]`` lengths (all equal unless variable batch).
+    The happy path costs one host transfer: every statistic is packed into one small tensor.
+    """
+    num_keys = 1 if keys is None else len(keys)
+    lengths = lengths.reshape(-1)
+    if offsets is not None and offsets.numel() not in (0, lengths.numel() + 1):
+        raise ValueError(
+            f"{owner}: offsets has {offsets.numel()} entries but lengths has "
+            f"{lengths.numel()}; offsets needs len(lengths) + 1 entries (a leading 0)."
+        )
+    if keys is not None:
+        _check_keys(owner, keys, stride_per_key, lengths.numel())
+    if weights is not None and weights.size(0) != values.size(0):
+        raise ValueError(
+            f"{owner}: weights has {weights.size(0)} entries but values has {values.size(0)}; "
+            "pass one weight per value."
+        )
+    sums = [0] * num_keys
+    if lengths.numel() > 0:
+        sizes = [lengths.numel()] if keys is None else list(stride_per_key)
+        key_ids = torch.repeat_interleave(torch.arange(num_keys), torch.tensor(sizes))
+        per_key = torch.zeros(num_keys, dtype=torch.int64, device=lengths.device)
+        per_key.index_add_(0, key_ids.to(lengths.device), lengths.to(torch.int64))
+        stats = [per_key, lengths.min().to(torch.int64).view(1)]
+        if offsets is not None:
+            stats.append(offsets[:1].to(torch.int64))
+            stats.append((offsets[1:] - offsets[:-1] != lengths).sum().view(1))
+        packed = torch.cat(stats).tolist()
+        sums = packed[:num_keys]
+        if packed[num_keys] < 0:
+            _raise_negative(owner, keys, sizes, lengths)
+        if offsets is not None:
+            if packed[num_keys + 1] != 0:
+                raise ValueError(
+                    f"{owner}: offsets must start at 0, got {packed[num_keys + 1]}; "
+                    "subtract offsets[0] or pass lengths instead."
+                )
+            if packed[num_keys + 2] != 0:
+                raise ValueError(
+                    f"{owner}: offsets and lengths disagree at {packed[num_keys + 2]} "
+                    "position(s); pass only one of them or make offsets the cumulative sum of "
+                    "lengths."
+                )
+    elif offsets is not None and offsets.numel() == 1 and int(offsets[0]) != 0:
+        raise ValueError(f"{owner}: offsets must start at 0, got {int(offsets[0])}.")
+    check_sums(owner, keys, sums, values.size(0), exact=True)
+    if length_per_key is not None and keys is not None and list(length_per_key) != sums:
+        bad = next(i for i, (a, b) in enumerate(zip(length_per_key, sums, strict=True)) if a != b)
+        raise ValueError(
+            f"{owner}: length_per_key says key '{keys[bad]}' has {length_per_key[bad]} values "
+            f"but its lengths sum to {sums[bad]}; drop length_per_key or fix it."
+        )
+    if offset_per_key is not None:
+        expected = [0]
+        for n in sums:
+            expected.append(expected[-1] + n)
+        if list(offset_per_key) != expected:
+            raise ValueError(
+                f"{owner}: offset_per_key {list(offset_per_key)} does not match the lengths "
+                f"(expected {expected}); drop it or fix it."
+            )
+    return sums
+
+
+def check_sums(
+    owner: str, keys: Sequence[str] | None, sums: list[int], num_values: int, exact: bool
+) -> None:
+    """Every key's bags lie inside ``values``; with ``exact`` they also cover all of it."""
+    end = 0
+    for i, count in enumerate(sums):
+        start, end = end, end + count
+        if end > num_values:
+            name = "the bags need" if keys is None else f"key '{keys[i]}' needs"
+            raise ValueError(
+                f"{owner}: {name} values[{start}:{end}] but values has only "
+                f"{num_values} entries; lengths and values disagree."
+            )
+    if exact and end != num_values:
+        last = "" if keys is None or not keys else f" (after the last key '{keys[-1]}')"
+        raise ValueError(
+            f"{owner}: lengths sum to {end} but values has {num_values} entries{last}; "
+            "every value must belong to exactly one bag."
+        )
+
+
+def _check_keys(
+    owner: str, keys: Sequence[str], stride_per_key: Sequence[int], num_lengths: int
+) -> None:
+    if len(set(keys)) != len(keys):
+        repeated = sorted({k for k in keys if list(keys).count(k) > 1})
+        raise ValueError(f"{owner}: keys must be unique, but {repeated} appear more than once.")
+    if not keys:
+        if num_lengths:
+            raise ValueError(
+                f"{owner}: got {num_lengths} lengths but no keys; pass the feature names in keys."
+            )
+        return
+    if len(stride_per_key) != len(keys) or sum(stride_per_key) != num_lengths:
+        raise ValueError(
+            f"{owner}: lengths has {num_lengths} entries but the batch sizes per key "
+            f"{list(stride_per_key)} for keys {list(keys)} sum to {sum(stride_per_key)}; "
+            "lengths needs one entry per (key, batch row) (0 for an empty bag)."
+        )
+
+
+def _raise_negative(
+    owner: str, keys: Sequence[str] | None, sizes: Sequence[int], lengths: torch.Tensor
+) -> None:
+    position = int(torch.nonzero(lengths < 0)[0, 0])
+    value = int(lengths[position])
+    if keys is None:
+        where = f"batch position {position}"
+    else:
+        key, start = 0, 0
+        while position >= start + sizes[key]:
+            start += sizes[key]
+            key += 1
+        where = f"key '{keys[key]}' at batch position {position - start}"
+    raise ValueError(f"{owner}: negative length {value} for {where}; lengths must be >= 0.")
