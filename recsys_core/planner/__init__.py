@@ -16,6 +16,7 @@ from recsys_core.planner.machine import (
     smallest_over_ranks,
 )
 from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
+from recsys_core.planner.sharding_option import EmbeddingEnumerator, ShardingOption
 from recsys_core.planner.stats import PlanStats, RankStats
 from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage
 from recsys_core.planner.storage_reservations import (
@@ -25,6 +26,8 @@ from recsys_core.planner.storage_reservations import (
 from recsys_core.planner.topology import Topology
 
 __all__ = [
+    "EmbeddingEnumerator",
+    "ShardingOption",
     "HeuristicalStorageReservation",
     "StorageReservation",
     "BoundsCheckMode",

@@ -37,7 +37,7 @@ from recsys_core.planner.estimators import (
     estimate_option,
 )
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import Placement, ShardingOption, TableSpec
+from recsys_core.planner.types import Candidate, Placement, TableSpec
 
 # Also the tie-break order between equally good options: simplest layout first.
 SHARDING_TYPE_ORDER = (
@@ -59,7 +59,7 @@ PLANNER_KERNELS = {
 }
 
 
-def enumerate_options(table: TableSpec, sharder: Sharder, topology: Topology) -> list[ShardingOption]:
+def enumerate_options(table: TableSpec, sharder: Sharder, topology: Topology) -> list[Candidate]:
     """Every candidate of ``table`` with its per-shard estimates, in preference order."""
     options = []
     for sharding_type in allowed_sharding_types(table, sharder, topology):

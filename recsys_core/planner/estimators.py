@@ -43,7 +43,7 @@ from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, DataType
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.planner.topology import DEFAULT_BWD_COMPUTE_MULTIPLIER, GIB, Topology
-from recsys_core.planner.types import Placement, ShardingOption, TableSpec
+from recsys_core.planner.types import Candidate, Placement, TableSpec
 
 # ---- Model constants ----------------------------------------------------------------------------
 ID_BYTES = 8  # ids travel as int64 (the KJT values the sharded modules send)
@@ -103,7 +103,7 @@ def estimate_option(
     shard_rows: np.ndarray,
     shard_cols: np.ndarray,
     topology: Topology,
-) -> ShardingOption:
+) -> Candidate:
     """Per-shard storage and cost of ``table`` split into shards of ``shard_rows x shard_cols``."""
     config = table.config
     world, local = topology.world_size, topology.local_size
@@ -159,6 +159,12 @@ def estimate_option(
         comm_ms = in_ms + out_ms * (1 + BWD_COMM_MULTIPLIER)
 
     cost = compute_ms + comm_ms + SHARD_OVERHEAD_MS
+    # The same cost by phase (TorchRec's Perf): fwd compute, fwd comms, bwd compute, bwd comms
+    fwd_table = ids * cols * elem
+    fwd_compute = fwd_table / table_bw + out_bytes / compute_bw + SHARD_OVERHEAD_MS
+    bwd_compute = compute_ms - (fwd_compute - SHARD_OVERHEAD_MS)
+    fwd_comms = np.zeros_like(rows) if dp else in_ms + out_ms
+    perf = np.stack([fwd_compute, fwd_comms, bwd_compute, comm_ms - fwd_comms])
     zeros = np.zeros_like(rows)
     if not topology.is_cuda:
         hbm, ddr = zeros, stored + buffers
@@ -166,18 +172,19 @@ def estimate_option(
         hbm, ddr = stored + buffers, zeros
     else:
         hbm, ddr = buffers, stored
-    cache_hbm, miss_cost, load_factor = zeros, zeros, None
+    cache_hbm, miss_cost, miss_fwd, load_factor = zeros, zeros, zeros, None
     if kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
         params = table.constraints.cache_params
         precision = config.data_type if params is None or params.precision is None else params.precision
         cache_elem = DATA_TYPE_BITS[precision] / 8
         cache_hbm = rows * (cols * cache_elem + CACHE_SLOT_OVERHEAD_BYTES)
         miss_cost = table_bytes * (1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw)
+        miss_fwd = fwd_table * (1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw)
         if params is not None:
             load_factor = params.load_factor
             if params.reserved_memory:
                 hbm = hbm + params.reserved_memory * GIB
-    return ShardingOption(
+    return Candidate(
         table=table,
         sharding_type=sharding_type,
         compute_kernel=kernel,
@@ -187,13 +194,15 @@ def estimate_option(
         hbm=hbm,
         ddr=ddr,
         cost=cost,
+        perf=perf,
         cache_hbm=cache_hbm,
         miss_cost=miss_cost,
+        miss_fwd=miss_fwd,
         load_factor=load_factor,
     )
 
 
-def storage_bytes(option: ShardingOption, load_factor: float | None = None) -> float:
+def storage_bytes(option: Candidate, load_factor: float | None = None) -> float:
     """Total bytes (HBM + host) of all shards of ``option`` (cache at ``load_factor``)."""
     total = float(option.hbm.sum() + option.ddr.sum())
     if option.is_caching:

@@ -33,7 +33,7 @@ from recsys_core.planner.estimators import (
     storage_bytes,
 )
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import Placement, ShardingOption
+from recsys_core.planner.types import Candidate, Placement
 
 TableKey = tuple[str, str]  # (module path, table name)
 _TIERS = {
@@ -48,7 +48,7 @@ _REL_EPS = 1e-9  # relative tolerance when comparing float costs (a move must re
 class Assignment:
     """A chosen candidate of one table with the rank of each shard."""
 
-    option: ShardingOption
+    option: Candidate
     ranks: np.ndarray
     """Rank of each shard (int array)."""
     load_factor: float | None
@@ -145,7 +145,7 @@ def _cache_load_factors(
     return np.minimum(fits, DEFAULT_CACHE_LOAD_FACTOR)
 
 
-def _place(option: ShardingOption, st: _State) -> Assignment | None:
+def _place(option: Candidate, st: _State) -> Assignment | None:
     """The placement of ``option`` with the lowest resulting load on its ranks, if any fits."""
     k = option.num_shards
     if option.placement is Placement.ANY_RANKS:
@@ -206,7 +206,7 @@ class GreedyPartitioner:
         self._ddr_budget = ddr_budget
 
     def partition(
-        self, options: dict[TableKey, Sequence[ShardingOption]], max_moves: int | None = None,
+        self, options: dict[TableKey, Sequence[Candidate]], max_moves: int | None = None,
         deadline: float | None = None,
     ) -> tuple[Partition, TableKey | None]:
         """Place every table: ``(partition, None)``; or, when a table fits nowhere, the tables
@@ -234,14 +234,14 @@ class GreedyPartitioner:
         self._grow_caches(st)
         return self._result(options, st), None
 
-    def _result(self, options: dict[TableKey, Sequence[ShardingOption]], st: _State) -> Partition:
+    def _result(self, options: dict[TableKey, Sequence[Candidate]], st: _State) -> Partition:
         ordered = {key: st.assignments[key] for key in options if key in st.assignments}
         return Partition(
             ordered, st.cost.copy(), self._hbm_budget - st.hbm_free, self._ddr_budget - st.ddr_free
         )
 
     def _choose(
-        self, tiers: list[list[ShardingOption]], st: _State, rest: float
+        self, tiers: list[list[Candidate]], st: _State, rest: float
     ) -> Assignment | None:
         world = self._topology.world_size
         current_max = float(st.cost.max())
@@ -264,7 +264,7 @@ class GreedyPartitioner:
         return None
 
     def _local_search(
-        self, tiers: dict[TableKey, list[list[ShardingOption]]], st: _State, limit: int,
+        self, tiers: dict[TableKey, list[list[Candidate]]], st: _State, limit: int,
         deadline: float | None,
     ) -> None:
         for _ in range(limit):
@@ -276,7 +276,7 @@ class GreedyPartitioner:
                 return
 
     def _move_from(
-        self, rank: int, tiers: dict[TableKey, list[list[ShardingOption]]], st: _State
+        self, rank: int, tiers: dict[TableKey, list[list[Candidate]]], st: _State
     ) -> bool:
         """Re-choose the candidate of a table on ``rank``; True if that improved the plan."""
         before = st.score()
@@ -357,8 +357,8 @@ class GreedyPartitioner:
             ))
 
 
-def _by_tier(options: Sequence[ShardingOption]) -> list[list[ShardingOption]]:
-    tiers: dict[int, list[ShardingOption]] = {}
+def _by_tier(options: Sequence[Candidate]) -> list[list[Candidate]]:
+    tiers: dict[int, list[Candidate]] = {}
     for option in options:
         tiers.setdefault(_TIERS[option.compute_kernel], []).append(option)
     return [tiers[t] for t in sorted(tiers)]

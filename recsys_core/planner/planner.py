@@ -18,15 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, BaseEmbeddingConfig, DataType
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.plan.env import ShardingEnv
 from recsys_core.plan.sharder import Sharder
 from recsys_core.plan.types import ShardingPlan
 from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.enumerators import enumerate_options
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
-from recsys_core.planner.estimators import DEFAULT_OPTIMIZER
 from recsys_core.planner.machine import detect_topology, smallest_over_ranks
 from recsys_core.planner.partitioners import GreedyPartitioner
 from recsys_core.planner.plan_builder import build_plan, collections_of
@@ -37,8 +34,8 @@ from recsys_core.planner.storage_reservations import (
     HeuristicalStorageReservation,
     StorageReservation,
 )
+from recsys_core.planner.table_specs import table_specs
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import TableSpec
 
 DEFAULT_BATCH_SIZE = 512  # TorchRec's BATCH_SIZE: samples per rank per step
 
@@ -180,7 +177,7 @@ class EmbeddingShardingPlanner:
         collections = collections_of(module, sharders)
         if not collections:  # as TorchRec: no sharder handles any module, nothing to shard
             return ShardingPlan({})
-        tables = self._table_specs(collections, topology)
+        tables = table_specs(collections, self._constraints, self._batch_size, topology)
         options = {
             spec.key: enumerate_options(spec, collections[spec.path][1], topology)
             for spec in tables
@@ -209,61 +206,6 @@ class EmbeddingShardingPlanner:
             print(plan)
             print(self._stats)
         return plan
-
-    def _table_specs(
-        self, collections: dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]],
-        topology: Topology,
-    ) -> list[TableSpec]:
-        names = sorted({c.name for _, _, configs in collections.values() for c in configs})
-        unknown = sorted(set(self._constraints) - set(names))
-        if unknown:
-            raise PlannerError(
-                f"constraints name tables {unknown} that no planned collection has (its tables: "
-                f"{names}); key constraints by table name",
-                PlannerErrorType.INPUT_VALIDATION,
-            )
-        specs = []
-        for path, (sub, sharder, configs) in collections.items():
-            optimizer_config = getattr(sharder, "optimizer_config", None)
-            optimizer = optimizer_config(sub).optimizer if callable(optimizer_config) else DEFAULT_OPTIMIZER
-            weighted = bool(getattr(sub, "is_weighted", lambda: False)())
-            for config in configs:
-                given = self._constraints.get(config.name)
-                constraints = ParameterConstraints() if given is None else given.checked()
-                _check_supported(config, constraints, topology)
-                ids, bags = self._traffic(config, constraints)
-                output = constraints.output_dtype or DataType.FP32
-                specs.append(TableSpec(
-                    path=path, config=config, pooled=isinstance(sub, EmbeddingBagCollection),
-                    optimizer=optimizer.canonical, constraints=constraints, ids_per_batch=ids,
-                    bags_per_batch=bags, is_weighted=weighted or constraints.is_weighted,
-                    output_bytes=DATA_TYPE_BITS[output] / 8,
-                ))
-        return specs
-
-    def _traffic(self, config: BaseEmbeddingConfig, c: ParameterConstraints) -> tuple[float, float]:
-        """(ids, bags) one rank's batch sends to ``config``'s table per step."""
-        features = c.feature_names or list(config.feature_names)
-
-        def per_feature(values: Sequence[float] | None, default: float, what: str) -> list[float]:
-            if values is None:
-                return [default] * len(features)
-            if len(values) == 1:
-                return [float(values[0])] * len(features)
-            if len(values) != len(features):
-                raise PlannerError(
-                    f"table {config.name!r}: constraints give {len(values)} {what} but there are "
-                    f"{len(features)} features {features}; give one value per feature or one "
-                    "for all",
-                    PlannerErrorType.INPUT_VALIDATION,
-                )
-            return [float(v) for v in values]
-
-        pooling = per_feature(c.pooling_factors, 1.0, "pooling_factors")
-        poolings = per_feature(c.num_poolings, 1.0, "num_poolings")
-        batches = per_feature(c.batch_sizes, float(self._batch_size), "batch_sizes")
-        bags = [b * n for b, n in zip(batches, poolings, strict=True)]
-        return sum(b * p for b, p in zip(bags, pooling, strict=True)), sum(bags)
 
 
 def plan_for_env(
@@ -305,31 +247,3 @@ def _reserved_fraction(topology: Topology, reserved: Topology) -> float:
         else (topology.ddr_per_rank, reserved.ddr_per_rank)
     )
     return 1.0 - left / full if full > 0 else 0.0
-
-
-def _check_supported(
-    config: BaseEmbeddingConfig, c: ParameterConstraints, topology: Topology
-) -> None:
-    """Constraints this planner cannot honour are errors, not silently dropped."""
-    where = f"table {config.name!r}"
-    if c.feature_names is not None and sorted(c.feature_names) != sorted(config.feature_names):
-        raise PlannerError(
-            f"{where}: constraints give feature_names {c.feature_names} but the table's features "
-            f"are {list(config.feature_names)}; list each of them once (in the order of the "
-            "per-feature pooling_factors / num_poolings / batch_sizes)",
-            PlannerErrorType.INPUT_VALIDATION,
-        )
-    if c.device_group is not None and c.device_group != topology.compute_device:
-        raise PlannerError(
-            f"{where}: constraints put it on device_group {c.device_group!r} but the topology "
-            f"is {topology.compute_device!r}; this planner places every table on the topology's "
-            "compute device: drop device_group or plan for that device",
-            PlannerErrorType.STRICT_CONSTRAINTS,
-        )
-    if c.key_value_params is not None or c.use_virtual_table:
-        raise PlannerError(
-            f"{where}: constraints ask for a key-value (SSD / parameter-server) table, which no "
-            "kernel of this library provides; drop key_value_params / use_virtual_table (large "
-            "tables on CUDA can use EmbeddingComputeKernel.FUSED_UVM_CACHING)",
-            PlannerErrorType.STRICT_CONSTRAINTS,
-        )

@@ -21,7 +21,7 @@ from recsys_core.planner.errors import (
 from recsys_core.planner.estimators import MIN_CACHE_LOAD_FACTOR, storage_bytes
 from recsys_core.planner.partitioners import Partition, TableKey
 from recsys_core.planner.topology import DEFAULT_DDR_CAP, DEFAULT_HBM_CAP, GIB, Topology
-from recsys_core.planner.types import ShardingOption, TableSpec
+from recsys_core.planner.types import Candidate, TableSpec
 
 REMEDIES = (
     "To fix: use smaller tables (fewer rows, a smaller embedding_dim, FP16 weights); use more "
@@ -33,7 +33,7 @@ REMEDIES = (
 
 
 def check_total(
-    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]],
+    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[Candidate]],
     topology: Topology, hbm_budget: float, ddr_budget: float, reservation: float,
 ) -> None:
     """Raise when no placement can work: the least each table needs (of each memory, and in
@@ -67,14 +67,14 @@ def check_total(
 
 
 def no_fit_error(
-    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]],
+    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[Candidate]],
     failed: TableKey, partition: Partition, topology: Topology, hbm_budget: float,
     ddr_budget: float, reservation: float,
 ) -> PlannerError:
     """The error when table ``failed`` fits on no rank after the tables placed before it."""
     spec = specs[failed]
 
-    def on_one_rank(o: ShardingOption) -> float:
+    def on_one_rank(o: Candidate) -> float:
         return float((o.hbm + o.ddr + MIN_CACHE_LOAD_FACTOR * o.cache_hbm * o.is_caching).max())
 
     # the candidate asking least of any one rank, and the rank with the most memory left
@@ -166,7 +166,7 @@ def _largest(tables: Sequence[TableMemory]) -> str:
 
 
 def _tables(
-    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[ShardingOption]]
+    specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[Candidate]]
 ) -> tuple[TableMemory, ...]:
     need = {key: min(storage_bytes(o, MIN_CACHE_LOAD_FACTOR) for o in opts)
             for key, opts in options.items()}

@@ -3,7 +3,7 @@ writes (re-exported here from their own modules).
 
 Inputs: :class:`Topology` (``topology.py``), :class:`ParameterConstraints` and
 :class:`CacheParams` (``constraints.py``), :class:`PlannerError` (``errors.py``). Internal values:
-:class:`TableSpec` (one table as the planner sees it) and :class:`ShardingOption` (one candidate
+:class:`TableSpec` (one table as the planner sees it) and :class:`Candidate` (one candidate
 layout of a table with its estimated per-shard storage and cost).
 
 Units: bytes for memory, bytes per second for bandwidths, milliseconds for estimated cost.
@@ -41,7 +41,7 @@ __all__ = [
     "Placement",
     "PlannerError",
     "Sharder",
-    "ShardingOption",
+    "Candidate",
     "TableSpec",
     "Topology",
 ]
@@ -90,7 +90,7 @@ class Placement(Enum):
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class ShardingOption:
+class Candidate:
     """One candidate layout of a table with a kernel, and its per-shard estimates.
 
     Arrays have one entry per shard. For FUSED_UVM_CACHING the HBM footprint and cost depend on
@@ -115,10 +115,14 @@ class ShardingOption:
     """Host-memory bytes of each shard."""
     cost: np.ndarray
     """Estimated ms per training step of each shard (all cache hits for caching)."""
+    perf: np.ndarray = field(default_factory=lambda: np.zeros((4, 0)))
+    """``cost`` by phase, shape [4, shards]: fwd compute, fwd comms, bwd compute, bwd comms."""
     cache_hbm: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """HBM bytes of each shard's cache at load factor 1 (caching only)."""
     miss_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Extra ms of each shard when every lookup misses the cache (caching only)."""
+    miss_fwd: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """The forward's part of ``miss_cost`` (caching only)."""
     load_factor: float | None = None
     """A load factor fixed by the table's constraints (caching only)."""
 

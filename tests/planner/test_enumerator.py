@@ -1,0 +1,91 @@
+"""EmbeddingEnumerator: the planner's candidates as TorchRec ShardingOptions, by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
+from recsys_core.distributed import EmbeddingBagCollectionSharder
+from recsys_core.planner import (
+    EmbeddingEnumerator,
+    ParameterConstraints,
+    Perf,
+    Shard,
+    ShardingOption,
+    Storage,
+    Topology,
+)
+
+GB_PER_MS = 1e9 / 1000  # the CPU topology's 1 GB/s gloo link, in bytes per ms
+DDR_PER_MS = 51e9 / 1000
+
+
+def options(constraints: dict | None = None) -> list[ShardingOption]:
+    model = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="t", embedding_dim=8, num_embeddings=100, feature_names=["f"])], device=torch.device("meta"))
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
+                                                          "learning_rate": 0.1})
+    return EmbeddingEnumerator(Topology(2, "cpu"), batch_size=4, constraints=constraints).enumerate(
+        model, [sharder])
+
+
+def test_table_wise_option_by_hand() -> None:
+    tw = next(o for o in options() if o.sharding_type == "table_wise")
+    assert (tw.name, tw.path, tw.fqn, tw.partition_by, tw.compute_kernel) == (
+        "t", "", ".t", "device", "fused")
+    assert (tw.input_lengths, tw.batch_size, tw.is_pooled, tw.feature_names) == ([1.0], 4, True, ["f"])
+    assert tw.tensor.shape == (100, 8) and tw.tensor.device.type == "meta"
+    # 2 ranks x 4 samples: 8 ids (8 B each) and 8 lengths (8 B) in; 8 pooled rows of 8 fp32 out
+    weights, ids, lengths, outputs = 100 * 8 * 4, 8 * 8, 8 * 8, 8 * 8 * 4
+    (shard,) = tw.shards
+    assert (shard.size, shard.offset, shard.rank) == ([100, 8], [0, 0], None)
+    assert shard.storage == Storage(hbm=0, ddr=weights + ids + lengths + 2 * outputs)
+    # half the ids come from the other rank over the 1 GB/s link; 256 B read, 256 B written
+    perf = shard.perf
+    assert perf is not None
+    assert perf.fwd_comms == pytest.approx((ids + lengths + outputs) / 2 / GB_PER_MS)
+    assert perf.bwd_comms == pytest.approx(outputs / 2 / GB_PER_MS)
+    assert perf.fwd_compute == pytest.approx((256 + 256) / DDR_PER_MS + 0.005)
+    assert tw.total_perf == pytest.approx(perf.total)
+    assert tw.total_storage == shard.storage
+
+
+def test_row_wise_shards_and_totals() -> None:
+    rw = next(o for o in options() if o.sharding_type == "row_wise")
+    assert rw.partition_by == "uniform"
+    assert [(s.size, s.offset) for s in rw.shards] == [([50, 8], [0, 0]), ([50, 8], [50, 0])]
+    assert rw.total_storage == rw.shards[0].storage + rw.shards[1].storage  # type: ignore[operator]
+    assert rw.get_shards_assignment() == [None, None]
+    assert rw.num_shards == 2 and rw.num_inputs == 1
+
+
+def test_constraints_narrow_the_options() -> None:
+    only = options({"t": ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[3.0])})
+    assert [o.sharding_type for o in only] == ["row_wise"]
+    assert only[0].input_lengths == [3.0]
+
+
+def test_shard_perf_is_torchrecs_type() -> None:
+    shard = options()[0].shards[0]
+    assert isinstance(shard, Shard) and isinstance(shard.perf, Perf)
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "table_row_wise", "data_parallel"])
+@pytest.mark.parametrize("kernel", ["fused", "fused_uvm", "fused_uvm_caching"])
+def test_perf_phases_sum_to_the_planners_cost(kind: str, kernel: str) -> None:
+    from recsys_core.distributed import EmbeddingComputeKernel, ShardingType
+    from recsys_core.planner.estimators import estimate_option
+    from recsys_core.planner.types import Placement, TableSpec
+
+    config = EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=1000, feature_names=["f"])
+    table = TableSpec(path="", config=config, pooled=True, optimizer=EmbOptimType.EXACT_ADAGRAD,
+                      constraints=ParameterConstraints(), ids_per_batch=50.0, bags_per_batch=10.0,
+                      is_weighted=False)
+    shards = 1 if kind == "table_wise" else 2
+    c = estimate_option(table, ShardingType(kind), EmbeddingComputeKernel(kernel), Placement.ALL_RANKS,
+                        torch.full((shards,), 1000 // shards).numpy(), torch.full((shards,), 16).numpy(),
+                        Topology(4, "cuda", local_world_size=2))
+    assert c.perf.sum(axis=0) == pytest.approx(c.cost, rel=1e-12)
+    if kernel == "fused_uvm_caching":
+        assert 0 < c.miss_fwd.sum() < c.miss_cost.sum()
