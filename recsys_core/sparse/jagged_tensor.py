@@ -200,6 +200,15 @@ class JaggedTensor(metaclass=SparseTypeMeta):
     def device(self) -> torch.device:
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        """Bytes held by values, weights, lengths and offsets (those computed so far)."""
+        self._materialize()
+        size = self._values.element_size() * self._values.numel()
+        for t in (self._weights, self._lengths, self._offsets):
+            if t is not None:
+                size += t.element_size() * t.numel()
+        return size
+
     @torch.jit.unused
     def validate(self) -> "JaggedTensor":
         """Full check (syncs with the device): lengths >= 0, offsets start at 0 and agree
@@ -349,3 +358,26 @@ register_pytree_node(
     serialized_type_name="recsys_core.sparse.JaggedTensor",
     flatten_with_keys_fn=_flatten_with_keys,
 )
+
+
+_REEXPORTS = (
+    "KeyedJaggedTensor",
+    "KeyedTensor",
+    "jt_is_equal",
+    "kjt_is_equal",
+    "ComputeKJTToJTDict",
+    "ComputeJTDictToKJT",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """TorchRec users import every sparse type from ``torchrec.sparse.jagged_tensor``; the same
+    names resolve here (imported on first use: those modules import this one)."""
+    if name not in _REEXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from recsys_core.sparse import conversions, keyed_jagged_tensor, keyed_tensor
+
+    for module in (keyed_jagged_tensor, keyed_tensor, conversions):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(name)

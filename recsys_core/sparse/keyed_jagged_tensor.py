@@ -255,6 +255,19 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
     def device(self) -> torch.device:
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        """Bytes of values, weights, lengths and offsets (those computed so far), plus the
+        per-rank strides counted as int32 (TorchRec keeps them in an int32 tensor)."""
+        size = self._values.element_size() * self._values.numel()
+        for t in (self._weights, self._lengths, self._offsets):
+            if t is not None:
+                size += t.element_size() * t.numel()
+        spkpr = self._stride_per_key_per_rank
+        if spkpr is not None:
+            for per_rank in spkpr:
+                size += 4 * len(per_rank)
+        return size
+
     def stride(self) -> int:
         """Batch size: given, or from the inverse indices / per-key strides / lengths."""
         stride = self._stride

@@ -88,6 +88,9 @@ class KeyedTensor(metaclass=SparseTypeMeta):
     def device(self) -> torch.device:
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        return self._values.element_size() * self._values.numel()
+
     def length_per_key(self) -> list[int]:
         return self._length_per_key
 
