@@ -59,15 +59,20 @@ PLANNER_KERNELS = {
 }
 
 
-def enumerate_options(table: TableSpec, sharder: Sharder, topology: Topology) -> list[Candidate]:
-    """Every candidate of ``table`` with its per-shard estimates, in preference order."""
+def enumerate_options(
+    table: TableSpec, sharder: Sharder, topology: Topology, with_perf: bool = False
+) -> list[Candidate]:
+    """Every candidate of ``table`` with its per-shard estimates, in preference order
+    (``with_perf``: also its cost by phase, ``Candidate.perf``)."""
     options = []
     for sharding_type in allowed_sharding_types(table, sharder, topology):
         kernels = allowed_kernels(table, sharding_type, sharder, topology)
         for placement, rows, cols in _geometries(table, sharding_type, topology):
             for kernel in kernels:
                 options.append(
-                    estimate_option(table, sharding_type, kernel, placement, rows, cols, topology)
+                    estimate_option(
+                        table, sharding_type, kernel, placement, rows, cols, topology, with_perf
+                    )
                 )
     if not options:
         raise PlannerError(

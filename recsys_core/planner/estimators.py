@@ -103,6 +103,7 @@ def estimate_option(
     shard_rows: np.ndarray,
     shard_cols: np.ndarray,
     topology: Topology,
+    with_perf: bool = False,
 ) -> Candidate:
     """Per-shard storage and cost of ``table`` split into shards of ``shard_rows x shard_cols``."""
     config = table.config
@@ -159,12 +160,13 @@ def estimate_option(
         comm_ms = in_ms + out_ms * (1 + BWD_COMM_MULTIPLIER)
 
     cost = compute_ms + comm_ms + SHARD_OVERHEAD_MS
-    # The same cost by phase (TorchRec's Perf): fwd compute, fwd comms, bwd compute, bwd comms
+    perf = np.zeros((4, 0))
     fwd_table = ids * cols * elem
-    fwd_compute = fwd_table / table_bw + out_bytes / compute_bw + SHARD_OVERHEAD_MS
-    bwd_compute = compute_ms - (fwd_compute - SHARD_OVERHEAD_MS)
-    fwd_comms = np.zeros_like(rows) if dp else in_ms + out_ms
-    perf = np.stack([fwd_compute, fwd_comms, bwd_compute, comm_ms - fwd_comms])
+    if with_perf:  # the same cost by phase (TorchRec's Perf); only the enumerator asks for it
+        fwd_compute = fwd_table / table_bw + out_bytes / compute_bw + SHARD_OVERHEAD_MS
+        bwd_compute = compute_ms - (fwd_compute - SHARD_OVERHEAD_MS)
+        fwd_comms = np.zeros_like(rows) if dp else in_ms + out_ms
+        perf = np.stack([fwd_compute, fwd_comms, bwd_compute, comm_ms - fwd_comms])
     zeros = np.zeros_like(rows)
     if not topology.is_cuda:
         hbm, ddr = zeros, stored + buffers

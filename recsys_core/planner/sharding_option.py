@@ -142,7 +142,8 @@ class EmbeddingEnumerator:
         options = []
         for spec in table_specs(collections, self._constraints, self._batch_size, self._topology):
             sub = collections[spec.path][0]
-            for candidate in enumerate_options(spec, collections[spec.path][1], self._topology):
+            sharder = collections[spec.path][1]
+            for candidate in enumerate_options(spec, sharder, self._topology, with_perf=True):
                 options.append(self._option(candidate, spec.path, sub))
         return options
 

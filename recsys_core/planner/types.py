@@ -116,7 +116,8 @@ class Candidate:
     cost: np.ndarray
     """Estimated ms per training step of each shard (all cache hits for caching)."""
     perf: np.ndarray = field(default_factory=lambda: np.zeros((4, 0)))
-    """``cost`` by phase, shape [4, shards]: fwd compute, fwd comms, bwd compute, bwd comms."""
+    """``cost`` by phase, shape [4, shards]: fwd compute, fwd comms, bwd compute, bwd comms
+    (computed on request only: empty otherwise)."""
     cache_hbm: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """HBM bytes of each shard's cache at load factor 1 (caching only)."""
     miss_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))

@@ -85,7 +85,7 @@ def test_perf_phases_sum_to_the_planners_cost(kind: str, kernel: str) -> None:
     shards = 1 if kind == "table_wise" else 2
     c = estimate_option(table, ShardingType(kind), EmbeddingComputeKernel(kernel), Placement.ALL_RANKS,
                         torch.full((shards,), 1000 // shards).numpy(), torch.full((shards,), 16).numpy(),
-                        Topology(4, "cuda", local_world_size=2))
+                        Topology(4, "cuda", local_world_size=2), with_perf=True)
     assert c.perf.sum(axis=0) == pytest.approx(c.cost, rel=1e-12)
     if kernel == "fused_uvm_caching":
         assert 0 < c.miss_fwd.sum() < c.miss_cost.sum()
