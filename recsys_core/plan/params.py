@@ -45,9 +45,11 @@ class CacheAlgorithm(Enum):
     LFU = "lfu"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class CacheParams:
     """Settings of a FUSED_UVM_CACHING table: the HBM cache in front of rows kept in host memory.
+
+    Fields in TorchRec's order (``CacheParams(CacheAlgorithm.LFU, 0.5)`` works positionally).
 
     ``to_dict()`` is what a plan stores in ``ParameterSharding.cache_params`` (plain JSON).
     """

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
+from recsys_core import DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
 from recsys_core.distributed import (
     EmbeddingBagCollectionSharder,
     EmbeddingComputeKernel,
@@ -15,6 +15,7 @@ from recsys_core.distributed import (
     ShardingType,
 )
 from recsys_core.planner import (
+    CacheParams,
     DeviceHardware,
     EmbeddingShardingPlanner,
     HeuristicalStorageReservation,
@@ -182,3 +183,12 @@ def test_units_are_torchrecs_bytes_per_rank_and_bytes_per_ms() -> None:
     assert (t.hbm_cap, t.ddr_cap, t.ddr_per_rank) == (32 * GIB, 128 * GIB, 128 * GIB)
     assert (t.hbm_mem_bw, t.ddr_mem_bw) == (897e9 / 1000, 51e9 / 1000)
     assert (t.intra_host_bw, t.inter_host_bw) == (600e9 / 1000, 12.5e9 / 1000)
+
+
+def test_cache_params_positional_in_torchrecs_order() -> None:
+    from recsys_core.planner import CacheAlgorithm
+
+    params = CacheParams(CacheAlgorithm.LFU, 0.5, 1.0, DataType.FP16, True)
+    assert (params.algorithm, params.load_factor, params.reserved_memory, params.precision,
+            params.prefetch_pipeline) == (CacheAlgorithm.LFU, 0.5, 1.0, DataType.FP16, True)
+    assert hash(params) == hash(CacheParams(CacheAlgorithm.LFU, 0.5, 1.0, DataType.FP16, True))
