@@ -1,23 +1,62 @@
-"""The optimizer view of a fused embedding kernel.
+"""Optimizers whose update happens inside backward (TorchRec's ``torchrec.optim.fused``).
 
-The update already happened inside backward, so ``step()`` only forwards a changed learning rate
-(set by a scheduler or by hand in ``param_groups``) to the kernel. Its state dict holds the
-kernel's optimizer state per table, keyed by parameter name, so it checkpoints like any
-KeyedOptimizer.
+``EmbeddingFusedOptimizer`` is the optimizer view of a fused embedding kernel: the update
+already happened inside backward, so ``step()`` (and ``zero_grad()``) only forward a changed
+learning rate (set by a scheduler, by hand in ``param_groups`` or by a loaded state dict) to the
+kernel. Its state dict holds the kernel's optimizer state per table, keyed by parameter name,
+so it checkpoints like any KeyedOptimizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import abc
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import optim
 
 from recsys_core.kernels.tbe import TableBatchedKernel
 from recsys_core.optim.keyed import KeyedOptimizer
 
 
-class EmbeddingFusedOptimizer(KeyedOptimizer):
+class FusedOptimizer(KeyedOptimizer, abc.ABC):
+    """A KeyedOptimizer whose weight update is done during backward: ``step()`` applies
+    nothing to the weights."""
+
+    @abc.abstractmethod
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        ...
+
+    @abc.abstractmethod
+    def zero_grad(self, set_to_none: bool = False) -> None: ...
+
+    def __repr__(self) -> str:
+        return optim.Optimizer.__repr__(self)
+
+
+class EmptyFusedOptimizer(FusedOptimizer):
+    """A fused optimizer over no parameters (no-op ``step`` and ``zero_grad``)."""
+
+    def __init__(self) -> None:
+        super().__init__({}, {}, [])
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        return None
+
+
+class FusedOptimizerModule(abc.ABC):
+    """A module that updates its weights during backward and exposes that optimizer."""
+
+    @property
+    @abc.abstractmethod
+    def fused_optimizer(self) -> KeyedOptimizer: ...
+
+
+class EmbeddingFusedOptimizer(FusedOptimizer):
     """One param group (``lr``) over the per-table weights of one kernel.
 
     Args:
@@ -42,23 +81,46 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
         # The configured value, not the kernel's: FBGEMM keeps lr as float32 (0.02 -> 0.0199999).
         self._kernel_lr = kernel.optimizer.learning_rate
         groups = [{"params": weights, "lr": self._kernel_lr}] if weights else []
-        super().__init__(params, state, groups)
+        super().__init__(dict(params), state, groups)
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = closure() if closure is not None else None
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Forward the param group's ``lr`` to the kernel (``closure`` is not called)."""
         self._sync_learning_rate()
-        return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None  # fused: no gradients are materialized
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """No gradients are materialized; forwards ``lr`` like ``step()``, as TorchRec does."""
         self._sync_learning_rate()
+
+    def post_load_state_dict(self) -> None:
+        self._sync_learning_rate()
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Set the kernel's iteration counter (Adam's and LAMB's bias correction read it)."""
+        counter = getattr(self._kernel, "iter", None)
+        if not isinstance(counter, torch.Tensor):
+            raise NotImplementedError(
+                f"set_optimizer_step: the {type(self._kernel).__name__} kernel keeps no step "
+                "counter"
+            )
+        counter.fill_(int(step))
+
+    def update_hyper_parameters(self, params_dict: Mapping[str, Any]) -> None:
+        """Set hyper-parameters by name; only ``lr`` can change after construction here."""
+        unsupported = sorted(set(params_dict) - {"lr"})
+        if unsupported:
+            raise NotImplementedError(
+                f"Setting hyper-parameter(s) {unsupported} is not supported by the fused "
+                "embedding optimizer (only 'lr'); build the collection with the new values in "
+                "its fused optimizer config instead"
+            )
+        if "lr" in params_dict:
+            for group in self.param_groups:
+                group["lr"] = float(params_dict["lr"])
+            self._sync_learning_rate()
 
     def _sync_learning_rate(self) -> None:
         if self.param_groups:
-            lr = float(self.param_groups[0]["lr"])
+            lr = float(next(iter(self.param_groups))["lr"])
             if lr != self._kernel_lr:
                 self._kernel.set_learning_rate(lr)
                 self._kernel_lr = lr

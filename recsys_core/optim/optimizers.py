@@ -1,4 +1,6 @@
-"""Optimizer helpers from the TorchRec tutorial, plus a row-wise Adagrad for dense tables."""
+"""Optimizer helpers from the TorchRec tutorial (``RowWiseAdagrad`` is re-exported from
+``recsys_core.optim.rowwise_adagrad``) and TorchRec's placeholder optimizer classes (``SGD``, ``Adam``, ``LAMB``, ...) that only name a
+fused embedding optimizer for ``apply_optimizer_in_backward``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,13 @@ import torch
 from torch.distributed.optim import _apply_optimizer_in_backward
 
 from recsys_core.kernels.config import FusedOptimizerConfig
+from recsys_core.optim.rowwise_adagrad import RowWiseAdagrad
+
+__all__ = [
+    "LAMB", "SGD", "Adagrad", "Adam", "LarsSGD", "PartialRowWiseAdam", "PartialRowWiseLAMB",
+    "RowWiseAdagrad", "apply_optimizer_in_backward", "in_backward_optimizer_config",
+    "in_backward_optimizer_filter", "recorded_fused_config",
+]
 
 
 def in_backward_optimizer_filter(
@@ -65,56 +74,49 @@ def recorded_fused_config(module: torch.nn.Module) -> FusedOptimizerConfig | Non
     return FusedOptimizerConfig.from_torch_optimizer(optimizer_class, kwargs)
 
 
-class RowWiseAdagrad(torch.optim.Optimizer):
-    """Adagrad with one accumulator per embedding row (FBGEMM's EXACT_ROWWISE_ADAGRAD rule).
+class _FusedPlaceholder(torch.optim.Optimizer):
+    """Names a fused embedding optimizer for ``apply_optimizer_in_backward``; it cannot step.
 
-    ``state_sum[r] += mean_d(g[r, d]^2)``; ``w[r] -= lr * g[r] / (sqrt(state_sum[r]) + eps)``.
-    With a sparse gradient (``nn.EmbeddingBag(sparse=True)``) only the rows present are touched,
-    exactly like the fused kernel; with a dense gradient every row is visited (a zero gradient
-    row is left unchanged unless weight decay is set).
+    The fused collection or sharder reads the class and its kwargs and applies the update in
+    its kernel; a module that was not converted raises on the first backward.
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor],
-        lr: float = 1e-2,
-        eps: float = 1e-10,
-        weight_decay: float = 0.0,
-    ) -> None:
-        if lr < 0 or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"RowWiseAdagrad: need lr >= 0, eps > 0, weight_decay >= 0; got "
-                             f"lr={lr}, eps={eps}, weight_decay={weight_decay}")
-        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
+    def __init__(self, params: Iterable[torch.Tensor], **kwargs: Any) -> None:
+        self._params = params
+        self._kwargs = kwargs
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dim() != 2:
-                    raise ValueError("RowWiseAdagrad: parameters must be 2-D embedding tables")
-                state = self.state[p]
-                if "sum" not in state:
-                    state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
-                grad = p.grad
-                if grad.is_sparse:
-                    grad = grad.coalesce()
-                    rows, g = grad.indices()[0], grad.values()
-                else:
-                    rows, g = None, grad
-                w = p if rows is None else p.index_select(0, rows)
-                g_decayed = g + wd * w if wd else g
-                avg = (g_decayed * g_decayed).mean(dim=1)
-                total = (state["sum"] if rows is None else state["sum"].index_select(0, rows)) + avg
-                multiplier = (lr / (total.sqrt() + eps)).unsqueeze(1)
-                new_w = (1.0 - multiplier * wd) * w - multiplier * g
-                if rows is None:
-                    state["sum"].copy_(total)
-                    p.copy_(new_w)
-                else:
-                    state["sum"].index_copy_(0, rows, total)
-                    p.index_copy_(0, rows, new_w)
-        return loss
+        raise NotImplementedError(
+            f"{type(self).__name__} is a placeholder that names a fused embedding optimizer: "
+            "convert the module (FusedEmbeddingBagCollection.from_embedding_bag_collection or "
+            "DistributedModelParallel) so that its kernel applies the update, or use torch.optim"
+        )
+
+
+class SGD(_FusedPlaceholder):
+    """Placeholder for the fused EXACT_SGD optimizer."""
+
+
+class LarsSGD(_FusedPlaceholder):
+    """Placeholder for the fused LARS_SGD optimizer."""
+
+
+class LAMB(_FusedPlaceholder):
+    """Placeholder for the fused LAMB optimizer."""
+
+
+class PartialRowWiseLAMB(_FusedPlaceholder):
+    """Placeholder for the fused PARTIAL_ROWWISE_LAMB optimizer."""
+
+
+class Adam(_FusedPlaceholder):
+    """Placeholder for the fused ADAM optimizer."""
+
+
+class PartialRowWiseAdam(_FusedPlaceholder):
+    """Placeholder for the fused PARTIAL_ROWWISE_ADAM optimizer."""
+
+
+class Adagrad(_FusedPlaceholder):
+    """Placeholder for the fused EXACT_ADAGRAD optimizer."""
