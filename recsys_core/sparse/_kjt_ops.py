@@ -46,6 +46,7 @@ def compute_stride(
 
 
 def length_per_key(
+    values: torch.Tensor,
     num_keys: int,
     stride_per_key: list[int],
     variable_stride: bool,
@@ -55,6 +56,11 @@ def length_per_key(
     """Number of values of each key (one host sync)."""
     if num_keys == 0:
         return []
+    if values.is_meta:
+        # Meta tensors hold no data: an even split (remainder on key 0), as TorchRec does.
+        even = [values.size(0) // num_keys] * num_keys
+        even[0] += values.size(0) % num_keys
+        return even
     if variable_stride:
         if lengths is None:
             assert offsets is not None
@@ -123,6 +129,20 @@ def to_dict(
             offsets = _jit_ops.lengths_to_offsets(part) if compute_offsets else None
             w = weight_parts[i] if weights is not None else None
             out[key] = jagged_view(value_parts[i], w, part, offsets)
+        return out
+    if flat.numel() == 0:
+        # No bags: empty lengths and (as TorchRec) empty offsets per key.
+        empty_rows = flat.reshape(len(keys), 0).unbind(0)
+        for i, key in enumerate(keys):
+            w = weight_parts[i] if weights is not None else None
+            offsets = empty_rows[i] if compute_offsets else None
+            out[key] = jagged_view(value_parts[i], w, empty_rows[i], offsets)
+        return out
+    if not compute_offsets:
+        rows_lengths = flat.reshape(len(keys), stride_per_key[0]).unbind(0)
+        for i, key in enumerate(keys):
+            w = weight_parts[i] if weights is not None else None
+            out[key] = jagged_view(value_parts[i], w, rows_lengths[i], None)
         return out
     rows = BatchedRows(flat.reshape(len(keys), stride_per_key[0]))
     for i, key in enumerate(keys):

@@ -31,9 +31,9 @@ def as_index_tensor(
                 f"{owner}: {name} must be a list of ints, got {converted.dtype} entries."
             )
         data = converted.to(torch.int64)
-    elif data.numel() == 0 and data.dtype not in _INDEX_DTYPES:
-        # torch.tensor([]) is float32; TorchRec accepts it for "no bags", so do we.
-        return data.to(torch.int64)
+    elif data.numel() == 0:
+        # torch.tensor([]) is float32; TorchRec keeps it as given for "no bags", so do we.
+        return data
     if data.dtype not in _INDEX_DTYPES and data.numel() > 0:
         raise ValueError(
             f"{owner}: {name} must be an int32 or int64 tensor, got dtype {data.dtype} with "
@@ -68,29 +68,42 @@ def check_kjt_inputs(
     lengths: torch.Tensor | Sequence[int] | None,
     offsets: torch.Tensor | Sequence[int] | None,
     stride_per_key_per_rank: torch.Tensor | list[list[int]] | None,
-    length_per_key: Sequence[int] | None,
-    offset_per_key: Sequence[int] | None,
+    length_per_key: Sequence[int] | None = None,
+    offset_per_key: Sequence[int] | None = None,
 ) -> tuple[list[str], torch.Tensor | None, torch.Tensor | None, list[list[int]] | None]:
-    """KeyedJaggedTensor's eager constructor checks (host metadata only, no device sync)."""
+    """KeyedJaggedTensor's eager constructor checks (host metadata only, no device sync).
+    Cached ``length_per_key``/``offset_per_key`` are trusted, as in TorchRec; ``validate()``
+    checks them."""
     owner = "KeyedJaggedTensor"
     if isinstance(keys, str):
         raise ValueError(f"{owner}: keys must be a list of strings, got the string {keys!r}")
     if type(keys) is not list:
         keys = list(keys)
-    lengths, offsets = check_jagged_inputs(owner, values, lengths, offsets)
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{owner}: values must be a torch.Tensor, got {type(values).__name__}.")
+    # Unlike JaggedTensor, TorchRec accepts a KJT with neither lengths nor offsets (no keys).
+    if lengths is not None:
+        lengths = as_index_tensor(lengths, "lengths", owner, values.device)
+    if offsets is not None:
+        offsets = as_index_tensor(offsets, "offsets", owner, values.device)
     if isinstance(stride_per_key_per_rank, torch.Tensor):
         stride_per_key_per_rank = stride_per_key_per_rank.tolist()
-    if length_per_key is not None and len(length_per_key) != len(keys):
-        raise ValueError(
-            f"{owner}: length_per_key has {len(length_per_key)} entries for {len(keys)} keys; "
-            "pass one count per key or leave it out."
-        )
-    if offset_per_key is not None and len(offset_per_key) != len(keys) + 1:
-        raise ValueError(
-            f"{owner}: offset_per_key has {len(offset_per_key)} entries for {len(keys)} keys; "
-            "it needs len(keys) + 1 (a leading 0) or leave it out."
-        )
     return keys, lengths, offsets, stride_per_key_per_rank
+
+
+def check_values_cover(keys: list[str], length_per_key: list[int], num_values: int) -> None:
+    """Raise, naming the key, if the bags need more values than there are (values may run
+    past the last bag, as TorchRec allows). Host ints only; the loop runs only on bad input."""
+    if sum(length_per_key) <= num_values:
+        return
+    end = 0
+    for key, count in zip(keys, length_per_key, strict=True):
+        start, end = end, end + count
+        if end > num_values:
+            raise ValueError(
+                f"KeyedJaggedTensor: key '{key}' needs values[{start}:{end}] but values has only "
+                f"{num_values} entries; lengths and values disagree."
+            )
 
 
 def _values_string(values: list) -> str:
@@ -142,6 +155,9 @@ def index_select_batch(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
     """Rows ``indices`` of every key (bounds-checked on the host, one sync)."""
     indices = as_index_tensor(indices, "indices", owner, values.device)
+    if lengths.dtype not in _INDEX_DTYPES:
+        lengths = lengths.to(torch.int64)  # an empty float lengths tensor (TorchRec allows it)
+        offsets = offsets.to(torch.int64)
     if indices.numel():
         low, high = (int(x) for x in torch.aminmax(indices))
         if low < 0 or high >= stride:

@@ -100,7 +100,18 @@ class JaggedTensor(metaclass=SparseTypeMeta):
             values=torch.empty(0, dtype=values_dtype, device=device),
             weights=weights,
             lengths=torch.empty(0, dtype=lengths_dtype, device=device),
-            offsets=torch.zeros(1, dtype=lengths_dtype, device=device),
+            offsets=torch.empty(0, dtype=lengths_dtype, device=device),
+        )
+
+    @staticmethod
+    def empty_like(jt: "JaggedTensor") -> "JaggedTensor":
+        """No bags, but ``jt``'s device and dtypes (weighted if ``jt`` is)."""
+        weights = jt.weights_or_none()
+        return JaggedTensor(
+            values=jt.values().new_empty(0),
+            weights=None if weights is None else weights.new_empty(0),
+            lengths=jt.lengths().new_empty(0),
+            offsets=None,
         )
 
     @staticmethod
@@ -130,23 +141,7 @@ class JaggedTensor(metaclass=SparseTypeMeta):
         weights: torch.Tensor | None = None,
     ) -> "JaggedTensor":
         """Keep the first ``lengths[b]`` entries of row ``b`` of a padded ``[B, L]`` tensor."""
-        if not torch.jit.is_scripting():
-            lengths, _ = check_jagged_inputs(
-                "JaggedTensor.from_dense_lengths", values, lengths, None
-            )
-        if values.dim() < 2 or values.size(0) != lengths.numel():
-            raise ValueError(
-                f"JaggedTensor.from_dense_lengths: values must be [B, L] with B = len(lengths) "
-                f"= {lengths.numel()}, got shape {values.shape}."
-            )
-        columns = torch.arange(values.size(1), device=values.device)
-        mask = columns.unsqueeze(0) < lengths.unsqueeze(1)
-        return JaggedTensor(
-            values=values[mask],
-            weights=None if weights is None else weights[mask],
-            lengths=lengths,
-            offsets=None,
-        )
+        return _jt_from_dense_lengths(values, lengths, weights)
 
     # -- accessors --------------------------------------------------------------------------
 
@@ -244,7 +239,7 @@ class JaggedTensor(metaclass=SparseTypeMeta):
     ) -> torch.Tensor:
         """``[B, L]``: each bag truncated or padded to ``L`` (default: the longest bag)."""
         return _jit_ops.padded_dense(
-            self._values, self.offsets(), self._padded_length(desired_length), padding_value
+            self._values, self._bag_offsets(), self._padded_length(desired_length), padding_value
         )
 
     def to_padded_dense_weights(
@@ -254,8 +249,13 @@ class JaggedTensor(metaclass=SparseTypeMeta):
         if weights is None:
             return None
         return _jit_ops.padded_dense(
-            weights, self.offsets(), self._padded_length(desired_length), padding_value
+            weights, self._bag_offsets(), self._padded_length(desired_length), padding_value
         )
+
+    def _bag_offsets(self) -> torch.Tensor:
+        """Offsets with at least the leading 0 (``empty()`` has none, as in TorchRec)."""
+        offsets = self.offsets()
+        return offsets if offsets.numel() > 0 else offsets.new_zeros(1)
 
     def _padded_length(self, desired_length: int | None) -> int:
         if desired_length is not None:
@@ -293,7 +293,12 @@ class JaggedTensor(metaclass=SparseTypeMeta):
 
     @torch.jit.unused
     def __str__(self) -> str:
-        offsets = self.offsets().tolist()
+        if self._values.dim() > 2:
+            raise ValueError(
+                f"JaggedTensor prints 1-D or 2-D values, got {self._values.dim()}-D values of "
+                f"shape {tuple(self._values.shape)}; print values() instead."
+            )
+        offsets = self.offsets().tolist() or [0]
         bags = len(offsets) - 1
         if self._weights is None:
             body = "    " + jagged_values_string(self._values, offsets, 0, bags)
@@ -305,6 +310,28 @@ class JaggedTensor(metaclass=SparseTypeMeta):
                 + jagged_values_string(self._weights, offsets, 0, bags)
             )
         return "JaggedTensor({\n" + body + "\n})\n"
+
+
+@torch.fx.wrap
+def _jt_from_dense_lengths(
+    values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+) -> JaggedTensor:
+    """JaggedTensor.from_dense_lengths' body: one node in an fx graph (it checks shapes)."""
+    if not torch.jit.is_scripting():
+        lengths, _ = check_jagged_inputs("JaggedTensor.from_dense_lengths", values, lengths, None)
+    if values.dim() < 2 or values.size(0) != lengths.numel():
+        raise ValueError(
+            f"JaggedTensor.from_dense_lengths: values must be [B, L] with B = len(lengths) "
+            f"= {lengths.numel()}, got shape {values.shape}."
+        )
+    columns = torch.arange(values.size(1), device=values.device)
+    mask = columns.unsqueeze(0) < lengths.unsqueeze(1)
+    return JaggedTensor(
+        values=values[mask],
+        weights=None if weights is None else weights[mask],
+        lengths=lengths,
+        offsets=None,
+    )
 
 
 def jagged_view(

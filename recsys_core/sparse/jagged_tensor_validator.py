@@ -137,6 +137,11 @@ def validate_jagged(
         raise ValueError(f"{owner}: offsets must start at 0, got {int(offsets[0])}.")
     check_sums(owner, keys, sums, values.size(0), exact=True)
     if length_per_key is not None and keys is not None and list(length_per_key) != sums:
+        if len(length_per_key) != len(sums):
+            raise ValueError(
+                f"{owner}: length_per_key has {len(length_per_key)} entries for {len(keys)} "
+                "keys; pass one count per key or leave it out."
+            )
         bad = next(i for i, (a, b) in enumerate(zip(length_per_key, sums, strict=True)) if a != b)
         raise ValueError(
             f"{owner}: length_per_key says key '{keys[bad]}' has {length_per_key[bad]} values "

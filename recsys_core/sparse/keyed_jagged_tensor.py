@@ -7,9 +7,14 @@ from torch.utils._pytree import GetAttrKey, KeyEntry, register_pytree_node
 
 from recsys_core.sparse import _jit_ops, _kjt_ops
 from recsys_core.sparse._fx import SparseTypeMeta
-from recsys_core.sparse._utils import check_kjt_inputs, index_select_batch, keyed_jagged_string
+from recsys_core.sparse._utils import (
+    check_kjt_inputs,
+    check_values_cover,
+    index_select_batch,
+    keyed_jagged_string,
+)
 from recsys_core.sparse.jagged_tensor import JaggedTensor
-from recsys_core.sparse.jagged_tensor_validator import check_sums, validate_keyed_jagged_tensor
+from recsys_core.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 _OWNER = "KeyedJaggedTensor"
 
@@ -319,15 +324,13 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         length_per_key = self._length_per_key
         if length_per_key is None:
             length_per_key = _kjt_ops.length_per_key(
+                self._values,
                 len(self._keys),
                 self.stride_per_key(),
                 self.variable_stride_per_key(),
                 self._lengths,
                 self._offsets,
             )
-            if not torch.jit.is_scripting():
-                # Values may run past the last bag (TorchRec allows it), never fall short.
-                check_sums(_OWNER, self._keys, length_per_key, self._values.size(0), exact=False)
             self._length_per_key = length_per_key
         return length_per_key
 
@@ -387,6 +390,8 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         jt_dict = self._jt_dict
         if jt_dict is not None:
             return jt_dict[key]
+        if not torch.jit.is_scripting():
+            check_values_cover(self._keys, self.length_per_key(), self._values.size(0))
         return _kjt_ops.key_view(
             self._values,
             self._weights,
@@ -399,7 +404,11 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
     def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
         """``{key: JaggedTensor}`` of views (no copy per key), cached on this KJT."""
         jt_dict = self._jt_dict
+        if len(self._keys) == 0:
+            return {}
         if jt_dict is None:
+            if not torch.jit.is_scripting():
+                check_values_cover(self._keys, self.length_per_key(), self._values.size(0))
             jt_dict = _kjt_ops.to_dict(
                 self._keys,
                 self._values,
@@ -428,6 +437,8 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         """
         indices = _kjt_ops.check_permute(indices, self._keys)
         length_per_key = self.length_per_key()
+        if not torch.jit.is_scripting():
+            check_values_cover(self._keys, length_per_key, self._values.size(0))
         stride_per_key = self.stride_per_key()
         lengths, values, weights = _jit_ops.permute_keys(
             indices,
@@ -463,6 +474,8 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         _kjt_ops.check_split(segments, self._keys)
         offset_per_key = self.offset_per_key()
         length_per_key = self.length_per_key()
+        if not torch.jit.is_scripting():
+            check_values_cover(self._keys, length_per_key, self._values.size(0))
         lengths_offset_per_key = self.lengths_offset_per_key()
         lengths = self.lengths().reshape(-1)
         spkpr = self._stride_per_key_per_rank
@@ -594,6 +607,14 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
             inverse_indices=None if inverse is None else (inverse[0], inverse[1].pin_memory()),
             jt_dict=None,
         )
+
+    @torch.jit.unused
+    def clear_storage(self) -> None:
+        """Free the memory of every tensor in place (their storages shrink to 0 bytes); the
+        KJT must not be read afterwards. For releasing a batch early, as in TorchRec."""
+        for t in (self._values, self._weights, self._lengths, self._offsets):
+            if t is not None:
+                t.untyped_storage().resize_(0)
 
     @torch.jit.unused
     def record_stream(self, stream: torch.Stream) -> None:

@@ -169,7 +169,7 @@ def test_empty() -> None:
     assert jt.weights().numel() == 0
     assert jt.lengths().dtype == torch.int32
     assert jt.lengths().numel() == 0
-    assert jt.offsets().tolist() == [0]
+    assert jt.offsets().tolist() == []  # TorchRec's empty() has empty offsets
     assert jt.to_dense() == []
     assert str(jt) == 'JaggedTensor({\n    "values": [],\n    "weights": []\n})\n'
     unweighted = JaggedTensor.empty()
@@ -298,3 +298,18 @@ def test_constructor_is_lazy_like_torchrec() -> None:
     two_d = JaggedTensor(values=torch.arange(4), lengths=torch.tensor([[1, 0], [2, 1]]))
     assert two_d.lengths().shape == (2, 2)
     assert two_d.offsets().tolist() == [0, 1, 1, 3, 4]
+
+
+def test_empty_like_and_printing_limits() -> None:
+    jt = JaggedTensor(
+        values=torch.tensor([1.0, 2.0]),
+        lengths=torch.tensor([2], dtype=torch.int32),
+        weights=torch.tensor([0.5, 0.5], dtype=torch.float64),
+    )
+    empty = JaggedTensor.empty_like(jt)
+    assert empty.values().dtype == torch.float32 and empty.values().numel() == 0
+    assert empty.lengths().dtype == torch.int32 and empty.lengths().numel() == 0
+    assert empty.weights().dtype == torch.float64 and empty.weights().numel() == 0
+    three_d = JaggedTensor(values=torch.zeros(2, 1, 3), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="prints 1-D or 2-D values, got 3-D"):
+        str(three_d)

@@ -456,9 +456,6 @@ def test_pytree_round_trip_and_export() -> None:
         ({"lengths": "1230"}, "lengths must be a tensor or a list of ints, got str"),
         ({"lengths": torch.tensor([1.0, 2.0, 3.0, 0.0])}, "lengths must be an int32 or int64"),
         ({"offsets": torch.tensor([0.0, 3.0, 6.0])}, "offsets must be an int32 or int64"),
-        ({}, "pass lengths or offsets"),
-        ({"lengths": [3, 0, 3, 0], "length_per_key": [6]}, "1 entries for 2 keys"),
-        ({"lengths": [3, 0, 3, 0], "offset_per_key": [0, 6]}, r"needs len\(keys\) \+ 1"),
     ],
 )
 def test_constructor_rejects_what_torchrec_rejects(kwargs: dict, message: str) -> None:
@@ -479,6 +476,8 @@ def test_constructor_rejects_string_keys() -> None:
         ({"lengths": [3, 0, 2, 0]}, "lengths sum to 5 but values has 6 entries"),
         ({"lengths": [3, 0, 3, 0], "keys": ["a", "a"]}, r"keys must be unique, but \['a'\]"),
         ({"lengths": [1, 1], "keys": []}, "got 2 lengths but no keys"),
+        ({"lengths": [3, 0, 3, 0], "length_per_key": [6]}, "1 entries for 2 keys"),
+        ({"lengths": [3, 0, 3, 0], "offset_per_key": [0, 6]}, r"offset_per_key \[0, 6\] does not"),
         (
             {"lengths": [3, 0, 3], "stride_per_key_per_rank": [[2], [2]]},
             r"lengths has 3 entries but the batch sizes per key \[2, 2\]",
@@ -520,14 +519,70 @@ def test_constructor_accepts_what_torchrec_accepts() -> None:
         odd.stride()
 
 
-def test_values_shorter_than_lengths_fail_when_counted() -> None:
-    kjt = KeyedJaggedTensor(["product", "user"], torch.arange(1, 9), lengths=[2, 0, 1, 1, 2, 3])
-    with pytest.raises(ValueError, match=r"key 'user' needs values\[3:9\] but values has only 8"):
-        kjt.length_per_key()
-    with pytest.raises(ValueError, match=r"key 'user' needs values\[3:9\]"):
-        KeyedJaggedTensor.from_lengths_sync(
-            ["product", "user"], torch.arange(1, 9), torch.tensor([2, 0, 1, 1, 2, 3])
-        )
+def test_values_shorter_than_lengths_fail_when_used() -> None:
+    # TorchRec stores and syncs such a KJT; using a key's bags then names the key.
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["product", "user"], torch.arange(1, 9), torch.tensor([2, 0, 1, 1, 2, 3])
+    )
+    assert kjt.length_per_key() == [3, 6]
+    message = r"key 'user' needs values\[3:9\] but values has only 8"
+    with pytest.raises(ValueError, match=message):
+        kjt["product"]
+    with pytest.raises(ValueError, match=message):
+        kjt.to_dict()
+    with pytest.raises(ValueError, match=message):
+        kjt.split([1, 1])
+    with pytest.raises(ValueError, match=message):
+        kjt.permute([1, 0])
+
+
+def test_no_lengths_nor_offsets_is_an_empty_kjt_as_in_torchrec() -> None:
+    kjt = KeyedJaggedTensor([], torch.Tensor())
+    assert str(kjt) == "KeyedJaggedTensor()\n"
+    assert kjt.stride() == 0
+    assert kjt.to_dict() == {}
+
+
+def test_meta_device_has_no_data_but_works() -> None:
+    # As TorchRec: length_per_key on meta values is an even split (remainder on key 0).
+    meta = torch.device("meta")
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b", "c"],
+        values=torch.empty(10, device=meta),
+        lengths=torch.empty(6, dtype=torch.int64, device=meta),
+    )
+    assert kjt.sync().length_per_key() == [4, 3, 3]
+    jts = kjt.to_dict()
+    assert jts["a"].values().shape == (4,) and jts["a"].values().is_meta
+    assert KeyedJaggedTensor.from_jt_dict(jts).keys() == ["a", "b", "c"]
+
+
+def test_clear_storage_frees_the_tensors() -> None:
+    kjt = layout_kjt(weighted=True)
+    values, weights, lengths = kjt.values(), kjt.weights(), kjt.lengths()
+    kjt.clear_storage()
+    assert values.untyped_storage().nbytes() == 0
+    assert weights.untyped_storage().nbytes() == 0
+    assert lengths.untyped_storage().nbytes() == 0
+
+
+def test_to_dict_of_no_bags_has_empty_offsets() -> None:
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.tensor([]),
+        lengths=torch.tensor([[], []]),
+        length_per_key=[0, 0],
+    )
+    jts = kjt.to_dict()
+    assert jts["a"].lengths().numel() == 0 and jts["a"].offsets().numel() == 0
+    assert jts["b"].values().numel() == 0
+
+
+def test_to_dict_without_offsets() -> None:
+    jts = layout_kjt().to_dict(compute_offsets=False)
+    assert jts["user"].lengths().tolist() == [1, 2, 3]
+    assert jts["user"].offsets_or_none() is None
+    assert jts["user"].offsets().tolist() == [0, 1, 3, 6]
 
 
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
