@@ -17,7 +17,7 @@ on rank 1's ``cuda:1``: ``.rank == 1``, ``.device == "cuda:1"``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.distributed._shard.metadata import ShardMetadata as _TorchShardMetadata
@@ -27,6 +27,7 @@ from torch.distributed._shard.sharding_spec import (
 from torch.distributed.remote_device import _remote_device
 
 _PLACEMENT_FIX = "write it as 'rank:<r>/<device>', e.g. 'rank:0/cpu'"
+_PLACEMENT_SLOT = _TorchShardMetadata.__dict__["placement"]  # torch's __slots__ member
 
 
 class Placement(_remote_device):
@@ -54,9 +55,18 @@ class ShardMetadata(_TorchShardMetadata):
         # No checks here (torch's would raise without naming the table); see the module docstring.
         self.shard_offsets = list(shard_offsets)
         self.shard_sizes = list(shard_sizes)
-        if isinstance(placement, _remote_device) and not isinstance(placement, Placement):
-            placement = str(placement)
-        self.placement = Placement(placement) if isinstance(placement, str) else placement
+        self.placement = placement  # type: ignore[assignment]  # the setter parses strings
+
+    @property  # type: ignore[override]
+    def placement(self) -> Placement | None:
+        """Where the shard lives; a string assigned here is parsed ("rank:1/cuda:1")."""
+        return _PLACEMENT_SLOT.__get__(self)
+
+    @placement.setter
+    def placement(self, value: str | _remote_device | None) -> None:
+        if isinstance(value, _remote_device) and not isinstance(value, Placement):
+            value = str(value)
+        _PLACEMENT_SLOT.__set__(self, Placement(value) if isinstance(value, str) else value)
 
     @classmethod
     def of(cls, shard: _TorchShardMetadata) -> ShardMetadata:
@@ -122,5 +132,15 @@ class EnumerableShardingSpec(_TorchEnumerableShardingSpec):
         if not isinstance(other, _TorchEnumerableShardingSpec):
             return NotImplemented
         return list(self.shards) == list(other.shards)
+
+    # This library's plans held a plain list of shards: index, iterate and count as before.
+    def __getitem__(self, index: int) -> ShardMetadata:
+        return self.shards[index]  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[ShardMetadata]:
+        return iter(self.shards)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self.shards)
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as torch's

@@ -164,3 +164,13 @@ def test_plan_json_round_trip_keeps_kernel_parameters() -> None:
     assert back == plan
     assert back.plan[""]["t"].output_dtype is DataType.FP16
     assert back.plan[""]["t"].cache_params == CacheParams(load_factor=0.25)
+
+
+def test_spec_reads_like_the_earlier_shard_list_and_placements_accept_strings() -> None:
+    plan = construct_module_sharding_plan(ebc(10, 8, 1), {"table_0": table_wise(rank=1)},
+                                          world_size=2, device_type="cpu")
+    spec_ = plan["table_0"].sharding_spec
+    assert spec_ is not None and len(spec_) == 1 and list(spec_) == spec_.shards
+    spec_[0].placement = "rank:0/cpu"  # a string is parsed into torch's _remote_device
+    assert (spec_[0].rank, spec_[0].device, spec_[0].placement.rank()) == (0, "cpu", 0)
+    assert repr(spec_[0].placement) == "'rank:0/cpu'"
