@@ -6,9 +6,14 @@ from recsys_core.modules.embedding_configs import (
     EmbeddingBagConfig,
     EmbeddingConfig,
     PoolingType,
+    get_embedding_names_by_table,
 )
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from recsys_core.modules.fused_embedding_modules import (
+    FusedEmbeddingBagCollection,
+    FusedEmbeddingCollection,
+    fuse_embedding_optimizer,
+)
 
 __all__ = [
     "BaseEmbeddingConfig",
@@ -18,5 +23,8 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "FusedEmbeddingBagCollection",
+    "FusedEmbeddingCollection",
     "PoolingType",
+    "fuse_embedding_optimizer",
+    "get_embedding_names_by_table",
 ]

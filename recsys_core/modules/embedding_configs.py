@@ -149,8 +149,36 @@ class EmbeddingConfig(BaseEmbeddingConfig):
     """An unpooled (sequence) table: one vector per id."""
 
 
+def get_embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> list[list[str]]:
+    """Each table's output names, in table then feature order (TorchRec's names).
+
+    A feature listed by one table keeps its name; a feature listed by several tables is looked up
+    in each and its outputs are named ``<feature>@<table>``::
+
+        t1: ["f1", "f2"]   t2: ["f1"]   ->   [["f1@t1", "f2"], ["f1@t2"]]
+    """
+    counts: dict[str, int] = {}
+    for config in tables:
+        for feature in config.feature_names:
+            counts[feature] = counts.get(feature, 0) + 1
+    return [
+        [f"{f}@{config.name}" if counts[f] > 1 else f for f in config.feature_names]
+        for config in tables
+    ]
+
+
+def check_table_names(tables: Sequence[BaseEmbeddingConfig], module: str) -> None:
+    """Table names must be unique across a collection (features may be shared)."""
+    seen: set[str] = set()
+    for config in tables:
+        if config.name in seen:
+            raise ValueError(f"{module}: two tables are named {config.name!r}; names must be unique")
+        seen.add(config.name)
+
+
 def check_unique_tables(tables: Sequence[BaseEmbeddingConfig], module: str) -> None:
-    """Table names and feature names must be unique across a collection."""
+    """Table names and feature names must be unique across a collection (for modules that do
+    not support a feature shared by several tables)."""
     seen_tables: set[str] = set()
     seen_features: dict[str, str] = {}
     for config in tables:

@@ -11,54 +11,33 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from recsys_core.kernels.tbe import IdOutOfRangeError
+from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import (
     EmbeddingBagConfig,
-    EmbeddingConfig,
     PoolingType,
-    check_unique_tables,
+    check_table_names,
+    get_embedding_names_by_table,
 )
-from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recsys_core.modules.lookup import (
+    check_features,
+    combine_pooled,
+    diagnose_lookup_failure,
+    reorder_inverse_indices,
+    validate_features,
+)
+from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
+# One leaf node each in an fx graph (torch.fx.wrap patches this module's globals).
+torch.fx.wrap("validate_features")
+torch.fx.wrap("reorder_inverse_indices")
+torch.fx.wrap("combine_pooled")
 
-def _device_of(device: torch.device | str | None) -> torch.device:
-    return torch.device(device) if device is not None else torch.device("cpu")
-
-
-def check_features(
-    features: KeyedJaggedTensor, needed: Sequence[str], module: str, is_weighted: bool
-) -> None:
-    """The input carries every feature a module needs, as integer ids (and weights if weighted)."""
-    if not isinstance(features, KeyedJaggedTensor):
-        raise TypeError(f"{module}: expected a KeyedJaggedTensor, got {type(features).__name__}")
-    keys = set(features.keys())
-    missing = [f for f in needed if f not in keys]
-    if missing:
-        raise ValueError(
-            f"{module}: input KeyedJaggedTensor lacks feature(s) {missing}; it has "
-            f"{list(features.keys())}. Add them (empty bags are fine) or remove the tables."
-        )
-    values = features.values()
-    if values.is_floating_point() or values.dtype == torch.bool or values.is_complex():
-        raise ValueError(
-            f"{module}: feature ids must be int32 or int64, got values of dtype {values.dtype} "
-            f"(features {list(features.keys())}); cast with .long()"
-        )
-    if is_weighted and features.weights_or_none() is None:
-        raise ValueError(
-            f"{module}: the collection is weighted (is_weighted=True) but the input "
-            f"KeyedJaggedTensor has no weights; pass weights= for features {list(needed)}"
-        )
-
-
-def _lookup_error(feature: str, num_embeddings: int, ids: torch.Tensor) -> IdOutOfRangeError | None:
-    bad = ((ids < 0) | (ids >= num_embeddings)).nonzero()
-    if bad.numel() == 0:
-        return None
-    return IdOutOfRangeError(
-        f"feature {feature!r}: id {int(ids[int(bad[0, 0])])} is outside [0, {num_embeddings}) of "
-        f"its table; {bad.numel()} bad id(s) in this feature. Hash or clip ids to the table size."
-    )
+__all__ = [
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "check_features",
+    "get_embedding_names_by_table",
+]
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -70,7 +49,13 @@ class EmbeddingBagCollection(nn.Module):
         input  KJT  "product": [[101, 202], [], [303]]   "user": [[404], [505], [606]]
         output KT   keys ["product", "user"], values [3, 128] (64 columns per key)
 
-    ``device="meta"`` allocates nothing; the sharders materialize the tables later.
+    A feature listed by several tables is looked up in each; its outputs are keyed
+    ``<feature>@<table>`` (see ``get_embedding_names_by_table``). A variable-batch input
+    (``stride_per_key_per_rank``) pools each key over its own batch and, with
+    ``inverse_indices``, expands the result back to the full batch.
+
+    ``device="meta"`` (or a ``torch.device("meta")`` context) allocates nothing; the sharders
+    materialize the tables later, or ``to_empty(device=...)`` then ``reset_parameters()``.
     """
 
     def __init__(
@@ -80,10 +65,9 @@ class EmbeddingBagCollection(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        check_unique_tables(tables, "EmbeddingBagCollection")
+        check_table_names(tables, "EmbeddingBagCollection")
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
-        self._device = _device_of(device)
         self.embedding_bags = nn.ModuleDict()
         for config in tables:
             if not isinstance(config, EmbeddingBagConfig):
@@ -92,19 +76,29 @@ class EmbeddingBagCollection(nn.Module):
                 config.num_embeddings,
                 config.embedding_dim,
                 mode="mean" if config.pooling is PoolingType.MEAN else "sum",
-                device=self._device,
+                device=device,
                 include_last_offset=True,
             )
-        self._feature_names = [list(c.feature_names) for c in tables]
-        self._embedding_names = [f for c in tables for f in c.feature_names]
-        self._lengths_per_embedding = [c.embedding_dim for c in tables for _ in c.feature_names]
+        # As TorchRec: without a device, the one the tables landed on (a device context counts).
+        self._device = torch.device(device) if device is not None else _default_device()
+        self._feature_names: list[list[str]] = [list(c.feature_names) for c in tables]
+        self._flat_feature_names: list[str] = [f for c in tables for f in c.feature_names]
+        self._embedding_names: list[str] = [
+            n for names in get_embedding_names_by_table(tables) for n in names
+        ]
+        self._lengths_per_embedding: list[int] = [
+            c.embedding_dim for c in tables for _ in c.feature_names
+        ]
+        self._mean: list[bool] = [c.pooling is PoolingType.MEAN for c in tables]
+        self._rows_per_feature = [(f, c.num_embeddings) for c in tables for f in c.feature_names]
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self._device.type == "meta":
-            return
+        """Initialize every table from its config (tables still on meta are skipped)."""
         for config in self._embedding_bag_configs:
-            config.init_weight_(self.embedding_bags[config.name].weight)
+            weight = self.embedding_bags[config.name].weight
+            if not weight.is_meta:
+                config.init_weight_(weight)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._embedding_bag_configs)
@@ -117,105 +111,69 @@ class EmbeddingBagCollection(nn.Module):
         return self._device
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Look up and pool every feature; returns a KeyedTensor keyed by feature name."""
-        check_features(features, self._embedding_names, "EmbeddingBagCollection", self._is_weighted)
-        feature_dict = features.to_dict()
-        pooled: list[torch.Tensor] = []
-        for config in self._embedding_bag_configs:
-            bag = self.embedding_bags[config.name]
-            for name in config.feature_names:
-                jt = feature_dict[name]
-                pooled.append(self._pool(bag, config, name, jt))
-        return KeyedTensor(
-            keys=self._embedding_names,
-            length_per_key=self._lengths_per_embedding,
-            values=torch.cat(pooled, dim=1) if pooled else torch.empty(features.stride(), 0),
-        )
+        """Look up and pool every feature; returns a KeyedTensor keyed by embedding name."""
+        if torch.jit.is_scripting():
+            return self._pool(features)
+        return self._checked_forward(features)
 
-    def _pool(
-        self, bag: nn.EmbeddingBag, config: EmbeddingBagConfig, name: str, jt: JaggedTensor
-    ) -> torch.Tensor:
-        ids, offsets = jt.values(), jt.offsets()
-        weights = jt.weights() if self._is_weighted else None
+    @torch.jit.unused
+    def _checked_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        validate_features(
+            features, self._flat_feature_names, "EmbeddingBagCollection", self._is_weighted
+        )
+        if isinstance(features, KeyedJaggedTensor) and features.values().is_meta:
+            return self._meta_forward(features)
         try:
-            if weights is not None and config.pooling is PoolingType.MEAN:
-                # nn.EmbeddingBag has no weighted mean; FBGEMM's is sum(w_i * e_i) / length.
-                summed = nn.functional.embedding_bag(
-                    ids, bag.weight, offsets, mode="sum", per_sample_weights=weights,
-                    include_last_offset=True,
-                )
-                return summed / jt.lengths().clamp(min=1).unsqueeze(1).to(summed.dtype)
-            return bag(input=ids, offsets=offsets, per_sample_weights=weights).float()
+            return self._pool(features)
         except (IndexError, RuntimeError) as exc:
-            error = _lookup_error(name, config.num_embeddings, ids)
-            if error is None:
+            error = diagnose_lookup_failure(
+                features, self._rows_per_feature, "EmbeddingBagCollection", exc
+            )
+            if error is exc:
                 raise
             raise error from exc
 
-
-class EmbeddingCollection(nn.Module):
-    """Unpooled lookups: ``KeyedJaggedTensor -> {feature: JaggedTensor of [N, dim] rows}``.
-
-    Each output JaggedTensor keeps the input's lengths; with ``need_indices=True`` its weights
-    carry the looked-up ids (TorchRec's convention).
-    """
-
-    def __init__(
-        self,
-        tables: Sequence[EmbeddingConfig],
-        device: torch.device | str | None = None,
-        need_indices: bool = False,
-    ) -> None:
-        super().__init__()
-        check_unique_tables(tables, "EmbeddingCollection")
-        self._embedding_configs = list(tables)
-        self._device = _device_of(device)
-        self._need_indices = need_indices
-        self.embeddings = nn.ModuleDict()
-        for config in tables:
-            if not isinstance(config, EmbeddingConfig):
-                raise TypeError(f"EmbeddingCollection takes EmbeddingConfig, got {config!r}")
-            self.embeddings[config.name] = nn.Embedding(
-                config.num_embeddings, config.embedding_dim, device=self._device
-            )
-        self._embedding_names = [f for c in tables for f in c.feature_names]
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self._device.type == "meta":
-            return
-        for config in self._embedding_configs:
-            config.init_weight_(self.embeddings[config.name].weight)
-
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        return list(self._embedding_configs)
-
-    def need_indices(self) -> bool:
-        return self._need_indices
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        check_features(features, self._embedding_names, "EmbeddingCollection", False)
+    def _pool(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if len(self._embedding_names) == 0:
+            values = torch.empty(features.stride(), 0, device=self._device)
+            return KeyedTensor(keys=[], length_per_key=[], values=values)
+        inverse_indices = reorder_inverse_indices(
+            features.inverse_indices_or_none(), self._flat_feature_names
+        )
         feature_dict = features.to_dict()
-        out: dict[str, JaggedTensor] = {}
-        for config in self._embedding_configs:
-            table = self.embeddings[config.name]
-            for name in config.feature_names:
+        pooled: list[torch.Tensor] = []
+        for t, bag in enumerate(self.embedding_bags.values()):
+            for name in self._feature_names[t]:
                 jt = feature_dict[name]
-                ids = jt.values()
-                try:
-                    rows = table(ids)
-                except (IndexError, RuntimeError) as exc:
-                    error = _lookup_error(name, config.num_embeddings, ids)
-                    if error is None:
-                        raise
-                    raise error from exc
-                out[name] = JaggedTensor(
-                    values=rows,
-                    lengths=jt.lengths(),
-                    weights=ids if self._need_indices else None,
-                )
-        return out
+                weights = jt.weights_or_none() if self._is_weighted else None
+                if weights is not None and self._mean[t]:
+                    # nn.EmbeddingBag has no weighted mean; FBGEMM's is sum(w_i * e_i) / length.
+                    summed = nn.functional.embedding_bag(
+                        jt.values(), bag.weight, jt.offsets(), mode="sum",
+                        per_sample_weights=weights, include_last_offset=True,
+                    )
+                    lengths = jt.lengths().clamp(min=1).unsqueeze(1).to(summed.dtype)
+                    pooled.append(summed / lengths)
+                else:
+                    out = bag(input=jt.values(), offsets=jt.offsets(), per_sample_weights=weights)
+                    pooled.append(out.float())
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=combine_pooled(pooled, inverse_indices),
+        )
+
+    def _meta_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Shapes only: ``[batch, sum(dims)]`` on meta (meta tensors hold no ids to look up)."""
+        inverse = features.inverse_indices_or_none()
+        batch = inverse[1].shape[-1] if inverse is not None else features.stride()
+        values = torch.empty(batch, sum(self._lengths_per_embedding), device="meta")
+        return KeyedTensor(
+            keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values
+        )
+
+
+def _default_device() -> torch.device:
+    return torch.empty(0).device
+
+

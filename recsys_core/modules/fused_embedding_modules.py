@@ -20,41 +20,31 @@ from recsys_core.kernels.tbe import (
     checked_lookup,
     kernel_backend,
 )
+from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import (
     EmbeddingBagConfig,
     PoolingType,
-    check_unique_tables,
+    check_table_names,
+    get_embedding_names_by_table,
 )
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
+from recsys_core.modules.fused_common import (
+    FusedCombinedOptimizer,
+    TableWeight,
+    check_location,
+    resolve_fused_config,
+)
+from recsys_core.modules.fused_embedding_collection import FusedEmbeddingCollection
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
-from recsys_core.optim.keyed import CombinedOptimizer
 from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
-
-def resolve_fused_config(
-    optimizer_type: Any, optimizer_kwargs: Mapping[str, Any] | None
-) -> FusedOptimizerConfig:
-    """``optimizer_type`` is an EmbOptimType (ours or FBGEMM's; kwargs are fused_params keys such
-    as ``learning_rate``) or a torch optimizer class (kwargs as for that class, e.g. ``lr``)."""
-    if isinstance(optimizer_type, FusedOptimizerConfig):
-        if optimizer_kwargs:
-            raise ValueError("pass either a FusedOptimizerConfig or optimizer_kwargs, not both")
-        return optimizer_type
-    kwargs = dict(optimizer_kwargs or {})
-    if isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
-        return FusedOptimizerConfig.from_torch_optimizer(optimizer_type, kwargs)
-    return FusedOptimizerConfig.from_fused_params(
-        {**kwargs, "optimizer": EmbOptimType.coerce(optimizer_type)}
-    )
-
-
-class _TableWeight(nn.Module):
-    """Holds one table's weight: a view into its kernel's storage."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
+__all__ = [
+    "FusedEmbeddingBagCollection",
+    "FusedEmbeddingCollection",
+    "fuse_embedding_optimizer",
+    "resolve_fused_config",
+]
 
 
 class FusedEmbeddingBagCollection(nn.Module):
@@ -68,7 +58,12 @@ class FusedEmbeddingBagCollection(nn.Module):
             EmbOptimType, ``{"lr": 0.02}`` for a torch class). Unknown keys are an error.
         is_weighted: features carry per-id weights (weighted pooling).
         device: where the tables live. The module cannot be moved after construction.
+        location: TorchRec's FBGEMM EmbeddingLocation; only the device's own memory (HOST on
+            CPU, DEVICE on CUDA) is accepted here.
         backend: AUTO picks FBGEMM where it has a kernel for the device and optimizer.
+
+    A feature listed by several tables is looked up in each, keyed ``<feature>@<table>`` as in
+    EmbeddingBagCollection. ``fused_optimizer()`` returns the optimizer applied in backward.
     """
 
     def __init__(
@@ -78,18 +73,24 @@ class FusedEmbeddingBagCollection(nn.Module):
         optimizer_kwargs: Mapping[str, Any] | None = None,
         is_weighted: bool = False,
         device: torch.device | str | None = None,
+        location: Any = None,
         backend: KernelBackend = KernelBackend.AUTO,
     ) -> None:
         super().__init__()
-        check_unique_tables(tables, "FusedEmbeddingBagCollection")
+        check_table_names(tables, "FusedEmbeddingBagCollection")
         for config in tables:
             if not isinstance(config, EmbeddingBagConfig):
                 raise TypeError(f"FusedEmbeddingBagCollection takes EmbeddingBagConfig, got {config!r}")
         self._configs = list(tables)
         self._is_weighted = is_weighted
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._device = torch.device(device) if device is not None else torch.empty(0).device
+        check_location(location, self._device, "FusedEmbeddingBagCollection")
+        self._optimizer_type = optimizer_type
+        self._optimizer_kwargs = dict(optimizer_kwargs or {})
         self._optimizer_config = resolve_fused_config(optimizer_type, optimizer_kwargs)
-        self._embedding_names = [f for c in tables for f in c.feature_names]
+        self._feature_names = [f for c in tables for f in c.feature_names]
+        names_by_table = dict(zip([c.name for c in tables], get_embedding_names_by_table(tables), strict=True))
+        self._embedding_names = [n for c in tables for n in names_by_table[c.name]]
         self._lengths_per_embedding = [c.embedding_dim for c in tables for _ in c.feature_names]
 
         # One kernel per pooling type, tables in declaration order within each.
@@ -98,8 +99,9 @@ class FusedEmbeddingBagCollection(nn.Module):
             groups.setdefault(config.pooling, []).append(config)
         self._kernels = nn.ModuleList()
         self._group_features: list[list[str]] = []
+        self._group_embeddings: list[list[str]] = []
         self._group_rows: list[list[int]] = []
-        table_weights: dict[str, _TableWeight] = {}
+        table_weights: dict[str, TableWeight] = {}
         optims = []
         for pooling, configs in groups.items():
             feature_table_map = [t for t, c in enumerate(configs) for _ in c.feature_names]
@@ -115,26 +117,28 @@ class FusedEmbeddingBagCollection(nn.Module):
             )
             self._kernels.append(kernel)
             self._group_features.append([f for c in configs for f in c.feature_names])
+            self._group_embeddings.append([n for c in configs for n in names_by_table[c.name]])
             self._group_rows.append([c.num_embeddings for c in configs for _ in c.feature_names])
             params: dict[str, nn.Parameter] = {}
             for config, view in zip(configs, kernel.split_embedding_weights(), strict=True):
                 if self._device.type != "meta":
                     config.init_weight_(view)
                 weight = nn.Parameter(view)
-                table_weights[config.name] = _TableWeight(weight)
+                table_weights[config.name] = TableWeight(weight)
                 params[f"embedding_bags.{config.name}.weight"] = weight
             optim = EmbeddingFusedOptimizer(kernel, params, [c.name for c in configs])
             for weight in params.values():
                 weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
             optims.append(optim)
-        self._fused_optimizer = CombinedOptimizer(optims)
+        self._fused_optimizer = FusedCombinedOptimizer(optims)
         # Declaration order, so that state_dict keys line up with EmbeddingBagCollection's.
         self.embedding_bags = nn.ModuleDict({c.name: table_weights[c.name] for c in tables})
 
-        kernel_order = [f for names in self._group_features for f in names]
-        self._kernel_feature_order = kernel_order
+        self._kernel_feature_order = [f for names in self._group_features for f in names]
         # Output columns come out in kernel order; this permutation restores declaration order.
-        self._column_permutation = self._make_column_permutation(kernel_order)
+        self._column_permutation = self._make_column_permutation(
+            [n for names in self._group_embeddings for n in names]
+        )
         self._input_permutations: dict[tuple[str, ...], list[int] | None] = {}
 
     @classmethod
@@ -168,8 +172,16 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     # ---- public API ---------------------------------------------------------------------------
     @property
-    def fused_optimizer(self) -> CombinedOptimizer:
+    def fused_optimizer(self) -> FusedCombinedOptimizer:
+        """The optimizer applied in backward. Call it as TorchRec does, ``fused_optimizer()``
+        (the returned optimizer is callable and returns itself)."""
         return self._fused_optimizer
+
+    def optimizer_type(self) -> Any:
+        return self._optimizer_type
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self._optimizer_kwargs)
 
     def optimizer_config(self) -> FusedOptimizerConfig:
         return self._optimizer_config
@@ -190,8 +202,11 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         check_features(
-            features, self._embedding_names, "FusedEmbeddingBagCollection", self._is_weighted
+            features, self._feature_names, "FusedEmbeddingBagCollection", self._is_weighted
         )
+        if features.values().is_meta:  # shapes only: meta tensors hold no ids to look up
+            values = torch.empty(features.stride(), sum(self._lengths_per_embedding), device="meta")
+            return KeyedTensor(self._embedding_names, self._lengths_per_embedding, values)
         kjt = self._in_kernel_order(features)
         parts = kjt.split([len(f) for f in self._group_features]) if len(self._kernels) > 1 else [kjt]
         outputs = []
@@ -244,6 +259,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         columns = [column_of[n] + d for n in self._embedding_names for d in range(dims[n])]
         return torch.tensor(columns, dtype=torch.long, device=self._device)
 
+    def _get_name(self) -> str:
+        return "FusedEmbeddingBagCollection"
+
     def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingBagCollection:
         probe = fn(torch.zeros(1, device=self._device))
         if probe.device != self._device or probe.dtype != torch.float32:
@@ -252,3 +270,61 @@ class FusedEmbeddingBagCollection(nn.Module):
                 "tables live inside table-batched kernels); build it with device=... instead"
             )
         return super()._apply(fn, recurse)
+
+
+def fuse_embedding_optimizer(
+    model: nn.Module,
+    optimizer_type: Any,
+    optimizer_kwargs: Mapping[str, Any],
+    device: torch.device | str | None,
+    location: Any = None,
+    backend: KernelBackend = KernelBackend.AUTO,
+) -> nn.Module:
+    """Replace every EmbeddingBagCollection / EmbeddingCollection in ``model`` (the model itself
+    included) by its fused counterpart with this optimizer applied in backward.
+
+    As TorchRec's, the call returns the model (or the fused module when ``model`` is itself a
+    collection). Unlike TorchRec, the fused tables start from the collection's current weights
+    (fresh initialization only where the collection is on meta), and ``is_weighted`` carries over.
+    """
+    fused = _fused_copy(model, optimizer_type, optimizer_kwargs, device, location, backend)
+    if fused is not None:
+        return fused
+
+    def replace(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            replacement = _fused_copy(child, optimizer_type, optimizer_kwargs, device, location, backend)
+            if replacement is None:
+                replace(child)
+            else:
+                setattr(parent, name, replacement)
+
+    replace(model)
+    return model
+
+
+def _fused_copy(
+    module: nn.Module,
+    optimizer_type: Any,
+    optimizer_kwargs: Mapping[str, Any],
+    device: torch.device | str | None,
+    location: Any,
+    backend: KernelBackend,
+) -> nn.Module | None:
+    fused: nn.Module
+    if isinstance(module, EmbeddingBagCollection):
+        fused = FusedEmbeddingBagCollection(
+            module.embedding_bag_configs(), optimizer_type, optimizer_kwargs,
+            is_weighted=module.is_weighted(), device=device, location=location, backend=backend,
+        )
+    elif isinstance(module, EmbeddingCollection):
+        fused = FusedEmbeddingCollection(
+            module.embedding_configs(), optimizer_type, optimizer_kwargs, device=device,
+            need_indices=module.need_indices(), location=location, backend=backend,
+        )
+    else:
+        return None
+    source = module.state_dict()
+    if source and not any(t.is_meta for t in source.values()) and fused.device.type != "meta":  # type: ignore[union-attr]
+        fused.load_state_dict(source)
+    return fused

@@ -161,10 +161,9 @@ def test_config_validation(kwargs: dict, match: str) -> None:
         EmbeddingBagConfig(**kwargs)
 
 
-def test_duplicate_tables_and_features_rejected() -> None:
+def test_duplicate_table_names_rejected_shared_features_allowed() -> None:
     t = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
     u = EmbeddingBagConfig(name="u", embedding_dim=4, num_embeddings=10, feature_names=["f"])
     with pytest.raises(ValueError, match="two tables are named 't'"):
         EmbeddingBagCollection([t, t])
-    with pytest.raises(ValueError, match="feature 'f' is listed by tables 't' and 'u'"):
-        EmbeddingBagCollection([t, u])
+    assert EmbeddingBagCollection([t, u])._embedding_names == ["f@t", "f@u"]

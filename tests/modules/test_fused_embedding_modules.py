@@ -76,7 +76,7 @@ def test_fused_equals_unfused_after_steps(
         (out_ref.values() * target).sum().backward()
         ref_opt.step()
         (out_fused.values() * target).sum().backward()  # fused: update happens here
-        fused.fused_optimizer.step()  # no-op apart from lr sync; the training loop calls it
+        fused.fused_optimizer().step()  # no-op apart from lr sync; the training loop calls it
     for name, w in fused.state_dict().items():
         torch.testing.assert_close(w, ebc.state_dict()[name], atol=1e-5, rtol=1e-5)
 
@@ -91,10 +91,10 @@ def test_state_dict_keys_match_ebc_and_round_trip_with_optimizer_state() -> None
         a(random_kjt(gen, 4, keys, False)).values().sum().backward()
     b = FusedEmbeddingBagCollection(TABLES, EmbOptimType.EXACT_ROWWISE_ADAGRAD, kwargs)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
-    optim_state = a.fused_optimizer.state_dict()
+    optim_state = a.fused_optimizer().state_dict()
     assert set(optim_state["state"]) == {f"embedding_bags.{t.name}.weight" for t in TABLES}
     assert set(optim_state["state"]["embedding_bags.t_mean.weight"]) == {"t_mean.momentum1"}
-    b.fused_optimizer.load_state_dict(copy.deepcopy(optim_state))
+    b.fused_optimizer().load_state_dict(copy.deepcopy(optim_state))
     for _ in range(2):
         kjt = random_kjt(gen, 4, keys, False)
         out_a, out_b = a(kjt), b(kjt)
@@ -118,8 +118,8 @@ def test_tutorial_fused_params_flow(tutorial_tables: list[EmbeddingBagConfig]) -
     optimizer = fused_params.pop("optimizer")
     fused = FusedEmbeddingBagCollection(ebc.embedding_bag_configs(), optimizer, fused_params)
     fused.load_state_dict(ebc.state_dict())
-    assert repr(fused.fused_optimizer) == ": EmbeddingFusedOptimizer (\nParameter Group 0\n    lr: 0.02\n)"
-    assert isinstance(fused.fused_optimizer, CombinedOptimizer)
+    assert repr(fused.fused_optimizer()) == ": EmbeddingFusedOptimizer (\nParameter Group 0\n    lr: 0.02\n)"
+    assert isinstance(fused.fused_optimizer(), CombinedOptimizer)
     assert dict(in_backward_optimizer_filter(fused.named_parameters())) == {}
     kjt = KeyedJaggedTensor(keys=["product", "user"], values=torch.tensor([1, 2, 1, 5, 2, 3, 4, 1]), lengths=torch.tensor([3, 1, 2, 2]))
     out = fused(kjt).values()
@@ -137,7 +137,7 @@ def test_apply_optimizer_in_backward_then_convert(tutorial_tables: list[Embeddin
     for _, param in ebc.named_parameters():
         apply_optimizer_in_backward(torch.optim.SGD, [param], {"lr": 0.5})
     fused = FusedEmbeddingBagCollection.from_embedding_bag_collection(ebc)
-    assert repr(fused.fused_optimizer) == ": EmbeddingFusedOptimizer (\nParameter Group 0\n    lr: 0.5\n)"
+    assert repr(fused.fused_optimizer()) == ": EmbeddingFusedOptimizer (\nParameter Group 0\n    lr: 0.5\n)"
     kjt = KeyedJaggedTensor(keys=["product", "user"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
     fused(kjt).values().sum().backward()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -154,8 +154,8 @@ def test_apply_optimizer_in_backward_then_convert(tutorial_tables: list[Embeddin
 def test_learning_rate_change_reaches_kernel() -> None:
     table = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=3, feature_names=["f"])]
     fused = FusedEmbeddingBagCollection(table, EmbOptimType.EXACT_SGD, {"learning_rate": 0.1})
-    fused.fused_optimizer.param_groups[0]["lr"] = 1.0
-    fused.fused_optimizer.step()
+    fused.fused_optimizer().param_groups[0]["lr"] = 1.0
+    fused.fused_optimizer().step()
     before = fused.state_dict()["embedding_bags.t.weight"].clone()
     kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([2]), lengths=torch.tensor([1]))
     fused(kjt).values().sum().backward()
@@ -167,10 +167,10 @@ def test_learning_rate_change_reaches_kernel() -> None:
 def test_lr_scheduler_drives_fused_learning_rate() -> None:
     table = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=3, feature_names=["f"])]
     fused = FusedEmbeddingBagCollection(table, EmbOptimType.EXACT_SGD, {"learning_rate": 0.4})
-    scheduler = torch.optim.lr_scheduler.StepLR(fused.fused_optimizer, step_size=1, gamma=0.5)
-    fused.fused_optimizer.step()
+    scheduler = torch.optim.lr_scheduler.StepLR(fused.fused_optimizer(), step_size=1, gamma=0.5)
+    fused.fused_optimizer().step()
     scheduler.step()
-    fused.fused_optimizer.step()
+    fused.fused_optimizer().step()
     assert fused._kernels[0].get_learning_rate() == pytest.approx(0.2)
 
 
@@ -188,10 +188,11 @@ def test_combined_with_dense_optimizer() -> None:
     dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
     assert sorted(dense_params) == ["dense.bias", "dense.weight"]
     dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    opt = CombinedOptimizer([("sparse", model.sparse.fused_optimizer), dense_opt])
+    opt = CombinedOptimizer([("sparse", model.sparse.fused_optimizer()), dense_opt])
+    opt.save_param_groups(True)  # TorchRec's state_dict has param_groups only when asked
     state = opt.state_dict()
     assert "sparse.embedding_bags.t_sum.weight" in state["state"]
-    assert [g["params"] for g in state["param_groups"]][-1] == ["dense.weight", "dense.bias"]
+    assert [g["params"] for g in state["param_groups"]][-1] == ["dense.bias", "dense.weight"]  # sorted, as TorchRec
     bias_before = model.dense.bias.detach().clone()
     gen = torch.Generator().manual_seed(3)
     opt.zero_grad()

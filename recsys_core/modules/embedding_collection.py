@@ -1,0 +1,155 @@
+"""``EmbeddingCollection``: unpooled (sequence) lookups, one ``nn.Embedding`` per table.
+
+Import it from ``recsys_core.modules.embedding_modules`` (TorchRec's path) or ``recsys_core``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from recsys_core.modules.embedding_configs import (
+    EmbeddingConfig,
+    check_table_names,
+    get_embedding_names_by_table,
+)
+from recsys_core.modules.lookup import diagnose_lookup_failure, meta_jagged, validate_features
+from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
+
+torch.fx.wrap("validate_features")
+
+
+def check_equal_dims(tables: Sequence[EmbeddingConfig], module: str) -> int:
+    """Every table of an EmbeddingCollection has one embedding_dim (TorchRec requires it);
+    returns it (-1 for no tables)."""
+    dim = -1
+    for config in tables:
+        if dim < 0:
+            dim = config.embedding_dim
+        elif config.embedding_dim != dim:
+            raise ValueError(
+                f"{module}: all tables must have the same embedding_dim; table "
+                f"{config.name!r} has {config.embedding_dim}, the first table has {dim}. Use one "
+                "dim for every table, or put pooled tables in an EmbeddingBagCollection"
+            )
+    return dim
+
+
+class EmbeddingCollection(nn.Module):
+    """Unpooled lookups: ``KeyedJaggedTensor -> {embedding name: JaggedTensor of [N, dim] rows}``.
+
+    Example::
+
+        tables: t1 (10 x 3, features ["f1"]), t2 (10 x 3, features ["f1", "f2"])
+        input  KJT  "f1": [[0, 1], [2]]   "f2": [[3], []]
+        output {"f1@t1": rows t1[0, 1, 2], lengths [2, 1],
+                "f1@t2": rows t2[0, 1, 2], lengths [2, 1],
+                "f2":    rows t2[3],       lengths [1, 0]}
+
+    Each output JaggedTensor keeps the input's lengths; with ``need_indices=True`` its weights
+    carry the looked-up ids (TorchRec's convention). All tables share one ``embedding_dim``.
+    A feature listed by several tables is keyed ``<feature>@<table>``.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingConfig],
+        device: torch.device | str | None = None,
+        need_indices: bool = False,
+        use_gather_select: bool = False,
+        use_gather_select_per_sharding: dict[str, bool] | None = None,
+    ) -> None:
+        super().__init__()
+        check_table_names(tables, "EmbeddingCollection")
+        for config in tables:
+            if not isinstance(config, EmbeddingConfig):
+                raise TypeError(f"EmbeddingCollection takes EmbeddingConfig, got {config!r}")
+        self._embedding_dim = check_equal_dims(tables, "EmbeddingCollection")
+        self._embedding_configs = list(tables)
+        self._need_indices = need_indices
+        self._use_gather_select = use_gather_select
+        self._use_gather_select_per_sharding = use_gather_select_per_sharding
+        self.embeddings = nn.ModuleDict()
+        for config in tables:
+            self.embeddings[config.name] = nn.Embedding(
+                config.num_embeddings, config.embedding_dim, device=device
+            )
+        self._device = torch.device(device) if device is not None else torch.empty(0).device
+        self._feature_names: list[list[str]] = [list(c.feature_names) for c in tables]
+        self._embedding_names_by_table = get_embedding_names_by_table(tables)
+        self._flat_feature_names = [f for c in tables for f in c.feature_names]
+        self._rows_per_feature = [(f, c.num_embeddings) for c in tables for f in c.feature_names]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize every table from its config (tables still on meta are skipped)."""
+        for config in self._embedding_configs:
+            weight = self.embeddings[config.name].weight
+            if not weight.is_meta:
+                config.init_weight_(weight)
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return list(self._embedding_configs)
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [list(names) for names in self._embedding_names_by_table]
+
+    def embedding_dim(self) -> int:
+        return self._embedding_dim
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def use_gather_select(self) -> bool:
+        return self._use_gather_select
+
+    def use_gather_select_per_sharding(self) -> dict[str, bool] | None:
+        return self._use_gather_select_per_sharding
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if torch.jit.is_scripting():
+            return self._lookup(features)
+        return self._checked_forward(features)
+
+    @torch.jit.unused
+    def _checked_forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        validate_features(features, self._flat_feature_names, "EmbeddingCollection", False)
+        if isinstance(features, KeyedJaggedTensor) and features.values().is_meta:
+            index = {k: i for i, k in enumerate(features.keys())}
+            return {
+                name: meta_jagged(features, index[feature], self._embedding_dim)
+                for names, feature_names in zip(
+                    self._embedding_names_by_table, self._feature_names, strict=True
+                )
+                for name, feature in zip(names, feature_names, strict=True)
+            }
+        try:
+            return self._lookup(features)
+        except (IndexError, RuntimeError) as exc:
+            error = diagnose_lookup_failure(
+                features, self._rows_per_feature, "EmbeddingCollection", exc
+            )
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        feature_dict = features.to_dict()
+        out: dict[str, JaggedTensor] = {}
+        for t, table in enumerate(self.embeddings.values()):
+            names = self._embedding_names_by_table[t]
+            for j, feature in enumerate(self._feature_names[t]):
+                jt = feature_dict[feature]
+                ids = jt.values()
+                out[names[j]] = JaggedTensor(
+                    values=table(ids).float(),
+                    lengths=jt.lengths(),
+                    weights=ids if self._need_indices else None,
+                )
+        return out
