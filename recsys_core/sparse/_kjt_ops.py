@@ -12,8 +12,6 @@ import torch
 from recsys_core.sparse import _jit_ops
 from recsys_core.sparse.jagged_tensor import BatchedRows, JaggedTensor, jagged_view
 
-_OWNER = "KeyedJaggedTensor"
-
 
 def compute_stride(
     keys: list[str],
@@ -63,7 +61,10 @@ def length_per_key(
         return even
     if variable_stride:
         if lengths is None:
-            assert offsets is not None
+            if offsets is None:
+                raise ValueError(
+                    "KeyedJaggedTensor has neither lengths nor offsets; pass one of them."
+                )
             lengths = _jit_ops.offsets_to_lengths(offsets)
         return _jit_ops.sums_by_segments(lengths, stride_per_key)
     stride = stride_per_key[0]
@@ -74,7 +75,10 @@ def length_per_key(
         bounds = offsets[::stride]
         counts: list[int] = (bounds[1:] - bounds[:-1]).tolist()
         return counts
-    assert lengths is not None
+    if lengths is None:
+        if offsets is None:
+            raise ValueError("KeyedJaggedTensor has neither lengths nor offsets; pass one of them.")
+        lengths = _jit_ops.offsets_to_lengths(offsets)
     sums: list[int] = lengths.reshape(num_keys, stride).sum(1).tolist()
     return sums
 

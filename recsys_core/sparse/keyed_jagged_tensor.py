@@ -237,7 +237,11 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         lengths = self._lengths
         if lengths is None:
             offsets = self._offsets
-            assert offsets is not None, "KeyedJaggedTensor needs lengths or offsets"
+            if offsets is None:
+                raise ValueError(
+                    "KeyedJaggedTensor has neither lengths nor offsets; pass one of them when "
+                    "constructing it."
+                )
             lengths = _jit_ops.offsets_to_lengths(offsets)
             self._lengths = lengths
         return lengths
@@ -249,7 +253,11 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         offsets = self._offsets
         if offsets is None:
             lengths = self._lengths
-            assert lengths is not None, "KeyedJaggedTensor needs lengths or offsets"
+            if lengths is None:
+                raise ValueError(
+                    "KeyedJaggedTensor has neither lengths nor offsets; pass one of them when "
+                    "constructing it."
+                )
             offsets = _jit_ops.lengths_to_offsets(lengths)
             self._offsets = offsets
         return offsets

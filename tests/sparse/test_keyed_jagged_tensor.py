@@ -541,6 +541,10 @@ def test_no_lengths_nor_offsets_is_an_empty_kjt_as_in_torchrec() -> None:
     assert str(kjt) == "KeyedJaggedTensor()\n"
     assert kjt.stride() == 0
     assert kjt.to_dict() == {}
+    with pytest.raises(ValueError, match="has neither lengths nor offsets"):
+        kjt.lengths()
+    with pytest.raises(ValueError, match="has neither lengths nor offsets"):
+        kjt.offsets()
 
 
 def test_meta_device_has_no_data_but_works() -> None:
