@@ -11,6 +11,14 @@ from recsys_core.kernels import sparse_ops
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+class JaggedInputError(ValueError, AssertionError):
+    """Lengths/offsets a constructor cannot take (not integers, or neither given).
+
+    A ``ValueError`` like our other input errors, and also an ``AssertionError``: TorchRec's
+    constructors assert on the same inputs, so code catching that keeps working.
+    """
+
+
 def as_index_tensor(
     data: torch.Tensor | Sequence[int], name: str, owner: str, device: torch.device
 ) -> torch.Tensor:
@@ -22,12 +30,12 @@ def as_index_tensor(
             # Infer the dtype first: torch.tensor([1.5], dtype=torch.int64) would truncate.
             converted = torch.tensor(data, device=device)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise ValueError(
+            raise JaggedInputError(
                 f"{owner}: {name} must be a tensor or a list of ints, got {type(data).__name__} "
                 f"({exc})."
             ) from exc
         if converted.numel() and (converted.is_floating_point() or converted.dtype == torch.bool):
-            raise ValueError(
+            raise JaggedInputError(
                 f"{owner}: {name} must be a list of ints, got {converted.dtype} entries."
             )
         data = converted.to(torch.int64)
@@ -35,7 +43,7 @@ def as_index_tensor(
         # torch.tensor([]) is float32; TorchRec keeps it as given for "no bags", so do we.
         return data
     if data.dtype not in _INDEX_DTYPES and data.numel() > 0:
-        raise ValueError(
+        raise JaggedInputError(
             f"{owner}: {name} must be an int32 or int64 tensor, got dtype {data.dtype} with "
             f"shape {tuple(data.shape)}; convert it with .to(torch.int64)."
         )
@@ -58,7 +66,7 @@ def check_jagged_inputs(
     if offsets is not None:
         offsets = as_index_tensor(offsets, "offsets", owner, device)
     if lengths is None and offsets is None:
-        raise ValueError(f"{owner}: pass lengths or offsets (or both); got neither.")
+        raise JaggedInputError(f"{owner}: pass lengths or offsets (or both); got neither.")
     return lengths, offsets
 
 

@@ -661,3 +661,16 @@ def test_key_op_errors() -> None:
         KeyedJaggedTensor.concat([kjt, layout_kjt(weighted=True)])
     with pytest.raises(ValueError, match="empty list"):
         KeyedJaggedTensor.concat([])
+
+
+def test_non_integer_lengths_raise_what_torchrec_raises_too() -> None:
+    # TorchRec asserts here; our error is a ValueError and an AssertionError.
+    float_lengths = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    with pytest.raises(AssertionError, match="lengths must be an int32 or int64 tensor"):
+        KeyedJaggedTensor.from_lengths_sync(["f1", "f2"], torch.rand(7, 3), float_lengths)
+    with pytest.raises(ValueError, match="offsets must be an int32 or int64 tensor"):
+        KeyedJaggedTensor.from_offsets_sync(
+            ["f1", "f2"], torch.rand(7, 3), torch.tensor([0.0, 3.0, 7.0])
+        )
+    with pytest.raises(AssertionError, match="pass lengths or offsets"):
+        JaggedTensor(values=torch.arange(3))
