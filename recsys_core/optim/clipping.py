@@ -27,6 +27,11 @@ from recsys_core.optim.keyed import KeyedOptimizer, OptimizerWrapper
 
 logger: logging.Logger = logging.getLogger(__name__)
 
+log_grad_norm: bool = False
+"""TorchRec's module flag; kept for import compatibility (nothing reads it in 1.8 either)."""
+use_64bit_grad_norm: bool = False
+"""Accumulate the per-tensor norms in float64 (the result is float32), as in TorchRec."""
+
 
 @unique
 class GradientClipping(Enum):
@@ -166,15 +171,17 @@ def _batch_cal_norm(
         grad_list = [g for g in grad_list if g.numel() > 0]
         if not grad_list:
             return torch.tensor(float("-inf"))
-    norms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grad_list, norm_type)), norm_type)
+    dtype = torch.float64 if use_64bit_grad_norm else None
+    per_tensor = torch._foreach_norm(grad_list, norm_type, dtype=dtype)
+    norms = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
     if norm_type == torch.inf:
         for pg in process_groups or ():
             dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=pg)
-        return norms
-    norms = norms**norm_type
-    for pg in process_groups or ():
-        dist.all_reduce(norms, group=pg)
-    return norms
+    else:
+        norms = norms**norm_type
+        for pg in process_groups or ():
+            dist.all_reduce(norms, group=pg)
+    return norms.to(torch.float32) if use_64bit_grad_norm else norms
 
 
 def _compute_total_norm(

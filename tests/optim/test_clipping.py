@@ -175,3 +175,14 @@ def test_norm_helpers() -> None:
     p.grad, q.grad = torch.tensor([0.5, 0.25]), torch.tensor([])
     grads = _get_grads([p, q, torch.zeros(1, requires_grad=True)])
     assert len(grads) == 1 and grads[0] is p.grad
+
+
+def test_64bit_grad_norm_flag() -> None:
+    import recsys_core.optim.clipping as clipping
+
+    g = torch.rand(10000, generator=torch.Generator().manual_seed(0))
+    exact = float((g.double() ** 2).sum())
+    with patch.object(clipping, "use_64bit_grad_norm", True):
+        result = _batch_cal_norm([g, g[:10]], 1.0, 2.0)
+    assert result.dtype == torch.float32
+    assert result.item() == pytest.approx(exact + float((g[:10].double() ** 2).sum()), rel=1e-7)
