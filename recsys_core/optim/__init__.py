@@ -1,7 +1,8 @@
 """Optimizers: fused embedding optimizer types, keyed, combined and wrapping optimizers.
 
 Mirrors ``torchrec.optim``: ``recsys_core.optim.keyed``, ``.clipping``, ``.warmup``, ``.fused``,
-``.optimizers`` and ``.apply_optimizer_in_backward`` hold TorchRec's names.
+``.optimizers``, ``.rowwise_adagrad``, ``.semi_sync``, ``.test_utils`` and
+``.apply_optimizer_in_backward`` hold TorchRec's names.
 """
 
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, WeightDecayMode
@@ -32,6 +33,7 @@ from recsys_core.optim.optimizers import (
     in_backward_optimizer_filter,
     recorded_fused_config,
 )
+from recsys_core.optim.semi_sync import SemisyncOptimizer
 from recsys_core.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "KeyedOptimizerWrapper",
     "OptimizerWrapper",
     "RowWiseAdagrad",
+    "SemisyncOptimizer",
     "WarmupOptimizer",
     "WarmupPolicy",
     "WarmupStage",
