@@ -225,3 +225,82 @@ def check_permute(indices: list[int], keys: list[str]) -> list[int]:
             )
         out.append(i % len(keys))
     return out
+
+
+def sum_by_splits(values: list[int], splits: list[int]) -> list[int]:
+    """``[1, 2, 3, 4]``, splits ``[1, 3]`` -> ``[1, 9]``."""
+    out: list[int] = []
+    start = 0
+    for n in splits:
+        out.append(sum(values[start : start + n]))
+        start += n
+    return out
+
+
+def dist_init_parts(
+    num_keys: int,
+    tensors: list[torch.Tensor],
+    variable_stride_per_key: bool,
+    num_workers: int,
+    recat: torch.Tensor | None,
+    stride_per_rank: list[int] | None,
+    stagger: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[list[int]] | None, int | None]:
+    """A KJT's parts from what an all-to-all received (TorchRec's ``dist_init``).
+
+    ``tensors`` is ``[lengths, values]`` (+ ``strides`` for a variable batch) (+ ``weights``),
+    laid out rank-major; ``recat`` reorders the received (rank, key) segments into key-major
+    order. Returns lengths, values, weights, stride_per_key_per_rank, stride.
+    """
+    if len(tensors) < 2 or len(tensors) > 4:
+        raise ValueError(
+            f"KeyedJaggedTensor.dist_init: expected 2 to 4 tensors, got {len(tensors)}."
+        )
+    lengths, values = tensors[0], tensors[1]
+    weighted = len(tensors) == (4 if variable_stride_per_key else 3)
+    weights = tensors[-1] if weighted else None
+    if variable_stride_per_key:
+        strides: list[int] = tensors[2].tolist()  # rank-major: rank r, key k at r * K + k
+        segment_lengths = _jit_ops.sums_by_segments(lengths, strides)
+        if recat is not None:
+            order: list[int] = recat.tolist()
+            lengths = _jit_ops.gather_segments(lengths, strides, order)
+            new_weights: torch.Tensor | None = None
+            if weights is not None:
+                new_weights = _jit_ops.gather_segments(weights, segment_lengths, order)
+            values = _jit_ops.gather_segments(values, segment_lengths, order)
+            weights = new_weights
+        per_key: list[list[int]] = [
+            [strides[r * num_keys + k] for r in range(num_workers)] for k in range(num_keys)
+        ]
+        if len(strides) == 0:
+            per_key = [[0] for _ in range(num_keys)]
+        elif stagger > 1:
+            columns: list[int] = (
+                torch.arange(num_workers).view(stagger, -1).t().reshape(-1).tolist()
+            )
+            per_key = [[row[c] for c in columns] for row in per_key]
+        return lengths, values, weights, per_key, None
+    if stride_per_rank is None:
+        raise ValueError("KeyedJaggedTensor.dist_init: a fixed batch needs stride_per_rank.")
+    if recat is not None:
+        fixed_order: list[int] = recat.tolist()
+        if all([s == stride_per_rank[0] for s in stride_per_rank]):
+            stride = stride_per_rank[0]
+            if stride > 0:
+                rows = lengths.numel() // stride
+                row_sizes = [stride] * rows
+                row_lengths = _jit_ops.sums_by_segments(lengths, row_sizes)
+                lengths = _jit_ops.gather_segments(lengths.reshape(-1), row_sizes, fixed_order)
+                values_out = _jit_ops.gather_segments(values, row_lengths, fixed_order)
+                if weights is not None:
+                    weights = _jit_ops.gather_segments(weights, row_lengths, fixed_order)
+                values = values_out
+        else:
+            entry_lengths: list[int] = lengths.reshape(-1).tolist()
+            lengths = lengths.reshape(-1)[torch.tensor(fixed_order, device=lengths.device)]
+            values_out = _jit_ops.gather_segments(values, entry_lengths, fixed_order)
+            if weights is not None:
+                weights = _jit_ops.gather_segments(weights, entry_lengths, fixed_order)
+            values = values_out
+    return lengths, values, weights, None, sum(stride_per_rank)

@@ -616,6 +616,79 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
             jt_dict=None,
         )
 
+    # -- what the input all-to-all sends (TorchRec's dist_* protocol) -------------------------
+
+    def dist_labels(self) -> list[str]:
+        """Names of :meth:`dist_tensors`, in order."""
+        labels = ["lengths", "values"]
+        if self.variable_stride_per_key():
+            labels.append("strides")
+        if self._weights is not None:
+            labels.append("weights")
+        return labels
+
+    def dist_splits(self, key_splits: list[int]) -> list[list[int]]:
+        """Per destination (``key_splits[i]`` consecutive keys each): how many lengths and
+        values go there (+ keys, for a variable batch) (+ weights)."""
+        batch_per_split = _kjt_ops.sum_by_splits(self.stride_per_key(), key_splits)
+        length_per_split = _kjt_ops.sum_by_splits(self.length_per_key(), key_splits)
+        splits = [batch_per_split, length_per_split]
+        if self.variable_stride_per_key():
+            splits.append(key_splits)
+        if self._weights is not None:
+            splits.append(length_per_split)
+        return splits
+
+    def dist_tensors(self) -> list[torch.Tensor]:
+        """The tensors an input all-to-all sends: lengths, values (+ per-key batch sizes for
+        a variable batch) (+ weights)."""
+        tensors = [self.lengths(), self._values]
+        if self.variable_stride_per_key():
+            tensors.append(torch.tensor(self.stride_per_key(), device=self.device()))
+        weights = self._weights
+        if weights is not None:
+            tensors.append(weights)
+        return tensors
+
+    @staticmethod
+    def dist_init(
+        keys: list[str],
+        tensors: list[torch.Tensor],
+        variable_stride_per_key: bool,
+        num_workers: int,
+        recat: torch.Tensor | None,
+        stride_per_rank: list[int] | None,
+        stagger: int = 1,
+    ) -> "KeyedJaggedTensor":
+        """The KJT a rank holds after an input all-to-all received ``tensors`` (rank-major
+        (rank, key) segments; ``recat`` puts them key-major). Synced."""
+        lengths, values, weights, spkpr, stride = _kjt_ops.dist_init_parts(
+            len(keys),
+            tensors,
+            variable_stride_per_key,
+            num_workers,
+            recat,
+            stride_per_rank,
+            stagger,
+        )
+        kjt = KeyedJaggedTensor(
+            keys=keys,
+            values=values,
+            weights=weights,
+            lengths=lengths,
+            offsets=None,
+            stride=stride,
+            stride_per_key_per_rank=spkpr,
+            stride_per_key=None,
+            length_per_key=None,
+            lengths_offset_per_key=None,
+            offset_per_key=None,
+            index_per_key=None,
+            jt_dict=None,
+            inverse_indices=None,
+        )
+        return kjt.sync()
+
     @torch.jit.unused
     def clear_storage(self) -> None:
         """Free the memory of every tensor in place (their storages shrink to 0 bytes); the
