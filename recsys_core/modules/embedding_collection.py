@@ -3,7 +3,6 @@
 Import it from ``recsys_core.modules.embedding_modules`` (TorchRec's path) or ``recsys_core``.
 """
 
-from __future__ import annotations
 
 from collections.abc import Sequence
 

@@ -4,7 +4,6 @@ These are the reference oracles: every fused or sharded variant must produce the
 gradients and post-update weights as these modules with a plain torch optimizer.
 """
 
-from __future__ import annotations
 
 from collections.abc import Sequence
 
@@ -151,6 +150,7 @@ class EmbeddingBagCollection(nn.Module):
                     summed = nn.functional.embedding_bag(
                         jt.values(), bag.weight, jt.offsets(), mode="sum",
                         per_sample_weights=weights, include_last_offset=True,
+                        norm_type=2.0,  # a float literal, so a traced graph stays scriptable
                     )
                     lengths = jt.lengths().clamp(min=1).unsqueeze(1).to(summed.dtype)
                     pooled.append(summed / lengths)

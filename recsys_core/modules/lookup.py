@@ -81,8 +81,9 @@ def diagnose_lookup_failure(
 def validate_features(
     features: KeyedJaggedTensor, needed: list[str], module: str, is_weighted: bool
 ) -> None:
-    """``check_features`` as one leaf call in an fx graph."""
-    check_features(features, needed, module, is_weighted)
+    """``check_features`` as one leaf call in an fx graph (skipped once the graph is scripted)."""
+    if not torch.jit.is_scripting():
+        check_features(features, needed, module, is_weighted)
 
 
 def reorder_inverse_indices(

@@ -122,3 +122,19 @@ def test_embedding_collection_scripted_and_traced() -> None:
             torch.testing.assert_close(out[name].values(), jt.values())
             assert torch.equal(out[name].lengths(), jt.lengths())
             assert torch.equal(out[name].weights(), jt.weights())
+
+
+@pytest.mark.parametrize("trace", [torch.fx.symbolic_trace, recsys_core.fx.symbolic_trace])
+def test_traced_collections_can_be_scripted(trace) -> None:
+    bags = ebc(weighted=True)
+    kjt = plain_kjt()
+    graph = scripted(trace(bags))
+    torch.testing.assert_close(graph(kjt).values(), bags(kjt).values())
+    assert graph(kjt).keys() == ["a", "b@t1", "b@t2"]
+    ec = EmbeddingCollection([
+        EmbeddingConfig(name="t1", embedding_dim=2, num_embeddings=5, feature_names=["a", "b"]),
+        EmbeddingConfig(name="t2", embedding_dim=2, num_embeddings=5, feature_names=["b"]),
+    ])
+    out = scripted(trace(ec))(features=kjt)
+    assert list(out) == ["a", "b@t1", "b@t2"]
+    torch.testing.assert_close(out["b@t2"].values(), ec.embeddings["t2"].weight[[2, 3]])
