@@ -394,6 +394,8 @@ _REEXPORTS = (
     "kjt_is_equal",
     "ComputeKJTToJTDict",
     "ComputeJTDictToKJT",
+    "regroup_kts",
+    "permute_multi_embedding",
 )
 
 

@@ -3,7 +3,8 @@
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import GetAttrKey, KeyEntry, register_pytree_node
+from torch.fx._pytree import register_pytree_flatten_spec
+from torch.utils._pytree import GetAttrKey, KeyEntry, TreeSpec, register_pytree_node
 
 from recsys_core.sparse import _jit_ops, _kjt_ops
 from recsys_core.sparse._fx import SparseTypeMeta
@@ -867,3 +868,10 @@ register_pytree_node(
     serialized_type_name="recsys_core.sparse.KeyedJaggedTensor",
     flatten_with_keys_fn=_flatten_with_keys,
 )
+
+
+def _flatten_spec(kjt: KeyedJaggedTensor, spec: TreeSpec) -> list[torch.Tensor | None]:
+    return _flatten(kjt)[0]
+
+
+register_pytree_flatten_spec(KeyedJaggedTensor, _flatten_spec)

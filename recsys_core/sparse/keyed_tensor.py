@@ -4,7 +4,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import GetAttrKey, KeyEntry, register_pytree_node
+from torch.fx._pytree import register_pytree_flatten_spec
+from torch.utils._pytree import GetAttrKey, KeyEntry, TreeSpec, register_pytree_node
 
 from recsys_core.kernels import sparse_ops
 from recsys_core.sparse._fx import SparseTypeMeta
@@ -233,6 +234,20 @@ def _regroup_keyed_tensors(
     )
 
 
+@torch.fx.wrap
+def regroup_kts(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+    """TorchRec's free-function spelling of :meth:`KeyedTensor.regroup` (same result)."""
+    return _regroup_keyed_tensors(keyed_tensors, groups)
+
+
+@torch.fx.wrap
+def permute_multi_embedding(
+    keyed_tensors: list[KeyedTensor], groups: list[list[str]]
+) -> list[torch.Tensor]:
+    """TorchRec's name for the same regrouping (there: FBGEMM's permute_multi_embedding)."""
+    return _regroup_keyed_tensors(keyed_tensors, groups)
+
+
 def _regroup(
     values: list[torch.Tensor],
     keys: list[list[str]],
@@ -268,6 +283,14 @@ def _unflatten(children: Any, context: Any) -> "KeyedTensor":
     return KeyedTensor(list(keys), list(length_per_key), children[0], key_dim)
 
 
+def _flatten_spec(kt: KeyedTensor, spec: TreeSpec) -> list[torch.Tensor]:
+    """Flatten to ``spec``'s key order (an exported program may see the keys reordered)."""
+    keys = list(spec.context[0])
+    if kt.keys() == keys:
+        return [kt.values()]
+    return [_regroup_keyed_tensors([kt], [keys])[0]]
+
+
 register_pytree_node(
     KeyedTensor,
     _flatten,
@@ -275,3 +298,4 @@ register_pytree_node(
     serialized_type_name="recsys_core.sparse.KeyedTensor",
     flatten_with_keys_fn=_flatten_with_keys,
 )
+register_pytree_flatten_spec(KeyedTensor, _flatten_spec)

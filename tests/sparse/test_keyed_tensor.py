@@ -170,3 +170,27 @@ def test_pytree_round_trip() -> None:
     assert rebuilt.keys() == ["x", "y"]
     assert rebuilt.length_per_key() == [2, 1]
     assert rebuilt["y"].tolist() == [[6.0], [12.0]]
+
+
+def test_torchrec_free_function_regroups() -> None:
+    from recsys_core.sparse.jagged_tensor import permute_multi_embedding, regroup_kts
+
+    a = KeyedTensor(["x", "y"], [1, 2], torch.tensor([[1.0, 2.0, 3.0]]))
+    b = KeyedTensor(["z"], [1], torch.tensor([[4.0]]))
+    groups = [["z", "x"], ["y"]]
+    for regroup in (regroup_kts, permute_multi_embedding):
+        first, second = regroup([a, b], groups)
+        assert first.tolist() == [[4.0, 1.0]]
+        assert second.tolist() == [[2.0, 3.0]]
+
+
+def test_flatten_to_an_exported_spec_reorders_keys() -> None:
+    from torch.fx._pytree import tree_flatten_spec
+
+    kt = KeyedTensor(["a", "b"], [1, 2], torch.tensor([[1.0, 2.0, 3.0]]))
+    _, spec = pytree.tree_flatten(kt)
+    swapped = KeyedTensor(["b", "a"], [2, 1], torch.tensor([[2.0, 3.0, 1.0]]))
+    (values,) = tree_flatten_spec(swapped, spec)
+    assert values.tolist() == [[1.0, 2.0, 3.0]]
+    rebuilt = pytree.tree_unflatten([values], spec)
+    assert rebuilt.keys() == ["a", "b"] and rebuilt["b"].tolist() == [[2.0, 3.0]]
