@@ -2,11 +2,13 @@
 writes (re-exported here from their own modules).
 
 Inputs: :class:`Topology` (``topology.py``), :class:`ParameterConstraints` and
-:class:`CacheParams` (``constraints.py``), :class:`PlannerError` (``errors.py``). Internal values:
+:class:`CacheParams` (``constraints.py``), :class:`PlannerError` (``errors.py``); TorchRec's
+value types :class:`Storage`, :class:`Perf`, :class:`Shard` (``storage.py``). Internal values:
 :class:`TableSpec` (one table as the planner sees it) and :class:`Candidate` (one candidate
-layout of a table with its estimated per-shard storage and cost).
+layout of a table with its estimated per-shard storage and cost; TorchRec's ``ShardingOption``
+view of it is in ``sharding_option.py``).
 
-Units: bytes for memory, bytes per second for bandwidths, milliseconds for estimated cost.
+Units, as TorchRec's: bytes for memory, bytes per ms for bandwidths, ms for estimated cost.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
 from recsys_core.plan.sharder import Sharder
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.planner.constraints import CacheAlgorithm, CacheParams, ParameterConstraints
-from recsys_core.planner.errors import PlannerError
+from recsys_core.planner.errors import PlannerError, PlannerErrorType
+from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage
 from recsys_core.planner.topology import (
     DEFAULT_DDR_CAP,
     DEFAULT_HBM_CAP,
@@ -31,6 +34,11 @@ from recsys_core.planner.topology import (
 )
 
 __all__ = [
+    "DeviceHardware",
+    "Perf",
+    "PlannerErrorType",
+    "Shard",
+    "Storage",
     "DEFAULT_DDR_CAP",
     "DEFAULT_HBM_CAP",
     "GB",
