@@ -76,7 +76,9 @@ class FusedEmbeddingCollection(nn.Module):
         self._embedding_names = [n for names in self._embedding_names_by_table for n in names]
         self._rows = [c.num_embeddings for c in tables for _ in c.feature_names]
 
-        self._kernel = build_table_batched_embedding(
+        # Not a registered submodule (as TorchRec): the module tree is an EmbeddingCollection's.
+        self._kernel: nn.Module
+        kernel = build_table_batched_embedding(
             rows=[c.num_embeddings for c in tables],
             dims=[c.embedding_dim for c in tables],
             feature_table_map=[t for t, c in enumerate(tables) for _ in c.feature_names],
@@ -85,6 +87,7 @@ class FusedEmbeddingCollection(nn.Module):
             device=self._device,
             backend=backend,
         )
+        object.__setattr__(self, "_kernel", kernel)
         params: dict[str, nn.Parameter] = {}
         holders: dict[str, TableWeight] = {}
         for config, view in zip(tables, self._kernel.split_embedding_weights(), strict=True):
@@ -161,6 +164,11 @@ class FusedEmbeddingCollection(nn.Module):
 
     def _get_name(self) -> str:
         return _NAME
+
+    def train(self, mode: bool = True) -> FusedEmbeddingCollection:
+        super().train(mode)
+        self._kernel.train(mode)
+        return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingCollection:
         probe = fn(torch.zeros(1, device=self._device))

@@ -97,7 +97,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         groups: dict[PoolingType, list[EmbeddingBagConfig]] = {}
         for config in tables:
             groups.setdefault(config.pooling, []).append(config)
-        self._kernels = nn.ModuleList()
+        # Not registered as submodules (as TorchRec): named_modules/parameters/buffers are those of
+        # an EmbeddingBagCollection; train()/eval() are forwarded by hand.
+        self._kernels: list[nn.Module] = []
         self._group_features: list[list[str]] = []
         self._group_embeddings: list[list[str]] = []
         self._group_rows: list[list[int]] = []
@@ -261,6 +263,12 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def _get_name(self) -> str:
         return "FusedEmbeddingBagCollection"
+
+    def train(self, mode: bool = True) -> FusedEmbeddingBagCollection:
+        super().train(mode)
+        for kernel in self._kernels:
+            kernel.train(mode)
+        return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingBagCollection:
         probe = fn(torch.zeros(1, device=self._device))

@@ -107,3 +107,16 @@ def test_fuse_embedding_optimizer_replaces_collections_keeping_weights() -> None
     top = fuse_embedding_optimizer(ebc, torch.optim.SGD, {"lr": 0.1}, device="cpu")
     assert isinstance(top, FusedEmbeddingBagCollection)
     torch.testing.assert_close(top.embedding_bags["t"].weight, ebc.embedding_bags["t"].weight)
+
+
+def test_fused_module_tree_is_the_collections() -> None:
+    model = TwoTower()
+    before = [list(dict(f()).keys()) for f in (model.named_modules, model.named_parameters, model.named_buffers)]
+    shapes = {k: v.shape for k, v in model.named_parameters()}
+    fuse_embedding_optimizer(model, torch.optim.SGD, {"lr": 0.02}, device=torch.device("cpu"))
+    after = [list(dict(f()).keys()) for f in (model.named_modules, model.named_parameters, model.named_buffers)]
+    assert after == before
+    assert {k: v.shape for k, v in model.named_parameters()} == shapes
+    model.eval()
+    assert not any(m.training for m in model.modules())
+    assert not model.user[0]._kernels[0].training and not model.item._kernel.training
