@@ -5,6 +5,7 @@ from recsys_core.kernels.tbe import IdOutOfRangeError
 from recsys_core.modules import (
     DataType,
     EmbeddingBagCollection,
+    EmbeddingBagCollectionInterface,
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
@@ -19,6 +20,7 @@ __all__ = [
     "DataType",
     "EmbOptimType",
     "EmbeddingBagCollection",
+    "EmbeddingBagCollectionInterface",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
     "EmbeddingConfig",

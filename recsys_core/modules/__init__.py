@@ -8,7 +8,12 @@ from recsys_core.modules.embedding_configs import (
     PoolingType,
     get_embedding_names_by_table,
 )
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recsys_core.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagCollectionInterface,
+    EmbeddingCollection,
+    EmbeddingCollectionInterface,
+)
 from recsys_core.modules.fused_embedding_modules import (
     FusedEmbeddingBagCollection,
     FusedEmbeddingCollection,
@@ -19,8 +24,10 @@ __all__ = [
     "BaseEmbeddingConfig",
     "DataType",
     "EmbeddingBagCollection",
+    "EmbeddingBagCollectionInterface",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
+    "EmbeddingCollectionInterface",
     "EmbeddingConfig",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",

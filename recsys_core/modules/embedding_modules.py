@@ -6,6 +6,7 @@ gradients and post-update weights as these modules with a plain torch optimizer.
 
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from torch import nn
 from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import (
     EmbeddingBagConfig,
+    EmbeddingConfig,
     PoolingType,
     check_table_names,
     get_embedding_names_by_table,
@@ -24,7 +26,7 @@ from recsys_core.modules.lookup import (
     reorder_inverse_indices,
     validate_features,
 )
-from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
+from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 # One leaf node each in an fx graph (torch.fx.wrap patches this module's globals).
 torch.fx.wrap("validate_features")
@@ -33,10 +35,39 @@ torch.fx.wrap("combine_pooled")
 
 __all__ = [
     "EmbeddingBagCollection",
+    "EmbeddingBagCollectionInterface",
     "EmbeddingCollection",
+    "EmbeddingCollectionInterface",
     "check_features",
     "get_embedding_names_by_table",
 ]
+
+
+@runtime_checkable
+class EmbeddingBagCollectionInterface(Protocol):
+    """What a pooled collection offers (TorchRec's name; a Protocol here, so ``isinstance``
+    holds for EmbeddingBagCollection, FusedEmbeddingBagCollection and quantized collections)."""
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor: ...
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]: ...
+
+    def is_weighted(self) -> bool: ...
+
+
+@runtime_checkable
+class EmbeddingCollectionInterface(Protocol):
+    """What an unpooled collection offers (TorchRec's name; a Protocol here)."""
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]: ...
+
+    def embedding_configs(self) -> list[EmbeddingConfig]: ...
+
+    def need_indices(self) -> bool: ...
+
+    def embedding_dim(self) -> int: ...
+
+    def embedding_names_by_table(self) -> list[list[str]]: ...
 
 
 class EmbeddingBagCollection(nn.Module):

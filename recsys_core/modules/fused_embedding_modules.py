@@ -3,7 +3,8 @@ kernels (FBGEMM TBE, or the torch kernel) with the optimizer applied inside back
 
 Its ``state_dict`` has the same keys as :class:`EmbeddingBagCollection`
 (``embedding_bags.<table>.weight``), so weights move freely between the two; optimizer state is in
-``fused_optimizer.state_dict()``.
+``fused_optimizer().state_dict()``. ``FusedEmbeddingCollection`` and ``fuse_embedding_optimizer``
+are importable from here, as from TorchRec's module of the same name.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from recsys_core.modules.fused_common import (
     resolve_fused_config,
 )
 from recsys_core.modules.fused_embedding_collection import FusedEmbeddingCollection
-from recsys_core.optim.fused import EmbeddingFusedOptimizer
+from recsys_core.optim.fused import EmbeddingFusedOptimizer, FusedOptimizerModule
 from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -278,6 +279,11 @@ class FusedEmbeddingBagCollection(nn.Module):
                 "tables live inside table-batched kernels); build it with device=... instead"
             )
         return super()._apply(fn, recurse)
+
+
+# isinstance(module, FusedOptimizerModule) holds as in TorchRec (a virtual subclass, no inheritance).
+FusedOptimizerModule.register(FusedEmbeddingBagCollection)
+FusedOptimizerModule.register(FusedEmbeddingCollection)
 
 
 def fuse_embedding_optimizer(

@@ -120,3 +120,19 @@ def test_fused_module_tree_is_the_collections() -> None:
     model.eval()
     assert not any(m.training for m in model.modules())
     assert not model.user[0]._kernels[0].training and not model.item._kernel.training
+
+
+def test_interfaces_and_fused_optimizer_module() -> None:
+    from recsys_core import EmbeddingBagCollectionInterface
+    from recsys_core.modules.embedding_modules import EmbeddingCollectionInterface
+    from recsys_core.optim.fused import FusedOptimizerModule
+
+    model = TwoTower()
+    assert isinstance(model.user[0], EmbeddingBagCollectionInterface)
+    assert isinstance(model.item, EmbeddingCollectionInterface)
+    assert not isinstance(model.dense, EmbeddingBagCollectionInterface)
+    assert not isinstance(model.user[0], FusedOptimizerModule)
+    fuse_embedding_optimizer(model, torch.optim.SGD, {"lr": 0.02}, device="cpu")
+    assert isinstance(model.user[0], EmbeddingBagCollectionInterface)
+    assert isinstance(model.user[0], FusedOptimizerModule) and isinstance(model.item, FusedOptimizerModule)
+    assert isinstance(model.item, EmbeddingCollectionInterface)
