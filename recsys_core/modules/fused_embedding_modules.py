@@ -207,6 +207,13 @@ class FusedEmbeddingBagCollection(nn.Module):
         check_features(
             features, self._feature_names, "FusedEmbeddingBagCollection", self._is_weighted
         )
+        if features.variable_stride_per_key():
+            raise ValueError(
+                "FusedEmbeddingBagCollection: the input has a different batch size per key "
+                f"({dict(zip(features.keys(), features.stride_per_key(), strict=True))}); the "
+                "table-batched kernel needs one batch size. Use EmbeddingBagCollection for "
+                "variable-batch inputs, or pad every key to the full batch"
+            )
         if features.values().is_meta:  # shapes only: meta tensors hold no ids to look up
             values = torch.empty(features.stride(), sum(self._lengths_per_embedding), device="meta")
             return KeyedTensor(self._embedding_names, self._lengths_per_embedding, values)

@@ -138,3 +138,11 @@ def test_traced_collections_can_be_scripted(trace) -> None:
     out = scripted(trace(ec))(features=kjt)
     assert list(out) == ["a", "b@t1", "b@t2"]
     torch.testing.assert_close(out["b@t2"].values(), ec.embeddings["t2"].weight[[2, 3]])
+
+
+def test_fused_ebc_refuses_variable_batch_input() -> None:
+    from recsys_core import FusedEmbeddingBagCollection
+
+    fused = FusedEmbeddingBagCollection(TABLES, torch.optim.SGD, {"lr": 0.1})
+    with pytest.raises(ValueError, match=r"different batch size per key \(\{'a': 1, 'b': 3\}\)"):
+        fused(vbe_kjt())
