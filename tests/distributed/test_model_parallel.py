@@ -291,7 +291,7 @@ def test_bad_plan_is_rejected_before_communication() -> None:
     env = ShardingEnv.from_local(2, 0)  # no process group: any communication would fail
     bad = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1), "y": table_wise(rank=0)}, 2)
     bad["x"].ranks = [5]
-    bad["x"].sharding_spec[0].placement = "rank:5/cpu"
+    bad["x"].sharding_spec.shards[0].placement = torch.distributed._remote_device("rank:5/cpu")
     with pytest.raises(ValueError, match="'x'.*rank 5"):
         DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": bad}))
     good = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1)}, 2)
