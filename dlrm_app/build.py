@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.model import build_dlrm, init_embedding_tables
+from dlrm_app.model import build_dlrm, table_initializer
 from dlrm_app.resources import planning_error_for_user, topology_for_run
 from recsys_core.distributed import (
     DistributedModelParallel,
@@ -60,7 +60,7 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         "optimizer": _FUSED[config.embedding_optimizer],
         "learning_rate": config.embedding_learning_rate,
         "eps": config.eps,
-    })
+    }, table_init=table_initializer(config.seed))
     model = build_dlrm(spec, config.model, device="meta")
     env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
            else ShardingEnv.from_local(1, 0))
@@ -76,7 +76,6 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
     for module in dmp.module.modules():
         if not isinstance(module, ShardedEmbeddingBagCollection) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
-    init_embedding_tables(dmp.module, config.seed)
     ddp = dmp.data_parallel
     if ddp is not None:
         ddp.register_comm_hook(dmp.env.pg, _sum_allreduce_hook)

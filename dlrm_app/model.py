@@ -14,22 +14,20 @@ features (the reference DLRM layout)::
 ``build_dlrm(spec, config, device)`` builds it from a dataset's ``dataset.json``: one table per
 sparse feature (``t_<feature>``, ``num_embeddings`` from the dataset). Build on
 ``device="meta"`` and let ``DistributedModelParallel`` materialize it: tables are then allocated
-only as shards, and :func:`init_embedding_tables` fills them so that the same seed gives the same
-weights under any plan and world size.
+only as shards, and the sharder's ``table_init=table_initializer(seed)`` fills them so that the
+same seed gives the same weights under any plan and world size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import math
 
 import torch
 from torch import nn
 
 from dlrm_app.data.schema import DatasetSpec
-from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from recsys_core.distributed.table_init import SeededUniformInit, TableRegion
 from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.sparse import KeyedJaggedTensor
@@ -279,46 +277,30 @@ def build_dlrm(spec: DatasetSpec, config: ModelConfig,
 
 
 INIT_BLOCK_ROWS = 4096
-"""Rows per independently seeded block in :func:`init_embedding_tables`."""
+"""Rows per independently seeded block of :func:`table_initializer`."""
 
 
-def _block_seed(seed: int, table: str, block: int) -> int:
-    digest = hashlib.sha256(f"{seed}/{table}/{block}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+def table_initializer(seed: int) -> SeededUniformInit:
+    """The plan-independent table initializer of a run: ``U(-sqrt(1/rows), sqrt(1/rows))``
+    values that depend only on (seed, table, row, column). The sharder applies it to every
+    shard (``EmbeddingBagCollectionSharder(table_init=...)``)."""
+    return SeededUniformInit(seed, block_rows=INIT_BLOCK_ROWS)
 
 
 def fill_table_region(weight: torch.Tensor, table: str, num_rows: int, dim: int,
                       row_offset: int, col_offset: int, seed: int) -> None:
     """Fill ``weight`` (the rows ``row_offset:+rows``, columns ``col_offset:+cols`` of table
-    ``table`` of shape ``[num_rows, dim]``) with ``U(-sqrt(1/num_rows), sqrt(1/num_rows))``
-    values that depend only on (seed, table, row, column), never on how the table is cut."""
-    rows, cols = weight.shape
-    bound = math.sqrt(1.0 / num_rows)
-    first, last = row_offset // INIT_BLOCK_ROWS, (row_offset + rows - 1) // INIT_BLOCK_ROWS
-    with torch.no_grad():
-        for block in range(first, last + 1):
-            start = block * INIT_BLOCK_ROWS
-            count = min(INIT_BLOCK_ROWS, num_rows - start)
-            gen = torch.Generator().manual_seed(_block_seed(seed, table, block))
-            values = torch.empty(count, dim).uniform_(-bound, bound, generator=gen)
-            lo, hi = max(start, row_offset), min(start + count, row_offset + rows)
-            weight[lo - row_offset : hi - row_offset].copy_(
-                values[lo - start : hi - start, col_offset : col_offset + cols])
+    ``table`` of shape ``[num_rows, dim]``) as :func:`table_initializer` does, never depending
+    on how the table is cut."""
+    table_initializer(seed).fill(weight, TableRegion(
+        table=table, num_rows=num_rows, dim=dim, row_offset=row_offset, col_offset=col_offset))
 
 
 def init_embedding_tables(model: nn.Module, seed: int) -> None:
-    """Initialize every table of every (sharded or plain) EmbeddingBagCollection in ``model``
-    independently of the sharding plan: the same seed gives the same table on any world size."""
+    """Initialize every table of every unsharded EmbeddingBagCollection in ``model`` as the
+    sharder's ``table_init=table_initializer(seed)`` initializes the shards of a sharded one."""
     for module in model.modules():
-        if isinstance(module, ShardedEmbeddingBagCollection):
-            configs = {t.config.name: t.config for t in module.sharded_tables()}
-            for name, shards in module.table_shards().items():
-                c = configs[name]
-                for s in shards:
-                    if s.spec.rows and s.spec.cols:
-                        fill_table_region(s.weight, name, c.num_embeddings, c.embedding_dim,
-                                          s.spec.row_offset, s.spec.col_offset, seed)
-        elif isinstance(module, EmbeddingBagCollection):
+        if isinstance(module, EmbeddingBagCollection):
             for c in module.embedding_bag_configs():
                 weight = module.embedding_bags[c.name].weight
                 if not weight.is_meta:

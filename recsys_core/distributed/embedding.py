@@ -20,19 +20,18 @@ import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
-from recsys_core.distributed.sharding.common import (
-    ShardedTable,
-    check_kernel_placement,
-    require_process_group,
-    resolve_shards,
+from recsys_core.distributed.sharded_collection import (
+    CollectionSpec,
+    DistInputs,
+    ShardedCollectionCore,
+    StrategyFactory,
 )
-from recsys_core.distributed.sharding.sequence import (
-    RwSequenceSharding,
-    SequenceBatch,
-    SequenceSharding,
-    TwSequenceSharding,
-)
-from recsys_core.distributed.sharding_plan import validate_module_sharding_plan
+from recsys_core.distributed.sharded_state import LocalShard, ShardedFusedOptimizer
+from recsys_core.distributed.sharding.common import KernelContext, ShardedTable
+from recsys_core.distributed.sharding.row_wise import RwSequenceSharding
+from recsys_core.distributed.sharding.sequence import SequenceSharding
+from recsys_core.distributed.sharding.table_wise import TwSequenceSharding
+from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -41,10 +40,7 @@ from recsys_core.distributed.types import (
     ShardingType,
 )
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
-from recsys_core.kernels.tbe import IdOutOfRangeError
-from recsys_core.modules.embedding_modules import EmbeddingCollection, check_features
-from recsys_core.optim.fused import EmbeddingFusedOptimizer
-from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.modules.embedding_modules import EmbeddingCollection
 from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -86,12 +82,24 @@ class EmbeddingCollectionAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
         }
 
 
+def sequence_strategy_factory(env: ShardingEnv) -> StrategyFactory:
+    """Builds the sequence strategy of each sharding family (see ``_FAMILIES``)."""
+
+    def build(family: ShardingType, tables: list[ShardedTable], ctx: KernelContext) -> SequenceSharding:
+        if family is ShardingType.ROW_WISE:
+            return RwSequenceSharding(tables, env, ctx)
+        return TwSequenceSharding(tables, env, ctx)
+
+    return build
+
+
 class ShardedEmbeddingCollection(nn.Module):
     """An EmbeddingCollection whose tables are sharded over ``env`` according to ``plan``.
 
     Same input and output as the unsharded module (``forward(...).wait()`` is a
     ``dict[str, JaggedTensor]`` equal to the unsharded result for this rank's batch). Table
-    updates are fused into backward; ``fused_optimizer`` exposes their learning rate and state.
+    updates are fused into backward; ``fused_optimizer`` exposes their learning rate and state;
+    ``state_dict()`` holds ``embeddings.<table>.weight`` per table (as the unsharded module).
     Supported sharding types: TABLE_WISE, COLUMN_WISE, ROW_WISE.
     """
 
@@ -103,132 +111,70 @@ class ShardedEmbeddingCollection(nn.Module):
         device: torch.device,
         optimizer: FusedOptimizerConfig,
         backend: KernelBackend = KernelBackend.AUTO,
+        table_init: TableInitializer | None = None,
     ) -> None:
         super().__init__()
         configs = module.embedding_configs()
-        names = [c.name for c in configs]
-        missing = [n for n in names if n not in plan]
-        if missing:
-            raise ValueError(
-                f"sharding plan has no entry for table(s) {missing}; every table of the "
-                "EmbeddingCollection needs one (e.g. table_wise(rank=0))"
-            )
-        supported = ", ".join(t.name for t in SUPPORTED_SHARDING_TYPES)
-        for name, ps in plan.items():
-            if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
-                raise ValueError(
-                    f"table {name!r}: sharding type {ps.sharding_type.name} is not supported by "
-                    f"ShardedEmbeddingCollection; use one of {supported}"
-                )
-        # Before any communication: a bad plan fails here with a message, not with a hang.
-        validate_module_sharding_plan(
-            configs, EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
-        )
-        check_kernel_placement(plan, device)
-        require_process_group(env, "ShardedEmbeddingCollection")
-        self._env, self._device = env, device
-        self._need_indices = module.need_indices()
-        self._embedding_names = [f for c in configs for f in c.feature_names]
         source = None
         if not any(p.is_meta for p in module.parameters()):
             source = {c.name: module.embeddings[c.name].weight.detach() for c in configs}
-        # resolve_shards reads only the fields EmbeddingConfig shares with EmbeddingBagConfig
-        tables = [
-            resolve_shards(c, plan[c.name], env.world_size)
-            for c in configs
-        ]
-
-        def of(*types: ShardingType) -> list[ShardedTable]:
-            return [t for t in tables if t.sharding.sharding_type in types]
-
-        common: dict[str, Any] = {
-            "device": device, "optimizer": optimizer, "backend": backend, "source": source,
-        }
-        self._strategies: list[SequenceSharding] = []
-        if of(*_TW_FAMILY):
-            self._strategies.append(TwSequenceSharding(of(*_TW_FAMILY), env, **common))
-        if of(ShardingType.ROW_WISE):
-            self._strategies.append(RwSequenceSharding(of(ShardingType.ROW_WISE), env, **common))
-        self.lookups = nn.ModuleList([s.local for s in self._strategies])
-        self._input_orders: dict[tuple[str, ...], list[list[int]]] = {}
-        self._feature_rows = {f: c.num_embeddings for c in configs for f in c.feature_names}
-        self._fused_optimizer = self._build_optimizer()
-
-    def _build_optimizer(self) -> CombinedOptimizer:
-        optims = []
-        for local in self.lookups:
-            for kernel, shards in zip(local.kernels, local.kernel_shards, strict=True):
-                params: dict[str, nn.Parameter] = {}
-                for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
-                    # Not registered on the module: the kernel owns the storage and updates it
-                    # in backward, so DDP (or a dense optimizer) must never see these weights.
-                    weight = nn.Parameter(view[: sh.rows])
-                    name = f"embeddings.{sh.table}.weight[{sh.row_offset}:,{sh.col_offset}:]"
-                    params[name] = weight
-                optim = EmbeddingFusedOptimizer(kernel, params, [sh.table for sh in shards])
-                for weight in params.values():
-                    weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
-                optims.append(optim)
-        return CombinedOptimizer(optims)
+        ctx = KernelContext(
+            device=device, optimizer=optimizer, backend=backend, is_weighted=False,
+            source=source, table_init=table_init,
+        )
+        spec = CollectionSpec(
+            name="ShardedEmbeddingCollection", state_prefix="embeddings", configs=tuple(configs),
+            supported=SUPPORTED_SHARDING_TYPES, families=(_TW_FAMILY, (ShardingType.ROW_WISE,)),
+        )
+        self._core = ShardedCollectionCore(spec, plan, env, ctx, sequence_strategy_factory(env))
+        self.lookups = self._core.lookups
+        self._need_indices = module.need_indices()
+        self._core.register_state_hooks(self)
 
     @property
-    def fused_optimizer(self) -> CombinedOptimizer:
-        return self._fused_optimizer
+    def fused_optimizer(self) -> ShardedFusedOptimizer:
+        return self._core.fused_optimizer
 
     @property
     def env(self) -> ShardingEnv:
-        return self._env
+        return self._core.env
 
-    def input_dist(self, features: KeyedJaggedTensor) -> list[Awaitable[SequenceBatch]]:
+    def table_shards(self) -> dict[str, list[LocalShard]]:
+        """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
+        return self._core.table_shards()
+
+    def sharded_tables(self) -> list[ShardedTable]:
+        return list(self._core.tables)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
         """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
-        check_features(features, self._embedding_names, "ShardedEmbeddingCollection", False)
-        self._check_ids(features)
-        return [
-            s.input_dist(features.permute(order))
-            for s, order in zip(self._strategies, self._orders(features), strict=True)
-        ]
-
-    def _orders(self, features: KeyedJaggedTensor) -> list[list[int]]:
-        keys = tuple(features.keys())
-        if keys not in self._input_orders:
-            index = {k: i for i, k in enumerate(keys)}
-            self._input_orders[keys] = [
-                [index[f] for f in s.output_features] for s in self._strategies
-            ]
-        return self._input_orders[keys]
-
-    def _check_ids(self, features: KeyedJaggedTensor) -> None:
-        offsets = features.offset_per_key()
-        values = features.values()
-        for i, key in enumerate(features.keys()):
-            rows = self._feature_rows.get(key)
-            if rows is None or offsets[i] == offsets[i + 1]:
-                continue
-            lo, hi = torch.aminmax(values[offsets[i] : offsets[i + 1]])
-            if int(lo) < 0 or int(hi) >= rows:
-                bad = int(lo) if int(lo) < 0 else int(hi)
-                raise IdOutOfRangeError(
-                    f"feature {key!r}: id {bad} is outside [0, {rows}) of its table (rank "
-                    f"{self._env.rank}); hash or clip ids to the table size before lookup"
-                )
+        return self._core.input_dist(features)
 
     def compute_and_output_dist(
-        self, features: KeyedJaggedTensor, dist_inputs: list[Awaitable[SequenceBatch]]
+        self, features: KeyedJaggedTensor, dist_inputs: DistInputs
     ) -> EmbeddingCollectionAwaitable:
+        strategies: list[SequenceSharding] = self._core.strategies  # type: ignore[assignment]
         parts: list[Awaitable[list[torch.Tensor]]] = []
-        for strategy, awaitable in zip(self._strategies, dist_inputs, strict=True):
-            batch = awaitable.wait()
+        for strategy, batch in zip(strategies, self._core.wait_inputs(dist_inputs), strict=True):
             parts.append(strategy.output_dist(strategy.lookup(batch), batch))
         return EmbeddingCollectionAwaitable(
             parts,
-            [s.output_features for s in self._strategies],
+            [s.output_features for s in strategies],
             features,
-            self._embedding_names,
+            self._core.embedding_names,
             self._need_indices,
         )
 
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start the input dist of ``features`` now (see ``ShardedCollectionCore.prefetch``)."""
+        self._core.prefetch(features)
+
+    def drop_prefetched(self) -> None:
+        """Finish and discard prefetched input dists no forward consumed."""
+        self._core.drop_prefetched()
+
     def forward(self, features: KeyedJaggedTensor) -> EmbeddingCollectionAwaitable:
-        return self.compute_and_output_dist(features, self.input_dist(features))
+        return self.compute_and_output_dist(features, self._core.take_input_dist(features))
 
 
 class EmbeddingCollectionSharder:
@@ -237,17 +183,20 @@ class EmbeddingCollectionSharder:
     ``fused_params`` is TorchRec's dict (``{"optimizer": EmbOptimType..., "learning_rate":
     ...}``); when absent, the optimizer recorded by ``apply_optimizer_in_backward`` on the
     module's weights is used, else EXACT_SGD with lr 0.01 (TorchRec's default).
+    ``table_init`` fills every shard independently of the plan (e.g. ``SeededUniformInit``).
     """
 
     def __init__(
         self,
         fused_params: Mapping[str, Any] | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
+        table_init: TableInitializer | None = None,
     ) -> None:
         self._fused = (
             None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
         )
         self._backend = backend
+        self._table_init = table_init
 
     @property
     def module_type(self) -> type[nn.Module]:
@@ -273,5 +222,5 @@ class EmbeddingCollectionSharder:
     ) -> ShardedEmbeddingCollection:
         return ShardedEmbeddingCollection(
             module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
-            self._backend,
+            self._backend, self._table_init,
         )

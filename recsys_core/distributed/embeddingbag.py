@@ -7,7 +7,6 @@ KeyedTensor in the unsharded module's key order. ``forward`` returns a LazyAwait
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,27 +15,25 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
-from recsys_core.distributed.sharded_state import (
-    LocalShard,
-    ShardedFusedOptimizer,
-    export_tensor,
-    import_tensor,
-    shards_by_table,
+from recsys_core.distributed.sharded_collection import (
+    CollectionSpec,
+    DistInputs,
+    ShardedCollectionCore,
+    StrategyFactory,
 )
+from recsys_core.distributed.sharded_state import LocalShard, ShardedFusedOptimizer
 from recsys_core.distributed.sharding.common import (
     ColumnPermutation,
+    KernelContext,
     PooledSharding,
     ShardedTable,
-    check_kernel_placement,
     column_permutation,
-    require_process_group,
-    resolve_shards,
     select_columns,
 )
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
 from recsys_core.distributed.sharding.row_wise import RwPooledSharding
 from recsys_core.distributed.sharding.table_wise import TwPooledSharding
-from recsys_core.distributed.sharding_plan import validate_module_sharding_plan
+from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -45,14 +42,9 @@ from recsys_core.distributed.types import (
     ShardingType,
 )
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
-from recsys_core.kernels.tbe import IdOutOfRangeError
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
-from recsys_core.optim.fused import EmbeddingFusedOptimizer
-from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
-
-_TW_FAMILY = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 
 
 class _HostGroups:
@@ -76,15 +68,36 @@ class _HostGroups:
                 self.cross = group
 
 
-class ShardedInputs(list):  # list[Awaitable[KeyedJaggedTensor]]
-    """The input dists in flight, one per strategy, with the local features each one was given
-    (the output dist needs this rank's lengths and batch size)."""
+def pooled_strategy_factory(env: ShardingEnv) -> StrategyFactory:
+    """Builds the pooled strategy of each sharding family (see ``_SPEC.families``)."""
 
-    def __init__(
-        self, awaitables: list[Awaitable[KeyedJaggedTensor]], local_features: list[KeyedJaggedTensor]
-    ) -> None:
-        super().__init__(awaitables)
-        self.local_features = local_features
+    def build(family: ShardingType, tables: list[ShardedTable], ctx: KernelContext) -> PooledSharding:
+        if family is ShardingType.TABLE_WISE:
+            return TwPooledSharding(tables, env, ctx)
+        if family is ShardingType.ROW_WISE:
+            return RwPooledSharding(
+                tables, env, ctx, domain_size=env.world_size, domain_group=env.pg, cross_group=None
+            )
+        if family is ShardingType.TABLE_ROW_WISE:
+            groups = _HostGroups(env)
+            return RwPooledSharding(
+                tables, env, ctx, domain_size=env.local_world_size, domain_group=groups.host,
+                cross_group=groups.cross,
+            )
+        return DpPooledSharding(tables, env, ctx)
+
+    return build
+
+
+_FAMILIES = (
+    (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE),
+    (ShardingType.ROW_WISE,),
+    (ShardingType.TABLE_ROW_WISE,),
+    (ShardingType.DATA_PARALLEL,),
+)
+
+ShardedInputs = DistInputs
+"""The input dists in flight (kept under its former name)."""
 
 
 class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
@@ -112,7 +125,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     Same input and output as the unsharded module (``forward(...).wait()`` is a KeyedTensor
     equal to the unsharded result). Table updates are fused into backward; ``fused_optimizer``
-    exposes their learning rate and state.
+    exposes their learning rate and state. ``table_init`` (optional) fills every shard
+    independently of the plan (see ``recsys_core.distributed.table_init``).
     """
 
     def __init__(
@@ -123,61 +137,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
         device: torch.device,
         optimizer: FusedOptimizerConfig,
         backend: KernelBackend = KernelBackend.AUTO,
+        table_init: TableInitializer | None = None,
     ) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
-        names = [c.name for c in configs]
-        missing = [n for n in names if n not in plan]
-        if missing:
-            raise ValueError(
-                f"sharding plan has no entry for table(s) {missing}; every table of the "
-                "EmbeddingBagCollection needs one (e.g. table_wise(rank=0))"
-            )
-        extra = [n for n in plan if n not in names]
-        if extra:
-            raise ValueError(f"sharding plan names table(s) {extra} that the module lacks: {names}")
-        # rejects ranks outside the world, shards that do not tile a table, uneven column
-        # splits, DENSE/QUANT kernels... before any communication
-        validate_module_sharding_plan(
-            module, EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
-        )
-        check_kernel_placement(plan, device)
-        require_process_group(env, "ShardedEmbeddingBagCollection")
-        self._env, self._device = env, device
-        self._is_weighted = module.is_weighted()
-        self._embedding_names = [f for c in configs for f in c.feature_names]
-        self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
         source = None
-        if not any(p.is_meta for p in module.parameters()):
-            source = {c.name: module.embedding_bags[c.name].weight.detach() for c in configs}
-        tables = [resolve_shards(c, plan[c.name], env.world_size) for c in configs]
-
-        def of(*types: ShardingType) -> list[ShardedTable]:
-            return [t for t in tables if t.sharding.sharding_type in types]
-
-        common: dict[str, Any] = {"device": device, "optimizer": optimizer, "is_weighted": self._is_weighted, "source": source}
-        self._strategies: list[PooledSharding] = []
-        if of(*_TW_FAMILY):
-            self._strategies.append(TwPooledSharding(of(*_TW_FAMILY), env, backend=backend, **common))
-        if of(ShardingType.ROW_WISE):
-            self._strategies.append(RwPooledSharding(
-                of(ShardingType.ROW_WISE), env, env.world_size, backend=backend,
-                domain_group=env.pg, cross_group=None, **common,
-            ))
-        if of(ShardingType.TABLE_ROW_WISE):
-            groups = _HostGroups(env)
-            self._strategies.append(RwPooledSharding(
-                of(ShardingType.TABLE_ROW_WISE), env, env.local_world_size, backend=backend,
-                domain_group=groups.host, cross_group=groups.cross, **common,
-            ))
-        if of(ShardingType.DATA_PARALLEL):
-            self._strategies.append(DpPooledSharding(of(ShardingType.DATA_PARALLEL), env, **common))
-        self.lookups = nn.ModuleList([s.local for s in self._strategies])
-        self._input_orders: dict[tuple[str, ...], list[list[int]]] = {}
-        self._rows = {c.name: c.num_embeddings for c in configs}
-        self._feature_rows = {f: c.num_embeddings for c in configs for f in c.feature_names}
-        self._id_limits: dict[tuple[str, ...], torch.Tensor] = {}
-        order = [f for s in self._strategies for f in s.output_features]
+        state = module.state_dict()  # EBC or FusedEBC: the same keys
+        if not any(t.is_meta for t in state.values()):
+            source = {c.name: state[f"embedding_bags.{c.name}.weight"].detach() for c in configs}
+        ctx = KernelContext(
+            device=device, optimizer=optimizer, backend=backend, is_weighted=module.is_weighted(),
+            source=source, table_init=table_init,
+        )
+        spec = CollectionSpec(
+            name="ShardedEmbeddingBagCollection", state_prefix="embedding_bags",
+            configs=tuple(configs), supported=tuple(ShardingType), families=_FAMILIES,
+        )
+        self._core = ShardedCollectionCore(spec, plan, env, ctx, pooled_strategy_factory(env))
+        self.lookups = self._core.lookups
+        self._embedding_names = self._core.embedding_names
+        self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        # strategies return their features' columns in strategy order: restore module order
+        order = [f for s in self._core.strategies for f in s.output_features]
         dims = dict(zip(self._embedding_names, self._dims, strict=True))
         start, pos = {}, 0
         for f in order:
@@ -185,153 +166,54 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._columns = column_permutation(
             [start[f] + d for f in self._embedding_names for d in range(dims[f])]
         )
-        self._tables = tables
-        self._prefetched: deque[tuple[KeyedJaggedTensor, ShardedInputs]] = deque()
-        self._fused_optimizer = self._build_optimizer(optimizer)
-        self._register_state_dict_hook(_export_tables)
-        self._register_load_state_dict_pre_hook(_import_tables, with_module=True)
-
-    def _build_optimizer(self, config: FusedOptimizerConfig) -> ShardedFusedOptimizer:
-        optims = []
-        kernels = []
-        for local in self.lookups:
-            for kernel, shards in zip(local.kernels, local.kernel_shards, strict=True):
-                params: dict[str, nn.Parameter] = {}
-                for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
-                    # shard weights are not registered parameters: the state dict exposes whole
-                    # tables instead, and DDP must never touch them
-                    weight = nn.Parameter(view[: sh.rows])
-                    params[f"embedding_bags.{sh.table}.weight[{sh.row_offset}:,{sh.col_offset}:]"] = weight
-                optim = EmbeddingFusedOptimizer(kernel, params, [sh.table for sh in shards])
-                for weight in params.values():
-                    weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
-                optims.append(optim)
-                kernels.append(kernel)
-        return ShardedFusedOptimizer(
-            CombinedOptimizer(optims), self._tables, self.table_shards, self._env, config, kernels
-        )
+        self._core.register_state_hooks(self)
 
     def table_shards(self) -> dict[str, list[LocalShard]]:
         """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
-        return shards_by_table(self.lookups)
+        return self._core.table_shards()
 
     def sharded_tables(self) -> list[ShardedTable]:
-        return list(self._tables)
+        return list(self._core.tables)
 
     @property
     def fused_optimizer(self) -> ShardedFusedOptimizer:
-        return self._fused_optimizer
+        return self._core.fused_optimizer
 
     @property
     def env(self) -> ShardingEnv:
-        return self._env
+        return self._core.env
 
     @property
     def strategies(self) -> list[PooledSharding]:
         """The per-sharding-type strategies, in output order (for benchmarks and debugging)."""
-        return list(self._strategies)
+        return list(self._core.strategies)  # type: ignore[arg-type]
 
-    def input_dist(self, features: KeyedJaggedTensor) -> ShardedInputs:
+    def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
         """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
-        check_features(features, self._embedding_names, "ShardedEmbeddingBagCollection", self._is_weighted)
-        self._check_ids(features)
-        keys = tuple(features.keys())
-        if keys not in self._input_orders:
-            index = {k: i for i, k in enumerate(keys)}
-            self._input_orders[keys] = [[index[f] for f in s.output_features] for s in self._strategies]
-        local = [
-            features if order == list(range(len(keys))) else features.permute(order)
-            for order in self._input_orders[keys]
-        ]
-        return ShardedInputs(
-            [s.input_dist(kjt) for s, kjt in zip(self._strategies, local, strict=True)], local
-        )
-
-    def _check_ids(self, features: KeyedJaggedTensor) -> None:
-        """One pass (and one host sync) over all ids against each feature's table size."""
-        keys = features.keys()
-        limits = self._id_limits.get(tuple(keys))
-        if limits is None:
-            limits = torch.tensor([self._feature_rows.get(k, 2**62) for k in keys])
-            self._id_limits[tuple(keys)] = limits
-        values = features.values()
-        per_value = torch.repeat_interleave(
-            limits.to(values.device), torch.tensor(features.length_per_key(), device=values.device),
-            output_size=values.numel(),
-        )
-        bad = (values < 0) | (values >= per_value)
-        if not bool(bad.any()):
-            return
-        position = int(bad.nonzero()[0, 0])
-        feature = next(i for i, end in enumerate(features.offset_per_key()[1:]) if position < end)
-        raise IdOutOfRangeError(
-            f"feature {keys[feature]!r}: id {int(values[position])} is outside "
-            f"[0, {int(limits[feature])}) of its table (rank {self._env.rank}); hash or clip ids "
-            "to the table size before lookup"
-        )
+        return self._core.input_dist(features)
 
     def compute_and_output_dist(
-        self, features: KeyedJaggedTensor, dist_inputs: ShardedInputs
+        self, features: KeyedJaggedTensor, dist_inputs: DistInputs
     ) -> EmbeddingBagCollectionAwaitable:
+        received = self._core.wait_inputs(dist_inputs)
         parts = [
-            strategy.output_dist(strategy.lookup(awaitable.wait()), local)
-            for strategy, awaitable, local in zip(
-                self._strategies, dist_inputs, dist_inputs.local_features, strict=True
+            strategy.output_dist(strategy.lookup(kjt), local)
+            for strategy, kjt, local in zip(
+                self.strategies, received, dist_inputs.local_features, strict=True
             )
         ]
         return EmbeddingBagCollectionAwaitable(parts, self._embedding_names, self._dims, self._columns)
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start the input dist of ``features`` now; the forward that later receives this same
-        KJT object uses it instead of starting another (the train pipeline calls this one batch
-        ahead, so the ids' all-to-all overlaps the current batch's compute).
-
-        Every rank must prefetch the same batches in the same order (collectives match in
-        issue order); :meth:`drop_prefetched` waits for and discards unused ones.
-        """
-        self._prefetched.append((features, self.input_dist(features)))
+        """Start the input dist of ``features`` now (see ``ShardedCollectionCore.prefetch``)."""
+        self._core.prefetch(features)
 
     def drop_prefetched(self) -> None:
         """Finish and discard prefetched input dists no forward consumed."""
-        while self._prefetched:
-            _, inputs = self._prefetched.popleft()
-            for awaitable in inputs:
-                awaitable.wait()
+        self._core.drop_prefetched()
 
     def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
-        if self._prefetched and self._prefetched[0][0] is features:
-            return self.compute_and_output_dist(features, self._prefetched.popleft()[1])
-        return self.compute_and_output_dist(features, self.input_dist(features))
-
-
-def _export_tables(
-    module: ShardedEmbeddingBagCollection, state_dict: dict[str, Any], prefix: str, _meta: Any
-) -> None:
-    shards = module.table_shards()
-    for table in module.sharded_tables():
-        name = table.config.name
-        state_dict[f"{prefix}embedding_bags.{name}.weight"] = export_tensor(
-            table, shards.get(name, []), module.env, None, False
-        )
-
-
-def _import_tables(
-    module: ShardedEmbeddingBagCollection,
-    state_dict: dict[str, Any],
-    prefix: str,
-    _meta: Any,
-    _strict: bool,
-    missing_keys: list[str],
-    _unexpected: list[str],
-    _errors: list[str],
-) -> None:
-    shards = module.table_shards()
-    for table in module.sharded_tables():
-        key = f"{prefix}embedding_bags.{table.config.name}.weight"
-        if key not in state_dict:
-            missing_keys.append(key)
-            continue
-        import_tensor(table, shards.get(table.config.name, []), state_dict.pop(key), None, key)
+        return self.compute_and_output_dist(features, self._core.take_input_dist(features))
 
 
 class EmbeddingBagCollectionSharder:
@@ -340,15 +222,18 @@ class EmbeddingBagCollectionSharder:
     ``fused_params`` is TorchRec's dict (``{"optimizer": EmbOptimType..., "learning_rate":
     ...}``); when absent, the optimizer recorded by ``apply_optimizer_in_backward`` on the
     module's weights is used, else EXACT_SGD with lr 0.01 (TorchRec's default).
+    ``table_init`` fills every shard independently of the plan (e.g. ``SeededUniformInit``).
     """
 
     def __init__(
         self,
         fused_params: Mapping[str, Any] | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
+        table_init: TableInitializer | None = None,
     ) -> None:
         self._fused = None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
         self._backend = backend
+        self._table_init = table_init
 
     @property
     def module_type(self) -> type[nn.Module]:
@@ -373,5 +258,6 @@ class EmbeddingBagCollectionSharder:
         device: torch.device | None = None,
     ) -> ShardedEmbeddingBagCollection:
         return ShardedEmbeddingBagCollection(
-            module, params, env, torch.device(device or "cpu"), self.optimizer_config(module), self._backend,
+            module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
+            self._backend, self._table_init,
         )

@@ -159,7 +159,8 @@ class ShardedFusedOptimizer(KeyedOptimizer):
     """The fused optimizer of a sharded collection, with a plan-independent state dict.
 
     One param group (``lr``, and ``step`` for bias-corrected optimizers) drives every local
-    kernel. ``state_dict()["state"]`` is keyed ``embedding_bags.<table>.weight`` ->
+    kernel. ``state_dict()["state"]`` is keyed ``<prefix>.<table>.weight`` (prefix
+    ``embedding_bags`` or ``embeddings``) ->
     ``{"<table>.<state>": global tensor}``, so it reshards with the weights.
     """
 
@@ -171,9 +172,10 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         env: ShardingEnv,
         optimizer: FusedOptimizerConfig,
         kernels: list[torch.nn.Module],
+        state_prefix: str = "embedding_bags",
     ) -> None:
         self._inner, self._tables, self._shards, self._env = kernels_optimizer, tables, shards, env
-        self._config, self._kernels = optimizer, kernels
+        self._config, self._kernels, self._prefix = optimizer, kernels, state_prefix
         params = dict(kernels_optimizer.params)
         group = {"params": list(params.values()), "lr": optimizer.learning_rate}
         super().__init__(params, {}, [group])
@@ -195,7 +197,7 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         state = {}
         for table in self._tables:
             name = table.config.name
-            state[f"embedding_bags.{name}.weight"] = {
+            state[f"{self._prefix}.{name}.weight"] = {
                 f"{name}.{s}": export_tensor(
                     table, shards.get(name, []), self._env, s,
                     self._config.optimizer.state_is_rowwise(s),
@@ -213,7 +215,7 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         shards = self._shards()
         for table in self._tables:
             name = table.config.name
-            key = f"embedding_bags.{name}.weight"
+            key = f"{self._prefix}.{name}.weight"
             saved = state_dict["state"].get(key)
             if saved is None:
                 raise ValueError(f"optimizer state_dict has no state for table {name!r} ({key})")

@@ -16,11 +16,9 @@ from torch import nn
 from recsys_core.kernels._fbgemm import fbgemm_status, fbgemm_supports
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.fbgemm_tbe import FBGEMM_OPTIMIZERS, FbgemmTableBatchedEmbedding
+from recsys_core.kernels.id_check import IdOutOfRangeError as IdOutOfRangeError
+from recsys_core.kernels.id_check import describe_bad_ids as describe_bad_ids
 from recsys_core.kernels.torch_tbe import TorchTableBatchedEmbedding
-
-
-class IdOutOfRangeError(IndexError, ValueError):
-    """An id outside ``[0, num_embeddings)`` of its table (names feature, position and id)."""
 
 
 class TableBatchedKernel(Protocol):
@@ -165,30 +163,3 @@ def checked_lookup(
         if message is None:
             raise
         raise IdOutOfRangeError(message) from exc
-
-
-def describe_bad_ids(
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    feature_names: Sequence[str],
-    rows_per_feature: Sequence[int],
-) -> str | None:
-    """The first feature with an id outside its table, as an actionable message (or None)."""
-    num_features = len(feature_names)
-    if num_features == 0 or offsets.numel() <= 1:
-        return None
-    batch = (offsets.numel() - 1) // num_features
-    starts = offsets[::batch].tolist() if batch else [0] * (num_features + 1)
-    for f, name in enumerate(feature_names):
-        ids = indices[int(starts[f]) : int(starts[f + 1])]
-        bad = ((ids < 0) | (ids >= rows_per_feature[f])).nonzero()
-        if bad.numel():
-            pos = int(bad[0, 0])
-            sample = int(torch.searchsorted(offsets[f * batch : (f + 1) * batch + 1],
-                                            torch.tensor(int(starts[f]) + pos), right=True)) - 1
-            return (
-                f"feature {name!r}: id {int(ids[pos])} (batch position {sample}) is outside "
-                f"[0, {rows_per_feature[f]}) of its table; {bad.numel()} bad id(s) in this "
-                "feature. Hash or clip ids to the table size before lookup."
-            )
-    return None

@@ -11,7 +11,6 @@ The output columns follow ``output_features`` (each feature at its table's full 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.distributed.table_init import TableInitializer, TableRegion
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     ParameterSharding,
@@ -27,7 +27,11 @@ from recsys_core.distributed.types import (
     ShardingType,
 )
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
-from recsys_core.kernels.tbe import build_table_batched_embedding, checked_lookup
+from recsys_core.kernels.packed import ColumnPermutation as ColumnPermutation
+from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
+from recsys_core.kernels.packed import column_permutation as column_permutation
+from recsys_core.kernels.packed import select_columns as select_columns
+from recsys_core.kernels.tbe import checked_lookup
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -71,6 +75,24 @@ def resolve_shards(config: BaseEmbeddingConfig, ps: ParameterSharding, world_siz
     return ShardedTable(config, ps, shards)
 
 
+@dataclass(frozen=True, kw_only=True)
+class KernelContext:
+    """What every strategy's local kernels are built with (one per sharded collection)."""
+
+    device: torch.device
+    """Where the shards live."""
+    optimizer: FusedOptimizerConfig
+    """The optimizer fused into every kernel's backward."""
+    backend: KernelBackend
+    """FBGEMM, TORCH or AUTO."""
+    is_weighted: bool
+    """Per-sample weights are passed to the lookups."""
+    source: Mapping[str, torch.Tensor] | None
+    """Whole tables of the unsharded module to copy shards from (None: a meta module)."""
+    table_init: TableInitializer | None
+    """Plan-independent initializer; wins over ``source`` and the configs' own init."""
+
+
 @dataclass(frozen=True)
 class Slot:
     """One (feature, shard) lookup performed on some rank."""
@@ -89,20 +111,17 @@ class LocalKernels(nn.Module):
     """The kernels holding one rank's shards for one strategy: one kernel per pooling type.
 
     ``slots`` are this rank's lookups in output order (grouped by pooling type, SUM first).
-    Shard weights are copied from ``source`` tables (the unsharded module) when given, else
-    initialized from the table config.
+    Shard weights come from ``ctx.table_init`` when given, else from the unsharded module's
+    tables (``ctx.source``), else from the table config's initializer.
     """
 
     def __init__(
         self,
         slots: Sequence[Slot],
-        optimizer: FusedOptimizerConfig,
-        device: torch.device,
-        is_weighted: bool,
-        backend: KernelBackend,
-        source: dict[str, torch.Tensor] | None,
-        configs: dict[str, BaseEmbeddingConfig],
-        force_pooling: PoolingType | None = None,
+        ctx: KernelContext,
+        configs: Mapping[str, BaseEmbeddingConfig],
+        *,
+        backend: KernelBackend | None = None,
     ) -> None:
         super().__init__()
         self.slots = list(slots)
@@ -117,20 +136,18 @@ class LocalKernels(nn.Module):
             for s in group:
                 if s.shard not in shards:
                     shards.append(s.shard)
-            kernel_pooling = force_pooling or pooling
-            kernel = build_table_batched_embedding(
-                rows=[max(sh.rows, 1) for sh in shards],  # an empty row shard keeps one spare row
-                dims=[sh.cols for sh in shards],
-                feature_table_map=[shards.index(s.shard) for s in group],
-                pooling_mean=kernel_pooling is PoolingType.MEAN,
-                optimizer=optimizer,
-                device=device,
-                backend=backend,
-                weighted=is_weighted,
+            spec = PackedKernelSpec(
+                tables=tuple(PackedTable(name=sh.table, rows=sh.rows, dim=sh.cols) for sh in shards),
+                feature_table_map=tuple(shards.index(s.shard) for s in group),
+                pooling_mean=pooling is PoolingType.MEAN,
+                weighted=ctx.is_weighted,
+                optimizer=ctx.optimizer,
+                backend=backend or ctx.backend,
             )
-            if device.type != "meta":
+            kernel = spec.build(ctx.device)
+            if ctx.device.type != "meta":
                 for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
-                    _init_shard(view[: sh.rows], sh, source, configs[sh.table])
+                    _init_shard(view[: sh.rows], sh, ctx, configs[sh.table])
             self.kernels.append(kernel)
             self.kernel_slots.append(group)
             self.kernel_shards.append(shards)
@@ -172,53 +189,20 @@ class LocalKernels(nn.Module):
 
 
 def _init_shard(
-    view: torch.Tensor,
-    shard: ShardSpec,
-    source: dict[str, torch.Tensor] | None,
-    config: BaseEmbeddingConfig,
+    view: torch.Tensor, shard: ShardSpec, ctx: KernelContext, config: BaseEmbeddingConfig
 ) -> None:
     with torch.no_grad():
-        if source is not None and shard.table in source:
-            full = source[shard.table]
+        if ctx.table_init is not None:
+            ctx.table_init.fill(view, TableRegion(
+                table=shard.table, num_rows=config.num_embeddings, dim=config.embedding_dim,
+                row_offset=shard.row_offset, col_offset=shard.col_offset,
+            ))
+        elif ctx.source is not None and shard.table in ctx.source:
+            full = ctx.source[shard.table]
             view.copy_(full[shard.row_offset : shard.row_offset + shard.rows,
                             shard.col_offset : shard.col_offset + shard.cols])
         else:
             config.init_weight_(view)
-
-
-@dataclass(frozen=True)
-class ColumnPermutation:
-    """Reorders columns in blocks of ``width``: ``x.view(B, -1, width)[:, blocks]``.
-
-    Moving whole blocks (a table's or shard's columns) instead of single columns makes the
-    copy and its backward (an index_add over blocks) several times cheaper.
-    """
-
-    blocks: torch.Tensor
-    width: int
-
-
-def column_permutation(columns: list[int]) -> ColumnPermutation | None:
-    """The block permutation that puts ``columns`` in order, or None if it already is."""
-    if columns == list(range(len(columns))):
-        return None
-    width = 0
-    start = 0
-    for i in range(1, len(columns) + 1):
-        if i == len(columns) or columns[i] != columns[i - 1] + 1:
-            width = math.gcd(width, i - start, columns[start])
-            start = i
-    width = max(width, 1)
-    blocks = [columns[b] // width for b in range(0, len(columns), width)]
-    return ColumnPermutation(torch.tensor(blocks, dtype=torch.long), width)
-
-
-def select_columns(x: torch.Tensor, columns: ColumnPermutation | None) -> torch.Tensor:
-    if columns is None:
-        return x
-    rows = x.shape[0]
-    blocks = x.reshape(rows, -1, columns.width)
-    return blocks.index_select(1, columns.blocks.to(x.device)).reshape(rows, -1)
 
 
 class PooledSharding(Protocol):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from recsys_core.distributed.awaitable import Awaitable, LazyNoWait
 from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.distributed.sharding.common import (
+    KernelContext,
     LocalKernels,
     ShardedTable,
     Slot,
@@ -25,7 +26,7 @@ from recsys_core.distributed.sharding.common import (
     select_columns,
 )
 from recsys_core.distributed.types import ShardingEnv
-from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.config import KernelBackend
 from recsys_core.kernels.torch_tbe import TorchTableBatchedEmbedding
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
@@ -39,12 +40,9 @@ class DpPooledSharding:
         self,
         tables: Sequence[ShardedTable],
         env: ShardingEnv,
-        device: torch.device,
-        optimizer: FusedOptimizerConfig,
-        is_weighted: bool,
-        source: dict[str, torch.Tensor] | None,
+        ctx: KernelContext,
     ) -> None:
-        self._env, self._is_weighted = env, is_weighted
+        self._env, self._is_weighted = env, ctx.is_weighted
         self.output_features = [f for t in tables for f in t.config.feature_names]
         mine = [sh for t in tables for sh in t.shards if sh.rank == env.rank]
         by_table = {sh.table: sh for sh in mine}
@@ -55,13 +53,11 @@ class DpPooledSharding:
             for f in t.config.feature_names
         ]
         configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(
-            slots, optimizer, device, is_weighted, KernelBackend.TORCH, source, configs
-        )
+        self.local = LocalKernels(slots, ctx, configs, backend=KernelBackend.TORCH)
         for kernel in self.local.kernels:
             assert isinstance(kernel, TorchTableBatchedEmbedding)
             kernel.gradient_reducer = self._make_reducer(kernel)
-            if env.pg is not None and env.world_size > 1 and device.type != "meta":
+            if env.pg is not None and env.world_size > 1 and ctx.device.type != "meta":
                 dist.broadcast(kernel.weights, src=0, group=env.pg)
         slot_index = {s.feature: i for i, s in enumerate(slots)}
         self._input_order = [

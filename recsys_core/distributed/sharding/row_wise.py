@@ -1,4 +1,5 @@
-"""Row-wise and table-row-wise sharding of pooled embeddings.
+"""Row-wise and table-row-wise sharding: pooled (``RwPooledSharding``) and sequence
+(``RwSequenceSharding``, row-wise only; see ``sequence.py`` for how rows travel back).
 
 A table's rows are split in blocks over the ranks of a *domain*: every rank for ROW_WISE, the
 ranks of one host for TABLE_ROW_WISE. Each id goes to the rank owning its row:
@@ -26,14 +27,20 @@ from recsys_core.distributed.comm import all_to_all_1d, reduce_scatter_dim0
 from recsys_core.distributed.dist_data import bucketize_by_row
 from recsys_core.distributed.sharding.common import (
     ColumnPermutation,
+    KernelContext,
     LocalKernels,
     ShardedTable,
     Slot,
     column_permutation,
     select_columns,
 )
+from recsys_core.distributed.sharding.sequence import (
+    SequenceBatch,
+    lookup_rows,
+    return_rows,
+    sequence_slots,
+)
 from recsys_core.distributed.types import ShardingEnv
-from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -46,16 +53,13 @@ class RwPooledSharding:
         self,
         tables: Sequence[ShardedTable],
         env: ShardingEnv,
+        ctx: KernelContext,
+        *,
         domain_size: int,
-        device: torch.device,
-        optimizer: FusedOptimizerConfig,
-        is_weighted: bool,
-        backend: KernelBackend,
-        source: dict[str, torch.Tensor] | None,
         domain_group: dist.ProcessGroup | None,
         cross_group: dist.ProcessGroup | None,
     ) -> None:
-        self._env, self._is_weighted = env, is_weighted
+        self._env, self._is_weighted = env, ctx.is_weighted
         self._domain_size = domain_size
         self._num_domains = env.world_size // domain_size
         self._domain_group, self._cross_group = domain_group, cross_group
@@ -80,9 +84,7 @@ class RwPooledSharding:
                     # SUM kernels for all: partial means do not add up, full sums do
                     self._slots[sh.rank].append(Slot(feature, sh, PoolingType.SUM))
         configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(
-            self._slots[env.rank], optimizer, device, is_weighted, backend, source, configs
-        )
+        self.local = LocalKernels(self._slots[env.rank], ctx, configs)
         self._my_domain = env.rank // domain_size
         self._domain_features = [
             [i for i, d in enumerate(self._domain_of_feature) if d == dom]
@@ -160,3 +162,72 @@ class RwPooledSharding:
             else:
                 scales.append(out.new_ones(batch, d))
         return out * torch.cat(scales, dim=1)
+
+
+class RwSequenceSharding:
+    """ROW_WISE tables of one EmbeddingCollection: each id goes to the rank owning its row."""
+
+    def __init__(
+        self,
+        tables: Sequence[ShardedTable],
+        env: ShardingEnv,
+        ctx: KernelContext,
+    ) -> None:
+        self._env = env
+        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self._slots = sequence_slots(tables, env.world_size)
+        self.local = LocalKernels(
+            self._slots[env.rank], ctx, {t.config.name: t.config for t in tables}
+        )
+        self._owners: list[torch.Tensor] = []  # per feature: rank of each non-empty row block
+        self._starts: list[torch.Tensor] = []  # per feature: first row of each non-empty block
+        for t in tables:
+            # Empty shards own no row; leaving them out keeps the bucketing right wherever the
+            # plan says an empty shard starts.
+            blocks = sorted((sh for sh in t.shards if sh.rows), key=lambda sh: sh.row_offset)
+            for _ in t.config.feature_names:
+                self._owners.append(torch.tensor([sh.rank for sh in blocks]))
+                self._starts.append(torch.tensor([sh.row_offset for sh in blocks]))
+        index = {f: i for i, f in enumerate(self.output_features)}
+        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
+        # Rows come back grouped by owner rank, ascending (the stable sort by destination).
+        where = {(s.feature, r): j for r, sl in enumerate(self._slots) for j, s in enumerate(sl)}
+        self._assembly = [
+            [(r, where[(f, r)]) for r in sorted({sh.rank for sh in t.shards})]
+            for t in tables
+            for f in t.config.feature_names
+        ]
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
+        buckets = bucketize_by_row(
+            features, self._starts, self._owners, self._slot_features,
+            [s.key for s in self._slots[self._env.rank]], self._env, False,
+        )
+        restore: list[torch.Tensor | None] = []
+        for order in buckets.orders:
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            restore.append(inverse)
+        per_owner = buckets.ids_per_dest
+        sent = [[per_owner[i][r] for i in feats] for r, feats in enumerate(self._slot_features)]
+        ids = buckets.exchange
+        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
+
+    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        return lookup_rows(self.local, batch.features)
+
+    def output_dist(
+        self, rows: list[torch.Tensor], batch: SequenceBatch
+    ) -> Awaitable[list[torch.Tensor]]:
+        blocks = return_rows(rows, batch, self._slots, self._env)
+
+        def assemble() -> list[torch.Tensor]:
+            got = blocks()
+            out = []
+            for parts, inverse in zip(self._assembly, batch.restore, strict=True):
+                by_owner = torch.cat([got[r][j] for r, j in parts])
+                # index_select is differentiable: gradients go back to the owner-ordered rows
+                out.append(by_owner if inverse is None else by_owner.index_select(0, inverse))
+            return out
+
+        return FunctionAwaitable(assemble)

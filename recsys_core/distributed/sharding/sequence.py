@@ -1,4 +1,7 @@
-"""Sequence (unpooled) sharding of an EmbeddingCollection: table/column-wise and row-wise.
+"""Sequence (unpooled) sharding of an EmbeddingCollection: what its strategies share.
+
+The strategies themselves live with their pooled counterparts, one file per sharding type:
+``table_wise.TwSequenceSharding`` and ``row_wise.RwSequenceSharding``.
 
 An unpooled lookup returns one row per id, so the rows themselves travel back, not pooled bags.
 A strategy owns some tables of the collection and implements three steps:
@@ -43,12 +46,10 @@ from typing import Protocol
 
 import torch
 
-from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
+from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.comm import all_to_all_1d
-from recsys_core.distributed.dist_data import bucketize_by_row, send_whole_bags
 from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
 from recsys_core.distributed.types import ShardingEnv
-from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -95,22 +96,6 @@ def sequence_slots(tables: Sequence[ShardedTable], world_size: int) -> list[list
             for feature in t.config.feature_names:
                 out[shard.rank].append(Slot(feature, shard, PoolingType.SUM))
     return out
-
-
-def build_local_kernels(
-    tables: Sequence[ShardedTable],
-    slots: Sequence[Slot],
-    device: torch.device,
-    optimizer: FusedOptimizerConfig,
-    backend: KernelBackend,
-    source: dict[str, torch.Tensor] | None,
-) -> LocalKernels:
-    """The kernels for this rank's slots (unweighted; LocalKernels only reads the fields that
-    EmbeddingConfig shares with EmbeddingBagConfig)."""
-    configs = {t.config.name: t.config for t in tables}
-    return LocalKernels(
-        slots, optimizer, device, False, backend, source, configs
-    )
 
 
 def lookup_rows(local: LocalKernels, features: KeyedJaggedTensor) -> list[torch.Tensor]:
@@ -182,143 +167,3 @@ def return_rows(
         ]
 
     return blocks
-
-
-class TwSequenceSharding:
-    """TABLE_WISE and COLUMN_WISE tables of one EmbeddingCollection.
-
-    Every shard spans all rows, so each feature's ids go whole to every rank holding a shard of
-    its table; column shards' rows are concatenated in column order.
-    """
-
-    def __init__(
-        self,
-        tables: Sequence[ShardedTable],
-        env: ShardingEnv,
-        device: torch.device,
-        optimizer: FusedOptimizerConfig,
-        backend: KernelBackend,
-        source: dict[str, torch.Tensor] | None,
-    ) -> None:
-        self._env = env
-        self.output_features = [f for t in tables for f in t.config.feature_names]
-        self._slots = sequence_slots(tables, env.world_size)
-        self.local = build_local_kernels(
-            tables, self._slots[env.rank], device, optimizer, backend, source
-        )
-        index = {f: i for i, f in enumerate(self.output_features)}
-        self._send_order = [index[s.feature] for slots in self._slots for s in slots]
-        self._send_counts = [len(slots) for slots in self._slots]
-        # per output feature: (rank, slot index) of each of its table's shards, in column order
-        where = {
-            (s.feature, s.shard): (r, j)
-            for r, slots in enumerate(self._slots)
-            for j, s in enumerate(slots)
-        }
-        self._assembly = [
-            [where[(f, sh)] for sh in sorted(t.shards, key=lambda sh: sh.col_offset)]
-            for t in tables
-            for f in t.config.feature_names
-        ]
-        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
-
-    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
-        ids = send_whole_bags(
-            features, self._send_order, self._send_counts,
-            [s.key for s in self._slots[self._env.rank]], self._env, False,
-        )
-        local_counts = features.length_per_key()
-        # a whole-table shard looks up every id of its feature: all of them come back
-        sent = [[local_counts[i] for i in feats] for feats in self._slot_features]
-        restore: list[torch.Tensor | None] = [None] * len(self.output_features)
-        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
-
-    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        return lookup_rows(self.local, batch.features)
-
-    def output_dist(
-        self, rows: list[torch.Tensor], batch: SequenceBatch
-    ) -> Awaitable[list[torch.Tensor]]:
-        blocks = return_rows(rows, batch, self._slots, self._env)
-
-        def assemble() -> list[torch.Tensor]:
-            got = blocks()
-            out = []
-            for parts in self._assembly:
-                pieces = [got[r][j] for r, j in parts]
-                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
-            return out
-
-        return FunctionAwaitable(assemble)
-
-
-class RwSequenceSharding:
-    """ROW_WISE tables of one EmbeddingCollection: each id goes to the rank owning its row."""
-
-    def __init__(
-        self,
-        tables: Sequence[ShardedTable],
-        env: ShardingEnv,
-        device: torch.device,
-        optimizer: FusedOptimizerConfig,
-        backend: KernelBackend,
-        source: dict[str, torch.Tensor] | None,
-    ) -> None:
-        self._env = env
-        self.output_features = [f for t in tables for f in t.config.feature_names]
-        self._slots = sequence_slots(tables, env.world_size)
-        self.local = build_local_kernels(
-            tables, self._slots[env.rank], device, optimizer, backend, source
-        )
-        self._owners: list[torch.Tensor] = []  # per feature: rank of each non-empty row block
-        self._starts: list[torch.Tensor] = []  # per feature: first row of each non-empty block
-        for t in tables:
-            # Empty shards own no row; leaving them out keeps the bucketing right wherever the
-            # plan says an empty shard starts.
-            blocks = sorted((sh for sh in t.shards if sh.rows), key=lambda sh: sh.row_offset)
-            for _ in t.config.feature_names:
-                self._owners.append(torch.tensor([sh.rank for sh in blocks]))
-                self._starts.append(torch.tensor([sh.row_offset for sh in blocks]))
-        index = {f: i for i, f in enumerate(self.output_features)}
-        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
-        # Rows come back grouped by owner rank, ascending (the stable sort by destination).
-        where = {(s.feature, r): j for r, sl in enumerate(self._slots) for j, s in enumerate(sl)}
-        self._assembly = [
-            [(r, where[(f, r)]) for r in sorted({sh.rank for sh in t.shards})]
-            for t in tables
-            for f in t.config.feature_names
-        ]
-
-    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
-        buckets = bucketize_by_row(
-            features, self._starts, self._owners, self._slot_features,
-            [s.key for s in self._slots[self._env.rank]], self._env, False,
-        )
-        restore: list[torch.Tensor | None] = []
-        for order in buckets.orders:
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            restore.append(inverse)
-        per_owner = buckets.ids_per_dest
-        sent = [[per_owner[i][r] for i in feats] for r, feats in enumerate(self._slot_features)]
-        ids = buckets.exchange
-        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
-
-    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        return lookup_rows(self.local, batch.features)
-
-    def output_dist(
-        self, rows: list[torch.Tensor], batch: SequenceBatch
-    ) -> Awaitable[list[torch.Tensor]]:
-        blocks = return_rows(rows, batch, self._slots, self._env)
-
-        def assemble() -> list[torch.Tensor]:
-            got = blocks()
-            out = []
-            for parts, inverse in zip(self._assembly, batch.restore, strict=True):
-                by_owner = torch.cat([got[r][j] for r, j in parts])
-                # index_select is differentiable: gradients go back to the owner-ordered rows
-                out.append(by_owner if inverse is None else by_owner.index_select(0, inverse))
-            return out
-
-        return FunctionAwaitable(assemble)

@@ -1,4 +1,5 @@
-"""Table-wise, column-wise and table-column-wise sharding of pooled embeddings.
+"""Table-wise, column-wise and table-column-wise sharding: pooled (``TwPooledSharding``) and
+sequence (``TwSequenceSharding``, see ``sequence.py`` for how rows travel back).
 
 Every shard covers all rows of its table (a whole table, or a block of its columns), so each
 bag is sent whole to every rank holding a shard of its feature's table:
@@ -24,14 +25,20 @@ from recsys_core.distributed.comm import all_to_all_1d
 from recsys_core.distributed.dist_data import send_whole_bags
 from recsys_core.distributed.sharding.common import (
     ColumnPermutation,
+    KernelContext,
     LocalKernels,
     ShardedTable,
     Slot,
     column_permutation,
     select_columns,
 )
+from recsys_core.distributed.sharding.sequence import (
+    SequenceBatch,
+    lookup_rows,
+    return_rows,
+    sequence_slots,
+)
 from recsys_core.distributed.types import ShardingEnv
-from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -59,20 +66,14 @@ class TwPooledSharding:
         self,
         tables: Sequence[ShardedTable],
         env: ShardingEnv,
-        device: torch.device,
-        optimizer: FusedOptimizerConfig,
-        is_weighted: bool,
-        backend: KernelBackend,
-        source: dict[str, torch.Tensor] | None,
+        ctx: KernelContext,
     ) -> None:
         self._env = env
-        self._is_weighted = is_weighted
+        self._is_weighted = ctx.is_weighted
         self.output_features = [f for t in tables for f in t.config.feature_names]
         self._slots = slots_by_rank(tables, env.world_size)
         configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(
-            self._slots[env.rank], optimizer, device, is_weighted, backend, source, configs
-        )
+        self.local = LocalKernels(self._slots[env.rank], ctx, configs)
         index = {f: i for i, f in enumerate(self.output_features)}
         self._send_order = [index[s.feature] for slots in self._slots for s in slots]
         self._send_counts = [len(slots) for slots in self._slots]
@@ -121,5 +122,70 @@ class TwPooledSharding:
                 for chunk, d in zip(received.split(out_splits), self._dims, strict=True)
             ]
             return select_columns(torch.cat(blocks, dim=1), self._columns)
+
+        return FunctionAwaitable(assemble)
+
+
+class TwSequenceSharding:
+    """TABLE_WISE and COLUMN_WISE tables of one EmbeddingCollection.
+
+    Every shard spans all rows, so each feature's ids go whole to every rank holding a shard of
+    its table; column shards' rows are concatenated in column order.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[ShardedTable],
+        env: ShardingEnv,
+        ctx: KernelContext,
+    ) -> None:
+        self._env = env
+        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self._slots = sequence_slots(tables, env.world_size)
+        self.local = LocalKernels(
+            self._slots[env.rank], ctx, {t.config.name: t.config for t in tables}
+        )
+        index = {f: i for i, f in enumerate(self.output_features)}
+        self._send_order = [index[s.feature] for slots in self._slots for s in slots]
+        self._send_counts = [len(slots) for slots in self._slots]
+        # per output feature: (rank, slot index) of each of its table's shards, in column order
+        where = {
+            (s.feature, s.shard): (r, j)
+            for r, slots in enumerate(self._slots)
+            for j, s in enumerate(slots)
+        }
+        self._assembly = [
+            [where[(f, sh)] for sh in sorted(t.shards, key=lambda sh: sh.col_offset)]
+            for t in tables
+            for f in t.config.feature_names
+        ]
+        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
+        ids = send_whole_bags(
+            features, self._send_order, self._send_counts,
+            [s.key for s in self._slots[self._env.rank]], self._env, False,
+        )
+        local_counts = features.length_per_key()
+        # a whole-table shard looks up every id of its feature: all of them come back
+        sent = [[local_counts[i] for i in feats] for feats in self._slot_features]
+        restore: list[torch.Tensor | None] = [None] * len(self.output_features)
+        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
+
+    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        return lookup_rows(self.local, batch.features)
+
+    def output_dist(
+        self, rows: list[torch.Tensor], batch: SequenceBatch
+    ) -> Awaitable[list[torch.Tensor]]:
+        blocks = return_rows(rows, batch, self._slots, self._env)
+
+        def assemble() -> list[torch.Tensor]:
+            got = blocks()
+            out = []
+            for parts in self._assembly:
+                pieces = [got[r][j] for r, j in parts]
+                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+            return out
 
         return FunctionAwaitable(assemble)

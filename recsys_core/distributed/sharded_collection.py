@@ -1,0 +1,277 @@
+"""What every sharded collection shares, pooled (EBC) or sequence (EC): one skeleton.
+
+``ShardedCollectionCore`` is composed into ``ShardedEmbeddingBagCollection`` and
+``ShardedEmbeddingCollection``, which keep only their forward (how looked-up rows become their
+output type). The core does, once for both:
+
+    plan checks          every table planned, no unknown table, supported sharding types,
+                         geometry validated before any communication
+    strategies           the tables grouped by sharding type, one strategy per group, each
+                         with its local kernels initialized (table_init, source weights or config)
+    input order          per KJT key order, the permutation each strategy's input dist needs
+    id check             every id inside its table before ids leave this rank
+    fused optimizer      one KeyedOptimizer over all local kernels, plan-independent state
+    state-dict hooks     ``<prefix>.<table>.weight`` as ShardedTensors (DCP reshards them)
+    prefetch             input dists started a batch ahead (see ``train_pipeline``)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.distributed.sharded_state import (
+    LocalShard,
+    ShardedFusedOptimizer,
+    export_tensor,
+    import_tensor,
+    shards_by_table,
+)
+from recsys_core.distributed.sharding.common import (
+    KernelContext,
+    LocalKernels,
+    ShardedTable,
+    check_kernel_placement,
+    require_process_group,
+    resolve_shards,
+)
+from recsys_core.distributed.sharding_plan import validate_module_sharding_plan
+from recsys_core.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingType,
+)
+from recsys_core.kernels.id_check import IdRangeCheck, PendingIdCheck
+from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
+from recsys_core.modules.embedding_modules import check_features
+from recsys_core.optim.fused import EmbeddingFusedOptimizer
+from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.sparse import KeyedJaggedTensor
+
+
+class Strategy(Protocol):
+    """What the core needs from a strategy (pooled and sequence strategies both are one)."""
+
+    output_features: list[str]
+    local: LocalKernels
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[Any]: ...
+
+
+StrategyFactory = Callable[[ShardingType, list[ShardedTable], KernelContext], Strategy]
+"""Builds the strategy for one group of tables sharing a sharding family."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectionSpec:
+    """The unsharded collection, as the core sees it."""
+
+    name: str
+    """The sharded module's class name, for messages."""
+    state_prefix: str
+    """State-dict prefix of the tables: ``embedding_bags`` (EBC) or ``embeddings`` (EC)."""
+    configs: tuple[BaseEmbeddingConfig, ...]
+    """The tables, in the module's order."""
+    supported: tuple[ShardingType, ...]
+    """Sharding types this collection can run."""
+    families: tuple[tuple[ShardingType, ...], ...]
+    """Sharding types run by one strategy together (e.g. table- and column-wise), in output
+    order; the first type of a family names it for the factory."""
+
+
+class DistInputs(list):  # list[Awaitable[...]], one per strategy
+    """The input dists in flight, one per strategy, with the local features each one was given
+    and the id check that must pass before any of them completes."""
+
+    def __init__(
+        self,
+        awaitables: list[Awaitable[Any]],
+        local_features: list[KeyedJaggedTensor],
+        id_check: PendingIdCheck,
+    ) -> None:
+        super().__init__(awaitables)
+        self.local_features = local_features
+        self.id_check = id_check
+
+
+class ShardedCollectionCore:
+    """The shared skeleton of a sharded collection (see the module docstring).
+
+    ``source`` are the unsharded module's tables (None for a meta module); the sharded module
+    owns ``lookups`` (register it as a submodule) and calls :meth:`register_state_hooks`.
+    """
+
+    def __init__(
+        self,
+        spec: CollectionSpec,
+        plan: Mapping[str, ParameterSharding],
+        env: ShardingEnv,
+        ctx: KernelContext,
+        factory: StrategyFactory,
+    ) -> None:
+        configs = list(spec.configs)
+        _check_plan(spec, configs, plan, env, ctx.device)
+        self.spec, self.env, self.ctx = spec, env, ctx
+        self.tables = [resolve_shards(c, plan[c.name], env.world_size) for c in configs]
+        self.strategies: list[Strategy] = []
+        for family in spec.families:
+            group = [t for t in self.tables if t.sharding.sharding_type in family]
+            if group:
+                self.strategies.append(factory(family[0], group, ctx))
+        self.lookups = nn.ModuleList([s.local for s in self.strategies])
+        self.embedding_names = [f for c in configs for f in c.feature_names]
+        self._input_orders: dict[tuple[str, ...], list[list[int] | None]] = {}
+        self._ids = IdRangeCheck(
+            {f: c.num_embeddings for c in configs for f in c.feature_names},
+            f"{spec.name}, rank {env.rank}",
+        )
+        self._prefetched: deque[tuple[KeyedJaggedTensor, DistInputs]] = deque()
+        self.fused_optimizer = self._build_optimizer()
+
+    # ---- optimizer and state -----------------------------------------------------------------
+    def _build_optimizer(self) -> ShardedFusedOptimizer:
+        optims, kernels = [], []
+        for local in self.lookups:
+            for kernel, shards in zip(local.kernels, local.kernel_shards, strict=True):
+                params: dict[str, nn.Parameter] = {}
+                for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
+                    # Not registered on the module: the kernel owns the storage and updates it
+                    # in backward, so DDP (or a dense optimizer) must never see these weights;
+                    # the state dict exposes whole tables instead.
+                    name = f"{self.spec.state_prefix}.{sh.table}.weight[{sh.row_offset}:,{sh.col_offset}:]"
+                    params[name] = nn.Parameter(view[: sh.rows])
+                optim = EmbeddingFusedOptimizer(kernel, params, [sh.table for sh in shards])
+                for weight in params.values():
+                    weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
+                optims.append(optim)
+                kernels.append(kernel)
+        return ShardedFusedOptimizer(
+            CombinedOptimizer(optims), self.tables, self.table_shards, self.env,
+            self.ctx.optimizer, kernels, self.spec.state_prefix,
+        )
+
+    def table_shards(self) -> dict[str, list[LocalShard]]:
+        """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
+        return shards_by_table(self.lookups)
+
+    def register_state_hooks(self, module: nn.Module) -> None:
+        """``module.state_dict()`` holds ``<prefix>.<table>.weight`` per table (a ShardedTensor
+        over the ranks, or a plain tensor for data-parallel tables); ``load_state_dict`` takes
+        those or full unsharded tensors."""
+        module._register_state_dict_hook(self._export_tables)
+        module._register_load_state_dict_pre_hook(self._import_tables)
+
+    def _export_tables(self, _module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+        shards = self.table_shards()
+        for table in self.tables:
+            name = table.config.name
+            state_dict[f"{prefix}{self.spec.state_prefix}.{name}.weight"] = export_tensor(
+                table, shards.get(name, []), self.env, None, False
+            )
+
+    def _import_tables(
+        self, state_dict: dict[str, Any], prefix: str, _meta: Any, _strict: bool,
+        missing_keys: list[str], _unexpected: list[str], _errors: list[str],
+    ) -> None:
+        shards = self.table_shards()
+        for table in self.tables:
+            key = f"{prefix}{self.spec.state_prefix}.{table.config.name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            import_tensor(table, shards.get(table.config.name, []), state_dict.pop(key), None, key)
+
+    # ---- input dist and prefetch -------------------------------------------------------------
+    def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
+        """Start every strategy's input all-to-all. Ids are checked first: on the host before
+        anything is sent; on a device asynchronously, resolved before any input dist completes."""
+        check_features(features, self.embedding_names, self.spec.name, self.ctx.is_weighted)
+        pending = self._ids.start(features)
+        local = [
+            features if order is None else features.permute(order)
+            for order in self._orders(tuple(features.keys()))
+        ]
+        return DistInputs(
+            [s.input_dist(kjt) for s, kjt in zip(self.strategies, local, strict=True)],
+            local, pending,
+        )
+
+    def _orders(self, keys: tuple[str, ...]) -> list[list[int] | None]:
+        orders = self._input_orders.get(keys)
+        if orders is None:
+            index = {k: i for i, k in enumerate(keys)}
+            orders = []
+            for s in self.strategies:
+                order = [index[f] for f in s.output_features]
+                orders.append(None if order == list(range(len(keys))) else order)
+            self._input_orders[keys] = orders
+        return orders
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start the input dist of ``features`` now; the forward that later receives this same
+        KJT object uses it instead of starting another.
+
+        Every rank must prefetch the same batches in the same order (collectives match in
+        issue order); :meth:`drop_prefetched` waits for and discards unused ones.
+        """
+        self._prefetched.append((features, self.input_dist(features)))
+
+    def take_input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
+        """The prefetched input dist of this very KJT, else a new one."""
+        if self._prefetched and self._prefetched[0][0] is features:
+            return self._prefetched.popleft()[1]
+        return self.input_dist(features)
+
+    def drop_prefetched(self) -> None:
+        """Finish and discard prefetched input dists no forward consumed."""
+        while self._prefetched:
+            _, inputs = self._prefetched.popleft()
+            inputs.id_check.result()
+            for awaitable in inputs:
+                awaitable.wait()
+
+    def wait_inputs(self, inputs: DistInputs) -> list[Any]:
+        """Every strategy's received input (after the id check's verdict)."""
+        inputs.id_check.result()
+        return [a.wait() for a in inputs]
+
+
+def _check_plan(
+    spec: CollectionSpec,
+    configs: Sequence[BaseEmbeddingConfig],
+    plan: Mapping[str, ParameterSharding],
+    env: ShardingEnv,
+    device: torch.device,
+) -> None:
+    names = [c.name for c in configs]
+    collection = spec.name.removeprefix("Sharded")
+    missing = [n for n in names if n not in plan]
+    if missing:
+        raise ValueError(
+            f"sharding plan has no entry for table(s) {missing}; every table of the "
+            f"{collection} needs one (e.g. table_wise(rank=0))"
+        )
+    extra = [n for n in plan if n not in names]
+    if extra:
+        raise ValueError(f"sharding plan names table(s) {extra} that the module lacks: {names}")
+    supported = ", ".join(t.name for t in spec.supported)
+    for name in names:
+        if plan[name].sharding_type not in spec.supported:
+            raise ValueError(
+                f"table {name!r}: sharding type {plan[name].sharding_type.name} is not supported "
+                f"by {spec.name}; use one of {supported}"
+            )
+    # rejects ranks outside the world, shards that do not tile a table, uneven column
+    # splits, DENSE/QUANT kernels... before any communication
+    validate_module_sharding_plan(
+        list(configs), EmbeddingModuleShardingPlan(plan), env.world_size, env.local_world_size
+    )
+    check_kernel_placement(plan, device)
+    require_process_group(env, spec.name)
