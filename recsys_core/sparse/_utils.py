@@ -96,6 +96,13 @@ def check_kjt_inputs(
         offsets = as_index_tensor(offsets, "offsets", owner, values.device)
     if isinstance(stride_per_key_per_rank, torch.Tensor):
         stride_per_key_per_rank = stride_per_key_per_rank.tolist()
+    if stride_per_key_per_rank is not None and not all(
+        isinstance(per_rank, list) for per_rank in stride_per_key_per_rank
+    ):
+        raise ValueError(
+            f"{owner}: stride_per_key_per_rank must be 2-dimensional (per key, a list of batch "
+            f"sizes per rank, e.g. [[2], [3]]), got {stride_per_key_per_rank}."
+        )
     return keys, lengths, offsets, stride_per_key_per_rank
 
 

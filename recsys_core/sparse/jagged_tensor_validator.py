@@ -41,6 +41,7 @@ def validate_keyed_jagged_tensor(
     id is in ``[0, num_embeddings)`` of its table: as in TorchRec that part only logs a warning
     and returns ``False``. Returns ``True`` when everything holds.
     """
+    _check_kjt_layout(kjt)
     validate_jagged(
         _OWNER,
         kjt.keys(),
@@ -55,6 +56,50 @@ def validate_keyed_jagged_tensor(
     if configs is None:
         return True
     return _ids_in_range(kjt, configs)
+
+
+def _check_kjt_layout(kjt: KeyedJaggedTensor) -> None:
+    """TorchRec's structural checks, before anything reads the data (its phrases included)."""
+    lengths, offsets, keys = kjt.lengths_or_none(), kjt.offsets_or_none(), kjt.keys()
+    if lengths is None and offsets is None:
+        raise ValueError(
+            f"{_OWNER}: lengths and offsets cannot be both empty in KeyedJaggedTensor; pass one."
+        )
+    if offsets is not None:
+        if offsets.numel() == 0:
+            raise ValueError(f"{_OWNER}: offsets cannot be empty; it needs at least the 0.")
+        if int(offsets[-1]) != kjt.values().size(0):
+            raise ValueError(
+                f"{_OWNER}: The last element of offsets must equal to the number of values, "
+                f"but got {int(offsets[-1])} and {kjt.values().size(0)}."
+            )
+    num_lengths = lengths.numel() if lengths is not None else offsets.numel() - 1
+    spkpr = kjt._stride_per_key_per_rank
+    if spkpr is None:
+        if keys and num_lengths % len(keys) != 0:
+            raise ValueError(
+                f"{_OWNER}: lengths size must be divisible by keys size, but got "
+                f"{num_lengths} lengths for {len(keys)} keys {keys}."
+            )
+        return
+    if len(spkpr) != len(keys):
+        raise ValueError(
+            f"{_OWNER}: stride_per_key_per_rank first dimension must equal num_features "
+            f"({len(keys)}), but got {len(spkpr)}."
+        )
+    total = sum(sum(per_rank) for per_rank in spkpr)
+    if total != num_lengths:
+        raise ValueError(
+            f"{_OWNER}: Sum of stride_per_key_per_rank ({total}) must equal the number of "
+            f"lengths ({num_lengths}) for keys {keys}."
+        )
+    if any(len(per_rank) != 1 for per_rank in spkpr):
+        # Legitimate after an input all-to-all (one column per rank), so only a note.
+        logger.warning(
+            "stride_per_key_per_rank second dimension must be 1 for user-input KJT (got %s); "
+            "fine for a KJT after input distribution.",
+            spkpr,
+        )
 
 
 def _ids_in_range(kjt: KeyedJaggedTensor, configs: Sequence[_FeatureTable]) -> bool:
@@ -104,8 +149,9 @@ def validate_jagged(
         _check_keys(owner, keys, stride_per_key, lengths.numel())
     if weights is not None and weights.size(0) != values.size(0):
         raise ValueError(
-            f"{owner}: weights has {weights.size(0)} entries but values has {values.size(0)}; "
-            "pass one weight per value."
+            f"{owner}: weights size must equal to values size, but weights has "
+            f"{weights.size(0)} entries and values has {values.size(0)}; pass one weight per "
+            "value."
         )
     sums = [0] * num_keys
     if lengths.numel() > 0:
@@ -124,17 +170,16 @@ def validate_jagged(
         if offsets is not None:
             if packed[num_keys + 1] != 0:
                 raise ValueError(
-                    f"{owner}: offsets must start at 0, got {packed[num_keys + 1]}; "
+                    f"{owner}: Expected first offset to be 0, but got {packed[num_keys + 1]}; "
                     "subtract offsets[0] or pass lengths instead."
                 )
             if packed[num_keys + 2] != 0:
                 raise ValueError(
-                    f"{owner}: offsets and lengths disagree at {packed[num_keys + 2]} "
-                    "position(s); pass only one of them or make offsets the cumulative sum of "
-                    "lengths."
+                    f"{owner}: offsets is not equal to the cumulative sum of lengths (they "
+                    f"disagree at {packed[num_keys + 2]} position(s)); pass only one of them."
                 )
     elif offsets is not None and offsets.numel() == 1 and int(offsets[0]) != 0:
-        raise ValueError(f"{owner}: offsets must start at 0, got {int(offsets[0])}.")
+        raise ValueError(f"{owner}: Expected first offset to be 0, but got {int(offsets[0])}.")
     check_sums(owner, keys, sums, values.size(0), exact=True)
     if length_per_key is not None and keys is not None and list(length_per_key) != sums:
         if len(length_per_key) != len(sums):
@@ -169,14 +214,14 @@ def check_sums(
         if end > num_values:
             name = "the bags need" if keys is None else f"key '{keys[i]}' needs"
             raise ValueError(
-                f"{owner}: {name} values[{start}:{end}] but values has only "
-                f"{num_values} entries; lengths and values disagree."
+                f"{owner}: Sum of lengths must equal the number of values: {name} "
+                f"values[{start}:{end}] but values has only {num_values} entries."
             )
     if exact and end != num_values:
         last = "" if keys is None or not keys else f" (after the last key '{keys[-1]}')"
         raise ValueError(
-            f"{owner}: lengths sum to {end} but values has {num_values} entries{last}; "
-            "every value must belong to exactly one bag."
+            f"{owner}: Sum of lengths must equal the number of values, but lengths sum to "
+            f"{end} and values has {num_values} entries{last}."
         )
 
 
@@ -189,7 +234,8 @@ def _check_keys(
     if not keys:
         if num_lengths:
             raise ValueError(
-                f"{owner}: got {num_lengths} lengths but no keys; pass the feature names in keys."
+                f"{owner}: keys is empty but lengths or offsets is not ({num_lengths} lengths); "
+                "pass the feature names in keys."
             )
         return
     if len(stride_per_key) != len(keys) or sum(stride_per_key) != num_lengths:

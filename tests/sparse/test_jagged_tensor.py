@@ -263,13 +263,22 @@ def test_validate_accepts_consistent_tensor(dtype: torch.dtype) -> None:
     ("kwargs", "message"),
     [
         ({"lengths": [2, -1, 2]}, "negative length -1 for batch position 1"),
-        ({"lengths": [1, 1]}, "lengths sum to 2 but values has 3 entries"),
+        (
+            {"lengths": [1, 1]},
+            "Sum of lengths must equal the number of values, but lengths sum to 2 and values has 3",
+        ),
         ({"lengths": [2, 2, 2]}, r"the bags need values\[0:6\] but values has only 3 entries"),
-        ({"offsets": [1, 2, 3]}, "offsets must start at 0, got 1"),
+        ({"offsets": [1, 2, 3]}, "Expected first offset to be 0, but got 1"),
         ({"offsets": [0, 2, 1, 3]}, "negative length -1 for batch position 1"),
-        ({"lengths": [1, 2], "offsets": [0, 2, 3]}, "offsets and lengths disagree"),
+        (
+            {"lengths": [1, 2], "offsets": [0, 2, 3]},
+            r"offsets is not equal to the cumulative sum of lengths \(they disagree at 2",
+        ),
         ({"lengths": [1, 2], "offsets": [0, 3]}, "offsets has 2 entries but lengths has 2"),
-        ({"lengths": [3], "weights": [1.0, 2.0]}, "weights has 2 entries but values has 3"),
+        (
+            {"lengths": [3], "weights": [1.0, 2.0]},
+            "weights size must equal to values size, but weights has 2 entries and values has 3",
+        ),
     ],
 )
 def test_validate_reports_what_is_wrong(kwargs: dict, message: str, dtype: torch.dtype) -> None:
@@ -287,7 +296,10 @@ def test_constructor_is_lazy_like_torchrec() -> None:
     jt = JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=[1, 1], weights=torch.ones(2))
     assert jt.lengths().tolist() == [1, 1]
     assert jt.offsets().tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="weights has 2 entries but values has 3"):
+    with pytest.raises(
+        ValueError,
+        match="weights size must equal to values size, but weights has 2 entries and values has 3",
+    ):
         jt.validate()
     # Any weights dtype is stored as given (bools included).
     flags = torch.tensor([True, False, True])

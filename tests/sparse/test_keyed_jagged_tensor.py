@@ -472,15 +472,21 @@ def test_constructor_rejects_string_keys() -> None:
     ("kwargs", "message"),
     [
         ({"lengths": [1, 2, 3, 0], "stride": 3}, r"batch sizes per key \[3, 3\] .* sum to 6"),
-        ({"lengths": [3, 0, 3, 0], "weights": torch.ones(5)}, "weights has 5 entries"),
-        ({"lengths": [3, 0, 2, 0]}, "lengths sum to 5 but values has 6 entries"),
+        (
+            {"lengths": [3, 0, 3, 0], "weights": torch.ones(5)},
+            "weights size must equal to values size, but weights has 5",
+        ),
+        ({"lengths": [3, 0, 2, 0]}, "lengths sum to 5 and values has 6 entries"),
         ({"lengths": [3, 0, 3, 0], "keys": ["a", "a"]}, r"keys must be unique, but \['a'\]"),
-        ({"lengths": [1, 1], "keys": []}, "got 2 lengths but no keys"),
+        (
+            {"lengths": [1, 1], "keys": []},
+            r"keys is empty but lengths or offsets is not \(2 lengths\)",
+        ),
         ({"lengths": [3, 0, 3, 0], "length_per_key": [6]}, "1 entries for 2 keys"),
         ({"lengths": [3, 0, 3, 0], "offset_per_key": [0, 6]}, r"offset_per_key \[0, 6\] does not"),
         (
             {"lengths": [3, 0, 3], "stride_per_key_per_rank": [[2], [2]]},
-            r"lengths has 3 entries but the batch sizes per key \[2, 2\]",
+            r"Sum of stride_per_key_per_rank \(4\) must equal the number of lengths \(3\)",
         ),
     ],
 )
@@ -599,7 +605,7 @@ def test_to_dict_without_offsets() -> None:
         ([2, 0, 1, 1, 2, 4], r"key 'user' needs values\[3:10\] but values has only 9"),
         (
             [2, 0, 1, 1, 2, 2],
-            "lengths sum to 8 but values has 9 entries .after the last key 'user'",
+            "lengths sum to 8 and values has 9 entries .after the last key 'user'",
         ),
     ],
 )
@@ -612,7 +618,7 @@ def test_validate_names_the_key(lengths: list[int], message: str, dtype: torch.d
 
 
 def test_validate_offsets_and_cached_metadata() -> None:
-    with pytest.raises(ValueError, match="offsets must start at 0, got 1"):
+    with pytest.raises(ValueError, match="Expected first offset to be 0, but got 1"):
         KeyedJaggedTensor(
             ["product", "user"], torch.arange(1, 10), offsets=torch.tensor([1, 2, 2, 3, 4, 6, 9])
         ).validate()
@@ -661,6 +667,16 @@ def test_key_op_errors() -> None:
         KeyedJaggedTensor.concat([kjt, layout_kjt(weighted=True)])
     with pytest.raises(ValueError, match="empty list"):
         KeyedJaggedTensor.concat([])
+
+
+def test_validator_checks_the_last_offset() -> None:
+    kjt = KeyedJaggedTensor(
+        ["a", "b"], torch.arange(5), lengths=torch.tensor([1, 1]), offsets=torch.tensor([0, 1, 2])
+    )
+    with pytest.raises(ValueError, match="last element of offsets must equal to the number of"):
+        validate_keyed_jagged_tensor(kjt)
+    with pytest.raises(ValueError, match="offsets cannot be empty"):
+        KeyedJaggedTensor(["a"], torch.arange(0), lengths=[], offsets=torch.tensor([])).validate()
 
 
 def test_non_integer_lengths_raise_what_torchrec_raises_too() -> None:

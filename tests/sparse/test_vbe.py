@@ -214,9 +214,23 @@ def test_validate() -> None:
         stride_per_key_per_rank=[[1], [2]],
     )
     with pytest.raises(
-        ValueError, match=r"lengths has 4 entries but the batch sizes per key \[1, 2\]"
+        ValueError, match=r"Sum of stride_per_key_per_rank \(3\) must equal .*\(4\)"
     ):
         bad.validate()
+    with pytest.raises(ValueError, match="stride_per_key_per_rank must be 2-dimensional"):
+        KeyedJaggedTensor(
+            ["a", "b"], torch.arange(4), lengths=[1, 1, 1, 1], stride_per_key_per_rank=[2, 2]
+        )
+    wrong_keys = KeyedJaggedTensor(
+        ["a", "b"], torch.arange(4), lengths=[1, 1, 1, 1], stride_per_key_per_rank=[[2], [1], [1]]
+    )
+    with pytest.raises(ValueError, match=r"first dimension must equal num_features \(2\)"):
+        validate_keyed_jagged_tensor(wrong_keys)
+    # Several ranks per key (a KJT after input distribution) is valid.
+    after_dist = KeyedJaggedTensor(
+        ["a", "b"], torch.arange(4), lengths=[1, 1, 1, 1], stride_per_key_per_rank=[[1, 1], [2, 0]]
+    )
+    assert validate_keyed_jagged_tensor(after_dist)
 
 
 def test_str_and_pytree() -> None:
