@@ -14,10 +14,16 @@ from recsys_core.modules.embedding_configs import (
     check_table_names,
     get_embedding_names_by_table,
 )
-from recsys_core.modules.lookup import diagnose_lookup_failure, meta_jagged, validate_features
+from recsys_core.modules.lookup import (
+    check_lengths,
+    diagnose_lookup_failure,
+    meta_jagged,
+    validate_features,
+)
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
 torch.fx.wrap("validate_features")
+torch.fx.wrap("check_lengths")
 
 
 def check_equal_dims(tables: Sequence[EmbeddingConfig], module: str) -> int:
@@ -128,6 +134,7 @@ class EmbeddingCollection(nn.Module):
                 )
                 for name, feature in zip(names, feature_names, strict=True)
             }
+        check_lengths(features)
         try:
             return self._lookup(features)
         except (IndexError, RuntimeError) as exc:

@@ -26,7 +26,7 @@ from recsys_core.modules.fused_common import (
     check_location,
     resolve_fused_config,
 )
-from recsys_core.modules.lookup import check_features
+from recsys_core.modules.lookup import check_features, check_lengths
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -134,6 +134,7 @@ class FusedEmbeddingCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         check_features(features, self._feature_names, _NAME, False)
+        check_lengths(features)
         jts = features.to_dict()
         ids = [jts[f].values() for f in self._feature_names]
         counts = [int(i.numel()) for i in ids]
@@ -149,7 +150,7 @@ class FusedEmbeddingCollection(nn.Module):
                 self._kernel, values, offsets, None,
                 feature_names=self._feature_names, rows_per_feature=self._rows,
             )
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             features.validate()  # a lengths/values mismatch names its key here
             raise
         dim = self._embedding_dim

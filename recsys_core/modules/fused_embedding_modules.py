@@ -234,8 +234,8 @@ class FusedEmbeddingBagCollection(nn.Module):
                         feature_names=names, rows_per_feature=rows,
                     )
                 )
-            except RuntimeError as exc:
-                part.validate()  # a lengths/values mismatch names its key here
+            except (RuntimeError, ValueError) as exc:
+                features.validate()  # lengths, offsets or weights that do not fit name their key
                 raise exc
         values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self._column_permutation is not None:

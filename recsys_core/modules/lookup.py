@@ -78,6 +78,15 @@ def diagnose_lookup_failure(
     return exc
 
 
+def check_lengths(features: KeyedJaggedTensor) -> None:
+    """Unpooled lookups read only the values, so a negative length would pass silently into the
+    output; a KJT with one is validated, which raises naming its key."""
+    if not torch.jit.is_scripting():
+        lengths = features.lengths()
+        if lengths.numel() > 0 and bool((lengths < 0).any()):
+            features.validate()
+
+
 def validate_features(
     features: KeyedJaggedTensor, needed: list[str], module: str, is_weighted: bool
 ) -> None:
