@@ -9,7 +9,11 @@ from recsys_core.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
-from recsys_core.distributed.model_parallel import DistributedModelParallel
+from recsys_core.distributed.fused_embeddingbag import (
+    FusedEmbeddingBagCollectionSharder,
+    ShardedFusedEmbeddingBagCollection,
+)
+from recsys_core.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from recsys_core.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -20,6 +24,8 @@ from recsys_core.distributed.sharding_plan import (
     table_wise,
     validate_module_sharding_plan,
 )
+from recsys_core.distributed.table_init import SeededUniformInit, TableInitializer, TableRegion
+from recsys_core.distributed.train_pipeline import pipelined_batches
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -37,18 +43,25 @@ __all__ = [
     "EmbeddingCollectionSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
+    "FusedEmbeddingBagCollectionSharder",
     "LazyAwaitable",
     "LazyNoWait",
     "ParameterSharding",
+    "SeededUniformInit",
     "ShardMetadata",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
+    "ShardedFusedEmbeddingBagCollection",
     "ShardingEnv",
     "ShardingPlan",
     "ShardingType",
+    "TableInitializer",
+    "TableRegion",
     "column_wise",
     "construct_module_sharding_plan",
     "data_parallel",
+    "get_default_sharders",
+    "pipelined_batches",
     "row_wise",
     "table_column_wise",
     "table_row_wise",

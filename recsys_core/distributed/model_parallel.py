@@ -28,13 +28,27 @@ from recsys_core.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
+from recsys_core.distributed.fused_embeddingbag import FusedEmbeddingBagCollectionSharder
 from recsys_core.distributed.types import ShardingEnv, ShardingPlan
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from recsys_core.optim.keyed import CombinedOptimizer
 
-_SHARDABLE = (EmbeddingBagCollection, EmbeddingCollection)
+_SHARDABLE = (EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection)
 _SHARDED = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
-Sharder = EmbeddingBagCollectionSharder | EmbeddingCollectionSharder
+Sharder = (
+    EmbeddingBagCollectionSharder | EmbeddingCollectionSharder | FusedEmbeddingBagCollectionSharder
+)
+
+
+def get_default_sharders() -> list[Sharder]:
+    """TorchRec's default sharders: EmbeddingBagCollection, FusedEmbeddingBagCollection,
+    EmbeddingCollection (each with its default optimizer settings)."""
+    return [
+        EmbeddingBagCollectionSharder(),
+        FusedEmbeddingBagCollectionSharder(),
+        EmbeddingCollectionSharder(),
+    ]
 
 
 class DistributedModelParallel(nn.Module):
@@ -48,7 +62,7 @@ class DistributedModelParallel(nn.Module):
         device: where shards and dense parameters live.
         plan: a ShardingPlan keyed by module path; default: the planner's plan for ``env`` and
             the memory this machine has free (``recsys_core.planner.plan_for_env``).
-        sharders: default ``[EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]``.
+        sharders: default :func:`get_default_sharders` (EBC, FusedEBC and EC sharders).
         init_data_parallel: wrap the dense parameters in DistributedDataParallel.
     """
 
@@ -70,9 +84,7 @@ class DistributedModelParallel(nn.Module):
             )
         self._env = env
         self._device = torch.device(device or "cpu")
-        self._sharders = list(
-            sharders or [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
-        )
+        self._sharders = list(sharders or get_default_sharders())
         if plan is None:
             # imported here: the planner builds on recsys_core.distributed (import cycle)
             from recsys_core.planner.planner import plan_for_env
