@@ -11,6 +11,7 @@ from torch import nn
 
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.optim.rowwise_adagrad import RowWiseAdagrad
 
 
 def resolve_fused_config(
@@ -28,6 +29,25 @@ def resolve_fused_config(
     return FusedOptimizerConfig.from_fused_params(
         {**kwargs, "optimizer": EmbOptimType.coerce(optimizer_type)}
     )
+
+
+def convert_optimizer_type_and_kwargs(
+    optimizer_type: type[torch.optim.Optimizer], optimizer_kwargs: Mapping[str, Any]
+) -> tuple[EmbOptimType, dict[str, Any]] | None:
+    """TorchRec's mapping of a torch optimizer class to the fused kernel's optimizer (``lr``
+    becomes ``learning_rate``); None for a class that has no fused counterpart."""
+    fused = {
+        torch.optim.SGD: EmbOptimType.EXACT_SGD,
+        torch.optim.Adagrad: EmbOptimType.EXACT_ADAGRAD,
+        RowWiseAdagrad: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        torch.optim.Adam: EmbOptimType.ADAM,
+    }.get(optimizer_type)
+    if fused is None:
+        return None
+    kwargs = dict(optimizer_kwargs)
+    if "lr" in kwargs:
+        kwargs["learning_rate"] = kwargs.pop("lr")
+    return fused, kwargs
 
 
 def check_location(location: Any, device: torch.device, module: str) -> None:

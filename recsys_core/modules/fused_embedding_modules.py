@@ -33,6 +33,7 @@ from recsys_core.modules.fused_common import (
     FusedCombinedOptimizer,
     TableWeight,
     check_location,
+    convert_optimizer_type_and_kwargs,
     resolve_fused_config,
 )
 from recsys_core.modules.fused_embedding_collection import FusedEmbeddingCollection
@@ -41,8 +42,10 @@ from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
+    "EmbeddingFusedOptimizer",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
+    "convert_optimizer_type_and_kwargs",
     "fuse_embedding_optimizer",
     "resolve_fused_config",
 ]

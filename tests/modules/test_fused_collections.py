@@ -136,3 +136,16 @@ def test_interfaces_and_fused_optimizer_module() -> None:
     assert isinstance(model.user[0], EmbeddingBagCollectionInterface)
     assert isinstance(model.user[0], FusedOptimizerModule) and isinstance(model.item, FusedOptimizerModule)
     assert isinstance(model.item, EmbeddingCollectionInterface)
+
+
+def test_convert_optimizer_type_and_kwargs() -> None:
+    from recsys_core import EmbOptimType
+    from recsys_core.modules.fused_embedding_modules import convert_optimizer_type_and_kwargs
+    from recsys_core.optim import RowWiseAdagrad
+
+    assert convert_optimizer_type_and_kwargs(torch.optim.SGD, {"lr": 0.1}) == (EmbOptimType.EXACT_SGD, {"learning_rate": 0.1})
+    assert convert_optimizer_type_and_kwargs(RowWiseAdagrad, {"lr": 0.1, "eps": 1e-3}) == (
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"learning_rate": 0.1, "eps": 1e-3})
+    assert convert_optimizer_type_and_kwargs(torch.optim.Adagrad, {})[0] is EmbOptimType.EXACT_ADAGRAD
+    assert convert_optimizer_type_and_kwargs(torch.optim.Adam, {})[0] is EmbOptimType.ADAM
+    assert convert_optimizer_type_and_kwargs(torch.optim.RMSprop, {"lr": 0.1}) is None
