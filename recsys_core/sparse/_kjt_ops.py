@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from recsys_core.sparse import _jit_ops
-from recsys_core.sparse.jagged_tensor import BatchedRows, JaggedTensor, jagged_view
+from recsys_core.sparse.jagged_tensor import BatchedRows, JaggedTensor, jagged_view, row_views_eager
 
 
 def compute_stride(
@@ -93,10 +93,11 @@ def key_view(
 ) -> JaggedTensor:
     start, end = offset_per_key[index], offset_per_key[index + 1]
     lo, hi = lengths_offset_per_key[index], lengths_offset_per_key[index + 1]
+    flat = lengths if lengths.dim() == 1 else lengths.reshape(-1)
     return jagged_view(
         values[start:end],
         None if weights is None else weights[start:end],
-        lengths.reshape(-1)[lo:hi],
+        flat[lo:hi],
         None,
     )
 
@@ -125,7 +126,7 @@ def to_dict(
     weight_parts: list[torch.Tensor] = []
     if weights is not None:
         weight_parts = list(torch.split(weights, length_per_key))
-    flat = lengths.reshape(-1)
+    flat = lengths if lengths.dim() == 1 else lengths.reshape(-1)
     if variable_stride:
         length_parts = torch.split(flat, stride_per_key)
         for i, key in enumerate(keys):
@@ -149,6 +150,10 @@ def to_dict(
             out[key] = jagged_view(value_parts[i], w, rows_lengths[i], None)
         return out
     rows = BatchedRows(flat.reshape(len(keys), stride_per_key[0]))
+    if not torch.jit.is_scripting():
+        return row_views_eager(
+            keys, value_parts, weight_parts if weights is not None else None, rows
+        )
     for i, key in enumerate(keys):
         w = weight_parts[i] if weights is not None else None
         out[key] = jagged_view(value_parts[i], w, None, None, rows, i)

@@ -106,10 +106,12 @@ def check_kjt_inputs(
     return keys, lengths, offsets, stride_per_key_per_rank
 
 
-def check_values_cover(keys: list[str], length_per_key: list[int], num_values: int) -> None:
+def check_values_cover(
+    keys: list[str], length_per_key: list[int], offset_per_key: list[int], num_values: int
+) -> None:
     """Raise, naming the key, if the bags need more values than there are (values may run
-    past the last bag, as TorchRec allows). Host ints only; the loop runs only on bad input."""
-    if sum(length_per_key) <= num_values:
+    past the last bag, as TorchRec allows). O(1) on good input: the last cached offset."""
+    if offset_per_key[-1] <= num_values:
         return
     end = 0
     for key, count in zip(keys, length_per_key, strict=True):

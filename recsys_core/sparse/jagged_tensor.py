@@ -1,5 +1,6 @@
 """JaggedTensor: one feature's variable-length bags over a batch."""
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -39,7 +40,7 @@ class BatchedRows:
             full = torch.zeros(
                 [lengths.size(0), lengths.size(1) + 1], dtype=lengths.dtype, device=lengths.device
             )
-            full[:, 1:] = torch.cumsum(lengths, 1)
+            torch.cumsum(lengths, 1, out=full[:, 1:])
             offsets = full.unbind(0)
             self._offsets = offsets
         return offsets[row]
@@ -158,7 +159,8 @@ class JaggedTensor(metaclass=SparseTypeMeta):
         return self._weights
 
     def lengths(self) -> torch.Tensor:
-        self._materialize()
+        if self._rows is not None:
+            self._materialize()
         lengths = self._lengths
         if lengths is None:
             offsets = self._offsets
@@ -172,7 +174,8 @@ class JaggedTensor(metaclass=SparseTypeMeta):
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
-        self._materialize()
+        if self._rows is not None:
+            self._materialize()
         offsets = self._offsets
         if offsets is None:
             lengths = self._lengths
@@ -353,6 +356,30 @@ def jagged_view(
     jt._rows = rows
     jt._row = row
     return jt
+
+
+def row_views_eager(
+    keys: list[str],
+    value_parts: Sequence[torch.Tensor],
+    weight_parts: Sequence[torch.Tensor] | None,
+    rows: BatchedRows,
+) -> dict[str, "JaggedTensor"]:
+    """Eager only (``KeyedJaggedTensor.to_dict``'s hot loop): one JaggedTensor per key over
+    row ``i`` of ``rows``, without a call per key."""
+    out: dict[str, JaggedTensor] = {}
+    new = object.__new__
+    for i, key in enumerate(keys):
+        jt = new(JaggedTensor)
+        jt._values, jt._lengths, jt._offsets, jt._rows, jt._row = (
+            value_parts[i],
+            None,
+            None,
+            rows,
+            i,
+        )
+        jt._weights = None if weight_parts is None else weight_parts[i]
+        out[key] = jt
+    return out
 
 
 _FIELDS = ("_values", "_weights", "_lengths", "_offsets")

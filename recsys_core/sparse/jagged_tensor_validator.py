@@ -41,8 +41,16 @@ def validate_keyed_jagged_tensor(
     id is in ``[0, num_embeddings)`` of its table: as in TorchRec that part only logs a warning
     and returns ``False``. Returns ``True`` when everything holds.
     """
+    check_keyed_jagged_tensor(kjt)
+    if configs is None:
+        return True
+    return _ids_in_range(kjt, configs)
+
+
+def check_keyed_jagged_tensor(kjt: KeyedJaggedTensor) -> list[int]:
+    """The raising checks of :func:`validate_keyed_jagged_tensor`; returns length_per_key."""
     _check_kjt_layout(kjt)
-    validate_jagged(
+    return validate_jagged(
         _OWNER,
         kjt.keys(),
         kjt.stride_per_key(),
@@ -53,9 +61,6 @@ def validate_keyed_jagged_tensor(
         kjt.length_per_key_or_none(),
         kjt.offset_per_key_or_none(),
     )
-    if configs is None:
-        return True
-    return _ids_in_range(kjt, configs)
 
 
 def _check_kjt_layout(kjt: KeyedJaggedTensor) -> None:
@@ -156,9 +161,12 @@ def validate_jagged(
     sums = [0] * num_keys
     if lengths.numel() > 0:
         sizes = [lengths.numel()] if keys is None else list(stride_per_key)
-        key_ids = torch.repeat_interleave(torch.arange(num_keys), torch.tensor(sizes))
-        per_key = torch.zeros(num_keys, dtype=torch.int64, device=lengths.device)
-        per_key.index_add_(0, key_ids.to(lengths.device), lengths.to(torch.int64))
+        if all(size == sizes[0] for size in sizes):
+            per_key = lengths.view(num_keys, sizes[0]).sum(1, dtype=torch.int64)
+        else:  # variable batch per key
+            key_ids = torch.repeat_interleave(torch.arange(num_keys), torch.tensor(sizes))
+            per_key = torch.zeros(num_keys, dtype=torch.int64, device=lengths.device)
+            per_key.index_add_(0, key_ids.to(lengths.device), lengths.to(torch.int64))
         stats = [per_key, lengths.min().to(torch.int64).view(1)]
         if offsets is not None:
             stats.append(offsets[:1].to(torch.int64))

@@ -15,7 +15,7 @@ from recsys_core.sparse._utils import (
     keyed_jagged_string,
 )
 from recsys_core.sparse.jagged_tensor import JaggedTensor
-from recsys_core.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
+from recsys_core.sparse.jagged_tensor_validator import check_keyed_jagged_tensor
 
 _OWNER = "KeyedJaggedTensor"
 
@@ -387,7 +387,7 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
     def validate(self) -> "KeyedJaggedTensor":
         """Full check (one device sync; see ``validate_keyed_jagged_tensor``). Raises
         ``ValueError`` naming the key and the bad value; caches ``length_per_key``."""
-        validate_keyed_jagged_tensor(self)
+        self._length_per_key = check_keyed_jagged_tensor(self)
         return self.sync()
 
     # -- per-key views ----------------------------------------------------------------------
@@ -400,7 +400,9 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         if jt_dict is not None:
             return jt_dict[key]
         if not torch.jit.is_scripting():
-            check_values_cover(self._keys, self.length_per_key(), self._values.size(0))
+            check_values_cover(
+                self._keys, self.length_per_key(), self.offset_per_key(), self._values.size(0)
+            )
         return _kjt_ops.key_view(
             self._values,
             self._weights,
@@ -417,7 +419,9 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
             return {}
         if jt_dict is None:
             if not torch.jit.is_scripting():
-                check_values_cover(self._keys, self.length_per_key(), self._values.size(0))
+                check_values_cover(
+                    self._keys, self.length_per_key(), self.offset_per_key(), self._values.size(0)
+                )
             jt_dict = _kjt_ops.to_dict(
                 self._keys,
                 self._values,
@@ -447,7 +451,9 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         indices = _kjt_ops.check_permute(indices, self._keys)
         length_per_key = self.length_per_key()
         if not torch.jit.is_scripting():
-            check_values_cover(self._keys, length_per_key, self._values.size(0))
+            check_values_cover(
+                self._keys, length_per_key, self.offset_per_key(), self._values.size(0)
+            )
         stride_per_key = self.stride_per_key()
         lengths, values, weights = _jit_ops.permute_keys(
             indices,
@@ -460,22 +466,39 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
             not self.variable_stride_per_key(),
         )
         spkpr = self._stride_per_key_per_rank
-        return KeyedJaggedTensor(
-            keys=[self._keys[i] for i in indices],
-            values=values,
-            weights=weights,
-            lengths=lengths,
-            stride=None if spkpr is not None else self.stride(),
-            stride_per_key_per_rank=None if spkpr is None else [spkpr[i] for i in indices],
-            stride_per_key=[stride_per_key[i] for i in indices],
-            length_per_key=[length_per_key[i] for i in indices],
-            offsets=None,
-            lengths_offset_per_key=None,
-            offset_per_key=None,
-            index_per_key=None,
-            jt_dict=None,
-            inverse_indices=None,
-        )
+        new_keys = [self._keys[i] for i in indices]
+        new_stride = None if spkpr is not None else self.stride()
+        new_spkpr = None if spkpr is None else [spkpr[i] for i in indices]
+        new_stride_per_key = [stride_per_key[i] for i in indices]
+        new_length_per_key = [length_per_key[i] for i in indices]
+        if torch.jit.is_scripting():
+            return KeyedJaggedTensor(
+                keys=new_keys,
+                values=values,
+                weights=weights,
+                lengths=lengths,
+                offsets=None,
+                stride=new_stride,
+                stride_per_key_per_rank=new_spkpr,
+                stride_per_key=new_stride_per_key,
+                length_per_key=new_length_per_key,
+                lengths_offset_per_key=None,
+                offset_per_key=None,
+                index_per_key=None,
+                jt_dict=None,
+                inverse_indices=None,
+            )
+        else:
+            return _derived_kjt(
+                new_keys,
+                values,
+                weights,
+                lengths,
+                new_stride,
+                new_spkpr,
+                new_stride_per_key,
+                new_length_per_key,
+            )
 
     def split(self, segments: list[int]) -> list["KeyedJaggedTensor"]:
         """Consecutive groups of ``segments[i]`` keys; every part is a view (no copy). A part
@@ -484,7 +507,9 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         offset_per_key = self.offset_per_key()
         length_per_key = self.length_per_key()
         if not torch.jit.is_scripting():
-            check_values_cover(self._keys, length_per_key, self._values.size(0))
+            check_values_cover(
+                self._keys, length_per_key, self.offset_per_key(), self._values.size(0)
+            )
         lengths_offset_per_key = self.lengths_offset_per_key()
         lengths = self.lengths().reshape(-1)
         spkpr = self._stride_per_key_per_rank
@@ -498,26 +523,41 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
                 parts.append(self)
             else:
                 lo, hi = offset_per_key[start], offset_per_key[end]
-                parts.append(
-                    KeyedJaggedTensor(
-                        keys=self._keys[start:end],
-                        values=self._values[lo:hi],
-                        weights=None if weights is None else weights[lo:hi],
-                        lengths=lengths[
-                            lengths_offset_per_key[start] : lengths_offset_per_key[end]
-                        ],
-                        stride=stride,
-                        stride_per_key_per_rank=None if spkpr is None else spkpr[start:end],
-                        length_per_key=length_per_key[start:end],
+                part_keys = self._keys[start:end]
+                part_values = self._values[lo:hi]
+                part_weights = None if weights is None else weights[lo:hi]
+                part_lengths = lengths[lengths_offset_per_key[start] : lengths_offset_per_key[end]]
+                part_spkpr = None if spkpr is None else spkpr[start:end]
+                part_lpk = length_per_key[start:end]
+                if torch.jit.is_scripting():
+                    part = KeyedJaggedTensor(
+                        keys=part_keys,
+                        values=part_values,
+                        weights=part_weights,
+                        lengths=part_lengths,
                         offsets=None,
+                        stride=stride,
+                        stride_per_key_per_rank=part_spkpr,
                         stride_per_key=None,
+                        length_per_key=part_lpk,
                         lengths_offset_per_key=None,
                         offset_per_key=None,
                         index_per_key=None,
                         jt_dict=None,
                         inverse_indices=None,
                     )
-                )
+                else:
+                    part = _derived_kjt(
+                        part_keys,
+                        part_values,
+                        part_weights,
+                        part_lengths,
+                        stride,
+                        part_spkpr,
+                        None,
+                        part_lpk,
+                    )
+                parts.append(part)
             start = end
         return parts
 
@@ -711,6 +751,31 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         return keyed_jagged_string(
             self._keys, self._values, self._weights, self.offsets().tolist(), self.stride_per_key()
         )
+
+
+def _derived_kjt(
+    keys: list[str],
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    lengths: torch.Tensor,
+    stride: int | None,
+    stride_per_key_per_rank: list[list[int]] | None,
+    stride_per_key: list[int] | None,
+    length_per_key: list[int] | None,
+) -> KeyedJaggedTensor:
+    """Eager only: a KJT made from parts of a checked one (split, permute) without the
+    constructor's input checks and metaclass, the hot path's main cost."""
+    kjt = object.__new__(KeyedJaggedTensor)
+    kjt._keys, kjt._values, kjt._weights, kjt._lengths = keys, values, weights, lengths
+    kjt._offsets, kjt._stride = None, stride
+    kjt._stride_per_key_per_rank, kjt._stride_per_key = stride_per_key_per_rank, stride_per_key
+    kjt._length_per_key, kjt._lengths_offset_per_key, kjt._offset_per_key = (
+        length_per_key,
+        None,
+        None,
+    )
+    kjt._index_per_key, kjt._jt_dict, kjt._inverse_indices = None, None, None
+    return kjt
 
 
 # Static constructors' bodies live in fx-wrapped functions: they read host metadata of their
