@@ -13,6 +13,7 @@ from recsys_core.modules.embedding_configs import (
     EmbeddingConfig,
     check_table_names,
     get_embedding_names_by_table,
+    table_dtype,
 )
 from recsys_core.modules.lookup import (
     check_lengths,
@@ -79,7 +80,8 @@ class EmbeddingCollection(nn.Module):
         self.embeddings = nn.ModuleDict()
         for config in tables:
             self.embeddings[config.name] = nn.Embedding(
-                config.num_embeddings, config.embedding_dim, device=device
+                config.num_embeddings, config.embedding_dim, device=device,
+                dtype=table_dtype(config),
             )
         self._device = torch.device(device) if device is not None else torch.empty(0).device
         self._feature_names: list[list[str]] = [list(c.feature_names) for c in tables]

@@ -149,6 +149,12 @@ class EmbeddingConfig(BaseEmbeddingConfig):
     """An unpooled (sequence) table: one vector per id."""
 
 
+def table_dtype(config: BaseEmbeddingConfig) -> torch.dtype:
+    """The weight dtype of a table in the unsharded collections (TorchRec's rule: FP32 tables are
+    float32, every other data_type is stored as float16 until quantized)."""
+    return torch.float32 if config.data_type is DataType.FP32 else torch.float16
+
+
 def get_embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> list[list[str]]:
     """Each table's output names, in table then feature order (TorchRec's names).
 

@@ -18,6 +18,7 @@ from recsys_core.modules.embedding_configs import (
     PoolingType,
     check_table_names,
     get_embedding_names_by_table,
+    table_dtype,
 )
 from recsys_core.modules.lookup import (
     check_features,
@@ -108,6 +109,7 @@ class EmbeddingBagCollection(nn.Module):
                 mode="mean" if config.pooling is PoolingType.MEAN else "sum",
                 device=device,
                 include_last_offset=True,
+                dtype=table_dtype(config),
             )
         # As TorchRec: without a device, the one the tables landed on (a device context counts).
         self._device = torch.device(device) if device is not None else _default_device()
@@ -120,6 +122,7 @@ class EmbeddingBagCollection(nn.Module):
             c.embedding_dim for c in tables for _ in c.feature_names
         ]
         self._mean: list[bool] = [c.pooling is PoolingType.MEAN for c in tables]
+        self._half: list[bool] = [table_dtype(c) is torch.float16 for c in tables]
         self._rows_per_feature = [(f, c.num_embeddings) for c in tables for f in c.feature_names]
         self.reset_parameters()
 
@@ -175,7 +178,9 @@ class EmbeddingBagCollection(nn.Module):
         for t, bag in enumerate(self.embedding_bags.values()):
             for name in self._feature_names[t]:
                 jt = feature_dict[name]
-                weights = jt.weights_or_none() if self._is_weighted else None
+                weights = jt.weights() if self._is_weighted else None
+                if weights is not None and self._half[t]:
+                    weights = weights.half()  # per-sample weights must match the table's dtype
                 if weights is not None and self._mean[t]:
                     # nn.EmbeddingBag has no weighted mean; FBGEMM's is sum(w_i * e_i) / length.
                     summed = nn.functional.embedding_bag(
@@ -183,8 +188,8 @@ class EmbeddingBagCollection(nn.Module):
                         per_sample_weights=weights, include_last_offset=True,
                         norm_type=2.0,  # a float literal, so a traced graph stays scriptable
                     )
-                    lengths = jt.lengths().clamp(min=1).unsqueeze(1).to(summed.dtype)
-                    pooled.append(summed / lengths)
+                    lengths = jt.lengths().clamp(min=1).unsqueeze(1).to(torch.float32)
+                    pooled.append(summed.float() / lengths)
                 else:
                     out = bag(input=jt.values(), offsets=jt.offsets(), per_sample_weights=weights)
                     pooled.append(out.float())

@@ -167,3 +167,22 @@ def test_duplicate_table_names_rejected_shared_features_allowed() -> None:
     with pytest.raises(ValueError, match="two tables are named 't'"):
         EmbeddingBagCollection([t, t])
     assert EmbeddingBagCollection([t, u])._embedding_names == ["f@t", "f@u"]
+
+
+def test_non_fp32_tables_are_float16_with_float32_outputs() -> None:
+    from recsys_core import DataType
+
+    config = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, data_type=DataType.FP16,
+                                pooling=PoolingType.MEAN, init_fn=torch.nn.init.ones_)
+    ebc = EmbeddingBagCollection([config], is_weighted=True)
+    assert ebc.embedding_bags["t"].weight.dtype == torch.float16
+    kjt = KeyedJaggedTensor(keys=["t"], values=torch.tensor([0, 1, 3]), lengths=torch.tensor([2, 1]),
+                            weights=torch.tensor([0.5, 2.0, 4.0]))
+    kt = ebc(kjt)
+    assert kt.values().dtype == torch.float32
+    torch.testing.assert_close(kt.values(), torch.tensor([[1.25, 1.25], [4.0, 4.0]]))  # (0.5 + 2) / 2, 4 / 1
+    ec = EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=2, num_embeddings=4, data_type=DataType.INT8,
+                                              init_fn=torch.nn.init.ones_)])
+    assert ec.embeddings["t"].weight.dtype == torch.float16
+    out = ec(KeyedJaggedTensor(keys=["t"], values=torch.tensor([3]), lengths=torch.tensor([1])))
+    assert out["t"].values().dtype == torch.float32 and out["t"].values().tolist() == [[1.0, 1.0]]
