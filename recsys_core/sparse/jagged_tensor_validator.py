@@ -73,6 +73,11 @@ def _check_kjt_layout(kjt: KeyedJaggedTensor) -> None:
     if offsets is not None:
         if offsets.numel() == 0:
             raise ValueError(f"{_OWNER}: offsets cannot be empty; it needs at least the 0.")
+        if int(offsets[0]) != 0:
+            raise ValueError(
+                f"{_OWNER}: Expected first offset to be 0, but got {int(offsets[0])}; subtract "
+                "offsets[0] or pass lengths instead."
+            )
         if int(offsets[-1]) != kjt.values().size(0):
             raise ValueError(
                 f"{_OWNER}: The last element of offsets must equal to the number of values, "

@@ -122,8 +122,10 @@ class KeyedTensor(metaclass=SparseTypeMeta):
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         """``{key: view}`` from one split of ``values``."""
-        parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
         out: dict[str, torch.Tensor] = {}
+        if len(self._keys) == 0:
+            return out
+        parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
         for i, key in enumerate(self._keys):
             out[key] = parts[i]
         return out
@@ -193,6 +195,8 @@ def _check_inputs(
         )
     if not isinstance(values, torch.Tensor):
         raise ValueError(f"{_OWNER}: values must be a torch.Tensor, got {type(values).__name__}.")
+    if not keys and values.numel() == 0:
+        return keys, length_per_key  # TorchRec's empty KeyedTensor, e.g. KeyedTensor([], [], t)
     if not -values.dim() <= key_dim < values.dim():
         raise ValueError(
             f"{_OWNER}: key_dim {key_dim} is out of range for values of shape "

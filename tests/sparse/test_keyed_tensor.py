@@ -194,3 +194,9 @@ def test_flatten_to_an_exported_spec_reorders_keys() -> None:
     assert values.tolist() == [[1.0, 2.0, 3.0]]
     rebuilt = pytree.tree_unflatten([values], spec)
     assert rebuilt.keys() == ["a", "b"] and rebuilt["b"].tolist() == [[2.0, 3.0]]
+
+
+def test_empty_keyed_tensor() -> None:
+    kt = KeyedTensor([], [], torch.Tensor())
+    assert str(kt) == "KeyedTensor()\n"
+    assert kt.keys() == [] and kt.to_dict() == {}
