@@ -26,7 +26,7 @@ from recsys_core.modules.fused_common import (
     check_location,
     resolve_fused_config,
 )
-from recsys_core.modules.lookup import check_features, check_lengths
+from recsys_core.modules.lookup import check_features, check_lengths, meta_jagged
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -134,6 +134,12 @@ class FusedEmbeddingCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         check_features(features, self._feature_names, _NAME, False)
+        if features.values().is_meta:  # shapes only: meta tensors hold no ids to look up
+            index = {k: i for i, k in enumerate(features.keys())}
+            return {
+                name: meta_jagged(features, index[f], self._embedding_dim)
+                for f, name in zip(self._feature_names, self._embedding_names, strict=True)
+            }
         check_lengths(features)
         jts = features.to_dict()
         ids = [jts[f].values() for f in self._feature_names]

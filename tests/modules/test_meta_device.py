@@ -71,3 +71,15 @@ def test_materialize_with_to_empty_and_reset_parameters() -> None:
     kt = ebc(kjt)
     torch.testing.assert_close(kt["t"], torch.full((1, 2), 2.0))
     torch.testing.assert_close(kt["g"], ebc.embedding_bags["u"].weight[7:8])
+
+
+def test_fused_ec_on_meta() -> None:
+    from recsys_core.modules.fused_embedding_modules import FusedEmbeddingCollection
+
+    tables = [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10**9, feature_names=["f1", "f2"])]
+    fused = FusedEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, device="meta")
+    assert all(p.is_meta for p in fused.parameters())
+    kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4], device="meta"),
+                            lengths=torch.tensor([1, 1, 1, 0, 1, 0], device="meta"), length_per_key=[3, 1])
+    out = fused(kjt)
+    assert {k: tuple(v.values().shape) for k, v in out.items()} == {"f1": (3, 4), "f2": (1, 4)}
