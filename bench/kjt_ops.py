@@ -6,8 +6,10 @@ multi-hot with bag sizes uniform in [0, 40] (mean pooling factor 20, empty bags 
 Ops (median microseconds of many reps after warmup; implementations alternate in rounds so
 that drift and allocator state hit them equally):
 
-  construct         from_lengths_sync (validate + length_per_key)  vs  per-key slices + .item()
-  construct_nosync  plain constructor (metadata checks only)       vs  the same naive loop
+  construct         from_lengths_sync (construct + length_per_key, as TorchRec: no validation)
+                                                                   vs  per-key slices + .item()
+  construct_nosync  plain constructor (stores its inputs)          vs  the same naive loop
+  validate          KeyedJaggedTensor.validate() (the explicit full check)  vs  the same naive loop
   permute           keys in reverse order                          vs  per-key slices + torch.cat
   split             two parts of 13 keys (views)                   vs  per-part, per-key cat
   to_dict           26 JaggedTensors (views; offsets on demand)    vs  per-key slices + JaggedTensor
@@ -177,6 +179,11 @@ def bench_ops(batch: int, budget_s: float) -> list[dict[str, object]]:
             },
             budget_s,
         ),
+        shape,
+    )
+    record(
+        "validate",
+        measure({"recsys_core": kjt.validate, "naive_loop": naive_construct}, budget_s),
         shape,
     )
     record(
