@@ -51,8 +51,9 @@ SUPPORTED_SHARDING_TYPES = (*_TW_FAMILY, ShardingType.ROW_WISE)
 class EmbeddingCollectionAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
     """The sharded forward's result: waits for every strategy's output dist.
 
-    ``parts[i]`` gives the rows of ``part_features[i]``; each output JaggedTensor takes its
-    lengths (and, with ``need_indices``, its ids as weights) from this rank's input.
+    ``parts[i]`` gives the rows of ``part_features[i]`` (embedding names); each output
+    JaggedTensor takes its lengths (and, with ``need_indices``, its ids as weights) from this
+    rank's input feature ``feature_of[name]`` (``f`` for ``f@t``).
     """
 
     def __init__(
@@ -60,12 +61,12 @@ class EmbeddingCollectionAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
         parts: list[Awaitable[list[torch.Tensor]]],
         part_features: list[list[str]],
         features: KeyedJaggedTensor,
-        embedding_names: list[str],
+        feature_of: dict[str, str],
         need_indices: bool,
     ) -> None:
         super().__init__()
         self._parts, self._part_features = parts, part_features
-        self._features, self._names, self._need_indices = features, embedding_names, need_indices
+        self._features, self._feature_of, self._need_indices = features, feature_of, need_indices
 
     def _wait_impl(self) -> dict[str, JaggedTensor]:
         rows: dict[str, torch.Tensor] = {}
@@ -75,10 +76,10 @@ class EmbeddingCollectionAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
         return {
             name: JaggedTensor(
                 values=rows[name],
-                lengths=inputs[name].lengths(),
-                weights=inputs[name].values() if self._need_indices else None,
+                lengths=inputs[feature].lengths(),
+                weights=inputs[feature].values() if self._need_indices else None,
             )
-            for name in self._names
+            for name, feature in self._feature_of.items()
         }
 
 
@@ -161,7 +162,7 @@ class ShardedEmbeddingCollection(nn.Module):
             parts,
             [s.output_features for s in strategies],
             features,
-            self._core.embedding_names,
+            self._core.feature_of,
             self._need_indices,
         )
 

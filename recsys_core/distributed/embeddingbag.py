@@ -152,11 +152,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         spec = CollectionSpec(
             name="ShardedEmbeddingBagCollection", state_prefix="embedding_bags",
             configs=tuple(configs), supported=tuple(ShardingType), families=_FAMILIES,
+            variable_batch=True,
         )
         self._core = ShardedCollectionCore(spec, plan, env, ctx, pooled_strategy_factory(env))
         self.lookups = self._core.lookups
         self._embedding_names = self._core.embedding_names
-        self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        self._dims = [t.config.embedding_dim for t in self._core.tables for _ in t.embedding_names]
         # strategies return their features' columns in strategy order: restore module order
         order = [f for s in self._core.strategies for f in s.output_features]
         dims = dict(zip(self._embedding_names, self._dims, strict=True))

@@ -48,8 +48,12 @@ from recsys_core.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
+from recsys_core.distributed.variable_batch import expand_variable_batch
 from recsys_core.kernels.id_check import IdRangeCheck, PendingIdCheck
-from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
+from recsys_core.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    get_embedding_names_by_table,
+)
 from recsys_core.modules.embedding_modules import check_features
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer
@@ -84,6 +88,8 @@ class CollectionSpec:
     families: tuple[tuple[ShardingType, ...], ...]
     """Sharding types run by one strategy together (e.g. table- and column-wise), in output
     order; the first type of a family names it for the factory."""
+    variable_batch: bool = False
+    """Accepts variable-batch KJTs (expanded to the full batch, see ``variable_batch.py``)."""
 
 
 class DistInputs(list):  # list[Awaitable[...]], one per strategy
@@ -119,19 +125,30 @@ class ShardedCollectionCore:
         configs = list(spec.configs)
         _check_plan(spec, configs, plan, env, ctx.device)
         self.spec, self.env, self.ctx = spec, env, ctx
-        self.tables = [resolve_shards(c, plan[c.name], env.world_size) for c in configs]
+        names_by_table = get_embedding_names_by_table(configs)
+        self.tables = [
+            resolve_shards(c, plan[c.name], env.world_size, names)
+            for c, names in zip(configs, names_by_table, strict=True)
+        ]
         self.strategies: list[Strategy] = []
         for family in spec.families:
             group = [t for t in self.tables if t.sharding.sharding_type in family]
             if group:
                 self.strategies.append(factory(family[0], group, ctx))
         self.lookups = nn.ModuleList([s.local for s in self.strategies])
-        self.embedding_names = [f for c in configs for f in c.feature_names]
+        self.embedding_names = [n for names in names_by_table for n in names]
+        # a feature shared by several tables feeds several outputs (``f@t1``, ``f@t2``)
+        self.feature_of = {
+            n: f for c, names in zip(configs, names_by_table, strict=True)
+            for n, f in zip(names, c.feature_names, strict=True)
+        }
+        self.feature_names = list(dict.fromkeys(self.feature_of.values()))
+        rows: dict[str, int] = {}
+        for c in configs:
+            for f in c.feature_names:
+                rows[f] = min(rows.get(f, c.num_embeddings), c.num_embeddings)
         self._input_orders: dict[tuple[str, ...], list[list[int] | None]] = {}
-        self._ids = IdRangeCheck(
-            {f: c.num_embeddings for c in configs for f in c.feature_names},
-            f"{spec.name}, rank {env.rank}",
-        )
+        self._ids = IdRangeCheck(rows, f"{spec.name}, rank {env.rank}")
         self._prefetched: deque[tuple[KeyedJaggedTensor, DistInputs]] = deque()
         self.fused_optimizer = self._build_optimizer()
 
@@ -192,7 +209,15 @@ class ShardedCollectionCore:
     def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
         """Start every strategy's input all-to-all. Ids are checked first: on the host before
         anything is sent; on a device asynchronously, resolved before any input dist completes."""
-        check_features(features, self.embedding_names, self.spec.name, self.ctx.is_weighted)
+        check_features(features, self.feature_names, self.spec.name, self.ctx.is_weighted)
+        if features.variable_stride_per_key():
+            if not self.spec.variable_batch:
+                raise ValueError(
+                    f"{self.spec.name}: variable-batch KeyedJaggedTensors (stride_per_key "
+                    f"{features.stride_per_key()}) are not supported; give every key the same "
+                    "batch size"
+                )
+            features = expand_variable_batch(features, self.spec.name)
         pending = self._ids.start(features)
         local = [
             features if order is None else features.permute(order)
@@ -209,7 +234,7 @@ class ShardedCollectionCore:
             index = {k: i for i, k in enumerate(keys)}
             orders = []
             for s in self.strategies:
-                order = [index[f] for f in s.output_features]
+                order = [index[self.feature_of[n]] for n in s.output_features]
                 orders.append(None if order == list(range(len(keys))) else order)
             self._input_orders[keys] = orders
         return orders

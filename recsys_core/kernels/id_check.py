@@ -98,7 +98,7 @@ class IdRangeCheck:
         limit_tensor = self._limit_tensor(keys, values.device)
         limits = tuple(self._rows.get(k, 2**62) for k in keys)
         lengths = features.lengths()
-        strides = _strides_per_key(features)
+        strides = features.stride_per_key()  # the batch per key (variable with VBE)
         key_of_length = torch.repeat_interleave(
             torch.arange(len(keys), device=values.device),
             torch.tensor(strides, device=values.device), output_size=lengths.numel(),
@@ -118,14 +118,6 @@ class IdRangeCheck:
         ready = torch.cuda.Event()
         ready.record()
         return PendingIdCheck(host, ready, keys, limits, self._where)
-
-
-def _strides_per_key(features: KeyedJaggedTensor) -> list[int]:
-    """Bags per key: the batch size, or each key's own with a variable batch per feature."""
-    per_key = getattr(features, "stride_per_key", None)
-    if callable(per_key) and getattr(features, "variable_stride_per_key", lambda: False)():
-        return list(per_key())
-    return [features.stride()] * len(features.keys())
 
 
 def describe_bad_ids(

@@ -50,14 +50,27 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class ShardedTable:
-    """A table with its plan entry and resolved shards."""
+    """A table with its plan entry and resolved shards.
+
+    ``embedding_names`` name the table's outputs, one per feature: the feature's name, or
+    ``<feature>@<table>`` for a feature several tables share (TorchRec's naming)."""
 
     config: BaseEmbeddingConfig
     sharding: ParameterSharding
     shards: tuple[ShardSpec, ...]
+    embedding_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.embedding_names:
+            object.__setattr__(self, "embedding_names", tuple(self.config.feature_names))
 
 
-def resolve_shards(config: BaseEmbeddingConfig, ps: ParameterSharding, world_size: int) -> ShardedTable:
+def resolve_shards(
+    config: BaseEmbeddingConfig,
+    ps: ParameterSharding,
+    world_size: int,
+    embedding_names: Sequence[str] = (),
+) -> ShardedTable:
     if ps.sharding_type is ShardingType.DATA_PARALLEL:
         ranks = ps.ranks or list(range(world_size))
         shards = tuple(
@@ -72,7 +85,7 @@ def resolve_shards(config: BaseEmbeddingConfig, ps: ParameterSharding, world_siz
             )
             for m in ps.shards
         )
-    return ShardedTable(config, ps, shards)
+    return ShardedTable(config, ps, shards, tuple(embedding_names))
 
 
 @dataclass(frozen=True, kw_only=True)

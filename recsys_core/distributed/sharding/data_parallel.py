@@ -43,14 +43,14 @@ class DpPooledSharding:
         ctx: KernelContext,
     ) -> None:
         self._env, self._is_weighted = env, ctx.is_weighted
-        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self.output_features = [f for t in tables for f in t.embedding_names]
         mine = [sh for t in tables for sh in t.shards if sh.rank == env.rank]
         by_table = {sh.table: sh for sh in mine}
         slots = [
             Slot(f, by_table[t.config.name], pooling)
             for pooling in (PoolingType.SUM, PoolingType.MEAN)
             for t in tables if t.config.pooling is pooling
-            for f in t.config.feature_names
+            for f in t.embedding_names
         ]
         configs = {t.config.name: t.config for t in tables}
         self.local = LocalKernels(slots, ctx, configs, backend=KernelBackend.TORCH)

@@ -63,9 +63,9 @@ class RwPooledSharding:
         self._domain_size = domain_size
         self._num_domains = env.world_size // domain_size
         self._domain_group, self._cross_group = domain_group, cross_group
-        self.output_features = [f for t in tables for f in t.config.feature_names]
-        self._mean = [t.config.pooling is PoolingType.MEAN for t in tables for _ in t.config.feature_names]
-        self._dims = [t.config.embedding_dim for t in tables for _ in t.config.feature_names]
+        self.output_features = [f for t in tables for f in t.embedding_names]
+        self._mean = [t.config.pooling is PoolingType.MEAN for t in tables for _ in t.embedding_names]
+        self._dims = [t.config.embedding_dim for t in tables for _ in t.embedding_names]
         self._domain_of_feature: list[int] = []
         self._owners: list[torch.Tensor] = []  # per feature: rank of each row block
         self._starts: list[torch.Tensor] = []  # per feature: first row of each block
@@ -76,7 +76,7 @@ class RwPooledSharding:
             # empty blocks own no rows: leave them out of routing (their offset is arbitrary)
             owning = [sh for sh in shards if sh.rows > 0]
             domain = shards[0].rank // domain_size
-            for feature in t.config.feature_names:
+            for feature in t.embedding_names:
                 self._domain_of_feature.append(domain)
                 self._owners.append(torch.tensor([sh.rank for sh in owning]))
                 self._starts.append(torch.tensor([sh.row_offset for sh in owning]))
@@ -174,7 +174,7 @@ class RwSequenceSharding:
         ctx: KernelContext,
     ) -> None:
         self._env = env
-        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = sequence_slots(tables, env.world_size)
         self.local = LocalKernels(
             self._slots[env.rank], ctx, {t.config.name: t.config for t in tables}
@@ -185,7 +185,7 @@ class RwSequenceSharding:
             # Empty shards own no row; leaving them out keeps the bucketing right wherever the
             # plan says an empty shard starts.
             blocks = sorted((sh for sh in t.shards if sh.rows), key=lambda sh: sh.row_offset)
-            for _ in t.config.feature_names:
+            for _ in t.embedding_names:
                 self._owners.append(torch.tensor([sh.rank for sh in blocks]))
                 self._starts.append(torch.tensor([sh.row_offset for sh in blocks]))
         index = {f: i for i, f in enumerate(self.output_features)}
@@ -195,7 +195,7 @@ class RwSequenceSharding:
         self._assembly = [
             [(r, where[(f, r)]) for r in sorted({sh.rank for sh in t.shards})]
             for t in tables
-            for f in t.config.feature_names
+            for f in t.embedding_names
         ]
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:

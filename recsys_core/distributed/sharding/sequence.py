@@ -93,7 +93,7 @@ def sequence_slots(tables: Sequence[ShardedTable], world_size: int) -> list[list
     out: list[list[Slot]] = [[] for _ in range(world_size)]
     for t in tables:
         for shard in t.shards:
-            for feature in t.config.feature_names:
+            for feature in t.embedding_names:
                 out[shard.rank].append(Slot(feature, shard, PoolingType.SUM))
     return out
 

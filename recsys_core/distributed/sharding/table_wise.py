@@ -54,7 +54,7 @@ def slots_by_rank(tables: Sequence[ShardedTable], world_size: int) -> list[list[
             if t.config.pooling is not pooling:
                 continue
             for shard in t.shards:
-                for feature in t.config.feature_names:
+                for feature in t.embedding_names:
                     out[shard.rank].append(Slot(feature, shard, pooling))
     return out
 
@@ -70,7 +70,7 @@ class TwPooledSharding:
     ) -> None:
         self._env = env
         self._is_weighted = ctx.is_weighted
-        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = slots_by_rank(tables, env.world_size)
         configs = {t.config.name: t.config for t in tables}
         self.local = LocalKernels(self._slots[env.rank], ctx, configs)
@@ -91,7 +91,7 @@ class TwPooledSharding:
         columns: list[int] = []
         for t in tables:
             shards = sorted(t.shards, key=lambda sh: sh.col_offset)
-            for feature in t.config.feature_names:
+            for feature in t.embedding_names:
                 for sh in shards:
                     begin = start[(feature, sh.rank, sh.col_offset)]
                     columns.extend(range(begin, begin + sh.cols))
@@ -140,7 +140,7 @@ class TwSequenceSharding:
         ctx: KernelContext,
     ) -> None:
         self._env = env
-        self.output_features = [f for t in tables for f in t.config.feature_names]
+        self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = sequence_slots(tables, env.world_size)
         self.local = LocalKernels(
             self._slots[env.rank], ctx, {t.config.name: t.config for t in tables}
@@ -157,7 +157,7 @@ class TwSequenceSharding:
         self._assembly = [
             [where[(f, sh)] for sh in sorted(t.shards, key=lambda sh: sh.col_offset)]
             for t in tables
-            for f in t.config.feature_names
+            for f in t.embedding_names
         ]
         self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
 
