@@ -80,7 +80,7 @@ def main() -> None:
 
     # 2. fused optimizer: backward updates the tables, no optimizer.step() needed
     fused = FusedEmbeddingBagCollection(TABLES, EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"learning_rate": 0.02, "eps": 0.002})
-    print(fused.fused_optimizer)
+    print(fused.fused_optimizer())
     for i in range(2):
         out = fused(kjt).values()
         loss = torch.sum(torch.ones_like(out) - out)
@@ -93,7 +93,7 @@ def main() -> None:
         dict(in_backward_optimizer_filter(model.named_parameters())),
         lambda params: torch.optim.Adam(params, lr=0.01),
     )
-    optimizer = CombinedOptimizer([("sparse", model.sparse.fused_optimizer), dense])
+    optimizer = CombinedOptimizer([("sparse", model.sparse.fused_optimizer()), dense])
     gen = torch.Generator().manual_seed(0)
     loss_fn = nn.BCEWithLogitsLoss()
     window: list[float] = []
