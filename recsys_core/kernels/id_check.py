@@ -17,6 +17,8 @@ per-value limits [5, 5, 5, 3]; value 3 of "b" is >= 3, so the error names featur
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -97,6 +99,9 @@ class IdRangeCheck:
         keys = tuple(features.keys())
         limit_tensor = self._limit_tensor(keys, values.device)
         limits = tuple(self._rows.get(k, 2**62) for k in keys)
+        if values.device.type == "cpu":  # the ids are on the host: nothing to overlap with
+            self._check_on_host(features, keys, limits, limit_tensor)
+            return _PASSED
         lengths = features.lengths()
         strides = features.stride_per_key()  # the batch per key (variable with VBE)
         key_of_length = torch.repeat_interleave(
@@ -110,14 +115,33 @@ class IdRangeCheck:
         position = torch.argmax(bad.to(torch.int8))
         feature = torch.searchsorted(torch.cumsum(per_key, 0), position, right=True)
         verdict = torch.stack([bad.sum(), values[position].long(), feature])
-        if values.device.type == "cpu":  # the ids are on the host: nothing to overlap with
-            PendingIdCheck(verdict, None, keys, limits, self._where).result()
-            return _PASSED
         host = torch.empty(3, dtype=torch.int64, pin_memory=True)
         host.copy_(verdict, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return PendingIdCheck(host, ready, keys, limits, self._where)
+
+
+    def _check_on_host(
+        self,
+        features: KeyedJaggedTensor,
+        keys: tuple[str, ...],
+        limits: tuple[int, ...],
+        limit_tensor: torch.Tensor,
+    ) -> None:
+        values = features.values()
+        per_key = features.length_per_key()
+        per_value = torch.repeat_interleave(
+            limit_tensor, torch.tensor(per_key), output_size=values.numel()
+        )
+        bad = (values < 0) | (values >= per_value)
+        if not bool(bad.any()):
+            return
+        position = int(bad.nonzero()[0, 0])
+        feature = bisect.bisect_right(list(itertools.accumulate(per_key)), position)
+        raise IdOutOfRangeError(
+            id_error_message(keys[feature], int(values[position]), limits[feature], self._where)
+        )
 
 
 def describe_bad_ids(
