@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from torch import nn
 
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.plan.generators import (
     ParameterShardingGenerator,
     column_wise,
@@ -42,15 +41,17 @@ def collections_of(
         sharder = next((s for s in sharders if isinstance(sub, s.module_type)), None)
         if sharder is None:
             continue
-        if isinstance(sub, EmbeddingBagCollection):
+        # Plain and fused collections alike declare their tables through these two methods.
+        if callable(getattr(sub, "embedding_bag_configs", None)):
             configs: list[BaseEmbeddingConfig] = list(sub.embedding_bag_configs())
-        elif isinstance(sub, EmbeddingCollection):
+        elif callable(getattr(sub, "embedding_configs", None)):
             configs = list(sub.embedding_configs())
         else:
             raise PlannerError(
                 f"module {path!r} is a {type(sub).__name__}, which {type(sharder).__name__} "
-                "handles but the planner cannot read tables from; plan EmbeddingBagCollection "
-                "or EmbeddingCollection modules"
+                "handles but the planner cannot read tables from (it has neither "
+                "embedding_bag_configs() nor embedding_configs()); plan embedding (bag) "
+                "collections"
             )
         found[path] = (sub, sharder, configs)
     return found

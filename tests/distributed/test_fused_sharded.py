@@ -82,8 +82,9 @@ def worker(rank: int, world: int, kind: str, optimizer: str) -> dict:
     torch.manual_seed(0)
     fused = FusedEmbeddingBagCollection(TABLES, optimizer_type=opt_type, optimizer_kwargs=kwargs)
     reference = copy.deepcopy(fused)
-    plan = ShardingPlan({"sparse": construct_module_sharding_plan(fused, PLANS[kind], world)})
-    dmp = DistributedModelParallel(Model(fused), plan=plan)  # default sharders
+    plan = None if kind == "planner" else ShardingPlan(
+        {"sparse": construct_module_sharding_plan(fused, PLANS[kind], world)})
+    dmp = DistributedModelParallel(Model(fused), plan=plan)  # default sharders (and planner)
     sharded = dmp.module.sparse
     assert isinstance(sharded, ShardedFusedEmbeddingBagCollection)
     assert sharded.fused_optimizer.param_groups[0]["lr"] == pytest.approx(lr)
@@ -118,7 +119,7 @@ def _tables_by_lookup(fused: FusedEmbeddingBagCollection) -> dict[str, torch.Ten
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("kind", sorted(PLANS))
+@pytest.mark.parametrize("kind", [*sorted(PLANS), "planner"])
 def test_dmp_shards_fused_ebc_and_trains_like_it(kind: str, optimizer: str) -> None:
     r0 = run_gloo(2, worker, kind, optimizer)[0]
     assert sorted(r0["full"]) == ["sparse.embedding_bags.a.weight", "sparse.embedding_bags.b.weight"]
