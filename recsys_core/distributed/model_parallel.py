@@ -33,6 +33,7 @@ from recsys_core.distributed.types import ShardingEnv, ShardingPlan
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.planner.planner import plan_for_env
 
 _SHARDABLE = (EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection)
 _SHARDED = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
@@ -49,6 +50,11 @@ def get_default_sharders() -> list[Sharder]:
         FusedEmbeddingBagCollectionSharder(),
         EmbeddingCollectionSharder(),
     ]
+
+
+def get_module_to_default_sharders() -> dict[type[nn.Module], Sharder]:
+    """``{module type: its default sharder}`` (TorchRec's helper of the same name)."""
+    return {sharder.module_type: sharder for sharder in get_default_sharders()}
 
 
 class DistributedModelParallel(nn.Module):
@@ -86,9 +92,6 @@ class DistributedModelParallel(nn.Module):
         self._device = torch.device(device or "cpu")
         self._sharders = list(sharders or get_default_sharders())
         if plan is None:
-            # imported here: the planner builds on recsys_core.distributed (import cycle)
-            from recsys_core.planner.planner import plan_for_env
-
             plan = plan_for_env(module, env, self._sharders, self._device)
         self._plan = plan
         self._sharded_paths: list[str] = []

@@ -41,7 +41,6 @@ from recsys_core.distributed.sharding.common import (
     require_process_group,
     resolve_shards,
 )
-from recsys_core.distributed.sharding_plan import validate_module_sharding_plan
 from recsys_core.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -57,6 +56,7 @@ from recsys_core.modules.embedding_configs import (
 from recsys_core.modules.embedding_modules import check_features
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer
+from recsys_core.plan.validation import validate_module_sharding_plan
 from recsys_core.sparse import KeyedJaggedTensor
 
 

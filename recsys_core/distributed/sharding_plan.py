@@ -10,6 +10,10 @@ Example (2 ranks on one host)::
     )
 """
 
+from recsys_core.distributed.model_parallel import (
+    get_default_sharders,
+    get_module_to_default_sharders,
+)
 from recsys_core.plan.generators import (
     ParameterShardingGenerator,
     column_wise,
@@ -34,6 +38,8 @@ __all__ = [
     "column_wise",
     "construct_module_sharding_plan",
     "data_parallel",
+    "get_default_sharders",
+    "get_module_to_default_sharders",
     "row_blocks",
     "row_wise",
     "table_column_wise",

@@ -23,17 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsys_core.distributed.sharding_plan import (
-    construct_module_sharding_plan,
-    table_wise,
-    validate_module_sharding_plan,
-)
-from recsys_core.distributed.types import (
-    EmbeddingComputeKernel,
-    EmbeddingModuleShardingPlan,
-    ShardingPlan,
-    ShardingType,
-)
 from recsys_core.inference.quant_embedding import (
     QuantEmbeddingBagCollection,
     QuantTableWeight,
@@ -45,6 +34,14 @@ from recsys_core.kernels.config import KernelBackend
 from recsys_core.kernels.quant_tbe import QuantTableSpec, default_row_alignment, table_offsets
 from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recsys_core.modules.embedding_modules import check_features
+from recsys_core.plan.generators import construct_module_sharding_plan, table_wise
+from recsys_core.plan.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ShardingPlan,
+    ShardingType,
+)
+from recsys_core.plan.validation import validate_module_sharding_plan
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
 _NAME = "ShardedQuantEmbeddingBagCollection"

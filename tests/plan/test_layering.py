@@ -15,7 +15,8 @@ def _loaded_after_import(module: str) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("module", ["recsys_core.plan", "recsys_core.planner"])
+@pytest.mark.parametrize(
+    "module", ["recsys_core.plan", "recsys_core.planner", "recsys_core.inference.sharding"])
 def test_plan_and_planner_do_not_load_the_distributed_runtime(module: str) -> None:
     loaded = _loaded_after_import(module)
     assert module in loaded
@@ -38,3 +39,28 @@ def test_distributed_paths_re_export_the_plan_layer_objects() -> None:
                  "table_column_wise", "construct_module_sharding_plan",
                  "validate_module_sharding_plan"):
         assert getattr(sharding_plan, name) is getattr(plan, name)
+
+
+def test_default_sharders_at_torchrec_path() -> None:
+    """TorchRec's ``sharding_plan.get_default_sharders()``: one sharder per shardable module
+    type, the same list DistributedModelParallel uses without ``sharders``."""
+    from recsys_core import EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection
+    from recsys_core.distributed import (
+        EmbeddingBagCollectionSharder,
+        EmbeddingCollectionSharder,
+        FusedEmbeddingBagCollectionSharder,
+    )
+    from recsys_core.distributed.sharding_plan import (
+        get_default_sharders,
+        get_module_to_default_sharders,
+    )
+
+    assert [type(s) for s in get_default_sharders()] == [
+        EmbeddingBagCollectionSharder, FusedEmbeddingBagCollectionSharder,
+        EmbeddingCollectionSharder]
+    by_type = get_module_to_default_sharders()
+    assert {t: type(s) for t, s in by_type.items()} == {
+        EmbeddingBagCollection: EmbeddingBagCollectionSharder,
+        FusedEmbeddingBagCollection: FusedEmbeddingBagCollectionSharder,
+        EmbeddingCollection: EmbeddingCollectionSharder,
+    }
