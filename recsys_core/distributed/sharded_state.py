@@ -226,11 +226,32 @@ class ShardedFusedOptimizer(KeyedOptimizer):
                         f"different optimizer than {self._config.optimizer.name}"
                     )
                 import_tensor(table, shards.get(name, []), saved[f"{name}.{s}"], s, f"{key}/{s}")
-        group = state_dict["param_groups"][0]
-        self.param_groups[0]["lr"] = group["lr"]
-        for kernel in self._kernels:
-            kernel.iter.fill_(int(group.get("step", 0)))
+        # A state dict saved without param groups (KeyedOptimizer.save_param_groups(False))
+        # keeps the current learning rate and step, as TorchRec's load does.
+        groups = state_dict.get("param_groups") or []
+        if groups:
+            self.param_groups[0]["lr"] = groups[0]["lr"]
+            self.set_optimizer_step(int(groups[0].get("step", 0)))
         self.step()
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Set every local kernel's iteration counter (bias correction of Adam/LAMB reads it)."""
+        for kernel in self._kernels:
+            kernel.iter.fill_(int(step))
+
+    def update_hyper_parameters(self, params_dict: Mapping[str, Any]) -> None:
+        """Set hyper-parameters by name; only ``lr`` can change after sharding (the others are
+        fixed in the kernels: shard the module with new ``fused_params`` instead)."""
+        unsupported = sorted(set(params_dict) - {"lr"})
+        if unsupported:
+            raise NotImplementedError(
+                f"Setting hyper-parameter(s) {unsupported} is not supported by the sharded fused "
+                "optimizer (only 'lr'); shard the module with the new values in the sharder's "
+                "fused_params instead"
+            )
+        if "lr" in params_dict:
+            self.param_groups[0]["lr"] = float(params_dict["lr"])
+            self.step()  # pushes the rate to the kernels (their updates run in backward)
 
     def __repr__(self) -> str:
         return repr(self._inner).lstrip(": ") if len(self._inner.optimizers) == 1 else repr(self._inner)
