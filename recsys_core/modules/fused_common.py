@@ -3,6 +3,7 @@ object ``fused_optimizer()`` returns."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,3 +83,32 @@ class TableWeight(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()
         self.weight = weight
+
+
+def deepcopy_with_kernel_views(
+    module: nn.Module, kernels: list[nn.Module], memo: dict[int, Any]
+) -> nn.Module:
+    """``copy.deepcopy`` of a fused collection whose table parameters stay views of the copied
+    kernels' storage.
+
+    A plain deepcopy clones each ``nn.Parameter`` on its own, so the copy's parameters (and
+    its ``state_dict``) would stop following the copy's kernels after a fused update."""
+    views: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    for kernel in kernels:
+        copied = copy.deepcopy(kernel, memo)
+        for old, new in zip(kernel.split_embedding_weights(), copied.split_embedding_weights(),
+                            strict=True):
+            views[(old.data_ptr(), tuple(old.shape))] = new
+    for param in module.parameters():
+        new_view = views.get((param.data_ptr(), tuple(param.shape)))
+        if new_view is None or id(param) in memo:
+            continue
+        new_param = nn.Parameter(new_view, requires_grad=param.requires_grad)
+        memo[id(param)] = new_param
+        new_param.__dict__.update(copy.deepcopy(param.__dict__, memo))
+    cls = type(module)
+    new_module = cls.__new__(cls)
+    memo[id(module)] = new_module
+    for key, value in module.__dict__.items():
+        object.__setattr__(new_module, key, copy.deepcopy(value, memo))
+    return new_module

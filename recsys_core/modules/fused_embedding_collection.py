@@ -24,6 +24,7 @@ from recsys_core.modules.fused_common import (
     FusedCombinedOptimizer,
     TableWeight,
     check_location,
+    deepcopy_with_kernel_views,
     resolve_fused_config,
 )
 from recsys_core.modules.lookup import check_features, check_lengths, meta_jagged
@@ -101,6 +102,9 @@ class FusedEmbeddingCollection(nn.Module):
             weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
         self._fused_optimizer = FusedCombinedOptimizer([optim])
         self.embeddings = nn.ModuleDict(holders)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingCollection:
+        return deepcopy_with_kernel_views(self, [self._kernel], memo)  # type: ignore[return-value]
 
     @property
     def fused_optimizer(self) -> FusedCombinedOptimizer:

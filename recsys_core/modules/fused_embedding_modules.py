@@ -34,6 +34,7 @@ from recsys_core.modules.fused_common import (
     TableWeight,
     check_location,
     convert_optimizer_type_and_kwargs,
+    deepcopy_with_kernel_views,
     resolve_fused_config,
 )
 from recsys_core.modules.fused_embedding_collection import FusedEmbeddingCollection
@@ -175,6 +176,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         if ebc.device.type != "meta":
             fused.load_state_dict(ebc.state_dict())
         return fused
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingBagCollection:
+        return deepcopy_with_kernel_views(self, self._kernels, memo)  # type: ignore[return-value]
 
     # ---- public API ---------------------------------------------------------------------------
     @property
