@@ -41,6 +41,8 @@ def check_features(
             f"{module}: the collection is weighted (is_weighted=True) but the input "
             f"KeyedJaggedTensor has no weights; pass weights= for features {list(needed)}"
         )
+    # Lengths/offsets reach the kernels next: prove them in bounds (cached on the KJT).
+    features._ensure_safe()
 
 
 def lookup_error(feature: str, num_embeddings: int, ids: torch.Tensor) -> IdOutOfRangeError | None:

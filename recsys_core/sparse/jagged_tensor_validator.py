@@ -179,7 +179,7 @@ def validate_jagged(
         packed = torch.cat(stats).tolist()
         sums = packed[:num_keys]
         if packed[num_keys] < 0:
-            _raise_negative(owner, keys, sizes, lengths)
+            raise_negative_length(owner, keys, sizes, lengths)
         if offsets is not None:
             if packed[num_keys + 1] != 0:
                 raise ValueError(
@@ -259,7 +259,7 @@ def _check_keys(
         )
 
 
-def _raise_negative(
+def raise_negative_length(
     owner: str, keys: Sequence[str] | None, sizes: Sequence[int], lengths: torch.Tensor
 ) -> None:
     position = int(torch.nonzero(lengths < 0)[0, 0])

@@ -8,9 +8,9 @@ from torch.utils._pytree import GetAttrKey, KeyEntry, TreeSpec, register_pytree_
 
 from recsys_core.sparse import _jit_ops, _kjt_ops
 from recsys_core.sparse._fx import SparseTypeMeta
+from recsys_core.sparse._safety import ensure_safe_layout
 from recsys_core.sparse._utils import (
     check_kjt_inputs,
-    check_values_cover,
     index_select_batch,
     keyed_jagged_string,
 )
@@ -69,6 +69,7 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         "_index_per_key",
         "_jt_dict",
         "_inverse_indices",
+        "_checked",
     )
 
     def __init__(
@@ -112,6 +113,8 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         self._index_per_key: dict[str, int] | None = index_per_key
         self._jt_dict: dict[str, JaggedTensor] | None = jt_dict
         self._inverse_indices: tuple[list[str], torch.Tensor] | None = inverse_indices
+        # Layout proven safe for kernels (``_safety.ensure_safe_layout``); eager only.
+        self._checked: bool = False
 
     # -- constructors ---------------------------------------------------------------------
 
@@ -331,6 +334,12 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
     def length_per_key(self) -> list[int]:
         """Number of values per key (host ints; computing them syncs once, then cached)."""
         length_per_key = self._length_per_key
+        if length_per_key is None and not torch.jit.is_scripting() and not self._checked:
+            # The sync that computes the counts also proves the layout safe for kernels. A
+            # malformed KJT still syncs (as in TorchRec); the ops that would use it raise.
+            counts = self._counts_if_safe()
+            if counts is not None:
+                return counts
         if length_per_key is None:
             length_per_key = _kjt_ops.length_per_key(
                 self._values,
@@ -390,6 +399,19 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         self._length_per_key = check_keyed_jagged_tensor(self)
         return self.sync()
 
+    @torch.jit.unused
+    def _ensure_safe(self) -> list[int]:
+        """Prove the layout safe to hand to kernels (cached; see ``_safety``); length_per_key."""
+        return ensure_safe_layout(self)
+
+    @torch.jit.unused
+    def _counts_if_safe(self) -> Optional[list[int]]:  # noqa: UP045 (TorchScript)
+        """``length_per_key`` if the layout is safe, else None (the caller computes it anyway)."""
+        try:
+            return ensure_safe_layout(self)
+        except ValueError:
+            return None
+
     # -- per-key views ----------------------------------------------------------------------
 
     def __getitem__(self, key: str) -> JaggedTensor:
@@ -400,9 +422,7 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         if jt_dict is not None:
             return jt_dict[key]
         if not torch.jit.is_scripting():
-            check_values_cover(
-                self._keys, self.length_per_key(), self.offset_per_key(), self._values.size(0)
-            )
+            self._ensure_safe()
         return _kjt_ops.key_view(
             self._values,
             self._weights,
@@ -419,9 +439,7 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
             return {}
         if jt_dict is None:
             if not torch.jit.is_scripting():
-                check_values_cover(
-                    self._keys, self.length_per_key(), self.offset_per_key(), self._values.size(0)
-                )
+                self._ensure_safe()
             jt_dict = _kjt_ops.to_dict(
                 self._keys,
                 self._values,
@@ -449,11 +467,9 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         strides move with their keys; inverse indices are dropped (as in TorchRec).
         """
         indices = _kjt_ops.check_permute(indices, self._keys)
-        length_per_key = self.length_per_key()
         if not torch.jit.is_scripting():
-            check_values_cover(
-                self._keys, length_per_key, self.offset_per_key(), self._values.size(0)
-            )
+            self._ensure_safe()
+        length_per_key = self.length_per_key()
         stride_per_key = self.stride_per_key()
         lengths, values, weights = _jit_ops.permute_keys(
             indices,
@@ -504,12 +520,10 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         """Consecutive groups of ``segments[i]`` keys; every part is a view (no copy). A part
         with every key is this KJT; parts keep this KJT's ``stride()`` (as in TorchRec)."""
         _kjt_ops.check_split(segments, self._keys)
+        if not torch.jit.is_scripting():
+            self._ensure_safe()
         offset_per_key = self.offset_per_key()
         length_per_key = self.length_per_key()
-        if not torch.jit.is_scripting():
-            check_values_cover(
-                self._keys, length_per_key, self.offset_per_key(), self._values.size(0)
-            )
         lengths_offset_per_key = self.lengths_offset_per_key()
         lengths = self.lengths().reshape(-1)
         spkpr = self._stride_per_key_per_rank
@@ -575,6 +589,7 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
                 "KeyedJaggedTensor.index_select_batch: needs a fixed batch, but this KJT has a "
                 "variable batch per key."
             )
+        self._ensure_safe()
         values, weights, lengths, stride = index_select_batch(
             "KeyedJaggedTensor.index_select_batch",
             self._values,
@@ -671,6 +686,8 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
     def dist_splits(self, key_splits: list[int]) -> list[list[int]]:
         """Per destination (``key_splits[i]`` consecutive keys each): how many lengths and
         values go there (+ keys, for a variable batch) (+ weights)."""
+        if not torch.jit.is_scripting():
+            self._ensure_safe()
         batch_per_split = _kjt_ops.sum_by_splits(self.stride_per_key(), key_splits)
         length_per_split = _kjt_ops.sum_by_splits(self.length_per_key(), key_splits)
         splits = [batch_per_split, length_per_split]
@@ -775,6 +792,7 @@ def _derived_kjt(
         None,
     )
     kjt._index_per_key, kjt._jt_dict, kjt._inverse_indices = None, None, None
+    kjt._checked = True  # parts of a checked KJT
     return kjt
 
 
@@ -845,21 +863,26 @@ def _kjt_concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     )
     first = kjt_list[0]
     keys: list[str] = []
-    length_per_key: list[int] | None = []
+    length_per_key: list[int] = []
     spkpr: list[list[int]] = []
     weights: list[torch.Tensor] = []
     inverse_keys: list[str] = []
     inverse_tensors: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for kjt in kjt_list:
         keys.extend(kjt.keys())
-        cached = kjt.length_per_key_or_none()
-        # Keep the host-side counts only if every input has them (no sync here).
-        length_per_key = (
-            None if cached is None or length_per_key is None else (length_per_key + cached)
-        )
+        # Each part proven safe; values past a part's last bag are dropped, so that the next
+        # part's keys start where the lengths say they do.
+        if torch.jit.is_scripting():
+            counts = kjt.length_per_key()
+        else:
+            counts = kjt._ensure_safe()
+        covered = sum(counts)
+        length_per_key = length_per_key + counts
+        values.append(kjt.values().narrow(0, 0, covered))
         w = kjt.weights_or_none()
         if w is not None:
-            weights.append(w)
+            weights.append(w.narrow(0, 0, covered))
         if kjt.variable_stride_per_key():
             spkpr.extend(kjt.stride_per_key_per_rank())
         inverse = kjt.inverse_indices_or_none()
@@ -869,7 +892,7 @@ def _kjt_concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     variable = first.variable_stride_per_key()
     return KeyedJaggedTensor(
         keys=keys,
-        values=torch.cat([k.values() for k in kjt_list]),
+        values=torch.cat(values),
         weights=torch.cat(weights) if len(weights) > 0 else None,
         lengths=torch.cat([k.lengths().reshape(-1) for k in kjt_list]),
         stride=None if variable else first.stride(),

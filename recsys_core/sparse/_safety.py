@@ -1,0 +1,168 @@
+"""The memory-safety check of a KeyedJaggedTensor, made before its lengths/offsets reach native code.
+
+Constructors store their inputs unchecked (TorchRec semantics), and the kernels behind
+``permute``, ``split``, the embedding lookups and the input all-to-all trust them: a negative
+length whose key totals still add up (``lengths=[1, 1, -1, 3]`` for 4 values) would make them
+read or write outside their buffers. So every such entry point first calls
+:func:`ensure_safe_layout`. It proves, in one host transfer (the one computing
+``length_per_key``, which those ops need anyway), that
+
+* the lengths have one entry per (key, bag): ``sum(stride_per_key)`` of them;
+* every length lies in ``[0, len(values)]`` (one pass: read as unsigned, a negative length is
+  larger than any count of values), so no sum can overflow;
+* each key's values lie inside ``values`` and a given ``length_per_key`` matches the lengths;
+* weights cover every bagged value;
+* given offsets start at 0, end inside ``values`` and, if lengths were given too, agree with them.
+
+The result is cached on the KJT; KJTs derived from a checked one (``permute``, ``split``) are
+checked by construction. Errors are ``ValueError`` naming the key and batch position.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from recsys_core.sparse._utils import check_values_cover
+from recsys_core.sparse.jagged_tensor_validator import raise_negative_length
+
+if TYPE_CHECKING:
+    from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+_OWNER = "KeyedJaggedTensor"
+_UNSIGNED = {torch.int64: np.uint64, torch.int32: np.uint32}
+
+
+def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
+    """Raise ``ValueError`` unless ``kjt``'s layout is safe to hand to kernels (see the module
+    docstring); returns (and caches) ``length_per_key``. Free once a KJT is checked."""
+    if kjt._checked:
+        return kjt.length_per_key()
+    keys = kjt.keys()
+    values = kjt.values()
+    if len(keys) == 0 or values.is_meta:
+        kjt._checked = True
+        return kjt.length_per_key()
+    given_offsets = kjt._offsets if kjt._lengths is not None else None
+    only_offsets = kjt._lengths is None
+    offsets = kjt._offsets
+    stride_per_key = kjt.stride_per_key()
+    lengths = kjt.lengths().reshape(-1)
+    num_values = values.size(0)
+    if lengths.numel() != sum(stride_per_key):
+        raise ValueError(
+            f"{_OWNER}: lengths has {lengths.numel()} entries but the batch sizes per key "
+            f"{stride_per_key} for keys {keys} sum to {sum(stride_per_key)}; pass one length per "
+            "(key, batch row) (0 for an empty bag), and stride= only if it matches."
+        )
+    if lengths.numel() == 0:
+        sums = [0] * len(keys)
+    else:
+        sums = _sums_in_range(keys, stride_per_key, lengths, num_values)
+    if only_offsets and offsets is not None:
+        _check_offset_ends(offsets, num_values)
+    if given_offsets is not None and given_offsets.numel() > 0:
+        _check_offsets_agree(given_offsets, lengths, num_values)
+    cached = kjt._length_per_key
+    if cached is not None and list(cached) != sums:
+        bad = next((i for i, (a, b) in enumerate(zip(cached, sums, strict=False)) if a != b), 0)
+        raise ValueError(
+            f"{_OWNER}: length_per_key says key '{keys[bad]}' has "
+            f"{cached[bad] if bad < len(cached) else 'no entry'} values but its lengths sum to "
+            f"{sums[bad]}; drop length_per_key or fix it."
+        )
+    offset_per_key = [0]
+    for n in sums:
+        offset_per_key.append(offset_per_key[-1] + n)
+    cached_opk = kjt._offset_per_key
+    if cached_opk is not None and list(cached_opk) != offset_per_key:
+        raise ValueError(
+            f"{_OWNER}: offset_per_key {list(cached_opk)} does not match the lengths (expected "
+            f"{offset_per_key}); drop it or fix it."
+        )
+    check_values_cover(keys, sums, offset_per_key, num_values)
+    weights = kjt.weights_or_none()
+    if weights is not None and weights.size(0) < offset_per_key[-1]:
+        raise ValueError(
+            f"{_OWNER}: weights has {weights.size(0)} entries but the bags hold "
+            f"{offset_per_key[-1]} values; pass one weight per value."
+        )
+    kjt._length_per_key = sums
+    kjt._offset_per_key = offset_per_key
+    kjt._checked = True
+    return sums
+
+
+def _sums_in_range(
+    keys: list[str], stride_per_key: list[int], lengths: torch.Tensor, num_values: int
+) -> list[int]:
+    """Per-key sums, after proving every length is in ``[0, num_values]``."""
+    if not _lengths_in_range(lengths, num_values):
+        if bool((lengths < 0).any()):
+            raise_negative_length(_OWNER, keys, stride_per_key, lengths)
+        position = int(torch.nonzero(lengths > num_values)[0, 0])
+        key, start = 0, 0
+        while position >= start + stride_per_key[key]:
+            start += stride_per_key[key]
+            key += 1
+        raise ValueError(
+            f"{_OWNER}: length {int(lengths[position])} for key '{keys[key]}' at batch position "
+            f"{position - start} is larger than the {num_values} values there are; lengths "
+            "must be >= 0 and sum to the number of values."
+        )
+    if all(s == stride_per_key[0] for s in stride_per_key):
+        sums: list[int] = lengths.view(len(keys), stride_per_key[0]).sum(1).tolist()
+        return sums
+    key_ids = torch.repeat_interleave(
+        torch.arange(len(keys), device=lengths.device),
+        torch.tensor(stride_per_key, device=lengths.device),
+        output_size=lengths.numel(),
+    )
+    per_key = torch.zeros(len(keys), dtype=torch.int64, device=lengths.device)
+    per_key.index_add_(0, key_ids, lengths.to(torch.int64))
+    return per_key.tolist()
+
+
+def _lengths_in_range(lengths: torch.Tensor, num_values: int) -> bool:
+    """All of ``lengths`` in ``[0, num_values]``: on the host one pass over the lengths read as
+    unsigned integers (a negative one becomes huge); on a device one fused min/max."""
+    unsigned = _UNSIGNED.get(lengths.dtype)
+    if lengths.device.type == "cpu" and unsigned is not None and lengths.is_contiguous():
+        return int(lengths.numpy().view(unsigned).max()) <= num_values
+    low, high = torch.aminmax(lengths)
+    return int(low) >= 0 and int(high) <= num_values
+
+
+def _check_offset_ends(offsets: torch.Tensor, num_values: int) -> None:
+    """Offsets-only KJT: its lengths (the differences) were checked; its ends must fit too."""
+    if offsets.numel() == 0:
+        return
+    first, last = (int(x) for x in torch.stack([offsets[0], offsets[-1]]).tolist())
+    if first != 0:
+        raise ValueError(
+            f"{_OWNER}: Expected first offset to be 0, but got {first}; subtract offsets[0] or "
+            "pass lengths instead."
+        )
+    if last > num_values:
+        raise ValueError(
+            f"{_OWNER}: the last offset is {last} but values has only {num_values} entries; "
+            "offsets must end at the number of values."
+        )
+
+
+def _check_offsets_agree(offsets: torch.Tensor, lengths: torch.Tensor, num_values: int) -> None:
+    """Both lengths and offsets were given: kernels may read either, so they must agree."""
+    if offsets.numel() != lengths.numel() + 1:
+        raise ValueError(
+            f"{_OWNER}: offsets has {offsets.numel()} entries but lengths has {lengths.numel()}; "
+            "offsets needs len(lengths) + 1 entries (a leading 0), or pass only one of them."
+        )
+    _check_offset_ends(offsets, num_values)
+    disagree = int((offsets[1:] - offsets[:-1] != lengths).sum())
+    if disagree:
+        raise ValueError(
+            f"{_OWNER}: offsets is not equal to the cumulative sum of lengths (they disagree at "
+            f"{disagree} position(s)); pass only one of them."
+        )
