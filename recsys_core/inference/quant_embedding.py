@@ -222,6 +222,10 @@ def pooled_lookup(
     feature (:class:`IdOutOfRangeError`), a malformed KJT names its key."""
     values, offsets = features.values(), features.offsets()
     weights = features.weights() if is_weighted else None
+    covered = features.offset_per_key()[-1]
+    if values.size(0) != covered:  # values past the last bag (allowed) belong to no bag
+        values = values.narrow(0, 0, covered)
+        weights = None if weights is None else weights.narrow(0, 0, covered)
     try:
         return bag(values, offsets, weights)
     except (RuntimeError, IndexError) as exc:

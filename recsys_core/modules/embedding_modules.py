@@ -21,6 +21,7 @@ from recsys_core.modules.embedding_configs import (
     table_dtype,
 )
 from recsys_core.modules.lookup import (
+    bag_offsets,
     check_features,
     combine_pooled,
     diagnose_lookup_failure,
@@ -31,6 +32,7 @@ from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 # One leaf node each in an fx graph (torch.fx.wrap patches this module's globals).
 torch.fx.wrap("validate_features")
+torch.fx.wrap("bag_offsets")
 torch.fx.wrap("reorder_inverse_indices")
 torch.fx.wrap("combine_pooled")
 
@@ -184,14 +186,14 @@ class EmbeddingBagCollection(nn.Module):
                 if weights is not None and self._mean[t]:
                     # nn.EmbeddingBag has no weighted mean; FBGEMM's is sum(w_i * e_i) / length.
                     summed = nn.functional.embedding_bag(
-                        jt.values(), bag.weight, jt.offsets(), mode="sum",
+                        jt.values(), bag.weight, bag_offsets(jt), mode="sum",
                         per_sample_weights=weights, include_last_offset=True,
                         norm_type=2.0,  # a float literal, so a traced graph stays scriptable
                     )
                     lengths = jt.lengths().clamp(min=1).unsqueeze(1).to(torch.float32)
                     pooled.append(summed.float() / lengths)
                 else:
-                    out = bag(input=jt.values(), offsets=jt.offsets(), per_sample_weights=weights)
+                    out = bag(input=jt.values(), offsets=bag_offsets(jt), per_sample_weights=weights)
                     pooled.append(out.float())
         return KeyedTensor(
             keys=self._embedding_names,

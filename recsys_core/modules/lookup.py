@@ -80,6 +80,15 @@ def diagnose_lookup_failure(
     return exc
 
 
+def bag_offsets(jt: JaggedTensor) -> torch.Tensor:
+    """A feature's offsets for ``embedding_bag(include_last_offset=True)``: a batch of 0 has
+    no offsets at all (as in TorchRec), where the kernel needs the single ``[0]``."""
+    offsets = jt.offsets()
+    if offsets.numel() == 0:
+        return torch.zeros(1, dtype=jt.values().dtype, device=offsets.device)
+    return offsets
+
+
 def check_lengths(features: KeyedJaggedTensor) -> None:
     """Unpooled lookups read only the values, so a negative length would pass silently into the
     output; a KJT with one is validated, which raises naming its key."""

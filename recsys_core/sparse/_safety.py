@@ -11,7 +11,7 @@ read or write outside their buffers. So every such entry point first calls
 * every length lies in ``[0, len(values)]`` (one pass: read as unsigned, a negative length is
   larger than any count of values), so no sum can overflow;
 * each key's values lie inside ``values`` and a given ``length_per_key`` matches the lengths;
-* weights cover every bagged value;
+* weights hold one entry per value;
 * given offsets start at 0, end inside ``values`` and, if lengths were given too, agree with them.
 
 The result is cached on the KJT; KJTs derived from a checked one (``permute``, ``split``) are
@@ -84,10 +84,10 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
         )
     check_values_cover(keys, sums, offset_per_key, num_values)
     weights = kjt.weights_or_none()
-    if weights is not None and weights.size(0) < offset_per_key[-1]:
+    if weights is not None and weights.size(0) != num_values:
         raise ValueError(
-            f"{_OWNER}: weights has {weights.size(0)} entries but the bags hold "
-            f"{offset_per_key[-1]} values; pass one weight per value."
+            f"{_OWNER}: weights size must equal to values size, but weights has "
+            f"{weights.size(0)} entries and values has {num_values}; pass one weight per value."
         )
     kjt._length_per_key = sums
     kjt._offset_per_key = offset_per_key
