@@ -20,6 +20,7 @@ checked by construction. Errors are ``ValueError`` naming the key and batch posi
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,7 +61,8 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
     if lengths.numel() == 0:
         sums = [0] * len(keys)
     else:
-        sums = _sums_in_range(keys, stride_per_key, lengths, num_values)
+        fixed = kjt._stride_per_key_per_rank is None
+        sums = _sums_in_range(keys, stride_per_key, fixed, lengths, num_values)
     if only_offsets and offsets is not None:
         _check_offset_ends(offsets, num_values)
     if given_offsets is not None and given_offsets.numel() > 0:
@@ -73,9 +75,7 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
             f"{cached[bad] if bad < len(cached) else 'no entry'} values but its lengths sum to "
             f"{sums[bad]}; drop length_per_key or fix it."
         )
-    offset_per_key = [0]
-    for n in sums:
-        offset_per_key.append(offset_per_key[-1] + n)
+    offset_per_key = list(accumulate(sums, initial=0))
     cached_opk = kjt._offset_per_key
     if cached_opk is not None and list(cached_opk) != offset_per_key:
         raise ValueError(
@@ -96,7 +96,8 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
 
 
 def _sums_in_range(
-    keys: list[str], stride_per_key: list[int], lengths: torch.Tensor, num_values: int
+    keys: list[str], stride_per_key: list[int], fixed: bool, lengths: torch.Tensor,
+    num_values: int,
 ) -> list[int]:
     """Per-key sums, after proving every length is in ``[0, num_values]``."""
     if not _lengths_in_range(lengths, num_values):
@@ -112,7 +113,7 @@ def _sums_in_range(
             f"{position - start} is larger than the {num_values} values there are; lengths "
             "must be >= 0 and sum to the number of values."
         )
-    if all(s == stride_per_key[0] for s in stride_per_key):
+    if fixed:
         sums: list[int] = lengths.view(len(keys), stride_per_key[0]).sum(1).tolist()
         return sums
     key_ids = torch.repeat_interleave(

@@ -64,5 +64,5 @@ def test_id_out_of_range_names_the_feature(kind: str) -> None:
 def test_weights_not_matching_values(kind: str) -> None:
     kjt = KeyedJaggedTensor(keys=["a", "b"], values=VALUES, lengths=torch.tensor([1, 1, 1, 1]),
                             weights=torch.tensor([1.0, 2.0]))
-    with pytest.raises(ValueError, match="weights has 2 entries but the bags hold 4 values"):
+    with pytest.raises(ValueError, match="weights has 2 entries and values has 4"):
         build(kind, True)(kjt)
