@@ -16,11 +16,21 @@ A checkpoint holds the model (sharded tables as ShardedTensors, dense weights), 
 optimizer (fused table state such as Adagrad accumulators, and the dense optimizer), and
 ``extra``: step, loader position, RNG state. DCP reshards on load, so a checkpoint written by N
 ranks loads on M.
+
+Integrity: before the rename, every file of the checkpoint is hashed (sha256, the ranks share
+the files) into ``checksums.json``. Every load verifies sizes and checksums first, so damaged
+bytes are never unpickled, and fails naming the file (:class:`CheckpointError`); ``--resume``
+falls back to the newest intact checkpoint and says so. Pointer files must name a ``step_N``
+directory of this run. Loading still unpickles DCP's ``.metadata`` (the extras are read with
+``weights_only=True``): a run directory is trusted input, as any PyTorch checkpoint is.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,11 +39,18 @@ import torch.distributed as dist
 from torch import nn
 
 from dlrm_app.config import TrainConfig
+from dlrm_app.data.schema import sha256_file
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
 LATEST = "latest"
 BEST = "best"
 PARTIAL = ".partial"
+MANIFEST = "checksums.json"
+_STEP_NAME = re.compile(r"step_\d{8}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged, incomplete or named wrongly (the message names the file)."""
 
 
 def _barrier() -> None:
@@ -50,13 +67,19 @@ def step_dir_name(step: int) -> str:
 
 
 def _pointed(root: Path, pointer: str) -> Path | None:
-    """The complete checkpoint a pointer file names, or None."""
+    """The complete checkpoint a pointer file names, or None. The name must be a ``step_N``
+    directory inside ``root``: a pointer is never followed out of the run."""
     file = root / pointer
-    if file.is_file():
-        path = root / file.read_text().strip()
-        if (path / ".metadata").is_file():
-            return path
-    return None
+    if not file.is_file():
+        return None
+    name = file.read_text(errors="replace").strip()
+    if not _STEP_NAME.fullmatch(name) or (root / name).is_symlink():
+        raise CheckpointError(
+            f"{file} names {name[:80]!r}, not a step_NNNNNNNN checkpoint directory of this run; "
+            f"delete {file} (the newest checkpoint is then found without it)"
+        )
+    path = root / name
+    return path if (path / ".metadata").is_file() else None
 
 
 def best_checkpoint(checkpoint_dir: str | Path) -> Path | None:
@@ -99,6 +122,7 @@ def save_checkpoint(
     _barrier()
     dcp_checkpoint.save(str(partial), model=model, optimizer=optimizer, extra=extra)
     _barrier()
+    _write_manifest(partial)
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -110,6 +134,110 @@ def save_checkpoint(
         _prune(root, keep, final)
     _barrier()
     return final
+
+
+def _files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
+def _shared(names: list[str], work: Any) -> dict[str, Any]:
+    """``work(name)`` for every name, the ranks splitting the names; every rank gets all."""
+    rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
+    mine = {name: work(name) for name in names[rank::world]}
+    if world == 1:
+        return mine
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _write_manifest(path: Path) -> None:
+    """Collective: the size and sha256 of every file of the checkpoint in ``path``."""
+    names = _files(path) if _rank() == 0 else []
+    if dist.is_initialized():
+        box = [names]
+        dist.broadcast_object_list(box, src=0)
+        names = box[0]
+    sums = _shared(names, lambda name: {"bytes": (path / name).stat().st_size,
+                                         "sha256": sha256_file(path / name)})
+    if _rank() == 0:
+        tmp = path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps({"format": 1, "files": sums}, indent=1, sort_keys=True))
+        tmp.replace(path / MANIFEST)
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Collective where a process group exists (the ranks share the hashing). Raise
+    :class:`CheckpointError` naming the first missing, resized or altered file of the
+    checkpoint ``path``. A checkpoint written before checksums existed loads with a warning."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata); pass a "
+                              f"step_* directory, or the run to use its newest checkpoint")
+    if not manifest.is_file():
+        print(f"warning: {path} has no {MANIFEST} (written by an older version): its files "
+              f"are not verified", file=sys.stderr)
+        return
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        expected = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{manifest} is damaged ({type(exc).__name__}); use an older "
+                              f"checkpoint (--checkpoint step_N) or delete {path}") from None
+
+    def problem(name: str) -> str | None:
+        file = path / name
+        size, sha = expected[name]
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, {size} were written"
+        if sha256_file(file) != sha:
+            return f"{file} does not match its checksum (the bytes changed after saving)"
+        return None
+
+    problems = [p for p in _shared(sorted(expected), problem).values() if p is not None]
+    if problems:
+        raise CheckpointError(f"damaged checkpoint: {sorted(problems)[0]}"
+                              + (f" (and {len(problems) - 1} more file(s))" if len(problems) > 1
+                                 else "")
+                              + f"; use an older one (--checkpoint step_N) or delete {path}")
+
+
+def newest_intact_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """Collective where a process group exists. The newest checkpoint that verifies (for
+    ``--resume``): damaged ones are skipped, saying so on stderr. None if there is none at
+    all; :class:`CheckpointError` if every one is damaged."""
+    root = Path(checkpoint_dir)
+    candidates = sorted((p for p in root.glob("step_*")
+                         if not p.name.endswith(PARTIAL) and (p / ".metadata").is_file()),
+                        reverse=True)
+    try:
+        pointed = _pointed(root, LATEST)
+    except CheckpointError as exc:
+        pointed = None
+        if _rank() == 0:
+            print(f"warning: {exc}; ignoring it", file=sys.stderr)
+    if pointed is not None and pointed in candidates:
+        candidates.remove(pointed)
+        candidates.insert(0, pointed)
+    damaged: list[str] = []
+    for path in candidates:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            damaged.append(str(exc))
+            if _rank() == 0:
+                print(f"warning: {exc}; trying an older checkpoint", file=sys.stderr)
+            continue
+        if damaged and _rank() == 0:
+            print(f"resuming from {path} (the newer checkpoint(s) are damaged)", file=sys.stderr)
+        return path
+    if damaged:
+        raise CheckpointError(f"every checkpoint in {root} is damaged ({damaged[0]}); start a "
+                              f"new run (--overwrite, or another --out)")
+    return None
 
 
 def _prune(root: Path, keep: int, newest: Path) -> None:
@@ -124,14 +252,14 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
 
 def load_checkpoint(
     path: str | Path, *, model: nn.Module, optimizer: Any | None,
-    extra: Mapping[str, Any],
+    extra: Mapping[str, Any], verified: bool = False,
 ) -> dict[str, Any]:
     """Load ``path`` into ``model`` and ``optimizer`` in place; returns the saved extras
-    (``extra`` names the keys to read, with template values of the right type)."""
+    (``extra`` names the keys to read, with template values of the right type). The files are
+    verified against ``checksums.json`` first, unless the caller just did (``verified``)."""
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise ValueError(f"{path} is not a complete checkpoint (no .metadata); pass a "
-                         f"step_* directory or the run directory to resume from its newest one")
+    if not verified:
+        verify_checkpoint(path)
     return dcp_checkpoint.load(str(path), model=model, optimizer=optimizer, extra=extra)
 
 
@@ -152,7 +280,9 @@ def resolve_run(run: str | Path, checkpoint: str | Path | None = None) -> tuple[
         path = latest_checkpoint(root)
     else:
         path = Path(choice)
+        if not path.exists() and (root / choice).exists():
+            path = root / choice  # a step_* name of this run
     if path is None or not (path / ".metadata").is_file():
-        raise ValueError(f"no complete checkpoint in {root} (or at --checkpoint {choice}); "
+        raise CheckpointError(f"no complete checkpoint in {root} (or at --checkpoint {choice}); "
                          f"train first, or pass --checkpoint best, latest or a step_* directory")
     return TrainConfig.load(config_path), path

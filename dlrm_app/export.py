@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE
-from dlrm_app.checkpoint import resolve_run
+from dlrm_app.checkpoint import resolve_run, verify_checkpoint
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.model import DLRM, build_dlrm
@@ -124,6 +124,7 @@ def load_unsharded(run: Path, checkpoint: str | Path | None = None) -> tuple[DLR
     config, path = resolve_run(run, checkpoint)
     spec = DatasetSpec.load(config.data)
     model = build_dlrm(spec, config.model, device="cpu")
+    verify_checkpoint(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's "assuming a single process" notice
         dcp_checkpoint.load(str(path), model=model)

@@ -38,7 +38,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dlrm_app.build import build_model, build_optimizer, set_learning_rates
-from dlrm_app.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from dlrm_app.checkpoint import (
+    best_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    newest_intact_checkpoint,
+    save_checkpoint,
+)
 from dlrm_app.config import TrainConfig, lr_scale
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
@@ -129,7 +135,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     validate_every = config.validation_interval(steps_per_epoch)
 
     state, resumed_from = _State(), None
-    if config.resume and (path := latest_checkpoint(ckpt_dir)) is not None:
+    if config.resume and (path := newest_intact_checkpoint(ckpt_dir)) is not None:
         state, resumed_from = _restore(path, dmp, optimizer, train_loader, config, world_size,
                                        steps_per_epoch), str(path)
 
@@ -282,7 +288,7 @@ def _restore(path: Path, dmp: Any, optimizer: Any, loader: ParquetLoader, config
              world_size: int, steps_per_epoch: int) -> _State:
     """Load a checkpoint for ``--resume``: weights, optimizer, RNG, data position, best AUC."""
     extra = load_checkpoint(path, model=dmp, optimizer=optimizer,
-                            extra=_extra(_State(), 0, config))
+                            extra=_extra(_State(), 0, config), verified=True)
     torch.set_rng_state(extra["rng"])
     batches = int(extra["batches_yielded"])
     if (int(extra["world_size"]), int(extra["batch_size"])) != (world_size, config.batch_size):

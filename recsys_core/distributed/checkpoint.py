@@ -13,13 +13,35 @@ format and fails to load.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+class CheckpointLoadError(ValueError):
+    """DCP could not read a checkpoint (names it and the first rank's error). DCP itself raises
+    a ``BaseException``, which ``except Exception`` would not catch."""
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but non-tensor items (``extra``) are unpickled with
+    ``weights_only=True``: plain containers, numbers, strings and tensors, never arbitrary
+    objects. (DCP's ``.metadata`` is still a pickle: a checkpoint directory is trusted input.)"""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def _checkpoint_state(
@@ -63,13 +85,22 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``) in place.
 
-    ``extra`` gives the keys (with default values) to read back; returns the loaded extras.
+    ``extra`` gives the keys (with default values) to read back; returns the loaded extras
+    (unpickled with ``weights_only=True``: numbers, strings, containers and tensors only).
     """
     state = _checkpoint_state(model, optimizer, extra)
-    dcp.load(
-        state, checkpoint_id=checkpoint_id, process_group=process_group,
-        planner=DefaultLoadPlanner(flatten_sharded_tensors=False),
-    )
+    try:
+        dcp.load(
+            state, checkpoint_id=checkpoint_id, process_group=process_group,
+            planner=_WeightsOnlyLoadPlanner(flatten_sharded_tensors=False),
+        )
+    except CheckpointException as exc:
+        rank, (error, _) = next(iter(exc.failures.items()))
+        first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        raise CheckpointLoadError(
+            f"cannot load checkpoint {checkpoint_id} (rank {rank}): {type(error).__name__}: "
+            f"{first_line}"
+        ) from error
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 from shared_data import CRITEO
 
+from dlrm_app.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 from dlrm_app.data.schema import DatasetSpec, ShardFile, sha256_file
 from dlrm_app.data.synthetic import generate
 from recsys_core.testing import find_free_port
@@ -155,6 +156,11 @@ def test_two_ranks_learn_and_equal_one_rank(data: Path, two_rank_run: tuple[Path
     for key in ("auc", "ne", "logloss"):
         assert two["validation"][key] == pytest.approx(one["validation"][key], abs=2e-4), key
     assert two["validation"]["auc"] > auc_floor
+    # both ranks' shards are in the checkpoint's manifest (the ranks hashed them together)
+    newest = latest_checkpoint(tmp_path / "two" / "checkpoints")
+    listed = json.loads((newest / MANIFEST).read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(listed)
+    verify_checkpoint(newest)
 
 
 def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Path, dict],
