@@ -83,6 +83,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from dlrm_app.data.integrity import read_footer, verify_checksums
 from dlrm_app.data.schema import DENSE_COLUMN, SPLIT_NAMES, DatasetSpec
 from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
@@ -315,6 +316,8 @@ class ParquetLoader:
         self._n_dense = len(self.spec.dense_features)
         self._paths = [self.dataset_dir / s.file for s in self.spec.split(split).shards]
         self._row_groups = self._scan_metadata()
+        verify_checksums(self.dataset_dir, self.spec.split(split).shards, split, rank,
+                         world_size)
         total = sum(g.rows for g in self._row_groups)
         if total < world_size:
             raise ValueError(
@@ -338,12 +341,9 @@ class ParquetLoader:
 
     def _scan_metadata(self) -> list[_RowGroup]:
         groups = []
+        shards = self.spec.split(self.split).shards
         for shard, path in enumerate(self._paths):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path}: shard of split '{self.split}' listed in {self.dataset_dir}/"
-                    f"dataset.json is missing; regenerate the dataset")
-            meta = pq.ParquetFile(path).metadata
+            meta = read_footer(path, shards[shard], self.split)
             names = set(meta.schema.to_arrow_schema().names)  # parquet names are leaves
             missing = [c for c in self._columns if c not in names]
             if missing:

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dlrm_app.data.integrity import DatasetIntegrityError
 from dlrm_app.data.loader import Batch, ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
@@ -312,7 +313,8 @@ def test_missing_shard_is_named(data: Path, tmp_path: Path) -> None:
     copy = tmp_path / "d"
     shutil.copytree(data, copy)
     (copy / "train-00002.parquet").unlink()
-    with pytest.raises(FileNotFoundError, match="train-00002.parquet"):
+    with pytest.raises(DatasetIntegrityError, match="train-00002.parquet: shard of split "
+                       "'train' listed in .*dataset.json is missing"):
         ParquetLoader(copy, "train", batch_size=B)
 
 
