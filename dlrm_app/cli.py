@@ -9,7 +9,9 @@ one edit, with its docstring as the help line and its default shown.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import platform
 import sys
 import time
@@ -399,9 +401,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TRACEBACK_ENV = "DLRM_APP_TRACEBACK"
+"""Set to 1 to get Python's traceback instead of the one-line error (for bug reports)."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a person: what failed, on which path, and what to do."""
+    path = getattr(exc, "filename", None)
+    where = f" ({path})" if path else ""
+    if isinstance(exc, ValueError):
+        text = str(exc)
+    elif isinstance(exc, PermissionError):
+        text = (f"no permission to write or read{where}: choose another --out, or fix the "
+                f"folder's permissions")
+    elif isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        text = (f"the disk is full{where} ({exc.strerror}): free space, or choose an --out "
+                f"on another disk; finished files are kept and a rerun continues")
+    elif isinstance(exc, (FileExistsError, NotADirectoryError)):
+        text = (f"a file is in the way{where}: the output path or one of its parent folders is "
+                f"a file, not a folder; choose another --out")
+    elif isinstance(exc, IsADirectoryError):
+        text = f"a folder is where a file is expected{where}: pass the file's path"
+    elif isinstance(exc, FileNotFoundError):
+        text = f"not found{where}: check the path"
+    elif isinstance(exc, OSError):
+        text = f"{exc.strerror or exc}{where}"
+    elif isinstance(exc, RuntimeError) and any(
+            word in str(exc).lower() for word in ("timed out", "timeout")):  # gloo's, nccl's
+        text = ("a collective operation timed out waiting for the other ranks (one stalled or "
+                "died): check the other ranks' output; if a legitimate step is that slow, raise "
+                "--timeout")
+    else:
+        text = (f"{type(exc).__name__}: {str(exc)[:300]} (a bug? rerun with {TRACEBACK_ENV}=1 "
+                f"and report the traceback)")
+    return " ".join(text.split())
+
+
+def _command(args: argparse.Namespace) -> str:
+    words = [args.command]
+    if getattr(args, "dataset", None) and args.command == "preprocess":
+        words.append(args.dataset)
+    return " ".join(words)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a subcommand. Errors end the process with one line on stderr naming the command,
+    what failed and the fix (``DLRM_APP_TRACEBACK=1`` shows the traceback); under torchrun the
+    line names the rank."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (Exception, KeyboardInterrupt) as exc:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            raise SystemExit(f"dlrm-app {_command(args)}: interrupted") from None
+        rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+        prefix = f"dlrm-app {_command(args)}" + (f" (rank {rank})" if rank else "")
+        raise SystemExit(f"{prefix}: {describe_error(exc)}") from None
 
 
 if __name__ == "__main__":

@@ -94,6 +94,10 @@ class TrainConfig:
     """GiB of memory the planner may use per rank; None: detected from the machine."""
     log_every: int = 50
     """Steps between metrics-log lines."""
+    timeout: float = 600.0
+    """Seconds a rank waits in a collective (all-to-all, all-reduce, barrier) for the others
+    before the run fails, instead of torch's 30 minutes: a stalled or dead rank ends the run.
+    The slowest legitimate wait is a checkpoint save or a validation on a big split."""
     shuffle: bool = True
     """Shuffle the train split's rows per (seed, epoch)."""
 
@@ -115,6 +119,9 @@ class TrainConfig:
                 isinstance(self.validate_every, bool) or not isinstance(self.validate_every, int)
                 or self.validate_every < 0):
             raise ValueError(f"--validate-every must be an int >= 0, got {self.validate_every!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
+                self.timeout > 0):
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
         if self.memory_per_rank is not None and not self.memory_per_rank > 0:
             raise ValueError(f"--memory-per-rank must be > 0 GiB, got {self.memory_per_rank}")
         if self.resume and self.overwrite:

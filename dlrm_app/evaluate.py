@@ -55,7 +55,7 @@ def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
                        data: str | None = None) -> tuple[Any, TrainConfig, DatasetSpec, Path]:
     """(sharded model with the checkpoint's weights, its config, dataset spec, checkpoint)."""
     config, path = resolve_run(run, checkpoint)
-    device = init_distributed()
+    device = init_distributed(config.timeout)
     spec = DatasetSpec.load(data or config.data)
     trained = DatasetSpec.load(config.data) if data else spec
     if [(f.name, f.num_embeddings) for f in spec.sparse_features] != [

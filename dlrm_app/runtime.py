@@ -7,6 +7,7 @@ else gloo. Without those variables a command runs as a single process.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import resource
@@ -16,12 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+DEFAULT_TIMEOUT_S = 600.0
+"""How long a collective waits for the other ranks (``--timeout``); torch's own is 30 min."""
 
-def init_distributed() -> torch.device:
-    """Join the process group torchrun describes (if any); the device this rank uses."""
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Join the process group torchrun describes (if any); the device this rank uses. A
+    collective that waits longer than ``timeout_s`` for the other ranks raises."""
     cuda = torch.cuda.is_available()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)

@@ -105,7 +105,7 @@ def _diverged(what: str, state: _State, config: TrainConfig) -> TrainingDiverged
 
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints."""
-    device = init_distributed()
+    device = init_distributed(config.timeout)
     rank, world_size = world()
     spec = DatasetSpec.load(config.data)
     config = prepare_run_dir(config.with_batch_size(spec.split("train").rows, world_size), rank)

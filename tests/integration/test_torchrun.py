@@ -280,3 +280,48 @@ def test_two_node_rendezvous_equals_two_rank_run(data: Path, two_rank_run: tuple
     assert sorted(mine) == list(range(1, 31))
     for step in mine:
         assert mine[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The pid of torchrun ``root``'s worker process of ``rank`` (from /proc), or None."""
+    pids, i = [root], 0
+    while i < len(pids):
+        try:
+            for task in Path(f"/proc/{pids[i]}/task").iterdir():
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            environ = Path(f"/proc/{pids[i]}/environ").read_bytes().split(b"\0")
+        except OSError:
+            environ = []
+        if f"RANK={rank}".encode() in environ and b"dlrm_app" in Path(
+                f"/proc/{pids[i]}/cmdline").read_bytes():
+            return pids[i]
+        i += 1
+    return None
+
+
+def test_stalled_rank_ends_the_run_after_timeout(data: Path, tmp_path: Path) -> None:
+    run = tmp_path / "stalled"
+    args = ["train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
+            *COMMON, "--timeout", "5"]
+    proc = subprocess.Popen(_cmd(2, *args), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        log = run / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                log.exists() and '"train"' in log.read_text()):
+            time.sleep(0.05)
+        pid = _rank_pid(proc.pid, 1)
+        assert pid is not None and proc.poll() is None, "training ended before rank 1 stalled"
+        os.kill(pid, signal.SIGSTOP)  # rank 1 stops answering, as a hung process would
+        stalled = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        waited = time.monotonic() - stalled
+    finally:
+        _kill_tree(proc.pid)
+    assert proc.returncode != 0
+    # rank 0 gave up after --timeout 5 s (plus torchrun's teardown), not torch's 30 minutes
+    assert waited < 60, waited
+    lines = [line for line in err.splitlines() if line.startswith("dlrm-app train (rank 0)")]
+    assert len(lines) == 1, err[-3000:]
+    assert "timed out waiting for the other ranks" in lines[0] and "--timeout" in lines[0]

@@ -1,0 +1,149 @@
+"""Every subcommand ends a failure with one line naming the command, what failed (with its path)
+and the fix: no traceback (``DLRM_APP_TRACEBACK=1`` brings it back)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlrm_app import cli
+from dlrm_app.cli import describe_error, main
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.data.synthetic import generate
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4",
+              "--over-arch-layer-sizes", "8-1", "--quiet", "--patience", "0"]
+
+
+def _error(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    message = str(info.value.code)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "data"
+    generate(out, rows=4_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
+             zipf_alpha=1.05, seed=0, rows_per_shard=1_000, row_group_size=250)
+    return out
+
+
+def test_output_folder_is_a_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for argv in (["generate", "--out", str(blocker), "--rows", "100"],
+                 ["generate", "--out", str(blocker / "sub"), "--rows", "100"]):
+        message = _error(argv)
+        assert message.startswith("dlrm-app generate: a file is in the way")
+        assert str(blocker) in message and "choose another --out" in message
+
+
+def test_train_output_under_a_file(dataset: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    message = _error(["train", "--data", str(dataset), "--out", str(blocker / "run"),
+                      "--max-steps", "1", *TINY_MODEL])
+    assert message.startswith("dlrm-app train: a file is in the way")
+    assert str(blocker / "run") in message
+
+
+def test_no_write_permission(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "locked"
+    target.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere: simulate what the OS tells other users
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise PermissionError(errno.EACCES, "Permission denied", str(target / "data"))
+        monkeypatch.setattr(cli, "generate", refuse)
+    else:
+        target.chmod(0o555)
+    message = _error(["generate", "--out", str(target / "data"), "--rows", "100"])
+    assert message.startswith("dlrm-app generate: no permission to write or read")
+    assert str(target / "data") in message and "choose another --out" in message
+
+
+def test_disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = tmp_path / "out" / "train-00000.parquet"
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(shard))
+
+    monkeypatch.setattr(cli, "generate", full)
+    message = _error(["generate", "--out", str(tmp_path / "out"), "--rows", "100"])
+    assert message == (f"dlrm-app generate: the disk is full ({shard}) (No space left on "
+                       f"device): free space, or choose an --out on another disk; finished "
+                       f"files are kept and a rerun continues")
+
+
+def test_missing_shard(dataset: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "data"
+    shutil.copytree(dataset, copy)
+    shard = copy / DatasetSpec.load(copy).split("train").shards[1].file
+    shard.unlink()
+    message = _error(["train", "--data", str(copy), "--out", str(tmp_path / "run"),
+                      "--max-steps", "1", *TINY_MODEL])
+    assert message.startswith(f"dlrm-app train: {shard}: shard of split 'train'")
+    assert "is missing" in message and "--out" in message
+
+
+def test_bad_checkpoint(dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(dataset), "--out", str(run), "--max-steps", "3",
+                 *TINY_MODEL]) == 0
+    newest = sorted((run / "checkpoints").glob("step_*"))[-1]
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    for command in ("evaluate", "export"):
+        argv = [command, str(run), "--checkpoint", str(newest)]
+        if command == "export":
+            argv += ["--out", str(tmp_path / "model.pt")]
+        message = _error(argv)
+        assert message.startswith(f"dlrm-app {command}: damaged checkpoint: {shard} has 10 bytes")
+        assert "--checkpoint step_N" in message
+
+
+def test_missing_preprocess_input(tmp_path: Path) -> None:
+    message = _error(["preprocess", "criteo", str(tmp_path / "nope.tsv"), "--out",
+                      str(tmp_path / "o")])
+    assert message.startswith("dlrm-app preprocess criteo: ") and "nope.tsv" in message
+
+
+def test_timeouts_and_unknown_errors_are_one_line() -> None:
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:534] Application timeout caused pair "
+                        "closure\n(more detail)")
+    assert describe_error(gloo).startswith("a collective operation timed out waiting for the "
+                                           "other ranks")
+    assert "raise --timeout" in describe_error(gloo)
+    odd = KeyError("x" * 1000 + "\nline two")
+    text = describe_error(odd)
+    assert text.startswith("KeyError: ") and "DLRM_APP_TRACEBACK=1" in text
+    assert "\n" not in text and len(text) < 400
+
+
+def test_traceback_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("DLRM_APP_TRACEBACK", "1")
+    with pytest.raises(FileExistsError):
+        main(["generate", "--out", str(blocker), "--rows", "100"])
+
+
+def test_process_exit_code_and_stderr(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "dlrm_app", "generate", "--out", str(blocker),
+                           "--rows", "100"], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"dlrm-app generate: a file is in the way ({blocker}): the output path or one of its "
+        f"parent folders is a file, not a folder; choose another --out"]
