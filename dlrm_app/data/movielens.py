@@ -153,10 +153,35 @@ def _read_ratings(data: bytes, path: Path, header: bool) -> tuple[np.ndarray, ..
     try:
         table = pacsv.read_csv(io.BytesIO(data), read, parse,
                                pacsv.ConvertOptions(column_types=types))
-    except pa.ArrowInvalid as e:
-        raise ValueError(f"{path}: not user, movie, rating, timestamp rows ({e}); "
-                         f"re-download the release") from None
+    except pa.ArrowException as e:
+        raise ValueError(_bad_rating(data, path, parse.delimiter, header, e)) from None
     return tuple(table[n].to_numpy() for n in names)
+
+
+def _bad_rating(data: bytes, path: Path, sep: str, header: bool, error: Exception) -> str:
+    """``path:line: what`` for the first line that is not a user, movie, rating, timestamp row
+    (found line by line: only on the error path); the echoed text is cut to 80 characters."""
+    kinds = (int, int, float, int)
+    for no, raw in enumerate(data.split(b"\n"), start=1):
+        if (header and no == 1) or not raw.strip():
+            continue
+        shown = raw[:80].decode("latin-1") + ("..." if len(raw) > 80 else "")
+        try:
+            fields = raw.decode("utf-8").rstrip("\r").split(sep)
+            if len(fields) != 4:
+                problem = f"{len(fields)} {sep!r}-separated fields, expected 4"
+            else:
+                for kind, field in zip(kinds, fields, strict=True):
+                    kind(field)
+                continue
+        except UnicodeDecodeError:
+            problem = "bytes that are not UTF-8 text"
+        except ValueError:
+            problem = "a field that is not a number"
+        return (f"{path}:{no}: {problem} in {shown!r}; expected user, movie, rating, timestamp "
+                f"rows: fix or delete the line, or re-download the release")
+    return (f"{path}: not user, movie, rating, timestamp rows ({str(error)[:100]}); "
+            f"re-download the release")
 
 
 def _year_of_title(title: str) -> int | None:

@@ -48,6 +48,11 @@ COLUMNS = (LABEL, *DENSE_NAMES, *SPARSE_NAMES)
 FORMATS = ("kaggle", "terabyte")
 
 DENSE_FIELD = re.compile(r"-?[0-9]+")
+MAX_DENSE_DIGITS = 18
+"""Longer integers may not fit int64: such a row is a bad row (real values have a few digits)."""
+MAX_LINE_BYTES = 256 << 10
+"""A longer line is a bad row (real rows are a few hundred bytes); it never reaches the CSV
+parser, whose blocks it could straddle."""
 """A present integer field."""
 _HEX_DIGIT = "[0-9a-fA-F]"
 SPARSE_FIELD = re.compile(rf"{_HEX_DIGIT}{{1,{MAX_HEX_DIGITS}}}")
@@ -70,7 +75,10 @@ def value_problem(feature: int, value: str) -> str | None:
     """Why the present field ``value`` of feature ``feature`` (0..38: dense, then
     categorical) is invalid, or None."""
     if feature < NUM_DENSE:
-        return None if DENSE_FIELD.fullmatch(value) else "is not a decimal integer"
+        if not DENSE_FIELD.fullmatch(value):
+            return "is not a decimal integer"
+        digits = len(value.lstrip("-"))
+        return None if digits <= MAX_DENSE_DIGITS else f"has {digits} digits (beyond int64)"
     return None if SPARSE_FIELD.fullmatch(value) else f"is not 1-{MAX_HEX_DIGITS} hex digits"
 
 
@@ -93,7 +101,8 @@ def row_problem(text: str) -> str:
     for j, (name, f) in enumerate(zip(COLUMNS[1:], fields[1:], strict=True)):
         if f and (problem := value_problem(j, f)):
             kind = "integer" if j < NUM_DENSE else "categorical"
-            return f"{kind} feature {name} = {f!r} {problem}"
+            shown = repr(f) if len(f) <= 40 else repr(f[:40]) + f"... ({len(f)} chars)"
+            return f"{kind} feature {name} = {shown} {problem}"
     return "value out of range"
 
 

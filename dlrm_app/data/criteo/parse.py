@@ -24,6 +24,8 @@ from dlrm_app.data.criteo.format import (
     DENSE_NAMES,
     HEX_LUT,
     LABEL,
+    MAX_DENSE_DIGITS,
+    MAX_LINE_BYTES,
     NUM_DENSE,
     NUM_FIELDS,
     NUM_SPARSE,
@@ -212,16 +214,58 @@ class Rows:
         self.label, self.dense, self.cats, self.lines = label, dense, cats, lines
 
 
+def _has_long_line(buf: bytes) -> bool:
+    """Whether some line may be longer than MAX_LINE_BYTES: a window of half that size without
+    a newline (a few ``find`` calls per block, each stopping at the window's first newline)."""
+    step = MAX_LINE_BYTES // 2
+    return any(buf.find(b"\n", i, i + step) < 0 for i in range(0, len(buf) - step, step))
+
+
+def _drop_unparsable(buf: bytes, lines: np.ndarray, path: Path,
+                     on_bad_row: str) -> tuple[bytes, np.ndarray, int]:
+    """Lines the CSV parser must never see: longer than MAX_LINE_BYTES, not UTF-8, or with a
+    carriage return inside. Raise naming the first (file:line), or drop them (counted)."""
+    arr = np.frombuffer(buf, np.uint8)
+    nl = np.flatnonzero(arr == 10)
+    starts = np.concatenate([[0], nl[:-1] + 1]).astype(np.int64)
+    problems: dict[int, str] = {}
+    for i in np.flatnonzero(nl - starts > MAX_LINE_BYTES):
+        problems[int(i)] = (f"a line of {int(nl[i] - starts[i]):,} bytes, longer than "
+                            f"{MAX_LINE_BYTES:,} (not a Criteo row)")
+    cr = np.flatnonzero(arr == 13)
+    stray = cr[arr[np.minimum(cr + 1, len(arr) - 1)] != 10] if len(cr) else cr
+    for i in np.unique(np.searchsorted(nl, stray)):
+        problems.setdefault(int(i), "a carriage return inside the row (binary data?)")
+    try:
+        buf.decode("utf-8")
+    except UnicodeDecodeError:
+        for i in range(len(nl)):
+            if i not in problems:
+                try:
+                    buf[starts[i]:nl[i]].decode("utf-8")
+                except UnicodeDecodeError as e:
+                    problems[i] = f"bytes that are not UTF-8 text at column {e.start + 1}"
+    if not problems:
+        return buf, lines, 0
+    if on_bad_row == "error":
+        first = min(problems)
+        raise bad_row_error(path, int(lines[first]), problems[first])
+    keep = np.ones(len(nl), bool)
+    keep[list(problems)] = False
+    kept = b"".join(buf[s:e + 1] for s, e in zip(starts[keep], nl[keep], strict=True))
+    return kept, lines[keep], len(problems)
+
+
 def _parse_slow(buf: bytes, lines: np.ndarray, path: Path, on_bad_row: str,
                 read: pacsv.ReadOptions) -> tuple:
     """parse_block's general path: drop/raise on rows with too many fields, pad short rows,
     and re-read as strings when a numeric field does not parse."""
+    buf, lines, skipped = _drop_unparsable(buf, lines, path, on_bad_row)
     arr = np.frombuffer(buf, np.uint8)
     nl = np.flatnonzero(arr == 10)
     starts = np.concatenate([[0], nl[:-1] + 1])
     fields = np.diff(np.searchsorted(np.flatnonzero(arr == 9), nl), prepend=0) + 1
 
-    skipped = 0
     too_many = fields > NUM_FIELDS
     if too_many.any():
         first = int(np.argmax(too_many))
@@ -255,10 +299,16 @@ def _parse_slow(buf: bytes, lines: np.ndarray, path: Path, on_bad_row: str,
         dense_cols = [pc.fill_null(table[n], 0).combine_chunks() for n in DENSE_NAMES]
     except pa.ArrowInvalid:
         # A non-numeric field: re-read as strings and find every bad row vectorized.
-        table = pacsv.read_csv(io.BytesIO(padded), read, _PARSE, _STRINGS)
+        try:
+            table = pacsv.read_csv(io.BytesIO(padded), read, _PARSE, _STRINGS)
+        except pa.ArrowException as e:  # the lines it could fail on were dropped above
+            raise ValueError(f"{path}:{int(lines[0])}-{int(lines[-1])}: these lines could not "
+                             f"be parsed ({str(e)[:100]}); check the file for binary "
+                             f"data") from None
         bad = ~np.asarray(pc.is_in(table[LABEL], pa.array(["0", "1"])))
         for n in DENSE_NAMES:
-            bad |= ~np.asarray(pc.match_substring_regex(table[n], r"^-?[0-9]*$"))
+            bad |= ~np.asarray(pc.match_substring_regex(
+                table[n], rf"^-?[0-9]{{0,{MAX_DENSE_DIGITS}}}$"))
         label = None
         dense_cols = None
     return table, label, bad, dense_cols, lines, buf, skipped
@@ -288,9 +338,10 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str,
     try:
         # Fast path (the real data): every row has exactly 40 numeric/hex fields, so the
         # block parses as is and the per-line field counting below is not needed.
-        table = pacsv.read_csv(io.BytesIO(buf), read, _PARSE, _TYPED)
-        if len(table) != n_lines:
-            table = None
+        if not _has_long_line(buf):
+            table = pacsv.read_csv(io.BytesIO(buf), read, _PARSE, _TYPED)
+            if len(table) != n_lines:
+                table = None
     except pa.ArrowInvalid:
         table = None
     if table is not None:

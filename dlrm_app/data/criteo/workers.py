@@ -10,6 +10,8 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -32,11 +34,37 @@ class InProcess:
         return (fn(*t) for t in tasks)
 
 
-def _init_worker(threads: int) -> None:
+def _parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (Linux /proc), or -1 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _die_with(main_pid: int) -> None:
+    """Kill this worker once the main process is gone (SIGKILL, a crash, an OOM kill): its
+    parent is the fork server, whose parent is the main process until the main process exits
+    (then the server is re-parented, even while the main process is an unreaped zombie)."""
+    while True:
+        time.sleep(WATCH_S)
+        server = os.getppid()
+        if main_pid not in (server, _parent_of(server)):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+WATCH_S = 0.2
+"""How often a worker checks that the main process is alive."""
+
+
+def _init_worker(threads: int, main_pid: int) -> None:
     # The parent handles Ctrl-C (it cancels queued tasks and waits for running ones); pyarrow's
     # CSV reader gets an equal share of the cores instead of a full pool per worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pa.set_cpu_count(threads)
+    if os.path.isdir("/proc"):
+        threading.Thread(target=_die_with, args=(main_pid,), daemon=True).start()
 
 
 class Processes:
@@ -51,7 +79,7 @@ class Processes:
         context.set_forkserver_preload(["__main__", __package__ or __name__])
         threads = max(1, (os.cpu_count() or 1) // workers)
         self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                        initargs=(threads,))
+                                        initargs=(threads, os.getpid()))
         self.depth = 2 * workers
 
     def map(self, fn: Callable[..., Any], tasks: Iterable[tuple]) -> Iterator[Any]:
