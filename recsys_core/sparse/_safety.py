@@ -30,6 +30,7 @@ from recsys_core.sparse._utils import check_values_cover
 from recsys_core.sparse.jagged_tensor_validator import raise_negative_length
 
 if TYPE_CHECKING:
+    from recsys_core.sparse.jagged_tensor import JaggedTensor
     from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
 _OWNER = "KeyedJaggedTensor"
@@ -136,34 +137,77 @@ def _lengths_in_range(lengths: torch.Tensor, num_values: int) -> bool:
     return int(low) >= 0 and int(high) <= num_values
 
 
-def _check_offset_ends(offsets: torch.Tensor, num_values: int) -> None:
+def ensure_safe_jagged(jt: JaggedTensor) -> None:
+    """The same proof for a JaggedTensor before ``to_dense``/``to_padded_dense`` hand its
+    lengths/offsets to kernels: lengths in ``[0, len(values)]`` summing to at most
+    ``len(values)``, given offsets from 0 and agreeing with given lengths, one weight per
+    value. Not cached (a JaggedTensor's ops are not on the training hot path)."""
+    owner = "JaggedTensor"
+    values, weights = jt.values(), jt.weights_or_none()
+    if values.is_meta:
+        return
+    num_values = values.size(0)
+    given_offsets = jt._offsets if jt._lengths is not None else None
+    only_offsets = jt._lengths is None and jt._rows is None
+    lengths = jt.lengths().reshape(-1)
+    if lengths.numel():
+        if not _lengths_in_range(lengths, num_values):
+            if bool((lengths < 0).any()):
+                raise_negative_length(owner, None, [lengths.numel()], lengths)
+            position = int(torch.nonzero(lengths > num_values)[0, 0])
+            raise ValueError(
+                f"{owner}: length {int(lengths[position])} at batch position {position} is "
+                f"larger than the {num_values} values there are; lengths must be >= 0 and sum "
+                "to the number of values."
+            )
+        total = int(lengths.sum())
+        if total > num_values:
+            raise ValueError(
+                f"{owner}: Sum of lengths must equal the number of values: the bags need "
+                f"values[0:{total}] but values has only {num_values} entries."
+            )
+    offsets = jt._offsets
+    if only_offsets and offsets is not None:
+        _check_offset_ends(offsets, num_values, owner)
+    if given_offsets is not None and given_offsets.numel() > 0:
+        _check_offsets_agree(given_offsets, lengths, num_values, owner)
+    if weights is not None and weights.size(0) != num_values:
+        raise ValueError(
+            f"{owner}: weights size must equal to values size, but weights has "
+            f"{weights.size(0)} entries and values has {num_values}; pass one weight per value."
+        )
+
+
+def _check_offset_ends(offsets: torch.Tensor, num_values: int, owner: str = _OWNER) -> None:
     """Offsets-only KJT: its lengths (the differences) were checked; its ends must fit too."""
     if offsets.numel() == 0:
         return
     first, last = (int(x) for x in torch.stack([offsets[0], offsets[-1]]).tolist())
     if first != 0:
         raise ValueError(
-            f"{_OWNER}: Expected first offset to be 0, but got {first}; subtract offsets[0] or "
+            f"{owner}: Expected first offset to be 0, but got {first}; subtract offsets[0] or "
             "pass lengths instead."
         )
     if last > num_values:
         raise ValueError(
-            f"{_OWNER}: the last offset is {last} but values has only {num_values} entries; "
+            f"{owner}: the last offset is {last} but values has only {num_values} entries; "
             "offsets must end at the number of values."
         )
 
 
-def _check_offsets_agree(offsets: torch.Tensor, lengths: torch.Tensor, num_values: int) -> None:
+def _check_offsets_agree(
+    offsets: torch.Tensor, lengths: torch.Tensor, num_values: int, owner: str = _OWNER
+) -> None:
     """Both lengths and offsets were given: kernels may read either, so they must agree."""
     if offsets.numel() != lengths.numel() + 1:
         raise ValueError(
-            f"{_OWNER}: offsets has {offsets.numel()} entries but lengths has {lengths.numel()}; "
+            f"{owner}: offsets has {offsets.numel()} entries but lengths has {lengths.numel()}; "
             "offsets needs len(lengths) + 1 entries (a leading 0), or pass only one of them."
         )
-    _check_offset_ends(offsets, num_values)
+    _check_offset_ends(offsets, num_values, owner)
     disagree = int((offsets[1:] - offsets[:-1] != lengths).sum())
     if disagree:
         raise ValueError(
-            f"{_OWNER}: offsets is not equal to the cumulative sum of lengths (they disagree at "
+            f"{owner}: offsets is not equal to the cumulative sum of lengths (they disagree at "
             f"{disagree} position(s)); pass only one of them."
         )

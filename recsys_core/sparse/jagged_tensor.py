@@ -225,8 +225,17 @@ class JaggedTensor(metaclass=SparseTypeMeta):
 
     # -- conversions ------------------------------------------------------------------------
 
+    @torch.jit.unused
+    def _ensure_safe(self) -> None:
+        """Lengths/offsets/weights in bounds before kernels read them (see ``_safety``)."""
+        from recsys_core.sparse._safety import ensure_safe_jagged
+
+        ensure_safe_jagged(self)
+
     def to_dense(self) -> list[torch.Tensor]:
         """One view of ``values`` per bag."""
+        if not torch.jit.is_scripting():
+            self._ensure_safe()
         sizes: list[int] = self.lengths().tolist()
         return list(torch.split(self._values, sizes))
 
@@ -234,6 +243,8 @@ class JaggedTensor(metaclass=SparseTypeMeta):
         weights = self._weights
         if weights is None:
             return None
+        if not torch.jit.is_scripting():
+            self._ensure_safe()
         sizes: list[int] = self.lengths().tolist()
         return list(torch.split(weights, sizes))
 
@@ -241,6 +252,8 @@ class JaggedTensor(metaclass=SparseTypeMeta):
         self, desired_length: int | None = None, padding_value: float = 0.0
     ) -> torch.Tensor:
         """``[B, L]``: each bag truncated or padded to ``L`` (default: the longest bag)."""
+        if not torch.jit.is_scripting():
+            self._ensure_safe()
         return _jit_ops.padded_dense(
             self._values, self._bag_offsets(), self._padded_length(desired_length), padding_value
         )
@@ -251,6 +264,8 @@ class JaggedTensor(metaclass=SparseTypeMeta):
         weights = self._weights
         if weights is None:
             return None
+        if not torch.jit.is_scripting():
+            self._ensure_safe()
         return _jit_ops.padded_dense(
             weights, self._bag_offsets(), self._padded_length(desired_length), padding_value
         )

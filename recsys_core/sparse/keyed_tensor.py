@@ -1,6 +1,7 @@
 """KeyedTensor: dense per-key tensors (e.g. pooled embeddings) side by side in one tensor."""
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -202,6 +203,12 @@ def _check_inputs(
             f"{_OWNER}: key_dim {key_dim} is out of range for values of shape "
             f"{tuple(values.shape)}."
         )
+    negative = [(k, n) for k, n in zip(keys, length_per_key, strict=True) if n < 0]
+    if negative:
+        raise ValueError(
+            f"{_OWNER}: key '{negative[0][0]}' has width {negative[0][1]} in length_per_key; "
+            "widths must be >= 0."
+        )
     if values.size(key_dim) != sum(length_per_key):
         raise ValueError(
             f"{_OWNER}: values has size {values.size(key_dim)} along key_dim {key_dim} but "
@@ -212,6 +219,13 @@ def _check_inputs(
             f"{_OWNER}: offset_per_key needs len(keys) + 1 = {len(keys) + 1} entries, got "
             f"{len(offset_per_key)}."
         )
+    if offset_per_key is not None:
+        expected = list(accumulate(length_per_key, initial=0))
+        if list(offset_per_key) != expected:
+            raise ValueError(
+                f"{_OWNER}: offset_per_key {list(offset_per_key)} does not match length_per_key "
+                f"(expected {expected}); drop it or fix it."
+            )
     return keys, length_per_key
 
 

@@ -22,7 +22,9 @@ from recsys_core import (
     EmbeddingCollection,
     EmbeddingConfig,
     FusedEmbeddingBagCollection,
+    JaggedTensor,
     KeyedJaggedTensor,
+    KeyedTensor,
 )
 from recsys_core.inference import QuantEmbeddingBagCollection
 from recsys_core.kernels.config import KernelBackend
@@ -121,8 +123,47 @@ OPS: dict[str, Callable[[KeyedJaggedTensor], Any]] = {
 }
 
 
+# JaggedTensor inputs (3 bags, 4 values) and the ops that hand them to kernels
+JT_INPUTS: dict[str, dict[str, Any]] = {
+    "jt_negative_length": {"lengths": T([1, -1, 4])},
+    "jt_length_past_values": {"lengths": T([1, 1, 5])},
+    "jt_decreasing_offsets": {"offsets": T([0, 3, 1, 4])},
+    "jt_offsets_past_values": {"offsets": T([0, 1, 2, 9])},
+    "jt_huge_lengths": {"lengths": T([HUGE] * 4)},
+    "jt_weights_short": {"lengths": T([1, 1, 2]), "weights": T([1.0, 2.0])},
+}
+JT_OPS: dict[str, Callable[[JaggedTensor], Any]] = {
+    "to_dense": lambda j: j.to_dense(),
+    "to_padded_dense": lambda j: j.to_padded_dense(3),
+    "to_dense_weights": lambda j: j.to_dense_weights() if j.weights_or_none() is not None
+    else j.to_dense(),
+    "to_padded_dense_weights": lambda j: j.to_padded_dense_weights(3)
+    if j.weights_or_none() is not None else j.to_padded_dense(),
+}
+# KeyedTensor inputs (width 4) and the ops that slice or permute by length_per_key
+KT_INPUTS: dict[str, dict[str, Any]] = {
+    "kt_negative_width": {"length_per_key": [-1, 5]},
+    "kt_widths_past_values": {"length_per_key": [2, 5]},
+    "kt_offset_per_key_wrong": {"length_per_key": [2, 2], "offset_per_key": [0, 3, 4]},
+}
+KT_OPS: dict[str, Callable[[Callable[[], KeyedTensor]], Any]] = {
+    "to_dict": lambda kt: kt().to_dict(),
+    "regroup": lambda kt: KeyedTensor.regroup(
+        [kt(), KeyedTensor(["c"], [1], torch.ones(3, 1))], [["b", "c"], ["a"]]),
+}
+
+
 def cases() -> list[tuple[str, Callable[[], Any]]]:
     out: list[tuple[str, Callable[[], Any]]] = []
+    for input_name, kwargs in JT_INPUTS.items():
+        for op_name, op in JT_OPS.items():
+            out.append((f"{input_name}/{op_name}",
+                        lambda op=op, kw=kwargs: op(JaggedTensor(values=VALUES.float(), **kw))))
+    for input_name, kwargs in KT_INPUTS.items():
+        def kt(kw: dict[str, Any] = kwargs) -> KeyedTensor:
+            return KeyedTensor(keys=["a", "b"], values=torch.ones(3, 4), **kw)
+        for op_name, op in KT_OPS.items():
+            out.append((f"{input_name}/{op_name}", lambda op=op, kt=kt: op(kt)))
     for input_name, kwargs in INPUTS.items():
         def kjt(kwargs: dict[str, Any] = kwargs) -> KeyedJaggedTensor:
             return KeyedJaggedTensor(keys=["a", "b"], values=VALUES.clone(), **kwargs)

@@ -48,14 +48,29 @@ EXPECTED = {
                             r"\(4\)|batch sizes per key \[2, 3\].*sum to 5|needs a fixed batch",
     "weights_short": r"weights has 2 entries",
     "weights_short_negative_length": r"negative length -1 for key 'b' at batch position 0",
+    "jt_negative_length": r"JaggedTensor: negative length -1 for batch position 1",
+    "jt_length_past_values": r"JaggedTensor: length 5 at batch position 2 is larger than the 4 "
+                             r"values",
+    "jt_decreasing_offsets": r"JaggedTensor: negative length -2 for batch position 1",
+    "jt_offsets_past_values": r"JaggedTensor: length 7 at batch position 2 is larger than the 4",
+    "jt_huge_lengths": r"JaggedTensor: length 4611686018427387904 at batch position 0 is larger",
+    "jt_weights_short": r"JaggedTensor: weights size must equal to values size, but weights has "
+                        r"2 entries and values has 4",
+    "kt_negative_width": r"KeyedTensor: key 'a' has width -1 in length_per_key",
+    "kt_widths_past_values": r"KeyedTensor: values has size 4 along key_dim 1 but length_per_key "
+                             r"\[2, 5\] sums to 7",
+    "kt_offset_per_key_wrong": r"KeyedTensor: offset_per_key \[0, 3, 4\] does not match "
+                               r"length_per_key \(expected \[0, 2, 4\]\)",
 }
 
 CASES = [name for name, _ in child.cases()]
 
 
 def test_every_input_has_an_expectation() -> None:
-    assert set(EXPECTED) == set(child.INPUTS)
-    assert len(CASES) == len(child.INPUTS) * (len(child.OPS) + len(child.MODULES))
+    assert set(EXPECTED) == set(child.INPUTS) | set(child.JT_INPUTS) | set(child.KT_INPUTS)
+    assert len(CASES) == (len(child.INPUTS) * (len(child.OPS) + len(child.MODULES))
+                          + len(child.JT_INPUTS) * len(child.JT_OPS)
+                          + len(child.KT_INPUTS) * len(child.KT_OPS))
 
 
 @pytest.fixture(scope="module")
