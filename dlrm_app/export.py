@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE
 from dlrm_app.checkpoint import resolve_run, verify_checkpoint
 from dlrm_app.config import TrainConfig
+from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
+from dlrm_app.data.integrity import verify_file
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.model import DLRM, build_dlrm
 from recsys_core.distributed import checkpoint as dcp_checkpoint
@@ -144,6 +146,7 @@ def _preprocessing_tensors(spec: DatasetSpec, data_dir: Path
         if encoding["mode"] == "vocabulary":
             from dlrm_app.data.criteo import load_vocabulary
 
+            verify_file(data_dir / VOCABULARY_FILE, encoding.get("vocabulary_sha256"))
             vocab = load_vocabulary(data_dir)
             offsets = np.cumsum([0] + [len(v) for v in vocab])
             return (torch.zeros(len(sizes), dtype=torch.int64),

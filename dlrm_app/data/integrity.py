@@ -53,6 +53,17 @@ def read_footer(path: Path, shard: ShardFile, split: str) -> pq.FileMetaData:
     return meta
 
 
+def verify_file(path: Path, sha256: str | None) -> None:
+    """A file ``dataset.json`` records a checksum of (the Criteo vocabulary): present and
+    intact, or :class:`DatasetIntegrityError` naming it. ``sha256`` None: nothing recorded."""
+    if not path.is_file():
+        raise DatasetIntegrityError(f"{path}: listed in {path.parent / DATASET_JSON} but "
+                                    f"missing; {_FIX}")
+    if sha256 is not None and sha256_file(path) != sha256:
+        raise DatasetIntegrityError(f"{path}: does not match its checksum in {DATASET_JSON} "
+                                    f"(the bytes changed after preprocessing); {_FIX}")
+
+
 def verify_checksums(
     dataset_dir: Path, shards: Sequence[ShardFile], split: str, rank: int = 0,
     world_size: int = 1,

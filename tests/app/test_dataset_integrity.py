@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from shared_data import KAGGLE_10K
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data import integrity
@@ -124,3 +125,20 @@ def test_training_refuses_a_damaged_dataset(data: Path, tmp_path: Path) -> None:
                          max_steps=2)
     with pytest.raises(DatasetIntegrityError, match=f"{shard}: shard of split 'validation'"):
         train(config, progress=False)
+
+
+@pytest.mark.shared_data(KAGGLE_10K)
+def test_export_refuses_an_altered_vocabulary(tmp_path: Path) -> None:
+    from dlrm_app.data.criteo import VOCABULARY_FILE, preprocess_criteo
+    from dlrm_app.export import _preprocessing_tensors
+
+    sample = tmp_path / "sample.tsv"
+    sample.write_bytes(b"\n".join(KAGGLE_10K.read_bytes().split(b"\n")[:2000]) + b"\n")
+    spec = preprocess_criteo([sample], tmp_path / "criteo")
+    assert _preprocessing_tensors(spec, tmp_path / "criteo")[3]  # intact: uses the vocabulary
+    vocab = tmp_path / "criteo" / VOCABULARY_FILE
+    raw = bytearray(vocab.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    vocab.write_bytes(bytes(raw))
+    with pytest.raises(DatasetIntegrityError, match=f"{vocab}: does not match its checksum"):
+        _preprocessing_tensors(spec, tmp_path / "criteo")
