@@ -427,6 +427,11 @@ def describe_error(exc: BaseException) -> str:
     elif isinstance(exc, OSError):
         text = f"{exc.strerror or exc}{where}"
     elif isinstance(exc, RuntimeError) and any(
+            word in str(exc).lower() for word in ("connection closed by peer",
+                                                  "connection reset by peer", "broken pipe")):
+        text = ("another rank stopped (its own error is above), so this one cannot go on; fix "
+                "that error and rerun (--resume continues from the last checkpoint)")
+    elif isinstance(exc, RuntimeError) and any(
             word in str(exc).lower() for word in ("timed out", "timeout")):  # gloo's, nccl's
         text = ("a collective operation timed out waiting for the other ranks (one stalled or "
                 "died): check the other ranks' output; if a legitimate step is that slow, raise "
@@ -449,15 +454,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     what failed and the fix (``DLRM_APP_TRACEBACK=1`` shows the traceback); under torchrun the
     line names the rank."""
     args = build_parser().parse_args(argv)
+    name = f"dlrm-app {_command(args)}"
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    prefix = name + (f" (rank {rank})" if rank else "")
     try:
         return int(args.func(args))
+    except SystemExit as exc:  # a command's own one-line error: name the rank in it too
+        if rank and isinstance(exc.code, str) and exc.code.startswith(name + ":"):
+            raise SystemExit(prefix + exc.code[len(name):]) from None
+        raise
     except (Exception, KeyboardInterrupt) as exc:
         if os.environ.get(TRACEBACK_ENV) == "1":
             raise
         if isinstance(exc, KeyboardInterrupt):
-            raise SystemExit(f"dlrm-app {_command(args)}: interrupted") from None
-        rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-        prefix = f"dlrm-app {_command(args)}" + (f" (rank {rank})" if rank else "")
+            raise SystemExit(f"{prefix}: interrupted") from None
         raise SystemExit(f"{prefix}: {describe_error(exc)}") from None
 
 

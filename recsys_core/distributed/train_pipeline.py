@@ -16,6 +16,7 @@ must iterate the same number of batches (collectives match in issue order).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, TypeVar
 
@@ -83,4 +84,10 @@ def pipelined_batches(
         yield current
     finally:
         for module in sharded:
-            module.drop_prefetched()
+            try:
+                module.drop_prefetched()
+            except RuntimeError:
+                # The loop is already unwinding (an error, or a peer rank gone): the error that
+                # stopped it is the one to report, not this cleanup's lost connection.
+                if sys.exc_info()[0] is None:
+                    raise

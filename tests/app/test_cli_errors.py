@@ -123,6 +123,9 @@ def test_timeouts_and_unknown_errors_are_one_line() -> None:
     assert describe_error(gloo).startswith("a collective operation timed out waiting for the "
                                            "other ranks")
     assert "raise --timeout" in describe_error(gloo)
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                        "[127.0.0.1]:4711")
+    assert describe_error(peer).startswith("another rank stopped (its own error is above)")
     odd = KeyError("x" * 1000 + "\nline two")
     text = describe_error(odd)
     assert text.startswith("KeyError: ") and "DLRM_APP_TRACEBACK=1" in text

@@ -325,3 +325,29 @@ def test_stalled_rank_ends_the_run_after_timeout(data: Path, tmp_path: Path) -> 
     lines = [line for line in err.splitlines() if line.startswith("dlrm-app train (rank 0)")]
     assert len(lines) == 1, err[-3000:]
     assert "timed out waiting for the other ranks" in lines[0] and "--timeout" in lines[0]
+
+
+def test_failing_rank_and_its_peer_each_print_one_line(data: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    shard = copy / DatasetSpec.load(copy).split("train").shards[1].file  # hashed by rank 1
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    proc = subprocess.run(_cmd(2, "train", "--data", str(copy), "--out", str(tmp_path / "run"),
+                               "--batch-size", str(BATCH), *COMMON),
+                          capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("dlrm-app train")]
+    assert [line for line in ours if "(rank 1)" in line] == [
+        f"dlrm-app train (rank 1): {shard}: shard of split 'train' does not match its checksum "
+        "in dataset.json (the bytes changed after preprocessing); re-run the preprocessing into "
+        "a fresh --out (or restore the file)"], proc.stderr[-3000:]
+    # rank 0 says why it stopped, unless torchrun's SIGTERM ends it first
+    assert [line for line in ours if "(rank 1)" not in line] in ([], [
+        "dlrm-app train (rank 0): another rank stopped (its own error is above), so this one "
+        "cannot go on; fix that error and rerun (--resume continues from the last checkpoint)"])
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr.split(
+        "torch/distributed/elastic")[0]
