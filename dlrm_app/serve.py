@@ -294,20 +294,29 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         self._handle("PATCH")
 
+    def do_HEAD(self) -> None:
+        self._handle("HEAD")
+
+    def do_OPTIONS(self) -> None:
+        self._handle("OPTIONS")
+
     def _handle(self, method: str) -> None:
         start = time.perf_counter()
         app = self.server.app
         path = urlsplit(self.path).path
         known = {"/predict": "POST", "/health": "GET", "/metrics": "GET"}
         rows = 0
-        self.body_left_unread = False
+        self.body_left_unread = self.body_read = False
+        self.allow = known.get(path)
         try:
             if path not in known:
                 raise RequestError(404, f"no endpoint {path}; use POST /predict, GET /health "
                                         f"or GET /metrics")
-            if method != known[path]:
+            if method == "OPTIONS":
+                status, body = 204, {}
+            elif method != known[path] and not (method == "HEAD" and known[path] == "GET"):
                 raise RequestError(405, f"{path} takes {known[path]}, not {method}")
-            if path == "/health":
+            elif path == "/health":
                 status, body = 200, app.health()
             elif path == "/metrics":
                 status, body = 200, app.metrics.snapshot(app.batcher)
@@ -315,6 +324,11 @@ class _Handler(BaseHTTPRequestHandler):
                 with app.batcher.arriving():  # from before the body is read
                     future = app.submit_body(self._read_body())
                 probs = future.result()
+                bad = np.flatnonzero(~np.isfinite(probs))
+                if len(bad):
+                    raise RequestError(400, f"the model's output is not finite for row(s) "
+                                            f"{bad[:10].tolist()}: their inputs are far outside "
+                                            f"anything it was trained on")
                 status, body, rows = 200, {"probabilities": probs.tolist()}, len(probs)
         except RequestError as e:
             status, body = e.status, {"error": e.message}
@@ -324,10 +338,30 @@ class _Handler(BaseHTTPRequestHandler):
             status, body = 500, {"error": f"internal error: {type(e).__name__}: {e}"}
         if path not in known:
             path = "other"
+        if not self.body_read:
+            self._skip_body()  # a body left unread would be parsed as the next request
         app.metrics.record(path, status, time.perf_counter() - start, rows)
-        self._send(status, body)
+        self._send(status, body, head=method == "HEAD")
+
+    def _skip_body(self) -> None:
+        """Read and drop the body of a request answered without it (404, 405, GET with a body);
+        one that cannot be skipped safely (chunked, unreadable length, over the limit) ends the
+        connection after the answer instead."""
+        length = self.headers.get("Content-Length")
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower() or (
+                length is not None and not _byte_count(length)):
+            self.close_connection = True
+        elif length is not None and int(length) > 0:
+            if int(length) > self.server.app.config.max_body_bytes:
+                self.close_connection = self.body_left_unread = True
+                return
+            try:
+                self.rfile.read(int(length))
+            except (TimeoutError, OSError):
+                self.close_connection = True
 
     def _read_body(self) -> bytes:
+        self.body_read = True
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             self.close_connection = True
             raise RequestError(411, "chunked bodies are not accepted; send a Content-Length")
@@ -335,9 +369,10 @@ class _Handler(BaseHTTPRequestHandler):
         if length is None:
             self.close_connection = True
             raise RequestError(411, "send the body with a Content-Length header")
-        if not length.isdigit():
+        self.body_read = True
+        if not _byte_count(length):
             self.close_connection = True
-            raise RequestError(400, f"Content-Length {length!r} is not a byte count")
+            raise RequestError(400, f"Content-Length {length[:40]!r} is not a byte count")
         limit = self.server.app.config.max_body_bytes
         if int(length) > limit:
             self.close_connection = self.body_left_unread = True
@@ -353,16 +388,26 @@ class _Handler(BaseHTTPRequestHandler):
                                     f"{length} bytes (Content-Length) arrived")
         return body
 
-    def _send(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
+    def _send(self, status: int, body: dict[str, Any], head: bool = False) -> None:
+        try:
+            data = json.dumps(body, allow_nan=False).encode() if status != 204 else b""
+        except ValueError:  # never NaN or Infinity on the wire: that is not JSON
+            status, data = 500, b'{"error": "internal error: a non-finite number in the answer"}'
         try:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            if status == 204 or (status == 405 and self.allow):
+                allow = "OPTIONS" if self.allow is None else (
+                    f"{self.allow}, HEAD, OPTIONS" if self.allow == "GET" else
+                    f"{self.allow}, OPTIONS")
+                self.send_header("Allow", allow)
+            if status != 204:
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(data)
+            if not head:
+                self.wfile.write(data)
             self.wfile.flush()
         except OSError:  # the client went away
             self.close_connection = True
@@ -384,6 +429,12 @@ class _Handler(BaseHTTPRequestHandler):
                 limit -= len(chunk)
         except OSError:
             pass
+
+
+def _byte_count(text: str) -> bool:
+    """A Content-Length value we accept: ASCII digits only, at most 18 of them (``'²'`` is a
+    digit to ``str.isdigit``, and 5,000 digits exceed ``int()``'s limit)."""
+    return 0 < len(text) <= 18 and text.isascii() and text.isdigit()
 
 
 class PredictionServer:

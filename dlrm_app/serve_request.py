@@ -124,6 +124,8 @@ class RequestParser:
             raise RequestError(400, f"body is not valid JSON: {e}") from None
         except RecursionError:
             raise RequestError(400, "body is JSON nested too deeply") from None
+        except ValueError as e:  # e.g. an integer of more than 4300 digits
+            raise RequestError(400, f"body is not usable JSON: {str(e)[:100]}") from None
         if not isinstance(request, dict) or len({"rows", "instances"} & request.keys()) != 1:
             raise RequestError(400, 'expected a JSON object with exactly one of "rows" (raw '
                                     'lines) and "instances" (encoded features)')

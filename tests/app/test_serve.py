@@ -322,6 +322,120 @@ def test_other_paths_methods_and_framing(server: PredictionServer) -> None:
     conn.close()
 
 
+# ---- hostile HTTP ----------------------------------------------------------------------------
+def _exchange(port: int, raw: bytes) -> list[tuple[int, bytes]]:
+    """Send raw bytes on one connection; every (status, body) answered until the server closes
+    it (the last request carries ``Connection: close``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(raw)
+        reader = sock.makefile("rb")
+        answers = []
+        while line := reader.readline():
+            status = int(line.split()[1])
+            headers = {}
+            while (header := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = header.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            body = reader.read(int(headers.get("content-length", 0)))
+            answers.append((status, body))
+    return answers
+
+
+def _request(method: str, path: str, body: bytes = b"", close: bool = False,
+             length: bytes | None = None) -> bytes:
+    length = str(len(body)).encode() if length is None else length
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\n".encode() + b"Content-Length: " + length
+            + b"\r\n" + (b"Connection: close\r\n" if close else b"") + b"\r\n" + body)
+
+
+def test_refused_request_body_is_not_read_as_a_request(server: PredictionServer) -> None:
+    smuggled = _request("GET", "/health")
+    for method, path, status in (("POST", "/nope", 404), ("POST", "/health", 405),
+                                 ("PUT", "/predict", 405)):
+        answers = _exchange(server.port, _request(method, path, smuggled)
+                            + _request("GET", "/metrics", close=True))
+        assert [a[0] for a in answers] == [status, 200], answers
+        assert "requests" in json.loads(answers[1][1]) or json.loads(answers[1][1])
+
+
+@pytest.mark.parametrize("length", ["²".encode("latin-1"), b"9" * 5000, b"-5", b"0x10"])
+def test_bad_content_length_is_a_400(server: PredictionServer, length: bytes) -> None:
+    answers = _exchange(server.port, _request("POST", "/predict", b"{}", close=True,
+                                              length=length))
+    assert answers[0][0] == 400 and b"is not a byte count" in answers[0][1]
+
+
+def test_huge_json_integer_is_a_400(server: PredictionServer) -> None:
+    body = b'{"instances": [{"dense": [1], "sparse": {"cat_0": ' + b"7" * 5000 + b"}}]}"
+    status, answer = post(server.port, body)
+    assert status == 400 and "not usable JSON" in answer["error"]
+
+
+def test_head_and_options(server: PredictionServer) -> None:
+    # HEAD: the headers of GET (its Content-Length) and no body; OPTIONS: 204 and Allow; all
+    # on one kept-alive connection
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("HEAD", "/health")
+    response = conn.getresponse()
+    assert response.status == 200 and int(response.getheader("Content-Length")) > 0
+    assert response.read() == b""
+    conn.request("OPTIONS", "/predict")
+    response = conn.getresponse()
+    assert response.status == 204 and response.getheader("Allow") == "POST, OPTIONS"
+    assert response.read() == b""
+    conn.request("POST", "/metrics", b"{}")
+    response = conn.getresponse()
+    response.read()
+    assert response.status == 405 and response.getheader("Allow") == "GET, HEAD, OPTIONS"
+    conn.close()
+
+
+class NonFinite(nn.Module):
+    """The stand-in, but its output is NaN where the first dense value is over 1e38 (what a
+    DLRM gives for dense inputs of 3e38)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.inner = HashedLogistic(sizes)
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
+                ) -> torch.Tensor:
+        out = self.inner(dense, values, offsets)
+        return torch.where(dense[:, 0] > 1e38, torch.full_like(out, float("nan")), out)
+
+    @torch.jit.export
+    def encode(self, dense_raw: torch.Tensor, cat_raw: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.inner.encode(dense_raw, cat_raw)
+
+    @torch.jit.export
+    def predict_raw(self, dense_raw: torch.Tensor, cat_raw: torch.Tensor) -> torch.Tensor:
+        dense, values, offsets = self.encode(dense_raw, cat_raw)
+        return self.forward(dense, values, offsets)
+
+
+def test_non_finite_output_is_a_400_never_nan_on_the_wire(tmp_path: Path) -> None:
+    path = tmp_path / "nan.pt"
+    torch.jit.save(torch.jit.script(NonFinite(SIZES)), str(path),
+                   _extra_files={METADATA_FILE: json.dumps(metadata(raw_input=False))})
+    sparse = {name: [1] if i == 0 else 1 for i, name in enumerate(SPARSE)}
+    with PredictionServer.from_file(path, ServeConfig(port=0, max_wait_ms=0)) as s:
+        ok = {"dense": [0.5] * 13, "sparse": sparse}
+        huge = {"dense": [3e38] + [0.5] * 12, "sparse": sparse}
+        raw = urllib.request.Request(f"http://127.0.0.1:{s.port}/predict",
+                                     data=json.dumps({"instances": [ok, huge]}).encode())
+        try:
+            urllib.request.urlopen(raw, timeout=30)
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        def no_constants(name: str) -> None:
+            raise AssertionError(f"{name} on the wire")
+        answer = json.loads(text, parse_constant=no_constants)
+        assert status == 400 and "not finite for row(s) [1]" in answer["error"]
+        status, answer = post(s.port, {"instances": [ok]})
+        assert status == 200 and 0 < answer["probabilities"][0] < 1
+
+
 # ---- health and metrics --------------------------------------------------------------------
 def test_health_and_metrics_count_what_was_sent(artifact: Path) -> None:
     config = ServeConfig(port=0, max_batch_rows=8, max_wait_ms=0)
