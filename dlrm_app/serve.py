@@ -89,6 +89,9 @@ class ServeConfig:
     """A connection idle (or a body unsent) this long is closed."""
     latency_window: int = 10_000
     """``/metrics`` latency percentiles cover this many most recent predictions."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM (or ``stop()``): stop accepting, then answer the requests already received
+    for at most this long before exiting."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_body_bytes", "max_rows", "latency_window"):
@@ -96,6 +99,9 @@ class ServeConfig:
                 raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"ServeConfig.drain_timeout_s must be >= 0, got "
+                             f"{self.drain_timeout_s}")
         if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
             raise ValueError(f"ServeConfig: max_wait_ms must be >= 0 and request_timeout_s > 0, "
                              f"got {self.max_wait_ms}, {self.request_timeout_s}")
@@ -276,6 +282,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.app.config.request_timeout_s
         super().setup()
 
+    def parse_request(self) -> bool:
+        """A request line and headers read: from here until its answer is sent the request
+        counts as in flight, so that a graceful stop waits for it."""
+        ok = super().parse_request()
+        if ok and hasattr(self, "do_" + self.command):
+            self.server.app.in_flight(+1)
+        return ok
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         pass  # one line per request on stderr is too much at serving rates; see /metrics
 
@@ -305,6 +319,13 @@ class _Handler(BaseHTTPRequestHandler):
         app = self.server.app
         path = urlsplit(self.path).path
         known = {"/predict": "POST", "/health": "GET", "/metrics": "GET"}
+        try:
+            self._answer(method, start, path, known)
+        finally:
+            app.in_flight(-1)  # counted from parse_request
+
+    def _answer(self, method: str, start: float, path: str, known: dict[str, str]) -> None:
+        app = self.server.app
         rows = 0
         self.body_left_unread = self.body_read = False
         self.allow = known.get(path)
@@ -340,6 +361,8 @@ class _Handler(BaseHTTPRequestHandler):
             path = "other"
         if not self.body_read:
             self._skip_body()  # a body left unread would be parsed as the next request
+        if app.draining:
+            self.close_connection = True  # kept-alive clients reconnect elsewhere
         app.metrics.record(path, status, time.perf_counter() - start, rows)
         self._send(status, body, head=method == "HEAD")
 
@@ -431,6 +454,11 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
 
+_QUIET_S = 0.2
+"""A graceful stop ends once no request has been in flight for this long (or at the drain
+timeout)."""
+
+
 def _byte_count(text: str) -> bool:
     """A Content-Length value we accept: ASCII digits only, at most 18 of them (``'²'`` is a
     digit to ``str.isdigit``, and 5,000 digits exceed ``int()``'s limit)."""
@@ -456,6 +484,10 @@ class PredictionServer:
         self.metrics = Metrics(config.latency_window)
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.draining = False
+        self._in_flight = 0
+        self._last_change = 0.0
+        self._idle = threading.Lock()
 
     @classmethod
     def from_file(cls, path: str | Path, config: ServeConfig) -> PredictionServer:
@@ -481,10 +513,39 @@ class PredictionServer:
         self._thread.start()
         return self.port
 
+    def in_flight(self, change: int) -> None:
+        """Count requests between their first byte read and their answer sent."""
+        with self._idle:
+            self._in_flight += change
+            self._last_change = time.monotonic()
+
     def stop(self) -> None:
+        """Stop accepting connections, answer the requests already received (for at most
+        ``drain_timeout_s``), then stop the batcher. Answers sent while draining close their
+        connection."""
         if self._httpd is None:
             return
-        self._httpd.shutdown()
+        self.draining = True
+        self._httpd.shutdown()  # the accept loop ends
+        # connections the kernel already accepted (the listen backlog) are served too; then
+        # the socket closes and new clients are refused at once
+        self._httpd.socket.setblocking(False)
+        while True:
+            try:
+                request, address = self._httpd.get_request()
+            except OSError:  # BlockingIOError: the backlog is empty
+                break
+            request.setblocking(True)
+            self._httpd.process_request(request, address)
+        self._httpd.socket.close()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        # quiet for a moment, not just idle once: a kept-alive client may be sending its next
+        # request right now (its answer will say Connection: close)
+        while time.monotonic() < deadline:
+            with self._idle:
+                if self._in_flight == 0 and time.monotonic() - self._last_change >= _QUIET_S:
+                    break
+            time.sleep(0.02)
         self._httpd.server_close()
         self.batcher.stop()
         self._httpd = None
