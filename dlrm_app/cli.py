@@ -125,15 +125,12 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
         caps = _per_feature(args.max_embeddings_per_feature, 26, int,
                             "--max-embeddings-per-feature", "preprocess criteo")
     start = time.perf_counter()
-    try:
-        spec = preprocess_criteo(
-            args.inputs, args.out, fmt=args.format, num_embeddings_per_feature=hashed,
-            frequency_threshold=args.frequency_threshold, max_embeddings_per_feature=caps,
-            rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
-            on_bad_row=args.on_bad_row, like=args.like, one_split=args.one_split,
-            workers=args.workers)
-    except ValueError as e:
-        raise SystemExit(f"dlrm-app preprocess criteo: {e}") from None
+    spec = preprocess_criteo(
+        args.inputs, args.out, fmt=args.format, num_embeddings_per_feature=hashed,
+        frequency_threshold=args.frequency_threshold, max_embeddings_per_feature=caps,
+        rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
+        on_bad_row=args.on_bad_row, like=args.like, one_split=args.one_split,
+        workers=args.workers)
     _tables_report(spec)
     seconds = time.perf_counter() - start
     rows = sum(s.rows for s in spec.splits)
@@ -150,13 +147,10 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
 
 def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    try:
-        spec = preprocess_movielens(
-            args.src, args.out, positive_rating=args.positive_rating, split=args.split_method,
-            test_fraction=args.test_fraction, seed=args.seed,
-            rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size)
-    except ValueError as e:
-        raise SystemExit(f"dlrm-app preprocess movielens: {e}") from None
+    spec = preprocess_movielens(
+        args.src, args.out, positive_rating=args.positive_rating, split=args.split_method,
+        test_fraction=args.test_fraction, seed=args.seed,
+        rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size)
     _tables_report(spec)
     seconds = time.perf_counter() - start
     print(json.dumps({
@@ -191,11 +185,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from dlrm_app.runtime import shutdown_distributed, world
     from dlrm_app.train import train
 
-    try:
-        config = config_from_args(args)
-        summary = train(config, progress=not args.quiet)
-    except ValueError as e:
-        raise SystemExit(f"dlrm-app train: {e}") from None
+    config = config_from_args(args)
+    summary = train(config, progress=not args.quiet)
     if world()[0] == 0:
         print(json.dumps(summary))
     shutdown_distributed()
@@ -206,11 +197,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from dlrm_app.evaluate import evaluate_checkpoint
     from dlrm_app.runtime import shutdown_distributed, world
 
-    try:
-        result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,
-                                     data=args.data, batch_size=args.batch_size)
-    except ValueError as e:
-        raise SystemExit(f"dlrm-app evaluate: {e}") from None
+    result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,
+                                 data=args.data, batch_size=args.batch_size)
     if world()[0] == 0:
         print(json.dumps(result))
     shutdown_distributed()
@@ -220,11 +208,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from dlrm_app.export import export_model
 
-    try:
-        meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
-                            quantize_dense=args.quantize_dense)
-    except ValueError as e:
-        raise SystemExit(f"dlrm-app export: {e}") from None
+    meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
+                        quantize_dense=args.quantize_dense)
     print(json.dumps({k: meta[k] for k in ("path", "bytes", "embedding_dtype", "dense_dtype",
                                              "raw_input", "needs_fbgemm", "checkpoint")}))
     return 0
@@ -233,11 +218,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dlrm_app.demo import run_demo
 
-    try:
-        result = run_demo(Path(args.out), rows=args.rows, steps=args.max_steps,
-                          progress=not args.quiet)
-    except ValueError as e:
-        raise SystemExit(f"dlrm-app demo: {e}") from None
+    result = run_demo(Path(args.out), rows=args.rows, steps=args.max_steps,
+                      progress=not args.quiet)
     print(json.dumps(result))
     return 0
 
@@ -249,10 +231,7 @@ CHECKPOINT_HELP = ("best (the best validation AUC; the newest checkpoint where n
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dlrm_app.serve import ServeConfig, serve_forever
 
-    try:
-        config = ServeConfig(**config_values(args, ServeConfig))
-    except ValueError as e:
-        raise SystemExit(f"dlrm-app serve: {e}") from None
+    config = ServeConfig(**config_values(args, ServeConfig))
     return serve_forever(args.model, config)
 
 

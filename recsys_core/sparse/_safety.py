@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from recsys_core.sparse import _jit_ops
 from recsys_core.sparse._utils import check_values_cover
-from recsys_core.sparse.jagged_tensor_validator import raise_negative_length
+from recsys_core.sparse.jagged_tensor_validator import describe_position, raise_negative_length
 
 if TYPE_CHECKING:
     from recsys_core.sparse.jagged_tensor import JaggedTensor
@@ -101,30 +102,26 @@ def _sums_in_range(
     num_values: int,
 ) -> list[int]:
     """Per-key sums, after proving every length is in ``[0, num_values]``."""
-    if not _lengths_in_range(lengths, num_values):
-        if bool((lengths < 0).any()):
-            raise_negative_length(_OWNER, keys, stride_per_key, lengths)
-        position = int(torch.nonzero(lengths > num_values)[0, 0])
-        key, start = 0, 0
-        while position >= start + stride_per_key[key]:
-            start += stride_per_key[key]
-            key += 1
-        raise ValueError(
-            f"{_OWNER}: length {int(lengths[position])} for key '{keys[key]}' at batch position "
-            f"{position - start} is larger than the {num_values} values there are; lengths "
-            "must be >= 0 and sum to the number of values."
-        )
+    _check_in_range(_OWNER, keys, stride_per_key, lengths, num_values)
     if fixed:
         sums: list[int] = lengths.view(len(keys), stride_per_key[0]).sum(1).tolist()
         return sums
-    key_ids = torch.repeat_interleave(
-        torch.arange(len(keys), device=lengths.device),
-        torch.tensor(stride_per_key, device=lengths.device),
-        output_size=lengths.numel(),
+    return _jit_ops.sums_by_segments(lengths, stride_per_key)
+
+
+def _check_in_range(owner: str, keys: list[str] | None, sizes: list[int], lengths: torch.Tensor,
+                    num_values: int) -> None:
+    """Raise, naming the entry, unless every length is in ``[0, num_values]``."""
+    if _lengths_in_range(lengths, num_values):
+        return
+    if bool((lengths < 0).any()):
+        raise_negative_length(owner, keys, sizes, lengths)
+    position = int(torch.nonzero(lengths > num_values)[0, 0])
+    raise ValueError(
+        f"{owner}: length {int(lengths[position])} {'at' if keys is None else 'for'} "
+        f"{describe_position(keys, sizes, position)} is larger than the {num_values} values "
+        "there are; lengths must be >= 0 and sum to the number of values."
     )
-    per_key = torch.zeros(len(keys), dtype=torch.int64, device=lengths.device)
-    per_key.index_add_(0, key_ids, lengths.to(torch.int64))
-    return per_key.tolist()
 
 
 def _lengths_in_range(lengths: torch.Tensor, num_values: int) -> bool:
@@ -151,15 +148,7 @@ def ensure_safe_jagged(jt: JaggedTensor) -> None:
     only_offsets = jt._lengths is None and jt._rows is None
     lengths = jt.lengths().reshape(-1)
     if lengths.numel():
-        if not _lengths_in_range(lengths, num_values):
-            if bool((lengths < 0).any()):
-                raise_negative_length(owner, None, [lengths.numel()], lengths)
-            position = int(torch.nonzero(lengths > num_values)[0, 0])
-            raise ValueError(
-                f"{owner}: length {int(lengths[position])} at batch position {position} is "
-                f"larger than the {num_values} values there are; lengths must be >= 0 and sum "
-                "to the number of values."
-            )
+        _check_in_range(owner, None, [lengths.numel()], lengths, num_values)
         total = int(lengths.sum())
         if total > num_values:
             raise ValueError(

@@ -263,13 +263,19 @@ def raise_negative_length(
     owner: str, keys: Sequence[str] | None, sizes: Sequence[int], lengths: torch.Tensor
 ) -> None:
     position = int(torch.nonzero(lengths < 0)[0, 0])
-    value = int(lengths[position])
+    raise ValueError(
+        f"{owner}: negative length {int(lengths[position])} for "
+        f"{describe_position(keys, sizes, position)}; lengths must be >= 0."
+    )
+
+
+def describe_position(keys: Sequence[str] | None, sizes: Sequence[int], position: int) -> str:
+    """Where flat lengths entry ``position`` is: ``key 'k' at batch position b`` (key ``i``
+    owns the next ``sizes[i]`` entries), or ``batch position p`` without keys."""
     if keys is None:
-        where = f"batch position {position}"
-    else:
-        key, start = 0, 0
-        while position >= start + sizes[key]:
-            start += sizes[key]
-            key += 1
-        where = f"key '{keys[key]}' at batch position {position - start}"
-    raise ValueError(f"{owner}: negative length {value} for {where}; lengths must be >= 0.")
+        return f"batch position {position}"
+    key, start = 0, 0
+    while position >= start + sizes[key]:
+        start += sizes[key]
+        key += 1
+    return f"key '{keys[key]}' at batch position {position - start}"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow.csv as pacsv
 import pytest
+from process_tree import descendants, kill_tree
 from shared_data import KAGGLE_10K, ML100K
 
 from dlrm_app.data.criteo import parse, preprocess_criteo
@@ -104,18 +105,6 @@ def test_movielens_bad_rating_line_is_named(tmp_path: Path) -> None:
         preprocess_movielens(src, tmp_path / "out")
 
 
-def _descendants(pid: int) -> list[int]:
-    pids, i = [pid], 0
-    while i < len(pids):
-        try:
-            for task in Path(f"/proc/{pids[i]}/task").iterdir():
-                pids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-        i += 1
-    return pids[1:]
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -143,13 +132,13 @@ def test_workers_die_with_the_main_process(tmp_path: Path, sig: signal.Signals) 
         deadline = time.monotonic() + 60
         workers: list[int] = []
         while time.monotonic() < deadline and proc.poll() is None:
-            workers = _descendants(proc.pid)
+            workers = descendants(proc.pid)
             if len(workers) >= 4:  # resource tracker, fork server, 2 workers
                 break
             time.sleep(0.05)
         assert proc.poll() is None and len(workers) >= 4, "no workers seen before the run ended"
         time.sleep(0.5)  # the workers are parsing
-        workers = _descendants(proc.pid)
+        workers = descendants(proc.pid)
         proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 5
@@ -160,8 +149,4 @@ def test_workers_die_with_the_main_process(tmp_path: Path, sig: signal.Signals) 
         time.sleep(1.0)
         assert _snapshot(out) == before  # nothing writes into the output any more
     finally:
-        for p in [proc.pid, *_descendants(proc.pid)]:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from process_tree import descendants, kill_tree
 from shared_data import CRITEO
 
 from dlrm_app.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
@@ -61,24 +62,6 @@ def _run(nproc: int, *args: str, timeout: float = 300) -> dict:
                           env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (torchrun starts each rank in a new session,
-    so killing torchrun's process group would leave the ranks running)."""
-    pids, i = [pid], 0
-    while i < len(pids):
-        try:
-            for task in Path(f"/proc/{pids[i]}/task").iterdir():
-                pids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-        i += 1
-    for p in reversed(pids):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -175,7 +158,7 @@ def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Pa
     deadline = time.monotonic() + 240
     while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    _kill_tree(proc.pid)  # torchrun and both ranks, mid-run
+    kill_tree(proc.pid)  # torchrun and both ranks, mid-run
     proc.wait()
     resumed_at = int(latest.read_text().strip().removeprefix("step_"))
     assert resumed_at < 80, "the run finished before it could be killed"
@@ -284,18 +267,14 @@ def test_two_node_rendezvous_equals_two_rank_run(data: Path, two_rank_run: tuple
 
 def _rank_pid(root: int, rank: int) -> int | None:
     """The pid of torchrun ``root``'s worker process of ``rank`` (from /proc), or None."""
-    pids, i = [root], 0
-    while i < len(pids):
+    for pid in descendants(root):
         try:
-            for task in Path(f"/proc/{pids[i]}/task").iterdir():
-                pids += [int(c) for c in (task / "children").read_text().split()]
-            environ = Path(f"/proc/{pids[i]}/environ").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
-            environ = []
-        if f"RANK={rank}".encode() in environ and b"dlrm_app" in Path(
-                f"/proc/{pids[i]}/cmdline").read_bytes():
-            return pids[i]
-        i += 1
+            continue
+        if f"RANK={rank}".encode() in environ and b"dlrm_app" in cmdline:
+            return pid
     return None
 
 
@@ -335,7 +314,7 @@ def test_stalled_rank_ends_the_run_after_timeout(data: Path, tmp_path: Path) -> 
         proc.wait(timeout=60)
         reader.join(timeout=10)
     finally:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
     assert proc.returncode != 0
     assert waited < 60, waited
     ours = [line for line in lines if line.startswith("dlrm-app train (rank 0)")]
