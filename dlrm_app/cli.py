@@ -209,9 +209,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from dlrm_app.export import export_model
 
     meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
-                        quantize_dense=args.quantize_dense)
-    print(json.dumps({k: meta[k] for k in ("path", "bytes", "embedding_dtype", "dense_dtype",
-                                             "raw_input", "needs_fbgemm", "checkpoint")}))
+                        quantize_dense=args.quantize_dense, fmt=args.format,
+                        lookup=args.lookup)
+    print(json.dumps({k: meta.get(k) for k in ("path", "bytes", "format", "embedding_dtype",
+                                                 "dense_dtype", "lookup", "raw_input",
+                                                 "needs_fbgemm", "checkpoint")}))
     return 0
 
 
@@ -345,15 +347,26 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8192, help="rows per rank per batch")
     ev.set_defaults(func=_cmd_evaluate)
 
-    ex = sub.add_parser("export", help="a checkpoint -> one TorchScript file for serving",
-                        formatter_class=HELP_FORMAT)
+    ex = sub.add_parser("export", help="a checkpoint -> one serving artifact (.pt2: "
+                        "torch.export + AOTInductor)", formatter_class=HELP_FORMAT)
     ex.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
-    ex.add_argument("--out", required=True, help="the artifact to write, e.g. model.pt")
+    ex.add_argument("--out", required=True,
+                    help="the artifact to write, e.g. model.pt2 (model.pt with --format "
+                         "torchscript)")
+    ex.add_argument("--format", choices=("pt2", "torchscript"), default="pt2",
+                    help="pt2: AOTInductor-compiled torch.export programs + manifest; "
+                         "torchscript: one TorchScript file, for stacks that cannot load .pt2 "
+                         "yet (TorchScript is deprecated in PyTorch)")
+    ex.add_argument("--lookup", choices=("auto", "fbgemm", "torch"), default="auto",
+                    help=".pt2 embedding lookups: FBGEMM's int-n-bit op (the loader imports "
+                         "fbgemm_gpu) or plain torch ops (loads with torch alone); auto: "
+                         "FBGEMM where it loads")
     ex.add_argument("--dtype", choices=("fp32", "fp16", "int8", "int4"), default="int8",
                     help="embedding table storage (row-wise scale/bias for int8/int4)")
     ex.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     ex.add_argument("--quantize-dense", action="store_true",
-                    help="also dynamic-int8 quantize the MLPs' linear layers")
+                    help="also dynamic-int8 quantize the MLPs' linear layers (--format "
+                         "torchscript only)")
     ex.set_defaults(func=_cmd_export)
 
     serve = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model",

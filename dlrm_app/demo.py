@@ -6,7 +6,8 @@
    dense, early stopping on validation AUC, the best checkpoint kept).
 3. ``evaluate``: AUC, NE, logloss of the best checkpoint on the test split, next to the
    teacher's AUC; the run's report (``report.md`` + plots) is written.
-4. ``export``: an int8 TorchScript artifact, ready for ``dlrm-app serve``.
+4. ``export``: an int8 ``.pt2`` artifact (AOTInductor-compiled), ready for
+   ``dlrm-app serve``.
 
 A rerun reuses the generated data and trains the run again from scratch.
 """
@@ -41,7 +42,7 @@ def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
                          overwrite=True)
     summary = train(config, progress=progress)
     test = evaluate_checkpoint(run, split="test")
-    artifact = export_model(run, out / "model_int8.pt", "int8")
+    artifact = export_model(run, out / "model_int8.pt2", "int8")
     print(human_summary(run), file=sys.stderr)
     return {
         "data": str(data),

@@ -1,21 +1,31 @@
-"""``dlrm-app export``: a trained checkpoint -> one self-contained TorchScript file.
+"""``dlrm-app export``: a trained checkpoint -> one self-contained serving artifact.
 
-    dlrm-app export runs/a --out model.pt --dtype int8
+    dlrm-app export runs/a --out model.pt2 --dtype int8                 # the default: .pt2
+    dlrm-app export runs/a --out model.pt --format torchscript          # for older stacks
 
 Steps: rebuild the run's DLRM unsharded on CPU, load the checkpoint into it (DCP gathers the
-sharded tables), quantize the tables (``recsys_core.inference``: FBGEMM's int-n-bit TBE layout,
-INT8 / INT4 / FP16, or FP32 unchanged), then script :class:`ExportedDLRM`: the dense arch,
-interaction and over arch as they are (optionally dynamic-int8 linears), the tables as one
-``QuantTBEBag``, and the dataset's preprocessing as tensors (hash moduli or the training
-vocabulary). The archive's ``metadata.json`` names the features and table sizes. The contract
-(methods, input layout, metadata keys) is documented in :mod:`dlrm_app.artifact`; loading needs
-torch, plus ``fbgemm_gpu`` when the tables were packed for FBGEMM's op.
+sharded tables), quantize the tables (``recsys_core.inference``: FBGEMM's int-n-bit layout,
+INT8 / INT4 / FP16, or FP32 unchanged), then
+
+- ``pt2`` (default): ``torch.export`` the predictor (quantized lookups, dense arch, interaction,
+  over arch; :mod:`dlrm_app.serving_program`) and, for datasets with a raw row format, the
+  preprocessing, each with a dynamic batch dimension; AOTInductor compiles both for CPU into one
+  ``.pt2`` package (models ``model`` and ``encode``) with ``manifest.json`` beside them.
+- ``torchscript``: script :class:`ExportedDLRM` (the same computation, optionally with
+  dynamic-int8 linears) into one file with ``metadata.json``. TorchScript is deprecated in
+  PyTorch; this format stays for stacks that cannot load ``.pt2`` yet.
+
+The contract (entry points, input layout, manifest keys) is documented in
+:mod:`dlrm_app.artifact`; loading needs torch, plus ``fbgemm_gpu`` when the lookups use FBGEMM's
+op (``needs_fbgemm`` in the manifest).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,13 +34,22 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE
+from dlrm_app.artifact import (
+    ARTIFACT_FORMAT_VERSION,
+    ENCODE_PROGRAM,
+    MANIFEST_FILE,
+    MAX_BATCH,
+    METADATA_FILE,
+    MODEL_PROGRAM,
+    PROGRAM_SIGNATURES,
+)
 from dlrm_app.checkpoint import resolve_run, verify_checkpoint
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
 from dlrm_app.data.integrity import verify_file
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.model import DLRM, build_dlrm
+from dlrm_app.serving_program import LOOKUPS, EncodedPredictor, RawEncoder
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.inference import QuantEmbeddingBagCollection, quantize_inference_model
 from recsys_core.modules.embedding_configs import DataType
@@ -134,72 +153,191 @@ def load_unsharded(run: Path, checkpoint: str | Path | None = None) -> tuple[DLR
     return model, config, spec, path
 
 
-def _preprocessing_tensors(spec: DatasetSpec, data_dir: Path
-                           ) -> tuple[Tensor, Tensor, Tensor, bool, bool, bool]:
-    """(moduli, vocab values, vocab offsets, use_vocabulary, log_transform, raw_input)."""
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+    """How raw rows become model inputs (see :class:`RawEncoder`)."""
+
+    moduli: Tensor  # [F]: > 0 hash modulo; < 0 already an id below -modulus
+    vocabulary: list[Tensor] | None  # per feature, sorted raw values with their own row
+    log_transform: bool
+    raw_input: bool  # one-hot rows that ``encode`` / ``predict_raw`` accept
+
+
+def dataset_preprocessing(spec: DatasetSpec, data_dir: Path) -> Preprocessing:
     sizes = [f.num_embeddings for f in spec.sparse_features]
     one_hot = not any(f.multi_hot for f in spec.sparse_features)
-    empty = torch.zeros(0, dtype=torch.int64)
-    no_vocab_offsets = torch.zeros(len(sizes) + 1, dtype=torch.int64)
     if spec.kind is DatasetKind.CRITEO:
         encoding = spec.parameters["encoding"]
         if encoding["mode"] == "vocabulary":
             from dlrm_app.data.criteo import load_vocabulary
 
             verify_file(data_dir / VOCABULARY_FILE, encoding.get("vocabulary_sha256"))
-            vocab = load_vocabulary(data_dir)
-            offsets = np.cumsum([0] + [len(v) for v in vocab])
-            return (torch.zeros(len(sizes), dtype=torch.int64),
-                    torch.from_numpy(np.concatenate(vocab).astype(np.int64)),
-                    torch.from_numpy(offsets.astype(np.int64)), True, True, True)
-        return (torch.tensor(sizes, dtype=torch.int64), empty, no_vocab_offsets, False, True,
-                True)
+            vocab = [torch.from_numpy(np.asarray(v).astype(np.int64))
+                     for v in load_vocabulary(data_dir)]
+            return Preprocessing(torch.zeros(len(sizes), dtype=torch.int64), vocab, True, True)
+        return Preprocessing(torch.tensor(sizes, dtype=torch.int64), None, True, True)
     # generated / MovieLens data: inputs are already encoded; negative moduli mean "check only"
-    return (-torch.tensor(sizes, dtype=torch.int64), empty, no_vocab_offsets, False, False,
-            one_hot)
+    return Preprocessing(-torch.tensor(sizes, dtype=torch.int64), None, False, one_hot)
+
+
+FORMATS = ("pt2", "torchscript")
+LOOKUP_CHOICES = ("auto",) + LOOKUPS
 
 
 def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
-                 checkpoint: str | Path | None = None, quantize_dense: bool = False
-                 ) -> dict[str, Any]:
-    """Write the artifact for the run's (newest or given) checkpoint; returns its metadata."""
+                 checkpoint: str | Path | None = None, quantize_dense: bool = False,
+                 fmt: str = "pt2", lookup: str = "auto") -> dict[str, Any]:
+    """Write the artifact for the run's (newest or given) checkpoint; returns its manifest
+    (with ``path`` and ``bytes``)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    if lookup not in LOOKUP_CHOICES:
+        raise ValueError(f"--lookup must be one of {LOOKUP_CHOICES}, got {lookup!r}")
     run, out = Path(run), Path(out)
+    if fmt == "pt2":
+        if out.suffix != ".pt2":
+            raise ValueError(f"--out {out}: a .pt2 artifact's name must end in .pt2 (for a "
+                             f"TorchScript file add --format torchscript)")
+        if quantize_dense:
+            raise ValueError("--quantize-dense (dynamic int8 linears) exists for --format "
+                             "torchscript only; drop it for a .pt2 export")
     model, config, spec, path = load_unsharded(run, checkpoint)
     quantize_inference_model(model, DTYPES[dtype], quantize_dense=quantize_dense)
     ebc = model.sparse_arch.embedding_bag_collection
     if list(ebc.tbe.feature_names) != [f.name for f in spec.sparse_features]:
         raise ValueError("the quantized tables' feature order differs from the dataset's")
-    moduli, vocab_values, vocab_offsets, use_vocab, log_transform, raw_input = \
-        _preprocessing_tensors(spec, Path(config.data))
-    exported = ExportedDLRM(model, len(spec.dense_features), moduli, vocab_values,
-                            vocab_offsets, use_vocab, log_transform)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's notice in 2.13
-        scripted = torch.jit.script(exported)
+    prep = dataset_preprocessing(spec, Path(config.data))
+    fbgemm = ebc.kernel_backend().value == "fbgemm"
+    if lookup == "auto":
+        lookup = "fbgemm" if fbgemm else "torch"
+    elif lookup == "fbgemm" and not fbgemm:
+        raise ValueError("--lookup fbgemm needs fbgemm_gpu, which does not load here; use "
+                         "--lookup torch (same numerics)")
     meta = {
         "format_version": ARTIFACT_FORMAT_VERSION,
+        "format": fmt,
         "dataset": spec.name,
         "kind": spec.kind.value,
         "dense_features": list(spec.dense_features),
         "sparse_features": [{"name": f.name, "num_embeddings": f.num_embeddings,
                              "multi_hot": f.multi_hot} for f in spec.sparse_features],
-        "raw_input": raw_input,
+        "raw_input": prep.raw_input,
         "raw_format": "criteo_tsv" if spec.kind is DatasetKind.CRITEO else None,
         "embedding_dtype": dtype,
+        "embedding_dim": model.sparse_arch.embedding_dim,
+        "table_bytes": dict(ebc.table_bytes()),
         "dense_dtype": "int8_dynamic" if quantize_dense else "fp32",
-        "needs_fbgemm": ebc.kernel_backend().value == "fbgemm",
+        "needs_fbgemm": (lookup == "fbgemm") if fmt == "pt2" else fbgemm,
         "preprocessing": {k: spec.parameters.get(k) for k in
                           ("dense_transform", "categorical_transform", "encoding")
                           if k in spec.parameters},
         "checkpoint": str(path),
+        "training": _training_summary(run, config, path),
         "created_by": f"dlrm_app {importlib.metadata.version('recsys-dlrm')}",
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(scripted, str(tmp), _extra_files={METADATA_FILE: json.dumps(meta)})
-    tmp.replace(out)
+    # written under its own name (a .pt2 archive's folder is named after its file) in a
+    # folder beside it, then moved into place: an interrupted export leaves no partial file
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        if fmt == "pt2":
+            meta["lookup"] = lookup
+            meta["programs"] = _write_pt2(model, spec, prep, lookup, meta, staging / out.name)
+        else:
+            _write_torchscript(model, spec, prep, meta, staging / out.name)
+        (staging / out.name).replace(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {**meta, "path": str(out), "bytes": out.stat().st_size}
+
+
+def _training_summary(run: Path, config: TrainConfig, checkpoint: Path) -> dict[str, Any]:
+    """The run, the checkpoint's step, and the validation metrics recorded at that step."""
+    step = int(checkpoint.name.split("_")[-1]) if checkpoint.name.startswith("step_") else None
+    metrics = None
+    log = run / "metrics.jsonl"
+    if step is not None and log.is_file():
+        for line in log.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if event.get("event") == "validation" and event.get("step") == step:
+                metrics = {k: v for k, v in event.items() if k not in ("event", "step", "epoch")}
+    return {"run": str(run), "step": step, "validation": metrics,
+            "model": config.to_json_dict().get("model")}
+
+
+def _write_torchscript(model: DLRM, spec: DatasetSpec, prep: Preprocessing,
+                       meta: dict[str, Any], out: Path) -> None:
+    sizes = len(spec.sparse_features)
+    if prep.vocabulary is not None:
+        counts = np.cumsum([0] + [v.numel() for v in prep.vocabulary])
+        vocab_values = torch.cat(prep.vocabulary)
+        vocab_offsets = torch.from_numpy(counts.astype(np.int64))
+    else:
+        vocab_values = torch.zeros(0, dtype=torch.int64)
+        vocab_offsets = torch.zeros(sizes + 1, dtype=torch.int64)
+    exported = ExportedDLRM(model, len(spec.dense_features), prep.moduli, vocab_values,
+                            vocab_offsets, prep.vocabulary is not None, prep.log_transform)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's notice in 2.13
+        scripted = torch.jit.script(exported)
+        torch.jit.save(scripted, str(out), _extra_files={METADATA_FILE: json.dumps(meta)})
+
+
+AOTI_OPTIONS = {
+    "aot_inductor.package": True,
+    # torch.export traces sizes as >= 2; the programs hold for 1-row batches (and 0 values)
+    # too, which AOTInductor's input check (AOTI_RUNTIME_CHECK_INPUTS=1) would refuse
+    "aot_inductor.check_lowerbound": False,
+}
+
+EXAMPLE_BATCH = 3
+"""Rows of the example inputs the programs are traced with (not 0 or 1, which torch.export
+would specialize on)."""
+
+
+def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
+               meta: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Export and AOT-compile the programs, package them with the manifest into ``out``."""
+    from torch.export import Dim
+    from torch.export.pt2_archive._package import package_pt2
+
+    num_dense, num_sparse = len(spec.dense_features), len(spec.sparse_features)
+    batch = Dim("batch", min=1, max=MAX_BATCH)
+    num_values = Dim("num_values", min=0, max=MAX_BATCH * 1024)
+    b = EXAMPLE_BATCH
+    lengths = torch.ones(num_sparse * b, dtype=torch.int64)
+    lengths[0] = 2  # so that the number of values is not F * B (kept a free size)
+    offsets = torch.zeros(num_sparse * b + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    programs: dict[str, tuple[nn.Module, tuple, Any]] = {
+        MODEL_PROGRAM: (EncodedPredictor(model, lookup),
+                        (torch.zeros(b, num_dense), torch.zeros(int(offsets[-1]),
+                                                                dtype=torch.int64), offsets),
+                        ({0: batch}, {0: num_values}, {0: num_sparse * batch + 1})),
+    }
+    if prep.raw_input:
+        programs[ENCODE_PROGRAM] = (
+            RawEncoder(num_dense, prep.moduli, prep.vocabulary, prep.log_transform),
+            (torch.zeros(b, num_dense), torch.zeros(b, num_sparse, dtype=torch.int64)),
+            ({0: batch}, {0: batch}))
+    files: dict[str, list] = {}
+    described: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (module, args, dynamic) in programs.items():
+            module.eval()
+            with torch.no_grad():
+                program = torch.export.export(module, args, dynamic_shapes=dynamic)
+                files[name] = torch._inductor.aot_compile(
+                    program.module(), args, options=AOTI_OPTIONS)
+            described[name] = PROGRAM_SIGNATURES[name]
+        package_pt2(str(out), aoti_files=files,
+                    extra_files={MANIFEST_FILE: json.dumps({**meta, "lookup": lookup,
+                                                            "programs": described})})
+    return described

@@ -1,4 +1,5 @@
-"""``dlrm-app serve``: an HTTP prediction endpoint for an exported model (see ``artifact.py``).
+"""``dlrm-app serve``: an HTTP prediction endpoint for an exported model, ``.pt2`` (the default
+export) or TorchScript (see ``artifact.py``).
 
 Endpoints (JSON in and out; the server binds 127.0.0.1 unless told otherwise)::
 
@@ -6,7 +7,7 @@ Endpoints (JSON in and out; the server binds 127.0.0.1 unless told otherwise)::
                     {"instances": [{"dense": [x0, .., x12],
                                     "sparse": {"cat_0": [id, ..], .., "cat_25": id}}, ..]}
                     -> 200 {"probabilities": [p0, p1, ..]}       one per row, in order
-    GET  /health    -> {"status": "ok", "model": .., "embedding_dtype": .., ..}
+    GET  /health    -> {"status": "ok", "model": .., "format": .., "embedding_dtype": .., ..}
     GET  /metrics   -> request counts per path and status, rows served, batches run, mean
                        batch rows, latency p50/p90/p99 (ms) of the last ``latency_window``
                        successful predictions
@@ -552,7 +553,8 @@ class PredictionServer:
 
     def warm_up(self) -> None:
         """Calls of 1, 2 and 3 rows: TorchScript profiles and optimizes a method on its first
-        calls and shapes (tens of ms), which would otherwise land on the first clients."""
+        calls and shapes (tens of ms), and a .pt2's first calls allocate, which would otherwise
+        land on the first clients."""
         d, f = len(self.parser.dense_names), len(self.parser.sparse)
         with torch.inference_mode():
             for b in (1, 2, 3):
@@ -587,8 +589,8 @@ class PredictionServer:
 
     def health(self) -> dict[str, Any]:
         meta = self.metadata
-        return {"status": "ok", "model": self.name, "embedding_dtype": meta.get("embedding_dtype"),
-                "dataset": meta.get("dataset"),
+        return {"status": "ok", "model": self.name, "format": meta.get("format", "torchscript"),
+                "embedding_dtype": meta.get("embedding_dtype"), "dataset": meta.get("dataset"),
                 "accepts": ["rows", "instances"] if self.parser.accepts_rows else ["instances"],
                 "dense_features": len(meta["dense_features"]),
                 "sparse_features": len(meta["sparse_features"])}

@@ -99,13 +99,16 @@ def test_bad_checkpoint(dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert main(["train", "--data", str(dataset), "--out", str(run), "--max-steps", "3",
                  *TINY_MODEL]) == 0
+    message = _error(["export", str(run), "--out", str(tmp_path / "model.pt")])
+    assert message == (f"dlrm-app export: --out {tmp_path / 'model.pt'}: a .pt2 artifact's name "
+                       f"must end in .pt2 (for a TorchScript file add --format torchscript)")
     newest = sorted((run / "checkpoints").glob("step_*"))[-1]
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:10])
     for command in ("evaluate", "export"):
         argv = [command, str(run), "--checkpoint", str(newest)]
         if command == "export":
-            argv += ["--out", str(tmp_path / "model.pt")]
+            argv += ["--out", str(tmp_path / "model.pt2")]
         message = _error(argv)
         assert message.startswith(f"dlrm-app {command}: damaged checkpoint: {shard} has 10 bytes")
         assert "--checkpoint step_N" in message

@@ -130,15 +130,15 @@ def test_training_refuses_a_damaged_dataset(data: Path, tmp_path: Path) -> None:
 @pytest.mark.shared_data(KAGGLE_10K)
 def test_export_refuses_an_altered_vocabulary(tmp_path: Path) -> None:
     from dlrm_app.data.criteo import VOCABULARY_FILE, preprocess_criteo
-    from dlrm_app.export import _preprocessing_tensors
+    from dlrm_app.export import dataset_preprocessing
 
     sample = tmp_path / "sample.tsv"
     sample.write_bytes(b"\n".join(KAGGLE_10K.read_bytes().split(b"\n")[:2000]) + b"\n")
     spec = preprocess_criteo([sample], tmp_path / "criteo")
-    assert _preprocessing_tensors(spec, tmp_path / "criteo")[3]  # intact: uses the vocabulary
+    assert dataset_preprocessing(spec, tmp_path / "criteo").vocabulary  # intact: used
     vocab = tmp_path / "criteo" / VOCABULARY_FILE
     raw = bytearray(vocab.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     vocab.write_bytes(bytes(raw))
     with pytest.raises(DatasetIntegrityError, match=f"{vocab}: does not match its checksum"):
-        _preprocessing_tensors(spec, tmp_path / "criteo")
+        dataset_preprocessing(spec, tmp_path / "criteo")

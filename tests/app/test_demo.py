@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from dlrm_app.artifact import load_artifact
+from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.data.synthetic import binary_auc
 
 
 def test_demo_generates_trains_evaluates_exports(tmp_path: Path) -> None:
@@ -22,8 +27,14 @@ def test_demo_generates_trains_evaluates_exports(tmp_path: Path) -> None:
     assert 0.6 < result["test_auc"] < result["best_achievable_test_auc"], result
     assert result["test_ne"] < 1.0  # better than predicting the base rate
     artifact = Path(result["exported"])
-    assert artifact.stat().st_size == result["exported_bytes"]
-    extra = {"metadata.json": ""}
-    model = torch.jit.load(str(artifact), _extra_files=extra)
-    assert json.loads(extra["metadata.json"])["embedding_dtype"] == "int8"
-    assert hasattr(model, "predict_raw")
+    assert artifact.suffix == ".pt2" and artifact.stat().st_size == result["exported_bytes"]
+    model, meta = load_artifact(artifact)
+    assert meta["format"] == "pt2" and meta["embedding_dtype"] == "int8" and meta["raw_input"]
+    # the served artifact scores the test split as the evaluated checkpoint did (int8 tables)
+    (batch,) = ParquetLoader(result["data"], "test", batch_size=1 << 20, drop_last=False,
+                             shuffle=False, prefetch=0)
+    with torch.inference_mode():
+        probabilities = model(batch.dense, batch.sparse.values(), batch.sparse.offsets())
+    auc = binary_auc(probabilities.numpy(), batch.labels.numpy())
+    assert abs(auc - result["test_auc"]) < 1e-3, (auc, result["test_auc"])
+    assert meta["training"]["validation"]["auc"] == pytest.approx(result["validation_auc"])

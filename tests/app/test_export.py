@@ -4,9 +4,11 @@ predicts like the training model (fp32 to float tolerance, int8 within the AUC b
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 import torch
 from shared_data import CRITEO
 
+from dlrm_app.artifact import load_artifact
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
@@ -25,9 +28,9 @@ from dlrm_app.train import train
 
 SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
 
-# Runs in a fresh interpreter in which the project's packages cannot be imported.
-LOADER = """
-import json, sys
+# Run in a fresh interpreter in which the project's packages cannot be imported.
+ISOLATE = """
+import json, sys, zipfile
 sys.modules["recsys_core"] = None
 sys.modules["dlrm_app"] = None
 try:
@@ -35,6 +38,8 @@ try:
     raise SystemExit("dlrm_app is importable: the test would prove nothing")
 except ImportError:
     pass
+"""
+TORCHSCRIPT_LOADER = ISOLATE + """
 import torch
 import fbgemm_gpu  # noqa: F401  registers the quantized lookup op
 extra = {"metadata.json": ""}
@@ -47,12 +52,39 @@ with torch.inference_mode():
 out["meta"] = json.loads(extra["metadata.json"])
 torch.save(out, sys.argv[3])
 """
+# The README's loader: the manifest from the zip, FBGEMM only where the manifest says so (and
+# blocked otherwise, to prove the program does not need it), the programs by name.
+PT2_LOADER = ISOLATE + """
+archive = zipfile.ZipFile(sys.argv[1])
+name = next(n for n in archive.namelist() if n.endswith("extra/manifest.json"))
+manifest = json.loads(archive.read(name))
+if manifest["needs_fbgemm"]:
+    import fbgemm_gpu  # noqa: F401  registers the quantized lookup op
+else:
+    sys.modules["fbgemm_gpu"] = None
+import torch
+from torch.export.pt2_archive._package import load_pt2
+contents = load_pt2(sys.argv[1])
+model = contents.aoti_runners["model"]
+inputs = torch.load(sys.argv[2])
+with torch.inference_mode():
+    out = {"forward": model(inputs["dense"], inputs["values"], inputs["offsets"])}
+    if "dense_raw" in inputs:
+        encode = contents.aoti_runners["encode"]
+        out["raw"] = model(*encode(inputs["dense_raw"].float(), inputs["cat_raw"]))
+out["meta"] = json.loads(contents.extra_files["manifest.json"])
+assert out["meta"] == manifest
+assert sys.modules.get("fbgemm_gpu") is None or manifest["needs_fbgemm"]
+torch.save(out, sys.argv[3])
+"""
 
 
 def _predict_isolated(artifact: Path, inputs: dict, tmp: Path) -> dict:
     torch.save(inputs, tmp / "inputs.pt")
-    subprocess.run([sys.executable, "-c", LOADER, str(artifact), str(tmp / "inputs.pt"),
-                    str(tmp / "out.pt")], check=True, capture_output=True, timeout=120)
+    loader = PT2_LOADER if artifact.suffix == ".pt2" else TORCHSCRIPT_LOADER
+    done = subprocess.run([sys.executable, "-c", loader, str(artifact), str(tmp / "inputs.pt"),
+                           str(tmp / "out.pt")], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(tmp / "out.pt")
 
 
@@ -80,17 +112,25 @@ def synthetic_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "run"
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
-def test_isolated_artifact_matches_training_model(synthetic_run: Path, tmp_path: Path,
-                                                  dtype: str) -> None:
-    artifact = tmp_path / "model.pt"
-    meta = export_model(synthetic_run, artifact, dtype)
-    inputs, expected, labels = _reference(synthetic_run, "test")
-    out = _predict_isolated(artifact, inputs, tmp_path)
-    got = out["forward"].numpy()
-    assert out["meta"]["embedding_dtype"] == dtype and out["meta"]["format_version"] == 1
-    assert [f["name"] for f in out["meta"]["sparse_features"]] == [
-        f["name"] for f in meta["sparse_features"]]
+@pytest.fixture(scope="module")
+def exported(synthetic_run: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Callable[[str, str], Path]:
+    """``exported(dtype, lookup)``: the run's .pt2, compiled once per module."""
+    root = tmp_path_factory.mktemp("pt2")
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(dtype: str, lookup: str) -> Path:
+        if (dtype, lookup) not in cache:
+            path = root / f"{dtype}_{lookup}.pt2"
+            export_model(synthetic_run, path, dtype, lookup=lookup)
+            cache[dtype, lookup] = path
+        return cache[dtype, lookup]
+
+    return get
+
+
+def _assert_matches(got: np.ndarray, expected: np.ndarray, labels: np.ndarray,
+                    dtype: str) -> None:
     error = np.abs(got - expected).max()
     auc_gap = abs(binary_auc(got, labels) - binary_auc(expected, labels))
     if dtype == "fp32":
@@ -103,10 +143,103 @@ def test_isolated_artifact_matches_training_model(synthetic_run: Path, tmp_path:
         assert error < 0.1 and auc_gap < 1e-2, (error, auc_gap)
 
 
-def test_sizes_shrink_with_dtype(synthetic_run: Path, tmp_path: Path) -> None:
-    sizes = {d: export_model(synthetic_run, tmp_path / f"{d}.pt", d)["bytes"]
-             for d in ("fp32", "int8", "int4")}
-    assert sizes["fp32"] > sizes["int8"] > sizes["int4"]
+@pytest.mark.parametrize(("dtype", "lookup"), [("fp32", "fbgemm"), ("int8", "fbgemm"),
+                                               ("int8", "torch")])
+def test_isolated_pt2_matches_training_model(synthetic_run: Path, exported: Callable,
+                                             tmp_path: Path, dtype: str, lookup: str) -> None:
+    artifact = exported(dtype, lookup)
+    inputs, expected, labels = _reference(synthetic_run, "test")
+    out = _predict_isolated(artifact, inputs, tmp_path)
+    meta = out["meta"]
+    assert meta["format"] == "pt2" and meta["format_version"] == 1
+    assert meta["embedding_dtype"] == dtype and meta["lookup"] == lookup
+    assert meta["needs_fbgemm"] == (lookup == "fbgemm")
+    assert not meta["raw_input"] and list(meta["programs"]) == ["model"]  # multi-hot data
+    assert [f["name"] for f in meta["sparse_features"]] == ["cat_0", "cat_1", "cat_2", "cat_3"]
+    # the checkpoint it came from, and that checkpoint's validation metrics from the run's log
+    events = [json.loads(line) for line in (synthetic_run / "metrics.jsonl").open()]
+    best = [e for e in events if e["event"] == "best"][-1]
+    assert meta["training"]["step"] == best["step"]
+    assert meta["training"]["validation"]["auc"] == pytest.approx(best["auc"])
+    _assert_matches(out["forward"].numpy(), expected, labels, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
+def test_isolated_torchscript_matches_training_model(synthetic_run: Path, tmp_path: Path,
+                                                     dtype: str) -> None:
+    artifact = tmp_path / "model.pt"
+    meta = export_model(synthetic_run, artifact, dtype, fmt="torchscript")
+    inputs, expected, labels = _reference(synthetic_run, "test")
+    out = _predict_isolated(artifact, inputs, tmp_path)
+    assert out["meta"]["embedding_dtype"] == dtype and out["meta"]["format_version"] == 1
+    assert out["meta"]["format"] == "torchscript"
+    assert [f["name"] for f in out["meta"]["sparse_features"]] == [
+        f["name"] for f in meta["sparse_features"]]
+    _assert_matches(out["forward"].numpy(), expected, labels, dtype)
+
+
+def test_sizes_shrink_with_dtype(synthetic_run: Path, exported: Callable,
+                                 tmp_path: Path) -> None:
+    tables = {d: export_model(synthetic_run, tmp_path / f"{d}.pt", d, fmt="torchscript")
+              for d in ("fp32", "int8", "int4")}
+    sizes = {d: meta["bytes"] for d, meta in tables.items()}
+    assert sizes["fp32"] > sizes["int8"] > sizes["int4"], sizes
+    # rows of dim 8: 32 bytes (fp32), 4 + 8 (int8: scale, bias, codes), 4 + 4 (int4); each
+    # table starts on a 128-byte line
+    table_rows = [500, 2000, 50, 1000]
+    for dtype, row_bytes in (("fp32", 32), ("int8", 12), ("int4", 8)):
+        assert list(tables[dtype]["table_bytes"].values()) == [
+            -(-n * row_bytes // 128) * 128 for n in table_rows]
+    # a .pt2 holds its tables as they are beside ~1.7 MB of compiled code, whose size varies
+    # by tens of KB between compiles (bench/serve.py measures sizes at a realistic scale)
+    pt2 = {d: exported(d, "fbgemm").stat().st_size for d in ("fp32", "int8")}
+    assert pt2["fp32"] > pt2["int8"] > sum(tables["int8"]["table_bytes"].values()) + 2**20, pt2
+
+
+def _random_bags(batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, ...]:
+    """Encoded inputs for the synthetic run's 4 features, cat_2 multi-hot (0-4 ids a bag)."""
+    rows = [500, 2000, 50, 1000]
+    lengths = np.ones((4, batch), np.int64)
+    lengths[2] = rng.integers(0, 5, batch)
+    values = np.concatenate([rng.integers(0, rows[f], lengths[f].sum()) for f in range(4)])
+    offsets = np.concatenate([[0], np.cumsum(lengths.reshape(-1))])
+    return (torch.from_numpy(rng.standard_normal((batch, 4)).astype(np.float32)),
+            torch.from_numpy(values), torch.from_numpy(offsets))
+
+
+def test_pt2_batch_is_dynamic_and_bad_inputs_fail(synthetic_run: Path, exported: Callable,
+                                                  tmp_path: Path) -> None:
+    model, meta = load_artifact(exported("int8", "torch"))
+    export_model(synthetic_run, tmp_path / "m.pt", "int8", fmt="torchscript")
+    scripted, _ = load_artifact(tmp_path / "m.pt")
+    rng = np.random.default_rng(0)
+    with torch.inference_mode():
+        for batch in (1, 2, 7, 600):  # traced at 3 rows; one program for every batch size
+            inputs = _random_bags(batch, rng)
+            got, want = model(*inputs), scripted(*inputs)
+            assert got.shape == (batch,)
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+        dense, values, offsets = _random_bags(5, rng)
+        for bad_values, bad_offsets in [
+            (values.clone().index_fill_(0, torch.tensor([3]), 500), offsets),  # cat_0 has 500
+            (values.clone().index_fill_(0, torch.tensor([6]), 2000), offsets),
+            (values.clone().index_fill_(0, torch.tensor([0]), -1), offsets),
+        ]:
+            with pytest.raises(RuntimeError, match="outside \\[0, num_embeddings\\)"):
+                model(dense, bad_values, bad_offsets)
+        for bad_offsets in (offsets + 1, offsets.flip(0), torch.cat([offsets[:-1],
+                                                                     offsets[-1:] + 5])):
+            with pytest.raises(RuntimeError, match="offsets must start at 0, not decrease"):
+                model(dense, values, bad_offsets)
+        with pytest.raises(ValueError, match="offsets must have num_sparse \\* B \\+ 1 = 21"):
+            model(dense, values, offsets[:-1])
+        with pytest.raises(ValueError, match="dense must be \\[B, 4\\], got \\[5, 3\\]"):
+            model(dense[:, :3], values, offsets)
+        with pytest.raises(ValueError, match="no raw-row encoder"):
+            model.predict_raw(dense, torch.zeros(5, 4, dtype=torch.int64))
+        # still serving after refusing
+        np.testing.assert_allclose(model(dense, values, offsets).numpy(),
+                                   scripted(dense, values, offsets).numpy(), rtol=1e-5, atol=1e-6)
 
 
 def _parse_raw(lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,16 +254,17 @@ def _parse_raw(lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.shared_data(CRITEO)
-@pytest.mark.parametrize("encoding", ["hash", "vocabulary"])
-def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str) -> None:
+@pytest.mark.parametrize(("encoding", "fmt"), [("hash", "pt2"), ("vocabulary", "pt2"),
+                                               ("vocabulary", "torchscript")])
+def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str, fmt: str) -> None:
     source = CRITEO / "kaggle_head_10k.tsv"
     kwargs = ({"num_embeddings_per_feature": [1000] * 26} if encoding == "hash"
               else {"frequency_threshold": 3})
     preprocess_criteo([source], tmp_path / "data", fmt="kaggle", row_group_size=512, **kwargs)
     train(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=SMALL,
                       batch_size=256, max_steps=10), progress=False)
-    artifact = tmp_path / "model.pt"
-    export_model(tmp_path / "run", artifact, "fp32")
+    artifact = tmp_path / ("model.pt2" if fmt == "pt2" else "model.pt")
+    export_model(tmp_path / "run", artifact, "fp32", fmt=fmt)
     inputs, expected, _ = _reference(tmp_path / "run", "test")
     lines = source.read_text().splitlines()
     n = len(lines)
@@ -140,7 +274,7 @@ def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str) ->
     out = _predict_isolated(artifact, {**inputs, "dense_raw": dense_raw, "cat_raw": cat_raw},
                             tmp_path)
     meta = out["meta"]
-    assert meta["raw_input"] and meta["raw_format"] == "criteo_tsv"
+    assert meta["raw_input"] and meta["raw_format"] == "criteo_tsv" and meta["format"] == fmt
     assert meta["preprocessing"]["encoding"]["mode"] == encoding
     # raw rows through the artifact's encode == the preprocessed shards through forward
     np.testing.assert_allclose(out["raw"].numpy(), out["forward"].numpy(), rtol=1e-6, atol=1e-7)
@@ -149,10 +283,20 @@ def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str) ->
 
 def test_export_errors(tmp_path: Path, synthetic_run: Path) -> None:
     with pytest.raises(ValueError, match="not a run directory"):
-        export_model(tmp_path, tmp_path / "m.pt")
+        export_model(tmp_path, tmp_path / "m.pt2")
     with pytest.raises(ValueError, match="--dtype must be one of"):
-        export_model(synthetic_run, tmp_path / "m.pt", "int3")
+        export_model(synthetic_run, tmp_path / "m.pt2", "int3")
+    with pytest.raises(ValueError, match="--format must be one of"):
+        export_model(synthetic_run, tmp_path / "m.pt2", fmt="onnx")
+    with pytest.raises(ValueError, match="--lookup must be one of"):
+        export_model(synthetic_run, tmp_path / "m.pt2", lookup="fast")
+    with pytest.raises(ValueError, match="must end in .pt2 \\(for a TorchScript file add "
+                                         "--format torchscript\\)"):
+        export_model(synthetic_run, tmp_path / "m.pt")
+    with pytest.raises(ValueError, match="--quantize-dense .* --format torchscript only"):
+        export_model(synthetic_run, tmp_path / "m.pt2", quantize_dense=True)
     with pytest.raises(ValueError, match="no complete checkpoint"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "config.json").write_text((synthetic_run / "config.json").read_text())
-        export_model(tmp_path / "empty", tmp_path / "m.pt")
+        export_model(tmp_path / "empty", tmp_path / "m.pt2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # nothing half-written

@@ -443,7 +443,8 @@ def test_health_and_metrics_count_what_was_sent(artifact: Path) -> None:
     with PredictionServer.from_file(artifact, config) as s:
         status, health = get(s.port, "/health")
         assert status == 200 and health["status"] == "ok" and health["model"] == "model.pt"
-        assert health["embedding_dtype"] == "fp32" and health["accepts"] == ["rows", "instances"]
+        assert health["embedding_dtype"] == "fp32" and health["format"] == "torchscript"
+        assert health["accepts"] == ["rows", "instances"]
         rows = random_rows(np.random.default_rng(3), 5)
         for n in (1, 2, 5):
             assert post(s.port, {"rows": rows[:n]})[0] == 200
@@ -479,13 +480,17 @@ def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
                                over_arch_layer_sizes=(8, 1))
     train(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=model_config,
                       batch_size=128, max_steps=4), progress=False)
-    export.export_model(tmp_path / "run", tmp_path / "model.pt", "int8")
-    with PredictionServer.from_file(tmp_path / "model.pt", ServeConfig(port=0)) as s:
-        assert get(s.port, "/health")[1]["embedding_dtype"] == "int8"
+    export.export_model(tmp_path / "run", tmp_path / "model.pt2", "int8")
+    export.export_model(tmp_path / "run", tmp_path / "model.pt", "int8", fmt="torchscript")
+    scripted, _ = load_artifact(tmp_path / "model.pt")
+    with PredictionServer.from_file(tmp_path / "model.pt2", ServeConfig(port=0)) as s:
+        health = get(s.port, "/health")[1]
+        assert health["embedding_dtype"] == "int8" and health["format"] == "pt2"
         answers = [post(s.port, {"rows": rows[k:k + 40]}) for k in range(0, 200, 40)]
         for k, (status, body) in zip(range(0, 200, 40), answers, strict=True):
             assert status == 200, body
-            assert_probabilities(body["probabilities"], direct(s.model, rows[k:k + 40]))
+            # the .pt2 server answers as the same checkpoint's TorchScript export computes
+            assert_probabilities(body["probabilities"], direct(scripted, rows[k:k + 40]))
         status, body = post(s.port, {"rows": [rows[0].replace("\t", "\tzz", 1)]})
         assert status == 400 and "rows[0] field 2 (int_1) = 'zz" in body["error"]
 

@@ -3,8 +3,8 @@
     dlrm-app preprocess criteo|movielens SRC --out DATA
     [torchrun --standalone --nproc-per-node 2 -m] dlrm-app train --data DATA --out RUN
     [torchrun ...] dlrm-app evaluate RUN
-    dlrm-app export RUN --out model.pt
-    dlrm-app serve model.pt         (the test split's rows posted; served AUC == evaluated AUC)
+    dlrm-app export RUN --out model.pt2
+    dlrm-app serve model.pt2        (the test split's rows posted; served AUC == evaluated AUC)
 
 on the Criteo Kaggle 10k sample and MovieLens 100K, on 1 rank and on 2 ranks. No tuning flag
 anywhere: table sizes come from the data, the batch size from the row count, the kept model is
@@ -120,8 +120,9 @@ def test_default_flow(dataset: tuple[str, Path], nproc: int, tmp_path: Path) -> 
         # (L2 chosen on validation) on the same rows and split of the Kaggle sample.
         baseline = quality.logistic_regression(data)["logistic_regression"]
         assert test["auc"] > baseline["auc"], (test, baseline)
-    artifact = _cli(1, "export", str(run), "--out", str(tmp_path / "model.pt"))
+    artifact = _cli(1, "export", str(run), "--out", str(tmp_path / "model.pt2"))
     assert artifact["checkpoint"] == summary["checkpoint"]
-    served, rows = _served_auc(kind, data, tmp_path / "model.pt")
+    assert artifact["format"] == "pt2" and artifact["embedding_dtype"] == "int8"
+    served, rows = _served_auc(kind, data, tmp_path / "model.pt2")
     assert rows == test["num_examples"]
-    assert served == pytest.approx(test["auc"], abs=0.005)  # int8 tables
+    assert served == pytest.approx(test["auc"], abs=0.001)  # int8 tables
