@@ -1,30 +1,40 @@
-"""Serving benchmark: artifact size per embedding dtype, in-process latency, HTTP load.
+"""Serving benchmark: artifact size per format and embedding dtype, in-process latency of the
+.pt2 (AOTInductor) against TorchScript and eager PyTorch, HTTP load.
 
 The model (``--model``):
 
-  dlrm      (the default when ``dlrm_app.export`` exists) random Criteo-format rows (random
-            labels: this measures serving, not accuracy) are preprocessed with modulo hashing
-            into ``--rows-per-table`` rows per feature, a DLRM (``--dim``, ``--bottom``,
-            ``--top``) trains ``--train-steps`` steps and is exported as fp32, int8 and int4
+  dlrm      (the default) random Criteo-format rows (random labels: this measures serving, not
+            accuracy) are preprocessed with modulo hashing into ``--rows-per-table`` rows per
+            feature, a DLRM (``--dim``, ``--bottom``, ``--top``) trains ``--train-steps`` steps
+            and is exported per ``--dtypes`` (default fp32, int8, int4) in each ``--formats``:
+              pt2          the default export: AOTInductor programs, FBGEMM's int-n-bit lookup
+              pt2_torch    the same with the plain-torch lookup (``--lookup torch``)
+              torchscript  ``--format torchscript``
+              eager        no file: the .pt2's programs run as eager PyTorch modules (FBGEMM
+                           lookup), what the export compiles
   standin   a scripted stand-in with the artifact's methods (hashed embedding bags of the same
-            size, summed, and the same MLPs), fp32; for a checkout without the exporter
+            size, summed, and the same MLPs), fp32 TorchScript; for a checkout without the
+            exporter
 
 One JSON line per result on stdout (progress goes to stderr):
 
-  serve_size     (dlrm only) bytes of the exported file per embedding dtype, ratio to fp32
-  serve_latency  per dtype and batch size (``--batch-sizes``, default 1,64,512): ``predict_raw``
-                 on parsed rows under ``torch.inference_mode`` in this process (``--threads``
-                 torch threads, default 1 like the server's), ``--iters`` calls after warm-up:
-                 p50 / p99 ms and rows/s; ``parse_p50_ms`` is the server's parsing of the same
-                 rows as a JSON body (JSON, TSV fields, hex ids)
-  serve_http     per concurrency level (``--concurrency``, default 1,16), for the
-                 ``--http-dtype`` artifact: a ``dlrm-app serve`` process on loopback
-                 (``--server-threads`` torch threads, ``--max-batch-rows``, ``--max-wait-ms``)
-                 and that many client threads here, each with one keep-alive connection,
-                 sending ``--requests`` requests in all of ``--rows-per-request`` rows:
-                 requests/s, rows/s, client-side p50 / p99 ms, errors, the server's mean batch
-                 rows over the level, and the largest difference of the HTTP answers for the
-                 first body from this process's own ``predict_raw`` (should be 0)
+  serve_size     (dlrm only) bytes of each exported file, and the ratio to the same format's
+                 fp32 file
+  serve_latency  per format, dtype and batch size (``--batch-sizes``, default 1,64,512):
+                 ``predict_raw`` on parsed rows under ``torch.inference_mode`` in this process
+                 (``--threads`` torch threads, default 1 like the server's), ``--iters`` calls
+                 after warm-up: p50 / p99 ms and rows/s; ``parse_p50_ms`` is the server's
+                 parsing of the same rows as a JSON body (JSON, TSV fields, hex ids);
+                 ``max_abs_diff_vs_torchscript``: the largest difference of this format's
+                 answers from the TorchScript file's on the same rows
+  serve_http     per ``--http-formats`` format and concurrency level (``--concurrency``, default
+                 1,16), for the ``--http-dtype`` artifact: a ``dlrm-app serve`` process on
+                 loopback (``--server-threads`` torch threads, ``--max-batch-rows``,
+                 ``--max-wait-ms``) and that many client threads here, each with one keep-alive
+                 connection, sending ``--requests`` requests in all of ``--rows-per-request``
+                 rows: requests/s, rows/s, client-side p50 / p99 ms, errors, the server's mean
+                 batch rows over the level, and the largest difference of the HTTP answers for
+                 the first body from this process's own ``predict_raw`` (should be 0)
 
 Every line also carries the table shape and the host's cores; timing lines the 1-minute load
 average (other jobs on the host are noise). The clients are Python threads sharing this
@@ -32,7 +42,8 @@ process's GIL, and client and server share the host's cores: on a small host the
 generator is part of what is measured.
 
 Usage:  python bench/serve.py [--quick] [--model dlrm|standin] [--rows-per-table 50000]
-                              [--dim 64] [--iters 200] [--concurrency 1,16] [--requests 2000]
+                              [--dim 64] [--iters 200] [--dtypes fp32,int8,int4]
+                              [--formats pt2,pt2_torch,torchscript,eager] [--concurrency 1,16]
 """
 
 from __future__ import annotations
@@ -58,9 +69,13 @@ from dlrm_app.serve import RequestParser
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 FULL = {"rows_per_table": 50_000, "dim": 64, "bottom": "512,256", "top": "512,256",
-        "train_rows": 20_000, "train_steps": 20, "iters": 200, "requests": 2000}
+        "train_rows": 20_000, "train_steps": 20, "iters": 200, "requests": 2000,
+        "dtypes": "fp32,int8,int4", "formats": "pt2,pt2_torch,torchscript,eager",
+        "http_formats": "pt2,torchscript"}
 QUICK = {"rows_per_table": 1000, "dim": 8, "bottom": "16", "top": "16", "train_rows": 2000,
-         "train_steps": 3, "iters": 5, "requests": 48}
+         "train_steps": 3, "iters": 5, "requests": 48, "dtypes": "int8",
+         "formats": "pt2,torchscript,eager", "http_formats": "pt2"}
+FORMATS = ("pt2", "pt2_torch", "torchscript", "eager")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,7 +92,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, help=f"default {FULL['train_steps']}")
     p.add_argument("--batch-sizes", default="1,64,512")
     p.add_argument("--iters", type=int, help=f"timed calls per batch size ({FULL['iters']})")
+    p.add_argument("--dtypes", help=f"embedding dtypes to export (default {FULL['dtypes']})")
+    p.add_argument("--formats", help=f"of {FORMATS} (default {FULL['formats']})")
     p.add_argument("--http-dtype", default="int8", help="artifact the HTTP load runs on (dlrm)")
+    p.add_argument("--http-formats", help=f"formats served over HTTP ({FULL['http_formats']})")
     p.add_argument("--concurrency", default="1,16", help="client threads, one level each")
     p.add_argument("--requests", type=int, help=f"per level, in all ({FULL['requests']})")
     p.add_argument("--rows-per-request", type=int, default=1)
@@ -92,6 +110,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    unknown = set(args.formats.split(",")) - set(FORMATS)
+    if unknown or "torchscript" not in args.formats.split(","):
+        p.error(f"--formats: of {FORMATS}, torchscript included (the reference for the others)")
     return args
 
 
@@ -117,8 +138,9 @@ def log(message: str) -> None:
 
 
 # ---- the models -----------------------------------------------------------------------------
-def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[str, Path]:
-    """Train a small DLRM on random Criteo rows and export it per dtype: {dtype: file}."""
+def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], Any]:
+    """Train a small DLRM on random Criteo rows and export it per format and dtype:
+    {(format, dtype): file, or the eager programs for "eager"}."""
     from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
     from dlrm_app.export import export_model
@@ -140,11 +162,43 @@ def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[str, Path]:
     train(TrainConfig(data=str(tmp / "data"), out=str(tmp / "run"), model=model,
                       batch_size=batch, max_steps=args.train_steps, val_batches=1),
           progress=False)
-    out = {}
-    for dtype in ("fp32", "int8", "int4"):
-        out[dtype] = tmp / f"model_{dtype}.pt"
-        export_model(tmp / "run", out[dtype], dtype)
+    out: dict[tuple[str, str], Any] = {}
+    for dtype in args.dtypes.split(","):
+        for fmt in args.formats.split(","):
+            if fmt == "eager":
+                out[fmt, dtype] = EagerPrograms(tmp / "run", dtype)
+                continue
+            path = tmp / f"model_{dtype}_{fmt}.{'pt' if fmt == 'torchscript' else 'pt2'}"
+            log(f"exporting {fmt} {dtype}")
+            start = time.perf_counter()
+            export_model(tmp / "run", path, dtype,
+                         fmt="torchscript" if fmt == "torchscript" else "pt2",
+                         lookup="torch" if fmt == "pt2_torch" else "auto")
+            log(f"  {time.perf_counter() - start:.1f} s")
+            out[fmt, dtype] = path
     return out
+
+
+class EagerPrograms:
+    """The .pt2's programs (FBGEMM lookup) as eager modules, with the artifact's methods."""
+
+    def __init__(self, run: Path, dtype: str) -> None:
+        from dlrm_app.export import (
+            DTYPES,
+            dataset_preprocessing,
+            load_unsharded,
+            serving_programs,
+        )
+        from recsys_core.inference import quantize_inference_model
+
+        model, config, spec, _ = load_unsharded(run)
+        quantize_inference_model(model, DTYPES[dtype])
+        programs = serving_programs(model, spec, dataset_preprocessing(spec, Path(config.data)),
+                                    "fbgemm")
+        self.model, self.encoder = programs["model"][0], programs["encode"][0]
+
+    def predict_raw(self, dense_raw: torch.Tensor, cat_raw: torch.Tensor) -> torch.Tensor:
+        return self.model(*self.encoder(dense_raw, cat_raw))
 
 
 class StandIn(nn.Module):
@@ -188,7 +242,7 @@ def mlp(widths: list[int]) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def save_standin(args: argparse.Namespace, tmp: Path) -> dict[str, Path]:
+def save_standin(args: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], Path]:
     module = StandIn(args.rows_per_table, args.dim, sizes(args.bottom), sizes(args.top))
     meta = {"format_version": ARTIFACT_FORMAT_VERSION, "dataset": "random", "kind": "criteo",
             "dense_features": [f"int_{i}" for i in range(NUM_DENSE)],
@@ -200,7 +254,7 @@ def save_standin(args: argparse.Namespace, tmp: Path) -> dict[str, Path]:
     path = tmp / "standin_fp32.pt"
     torch.jit.save(torch.jit.script(module), str(path),
                    _extra_files={METADATA_FILE: json.dumps(meta)})
-    return {"fp32": path}
+    return {("torchscript", "fp32"): path}
 
 
 # ---- measurements ---------------------------------------------------------------------------
@@ -210,8 +264,10 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float]:
             "p99_ms": round(float(np.percentile(ms, 99)), 3)}
 
 
-def latency_lines(path: Path, args: argparse.Namespace, rows: list[str]) -> list[dict]:
-    model, meta = load_artifact(path)
+def latency_lines(model: Any, meta: dict[str, Any], args: argparse.Namespace,
+                  rows: list[str], reference: np.ndarray | None) -> tuple[list[dict],
+                                                                           np.ndarray]:
+    """Latency lines of one model, and its answers for the largest batch's rows."""
     parser = RequestParser(meta, max_rows=max(sizes(args.batch_sizes)))
     lines = []
     for batch in sizes(args.batch_sizes):
@@ -233,7 +289,13 @@ def latency_lines(path: Path, args: argparse.Namespace, rows: list[str]) -> list
                       "rows_per_s": round(batch * len(call_s) / sum(call_s), 1),
                       "parse_p50_ms": percentiles_ms(parse_s)["p50_ms"],
                       "torch_threads": torch.get_num_threads()})
-    return lines
+    with torch.inference_mode():
+        answers = model.predict_raw(torch.from_numpy(parsed.dense_raw),
+                                    torch.from_numpy(parsed.cat_raw)).numpy()
+    if reference is not None:
+        for line in lines:
+            line["max_abs_diff_vs_torchscript"] = float(np.abs(answers - reference).max())
+    return lines, answers
 
 
 def start_server(path: Path, args: argparse.Namespace, stderr: Any) -> tuple[subprocess.Popen,
@@ -340,20 +402,39 @@ def main(argv: list[str]) -> None:
         common = {"tables": NUM_SPARSE, "rows_per_table": args.rows_per_table, "dim": args.dim,
                   "cores": len(os.sched_getaffinity(0))}
         if args.model == "dlrm":
-            fp32 = artifacts["fp32"].stat().st_size
-            for dtype, path in artifacts.items():
+            for (fmt, dtype), path in artifacts.items():
+                if fmt == "eager":
+                    continue
                 size = path.stat().st_size
-                print(json.dumps({"bench": "serve_size", "embedding_dtype": dtype, "bytes": size,
-                                  "mb": round(size / 2**20, 2),
-                                  "ratio_to_fp32": round(size / fp32, 4), **common}), flush=True)
-        for dtype, path in artifacts.items():
-            log(f"in-process latency: {dtype}")
-            for line in latency_lines(path, args, rows):
-                print(json.dumps({**line, **common, **load()}), flush=True)
-        http_dtype = args.http_dtype if args.http_dtype in artifacts else "fp32"
-        log(f"HTTP load: {http_dtype}, concurrency {args.concurrency}")
-        for line in http_lines(artifacts[http_dtype], args, rows, tmp):
-            print(json.dumps({**line, **common, **load()}), flush=True)
+                fp32 = artifacts.get((fmt, "fp32"))
+                print(json.dumps({"bench": "serve_size", "format": fmt, "embedding_dtype": dtype,
+                                  "bytes": size, "mb": round(size / 2**20, 2),
+                                  "ratio_to_fp32": round(size / fp32.stat().st_size, 4)
+                                  if fp32 else None, **common}), flush=True)
+        # TorchScript first per dtype: the reference the other formats' answers are compared to
+        order = sorted(artifacts, key=lambda k: (k[1], k[0] != "torchscript"))
+        metas: dict[str, dict] = {}
+        reference: dict[str, np.ndarray] = {}
+        for fmt, dtype in order:
+            log(f"in-process latency: {fmt} {dtype}")
+            item = artifacts[fmt, dtype]
+            if fmt == "eager":
+                model, meta = item, metas[dtype]
+            else:
+                model, meta = load_artifact(item)
+                metas[dtype] = meta
+            lines, answers = latency_lines(model, meta, args, rows, reference.get(dtype))
+            reference.setdefault(dtype, answers)
+            for line in lines:
+                print(json.dumps({**line, "format": fmt, **common, **load()}), flush=True)
+        http_dtype = args.http_dtype if any(d == args.http_dtype for _, d in artifacts) \
+            else "fp32"
+        for fmt in (args.http_formats.split(",") if args.model == "dlrm" else ["torchscript"]):
+            if (fmt, http_dtype) not in artifacts or fmt == "eager":
+                continue
+            log(f"HTTP load: {fmt} {http_dtype}, concurrency {args.concurrency}")
+            for line in http_lines(artifacts[fmt, http_dtype], args, rows, tmp):
+                print(json.dumps({**line, "format": fmt, **common, **load()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -301,11 +301,11 @@ EXAMPLE_BATCH = 3
 would specialize on)."""
 
 
-def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
-               meta: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Export and AOT-compile the programs, package them with the manifest into ``out``."""
+def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str
+                     ) -> dict[str, tuple[nn.Module, tuple, Any]]:
+    """The .pt2's programs as eager modules: ``{name: (module, example inputs, dynamic
+    shapes)}`` (``model``, and ``encode`` for datasets with raw rows)."""
     from torch.export import Dim
-    from torch.export.pt2_archive._package import package_pt2
 
     num_dense, num_sparse = len(spec.dense_features), len(spec.sparse_features)
     batch = Dim("batch", min=1, max=MAX_BATCH)
@@ -326,12 +326,22 @@ def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
             RawEncoder(num_dense, prep.moduli, prep.vocabulary, prep.log_transform),
             (torch.zeros(b, num_dense), torch.zeros(b, num_sparse, dtype=torch.int64)),
             ({0: batch}, {0: batch}))
+    for module, _, _ in programs.values():
+        module.eval()
+    return programs
+
+
+def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
+               meta: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Export and AOT-compile the programs, package them with the manifest into ``out``."""
+    from torch.export.pt2_archive._package import package_pt2
+
     files: dict[str, list] = {}
     described: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (module, args, dynamic) in programs.items():
-            module.eval()
+        for name, (module, args, dynamic) in serving_programs(model, spec, prep,
+                                                               lookup).items():
             with torch.no_grad():
                 program = torch.export.export(module, args, dynamic_shapes=dynamic)
                 files[name] = torch._inductor.aot_compile(

@@ -40,28 +40,33 @@ def lines(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
 
 def test_sizes(lines: tuple[str, list[dict]]) -> None:
     model, parsed = lines
-    sizes = {line["embedding_dtype"]: line for line in parsed if line["bench"] == "serve_size"}
+    sizes = {(line["format"], line["embedding_dtype"]): line for line in parsed
+             if line["bench"] == "serve_size"}
     if model == "standin":
         assert not sizes  # sizes need the exporter
         return
-    assert set(sizes) == {"fp32", "int8", "int4"}
-    assert sizes["fp32"]["bytes"] > sizes["int8"]["bytes"] > sizes["int4"]["bytes"] > 0
+    assert set(sizes) == {("pt2", "int8"), ("torchscript", "int8")}  # --quick: int8 only
     for line in sizes.values():
-        assert line["ratio_to_fp32"] == pytest.approx(
-            line["bytes"] / sizes["fp32"]["bytes"], abs=1e-4)
+        assert line["ratio_to_fp32"] is None  # no fp32 file to compare with
+        # 26 tables of 1000 int8 rows of dim 8 (4 + 8 bytes each), and the code
+        assert line["bytes"] > 26_000 * 12 and line["mb"] == round(line["bytes"] / 2**20, 2)
 
 
 def test_latency(lines: tuple[str, list[dict]]) -> None:
     model, parsed = lines
     latency = [line for line in parsed if line["bench"] == "serve_latency"]
-    dtypes = ["fp32"] if model == "standin" else ["fp32", "int8", "int4"]
-    assert [(x["embedding_dtype"], x["batch"]) for x in latency] == [
-        (d, b) for d in dtypes for b in BATCHES]
+    if model == "standin":
+        expected = [("torchscript", "fp32", b) for b in BATCHES]
+    else:  # per dtype: TorchScript first (the reference), then the others
+        expected = [(f, "int8", b) for f in ("torchscript", "pt2", "eager") for b in BATCHES]
+    assert [(x["format"], x["embedding_dtype"], x["batch"]) for x in latency] == expected
     for line in latency:
         assert line["model"] == model and line["iters"] == bench.QUICK["iters"]
         assert 0 < line["p50_ms"] <= line["p99_ms"] and line["rows_per_s"] > 0
         assert line["parse_p50_ms"] > 0 and line["tables"] == 26
         assert line["rows_per_table"] == bench.QUICK["rows_per_table"]
+        if line["format"] != "torchscript":  # the same computation, compiled or eager
+            assert line["max_abs_diff_vs_torchscript"] < 1e-6
 
 
 def test_http(lines: tuple[str, list[dict]]) -> None:
@@ -71,6 +76,7 @@ def test_http(lines: tuple[str, list[dict]]) -> None:
     for line in http:
         requests = bench.QUICK["requests"]
         assert line["embedding_dtype"] == ("fp32" if model == "standin" else "int8")
+        assert line["format"] == ("torchscript" if model == "standin" else "pt2")
         assert line["requests"] == requests and line["errors"] == 0
         assert line["server_rows"] == requests * line["rows_per_request"]
         assert 1 <= line["server_batches"] <= requests
