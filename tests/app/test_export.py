@@ -52,28 +52,33 @@ with torch.inference_mode():
 out["meta"] = json.loads(extra["metadata.json"])
 torch.save(out, sys.argv[3])
 """
-# The README's loader: the manifest from the zip, FBGEMM only where the manifest says so (and
-# blocked otherwise, to prove the program does not need it), the programs by name.
+
+def readme_loader() -> str:
+    """The README's .pt2 loader, verbatim: the python block after its ``pt2-loader`` mark."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text.split("<!-- pt2-loader", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'path = "model.pt2"' in block
+    return block
+
+
+# The README's loader run where the project cannot be imported, fbgemm_gpu blocked unless the
+# manifest needs it (to prove a torch-lookup program does not), on the inputs of the test.
 PT2_LOADER = ISOLATE + """
-archive = zipfile.ZipFile(sys.argv[1])
-name = next(n for n in archive.namelist() if n.endswith("extra/manifest.json"))
-manifest = json.loads(archive.read(name))
-if manifest["needs_fbgemm"]:
-    import fbgemm_gpu  # noqa: F401  registers the quantized lookup op
-else:
+manifest = json.loads(next(zipfile.ZipFile(sys.argv[1]).read(name) for name in
+                           zipfile.ZipFile(sys.argv[1]).namelist()
+                           if name.endswith("extra/manifest.json")))
+if not manifest["needs_fbgemm"]:
     sys.modules["fbgemm_gpu"] = None
 import torch
-from torch.export.pt2_archive._package import load_pt2
-contents = load_pt2(sys.argv[1])
-model = contents.aoti_runners["model"]
 inputs = torch.load(sys.argv[2])
-with torch.inference_mode():
-    out = {"forward": model(inputs["dense"], inputs["values"], inputs["offsets"])}
-    if "dense_raw" in inputs:
-        encode = contents.aoti_runners["encode"]
-        out["raw"] = model(*encode(inputs["dense_raw"].float(), inputs["cat_raw"]))
-out["meta"] = json.loads(contents.extra_files["manifest.json"])
-assert out["meta"] == manifest
+dense, values, offsets = inputs["dense"], inputs["values"], inputs["offsets"]
+dense_raw, cat_raw = inputs.get("dense_raw"), inputs.get("cat_raw")
+if dense_raw is not None:
+    dense_raw = dense_raw.float()
+""" + readme_loader().replace('path = "model.pt2"', "path = sys.argv[1]") + """
+out = {"forward": probabilities, "meta": manifest}
+if encode is not None and dense_raw is not None:
+    out["raw"] = raw_probabilities
 assert sys.modules.get("fbgemm_gpu") is None or manifest["needs_fbgemm"]
 torch.save(out, sys.argv[3])
 """
