@@ -13,8 +13,10 @@ format and fails to load.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +58,15 @@ def _checkpoint_state(
     return state
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Without a process group DCP warns on every call that it assumes a single process,
+    which is exactly what a 1-rank run means; keep that out of the user's log."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(
     checkpoint_id: str,
     *,
@@ -69,10 +80,11 @@ def save(
     ``extra`` holds small picklable values (step counters, config) saved alongside.
     """
     state = _checkpoint_state(model, optimizer, extra)
-    dcp.save(
-        state, checkpoint_id=checkpoint_id, process_group=process_group,
-        planner=DefaultSavePlanner(flatten_sharded_tensors=False),
-    )
+    with _quiet_single_process():
+        dcp.save(
+            state, checkpoint_id=checkpoint_id, process_group=process_group,
+            planner=DefaultSavePlanner(flatten_sharded_tensors=False),
+        )
 
 
 def load(
@@ -90,10 +102,11 @@ def load(
     """
     state = _checkpoint_state(model, optimizer, extra)
     try:
-        dcp.load(
-            state, checkpoint_id=checkpoint_id, process_group=process_group,
-            planner=_WeightsOnlyLoadPlanner(flatten_sharded_tensors=False),
-        )
+        with _quiet_single_process():
+            dcp.load(
+                state, checkpoint_id=checkpoint_id, process_group=process_group,
+                planner=_WeightsOnlyLoadPlanner(flatten_sharded_tensors=False),
+            )
     except CheckpointException as exc:
         rank, (error, _) = next(iter(exc.failures.items()))
         first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
