@@ -33,18 +33,36 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         pooling_mean: bool,
         optimizer: FusedOptimizerConfig,
         device: torch.device,
+        managed_caching: Sequence[bool] = (),
+        cache_load_factor: float = 0.2,
+        cache_algorithm: str = "lru",
     ) -> None:
+        """``managed_caching`` (CUDA only): per table, keep it in UVM behind FBGEMM's device
+        cache of ``cache_load_factor`` of the cached tables' rows (FBGEMM has one cache per
+        kernel), evicting by ``cache_algorithm``."""
         super().__init__()
         tbe = tbe_training_module()
         on_cuda = device.type == "cuda"
         location = tbe.EmbeddingLocation.DEVICE if on_cuda else tbe.EmbeddingLocation.HOST
         compute = tbe.ComputeDevice.CUDA if on_cuda else tbe.ComputeDevice.CPU
+        caching = list(managed_caching) or [False] * len(rows)
+        if any(caching) and not on_cuda:
+            raise ValueError("FBGEMM's managed (UVM) caching needs CUDA tables")
+        locations = [
+            tbe.EmbeddingLocation.MANAGED_CACHING if c else location for c in caching
+        ]
+        cache_kwargs = {}
+        if any(caching):
+            cache_kwargs = {
+                "cache_load_factor": float(cache_load_factor),
+                "cache_algorithm": getattr(tbe.CacheAlgorithm, cache_algorithm.upper()),
+            }
         cfg = optimizer
         fbgemm_optim = fbgemm_optim_type(cfg.optimizer.canonical.value)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             emb_module = tbe.SplitTableBatchedEmbeddingBagsCodegen(
-                [(r, d, location, compute) for r, d in zip(rows, dims, strict=True)],
+                [(r, d, loc, compute) for r, d, loc in zip(rows, dims, locations, strict=True)],
                 feature_table_map=list(feature_table_map),
                 optimizer=fbgemm_optim,
                 learning_rate=cfg.learning_rate,
@@ -56,6 +74,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
                 pooling_mode=tbe.PoolingMode.MEAN if pooling_mean else tbe.PoolingMode.SUM,
                 bounds_check_mode=tbe.BoundsCheckMode.FATAL,
                 device=device,
+                **cache_kwargs,
             )
         # Held outside ``_modules``: FBGEMM registers its storage as Parameters, which would show
         # up in ``model.parameters()`` and ``state_dict()`` beside the per-table weight views the

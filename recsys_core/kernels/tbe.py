@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from recsys_core.kernels._fbgemm import fbgemm_status, fbgemm_supports
+from recsys_core.kernels.cached_tbe import CachedTableBatchedEmbedding, TableCache
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.fbgemm_tbe import FBGEMM_OPTIMIZERS, FbgemmTableBatchedEmbedding
 from recsys_core.kernels.id_check import IdOutOfRangeError as IdOutOfRangeError
@@ -117,26 +118,58 @@ def build_table_batched_embedding(
     device: torch.device,
     backend: KernelBackend = KernelBackend.AUTO,
     weighted: bool = False,
+    caches: Sequence[TableCache | None] = (),
+    offload_dir: str | None = None,
 ) -> nn.Module:
     """A kernel module (FBGEMM or torch) holding ``len(rows)`` tables, zero-initialized.
 
     ``weighted`` says whether per-sample weights will be passed (it matters for the choice).
+    ``caches`` (per table, None for an uncached one) puts tables in a slower tier behind a cache:
+    FBGEMM's UVM caching where FBGEMM has CUDA kernels for these tables, else
+    :class:`CachedTableBatchedEmbedding` (backing files under ``offload_dir`` on CPU).
     """
     chosen = select_backend(
         backend, device, optimizer, dims, weighted and pooling_mean, feature_table_map
     )
     cls = FbgemmTableBatchedEmbedding if chosen is KernelBackend.FBGEMM else TorchTableBatchedEmbedding
-    return cls(
+
+    def build(table_rows: Sequence[int], **extra: object) -> nn.Module:
+        return cls(
+            rows=table_rows,
+            dims=dims,
+            feature_table_map=feature_table_map,
+            pooling_mean=pooling_mean,
+            optimizer=optimizer,
+            device=device,
+            **extra,
+        )
+
+    if not any(c is not None for c in caches):
+        return build(rows)
+    if chosen is KernelBackend.FBGEMM and device.type == "cuda":
+        cached = [c for c in caches if c is not None]
+        cached_rows = sum(r for r, c in zip(rows, caches, strict=True) if c is not None)
+        return build(
+            rows,
+            managed_caching=[c is not None for c in caches],
+            cache_load_factor=sum(c.slots for c in cached) / max(cached_rows, 1),
+            cache_algorithm=cached[0].algorithm,
+        )
+    return CachedTableBatchedEmbedding(
         rows=rows,
         dims=dims,
         feature_table_map=feature_table_map,
-        pooling_mean=pooling_mean,
         optimizer=optimizer,
+        caches=caches,
         device=device,
+        inner_factory=build,
+        offload_dir=offload_dir,
     )
 
 
 def kernel_backend(kernel: nn.Module) -> KernelBackend:
+    if isinstance(kernel, CachedTableBatchedEmbedding):
+        kernel = kernel.inner
     if isinstance(kernel, FbgemmTableBatchedEmbedding):
         return KernelBackend.FBGEMM
     return KernelBackend.TORCH

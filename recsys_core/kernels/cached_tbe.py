@@ -1,0 +1,478 @@
+"""A table-batched kernel whose tables live in a slower tier behind a cache of row slots.
+
+Each cached table keeps all of its rows (weights and per-row optimizer state, together) in a
+*backing store*: a memory-mapped file on local disk on CPU (TorchRec's SSD tier), pinned host
+memory on CUDA. A fast-tier *cache* of ``slots`` rows (RAM on CPU, device memory on CUDA) is an
+ordinary uncached kernel (FBGEMM's or the torch one) whose "table" has ``slots`` rows. Before a
+batch is looked up, every row it needs is made resident: missing rows are loaded into free slots
+or into the slots of evicted rows (LRU or LFU), evicted rows that were trained are written back,
+and the batch's ids are renamed to slots. The inner kernel's fused optimizer updates only the
+rows it looked up, one row at a time, so training through the cache gives exactly the weights
+and optimizer state of the uncached kernel, at any cache size that holds one batch's rows.
+
+Rows of a batch stay *locked* from the moment they are made resident (by ``forward`` or by
+``prefetch``) until that batch's backward has updated them (or right after a forward that
+builds no graph), so a prefetch of the next batch never evicts rows the in-flight batch still
+needs. ``prefetch(indices, offsets)`` does the bookkeeping at once and the copies in a worker
+thread; the ``forward`` that later receives the same ``indices`` tensor waits for them.
+
+The backing store is authoritative only after :meth:`flush` (write back every trained resident
+row); ``split_embedding_weights`` / ``split_optimizer_states`` return views of the store, and
+the collections flush before exporting state and :meth:`invalidate` after importing it.
+
+Tables without a cache in the same kernel are held by the inner kernel as usual.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from recsys_core.kernels.config import FusedOptimizerConfig
+
+CACHE_ALGORITHMS = ("lru", "lfu")
+# Fast-tier bookkeeping, as the planner counts it: per table row an int32 row -> slot map and an
+# int32 LFU count; per slot an int64 row id, an int64 last-use tick, an int32 lock count and a
+# dirty flag (rounded up to 24 bytes).
+BOOKKEEPING_BYTES_PER_ROW = 8
+BOOKKEEPING_BYTES_PER_SLOT = 24
+_NEVER = torch.iinfo(torch.int64).max
+
+
+class CacheTooSmallError(RuntimeError):
+    """A batch needs more distinct rows of a table than its cache has unlocked slots."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableCache:
+    """The cache of one table: ``slots`` rows in the fast tier, evicting by ``algorithm``."""
+
+    slots: int
+    algorithm: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"TableCache: slots must be >= 1, got {self.slots}")
+        if self.algorithm not in CACHE_ALGORITHMS:
+            raise ValueError(
+                f"TableCache: algorithm {self.algorithm!r} is not one of {CACHE_ALGORITHMS}"
+            )
+
+
+def cache_slots(rows: int, load_factor: float) -> int:
+    """Slots of a cache holding ``load_factor`` of ``rows`` rows (at least 1, at most rows)."""
+    return max(1, min(int(rows), math.ceil(int(rows) * float(load_factor))))
+
+
+class _FileTensor:
+    """A float32 ``[rows, width]`` tensor in a memory-mapped temporary file under ``directory``.
+
+    The file is unlinked as soon as it is mapped: its blocks are freed when the mapping goes,
+    even if the process dies. ``release()`` drops the pages from this process's resident set
+    (their contents stay in the file / page cache)."""
+
+    def __init__(self, rows: int, width: int, directory: str | None) -> None:
+        size = max(rows * width * 4, 4)
+        fd, path = tempfile.mkstemp(prefix="recsys_offload_", suffix=".bin", dir=directory)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        flat = torch.frombuffer(self._map, dtype=torch.float32, count=rows * width)
+        self.tensor = flat.view(rows, width)
+
+    def release(self) -> None:
+        self._map.madvise(mmap.MADV_DONTNEED)
+
+
+class _Store:
+    """The backing rows of one cached table: weights ``[rows, dim]`` and each optimizer state
+    (``[rows, dim]`` per element or ``[rows]`` per row)."""
+
+    def __init__(
+        self, rows: int, dim: int, states: dict[str, bool], device: torch.device,
+        directory: str | None,
+    ) -> None:
+        self._files: list[_FileTensor] = []
+
+        def make(width: int) -> torch.Tensor:
+            if device.type == "cuda":
+                return torch.zeros(rows, width, pin_memory=True)
+            f = _FileTensor(rows, width, directory)
+            self._files.append(f)
+            return f.tensor
+
+        self.weight = make(dim)
+        self.states = {
+            name: (make(1).view(rows) if rowwise else make(dim))
+            for name, rowwise in states.items()
+        }
+
+    def release(self) -> None:
+        for f in self._files:
+            f.release()
+
+
+@dataclass
+class _Batch:
+    """Rows one batch made resident: per cached table, its distinct slots (locked)."""
+
+    slots: dict[int, torch.Tensor]
+    source: torch.Tensor  # the ids as given (a prefetched batch is matched by identity)
+    indices: torch.Tensor  # the ids renamed to slots, fed to the inner kernel
+    moved: Future | None = None
+    released: bool = False
+
+
+@dataclass
+class CacheStats:
+    """Counters since construction (or :meth:`CachedTableBatchedEmbedding.reset_stats`)."""
+
+    lookups: int = 0  # distinct rows per batch, summed
+    misses: int = 0  # of those, rows loaded from the backing store
+    evictions: int = 0  # resident rows dropped to make room
+    writebacks: int = 0  # evicted or flushed rows written to the backing store
+    bytes_read: int = 0  # from the backing store
+    bytes_written: int = 0  # to the backing store
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.misses / self.lookups if self.lookups else 1.0
+
+
+class _TableState:
+    """Bookkeeping of one cached table (on the host)."""
+
+    def __init__(self, rows: int, cache: TableCache, store: _Store, row_bytes: int) -> None:
+        self.rows, self.cache, self.store, self.row_bytes = rows, cache, store, row_bytes
+        self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32)
+        self.freq = torch.zeros(rows, dtype=torch.int32) if cache.algorithm == "lfu" else None
+        self.row_of_slot = torch.full((cache.slots,), -1, dtype=torch.int64)
+        self.last_used = torch.zeros(cache.slots, dtype=torch.int64)
+        self.locks = torch.zeros(cache.slots, dtype=torch.int32)
+        self.dirty = torch.zeros(cache.slots, dtype=torch.bool)
+
+
+class CachedTableBatchedEmbedding(nn.Module):
+    """``forward(indices, offsets, per_sample_weights)`` like the uncached kernels, with the
+    tables named in ``caches`` held in a backing store behind a cache (see the module doc).
+
+    ``inner_factory(rows)`` builds the fast-tier kernel for the given per-table row counts (the
+    caller's FBGEMM-or-torch choice); ``offload_dir`` is where backing files go on CPU (None:
+    the system's temporary directory).
+    """
+
+    def __init__(
+        self,
+        *,
+        rows: Sequence[int],
+        dims: Sequence[int],
+        feature_table_map: Sequence[int],
+        optimizer: FusedOptimizerConfig,
+        caches: Sequence[TableCache | None],
+        device: torch.device,
+        inner_factory,
+        offload_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if len(caches) != len(rows):
+            raise ValueError(f"CachedTableBatchedEmbedding: {len(caches)} caches for {len(rows)} tables")
+        self.rows, self.dims = list(rows), list(dims)
+        self.feature_table_map = list(feature_table_map)
+        self.optimizer = optimizer
+        self.caches = [
+            None if c is None else TableCache(slots=min(c.slots, r), algorithm=c.algorithm)
+            for c, r in zip(caches, self.rows, strict=True)
+        ]
+        inner_rows = [r if c is None else c.slots for r, c in zip(self.rows, self.caches, strict=True)]
+        self.inner = inner_factory(inner_rows)
+        opt = optimizer.optimizer
+        states = {name: opt.state_is_rowwise(name) for name in opt.state_names}
+        self._tables: dict[int, _TableState] = {}
+        for t, cache in enumerate(self.caches):
+            if cache is None:
+                continue
+            d = self.dims[t]
+            row_bytes = 4 * (d + sum(1 if rw else d for rw in states.values()))
+            store = _Store(self.rows[t], d, states, device, offload_dir)
+            self._tables[t] = _TableState(self.rows[t], cache, store, row_bytes)
+        self._features_of = {
+            t: [f for f, ft in enumerate(self.feature_table_map) if ft == t] for t in self._tables
+        }
+        self._tick = 0
+        self._pending: deque[_Batch] = deque()  # resident and locked, forward not yet run
+        self._in_flight: list[_Batch] = []  # forward run, backward not yet
+        self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-cache")
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+
+    # ---- the uncached kernel's interface -------------------------------------------------------
+    @property
+    def iter(self) -> torch.Tensor:
+        return self.inner.iter
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.inner.set_learning_rate(lr)
+
+    def get_learning_rate(self) -> float:
+        return self.inner.get_learning_rate()
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        """Per table: the backing store's ``[rows, dim]`` for a cached table (current after
+        :meth:`flush`), the inner kernel's view otherwise."""
+        inner = self.inner.split_embedding_weights()
+        return [self._tables[t].store.weight if t in self._tables else w for t, w in enumerate(inner)]
+
+    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        inner = self.inner.split_optimizer_states()
+        return [dict(self._tables[t].store.states) if t in self._tables else s
+                for t, s in enumerate(inner)]
+
+    def is_cached(self, table: int) -> bool:
+        return table in self._tables
+
+    def resident_rows(self, table: int) -> list[int]:
+        """The rows of cached table ``table`` now in the cache, sorted."""
+        rows = self._tables[table].row_of_slot
+        return sorted(rows[rows >= 0].tolist())
+
+    # ---- cache control -------------------------------------------------------------------------
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Write every trained resident row (weights and state) back to the backing store."""
+        self._wait_moves()
+        weights = self.inner.split_embedding_weights()
+        states = self.inner.split_optimizer_states()
+        for t, ts in self._tables.items():
+            slots = torch.nonzero(ts.dirty & (ts.row_of_slot >= 0)).flatten()
+            if slots.numel():
+                self._write_back(ts, weights[t], states[t], slots, ts.row_of_slot[slots])
+                ts.dirty[slots] = False
+            ts.store.release()
+
+    @torch.no_grad()
+    def invalidate(self) -> None:
+        """Forget every resident row: the next lookups read the backing store again (after it
+        was written from outside, e.g. by a checkpoint load). Trained rows not yet flushed are
+        written back first, so nothing is lost."""
+        if any(not b.released for b in self._in_flight) or self._pending:
+            raise RuntimeError(
+                "CachedTableBatchedEmbedding.invalidate: a batch is in flight (forward run, "
+                "backward not yet, or prefetched); finish it first"
+            )
+        self.flush()
+        for ts in self._tables.values():
+            ts.slot_of_row.fill_(-1)
+            ts.row_of_slot.fill_(-1)
+            ts.dirty.fill_(False)
+            ts.last_used.zero_()
+
+    def release_memory(self) -> None:
+        """Drop the backing files' pages from this process's resident memory."""
+        for ts in self._tables.values():
+            ts.store.release()
+
+    def reset_stats(self) -> None:
+        self.stats = CacheStats()
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Make the rows of a future batch resident (copies run in a worker thread); the forward
+        that receives this same ``indices`` tensor uses them. Prefetched batches are consumed in
+        order; rows of batches in flight are never evicted."""
+        batch = self._resolve(indices, offsets, asynchronous=True)
+        self._pending.append(batch)
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self._retire()
+        if self._pending and self._pending[0].source is indices:
+            batch = self._pending.popleft()
+        else:
+            self._drop_pending()
+            batch = self._resolve(indices, offsets, asynchronous=False)
+        if batch.moved is not None:
+            batch.moved.result()
+        out = self.inner(batch.indices, offsets, per_sample_weights)
+        if out.requires_grad and out.grad_fn is not None:
+            self._in_flight.append(batch)
+            out.grad_fn.register_hook(lambda *_: self._release(batch, trained=True))
+        else:
+            self._release(batch, trained=False)
+        return out
+
+    def _retire(self) -> None:
+        self._in_flight = [b for b in self._in_flight if not b.released]
+
+    def _drop_pending(self) -> None:
+        """Prefetched batches that no forward consumed (the loop changed course): unlock them."""
+        while self._pending:
+            batch = self._pending.popleft()
+            if batch.moved is not None:
+                batch.moved.result()
+            self._release(batch, trained=False)
+
+    def _release(self, batch: _Batch, trained: bool) -> None:
+        if batch.released:
+            return
+        batch.released = True
+        for t, slots in batch.slots.items():
+            ts = self._tables[t]
+            ts.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+            if trained:
+                ts.dirty[slots] = True
+
+    def _wait_moves(self) -> None:
+        for b in self._pending:
+            if b.moved is not None:
+                b.moved.result()
+        for b in self._in_flight:
+            if b.moved is not None:
+                b.moved.result()
+
+    @torch.no_grad()
+    def _resolve(self, indices: torch.Tensor, offsets: torch.Tensor, asynchronous: bool) -> _Batch:
+        """Bookkeeping for one batch: pick slots, lock them, rename the ids; returns the batch
+        with the copies to do (run now, or in the worker when ``asynchronous``)."""
+        num_features = len(self.feature_table_map)
+        batch_size = (offsets.numel() - 1) // max(num_features, 1)
+        bounds = offsets[:: batch_size].tolist() if batch_size > 0 else [0] * (num_features + 1)
+        renamed = indices.clone() if self._tables else indices
+        host_ids = indices if indices.device.type == "cpu" else indices.cpu()
+        self._tick += 1
+        slots_by_table: dict[int, torch.Tensor] = {}
+        moves: list[tuple[_TableState, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for t, ts in self._tables.items():
+            segments = [(bounds[f], bounds[f + 1]) for f in self._features_of[t]]
+            parts = [host_ids[lo:hi] for lo, hi in segments if hi > lo]
+            if not parts:
+                continue
+            ids = torch.cat(parts).long() if len(parts) > 1 else parts[0].long()
+            lo_id, hi_id = torch.aminmax(ids)
+            if int(lo_id) < 0 or int(hi_id) >= ts.rows:
+                raise IndexError(
+                    f"embedding id out of range for a cached table of {ts.rows} rows "
+                    f"(ids between {int(lo_id)} and {int(hi_id)})"
+                )
+            uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            slots = ts.slot_of_row[uniq].long()
+            missing = slots < 0
+            miss_rows = uniq[missing]
+            hit_slots = slots[~missing]
+            ts.locks[hit_slots] += 1
+            if miss_rows.numel():
+                victims = self._victims(t, ts, miss_rows.numel(), uniq.numel())
+                old_rows = ts.row_of_slot[victims]
+                occupied = old_rows >= 0
+                write = occupied & ts.dirty[victims]
+                ts.slot_of_row[old_rows[occupied]] = -1
+                ts.slot_of_row[miss_rows] = victims.to(torch.int32)
+                ts.row_of_slot[victims] = miss_rows
+                ts.dirty[victims] = False
+                ts.locks[victims] += 1
+                slots[missing] = victims
+                moves.append((ts, t, victims[write], old_rows[write], victims, miss_rows))
+                self.stats.misses += miss_rows.numel()
+                self.stats.evictions += int(occupied.sum())
+                self.stats.writebacks += int(write.sum())
+                self.stats.bytes_read += miss_rows.numel() * ts.row_bytes
+                self.stats.bytes_written += int(write.sum()) * ts.row_bytes
+            self.stats.lookups += uniq.numel()
+            ts.last_used[slots] = self._tick
+            if ts.freq is not None:
+                ts.freq.index_add_(0, uniq, counts.to(torch.int32))
+            slots_by_table[t] = slots
+            per_id = slots[inverse].to(device=indices.device, dtype=indices.dtype)
+            start = 0
+            for lo, hi in segments:
+                renamed[lo:hi] = per_id[start : start + hi - lo]
+                start += hi - lo
+        batch = _Batch(slots=slots_by_table, source=indices, indices=renamed)
+        if moves:
+            if asynchronous:
+                batch.moved = self._mover.submit(self._move, moves)
+            else:
+                self._move(moves)
+        return batch
+
+    def _victims(self, t: int, ts: _TableState, needed: int, distinct: int) -> torch.Tensor:
+        """``needed`` unlocked slots: empty ones first, then least recently (LRU) or least
+        frequently (LFU, ties to the least recent) used."""
+        free = ts.locks == 0
+        available = int(free.sum())
+        if available < needed:
+            held = ts.cache.slots - available
+            raise CacheTooSmallError(
+                f"the cache of table {t} has {ts.cache.slots} slots; a batch needs {distinct} "
+                f"distinct rows of it, {needed} not resident, but only {available} slots are "
+                f"free ({held} locked by this batch and by batches in flight whose backward has "
+                "not run). Raise the cache's load_factor (CacheParams), shrink the batch, or run "
+                "forwards without backward under torch.no_grad()"
+            )
+        if ts.freq is None:
+            key = ts.last_used.clone()
+        else:
+            rows = ts.row_of_slot.clamp(min=0)
+            key = ts.freq[rows].long() * (self._tick + 1) + ts.last_used
+        key[ts.row_of_slot < 0] = -1
+        key[~free] = _NEVER
+        if needed == key.numel():
+            return torch.arange(needed)
+        return torch.topk(key, needed, largest=False, sorted=False).indices
+
+    @torch.no_grad()
+    def _move(self, moves) -> None:
+        weights = self.inner.split_embedding_weights()
+        states = self.inner.split_optimizer_states()
+        for ts, t, write_slots, write_rows, load_slots, load_rows in moves:
+            if write_slots.numel():
+                self._write_back(ts, weights[t], states[t], write_slots, write_rows)
+            store = ts.store
+            dev = weights[t].device
+            # Through ``.data``: the slots written belong to no batch in flight, and the in-flight
+            # batch's autograd (FBGEMM saves the weights for its backward) must not see the
+            # whole tensor as modified.
+            weights[t].data[load_slots.to(dev)] = store.weight[load_rows].to(dev, non_blocking=True)
+            for name, cached in states[t].items():
+                cached.data[load_slots.to(dev)] = store.states[name][load_rows].to(
+                    dev, non_blocking=True
+                )
+            store.release()
+
+    @staticmethod
+    def _write_back(
+        ts: _TableState, weight: torch.Tensor, states: dict[str, torch.Tensor],
+        slots: torch.Tensor, rows: torch.Tensor,
+    ) -> None:
+        dev = weight.device
+        ts.store.weight[rows] = weight[slots.to(dev)].cpu()
+        for name, cached in states.items():
+            ts.store.states[name][rows] = cached[slots.to(dev)].cpu()
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "a cached embedding kernel cannot be deep-copied (its tables live in backing files); "
+            "save a checkpoint and load it into a new module instead"
+        )
+
+    def __del__(self) -> None:
+        mover = getattr(self, "_mover", None)
+        if mover is not None:
+            mover.shutdown(wait=True)

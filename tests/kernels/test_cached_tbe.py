@@ -1,0 +1,231 @@
+"""The cached kernel (tables in backing files behind a cache of row slots) against the uncached
+kernel: same outputs, weights and optimizer state after N steps at caches far smaller than the
+tables; eviction policies and write-back checked by hand; prefetch keeps results unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from recsys_core.kernels import fbgemm_available
+from recsys_core.kernels.cached_tbe import (
+    CachedTableBatchedEmbedding,
+    CacheTooSmallError,
+    TableCache,
+)
+from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.tbe import IdOutOfRangeError, build_table_batched_embedding, checked_lookup
+
+ROWS = [200, 100, 300]
+DIMS = [4, 8, 4]
+FEATURE_TABLE_MAP = [0, 1, 1, 2]  # table 1 is shared by two features
+BATCH = 6
+MAX_LEN = 4  # ids per bag: at most 24 per feature, 48 distinct rows of table 1 per batch
+CPU = torch.device("cpu")
+
+BACKENDS = [KernelBackend.TORCH] + ([KernelBackend.FBGEMM] if fbgemm_available() else [])
+FBGEMM_CPU_OPTIMIZERS = {EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD,
+                         EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+
+
+def batches(steps: int, seed: int = 5, weighted: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, MAX_LEN + 1, (len(FEATURE_TABLE_MAP) * BATCH,), generator=gen)
+        ids = []
+        for f, t in enumerate(FEATURE_TABLE_MAP):
+            n = int(lengths[f * BATCH : (f + 1) * BATCH].sum())
+            ids.append(torch.randint(0, ROWS[t], (n,), generator=gen))
+        indices = torch.cat(ids)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        psw = torch.rand(indices.numel(), generator=gen) if weighted else None
+        target = torch.randn(BATCH, sum(DIMS[t] for t in FEATURE_TABLE_MAP), generator=gen)
+        out.append((indices, offsets, psw, target))
+    return out
+
+
+def make(
+    backend: KernelBackend, opt: EmbOptimType, mean: bool, weighted: bool,
+    caches=(), algorithm: str = "lru",
+) -> nn.Module:
+    config = FusedOptimizerConfig(optimizer=opt, learning_rate=0.05, eps=1e-3)
+    caches = [None if c is None else TableCache(slots=c, algorithm=algorithm) for c in caches]
+    kernel = build_table_batched_embedding(
+        rows=ROWS, dims=DIMS, feature_table_map=FEATURE_TABLE_MAP, pooling_mean=mean,
+        optimizer=config, device=CPU, backend=backend, weighted=weighted, caches=caches,
+    )
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for w in kernel.split_embedding_weights():
+            w.copy_(torch.rand(w.shape, generator=gen) - 0.5)
+    return kernel
+
+
+def train(kernel: nn.Module, data, prefetch: bool = False) -> list[torch.Tensor]:
+    outs = []
+    for i, (indices, offsets, psw, target) in enumerate(data):
+        out = kernel(indices, offsets, psw)
+        if prefetch and i + 1 < len(data):
+            kernel.prefetch(data[i + 1][0], data[i + 1][1])
+        (out * target).sum().backward()
+        outs.append(out.detach().clone())
+    return outs
+
+
+def snapshot(kernel: nn.Module) -> list[list[torch.Tensor]]:
+    if isinstance(kernel, CachedTableBatchedEmbedding):
+        kernel.flush()
+    return [
+        [w.clone(), *(s.clone() for s in states.values())]
+        for w, states in zip(kernel.split_embedding_weights(), kernel.split_optimizer_states(),
+                             strict=True)
+    ]
+
+
+def assert_same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
+    for ta, tb in zip(a, b, strict=True):
+        for x, y in zip(ta, tb, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+CASES = [
+    (backend, opt)
+    for backend in BACKENDS
+    for opt in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD,
+                EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM,
+                EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
+    if backend is KernelBackend.TORCH or opt in FBGEMM_CPU_OPTIMIZERS
+]
+
+
+@pytest.mark.parametrize(("backend", "opt"), CASES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+def test_cached_equals_uncached_after_steps(backend: KernelBackend, opt: EmbOptimType, mean: bool) -> None:
+    weighted = not mean or backend is KernelBackend.TORCH  # FBGEMM-CPU weighted MEAN is refused
+    data = batches(10, weighted=weighted)
+    plain = make(backend, opt, mean, weighted)
+    # table 0 uncached; tables 1 and 2 hold 48 of 100 and 24 of 300 rows: every batch misses
+    cached = make(backend, opt, mean, weighted, caches=[None, 48, 24])
+    assert isinstance(cached, CachedTableBatchedEmbedding)
+    expected = train(plain, data)
+    got = train(cached, data)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert cached.stats.evictions > 0 and cached.stats.writebacks > 0
+    assert_same(snapshot(cached), snapshot(plain))
+    assert int(cached.iter) == int(plain.iter)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_eviction_writes_trained_rows_back(backend: KernelBackend) -> None:
+    data = batches(6)
+    plain = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False)
+    cached = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False, caches=[None, 48, 24])
+    train(plain, data)
+    train(cached, data)
+    store = cached.split_embedding_weights()[2]
+    truth = plain.split_embedding_weights()[2]
+    resident = set(cached.resident_rows(2))
+    touched = set(torch.cat([d[0][d[1][3 * BATCH]:] for d in data]).tolist())
+    evicted = sorted(touched - resident)
+    assert evicted, "the test needs rows that were trained and then evicted"
+    # before any flush: every evicted row is already in the backing store, trained ...
+    torch.testing.assert_close(store[evicted], truth[evicted], rtol=0, atol=1e-6)
+    # ... while trained resident rows are only in the cache until flush()
+    stale = [r for r in resident if not torch.allclose(store[r], truth[r])]
+    assert stale
+    cached.flush()
+    torch.testing.assert_close(store, truth, rtol=0, atol=1e-6)
+
+
+def _hand_kernel(algorithm: str) -> CachedTableBatchedEmbedding:
+    kernel = build_table_batched_embedding(
+        rows=[5], dims=[4], feature_table_map=[0], pooling_mean=False,
+        optimizer=FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1),
+        device=CPU, backend=KernelBackend.TORCH, caches=[TableCache(slots=2, algorithm=algorithm)],
+    )
+    with torch.no_grad():
+        kernel.split_embedding_weights()[0].copy_(torch.arange(20.0).view(5, 4))
+    return kernel
+
+
+@pytest.mark.parametrize(("algorithm", "resident"), [("lru", [1, 2]), ("lfu", [0, 2])])
+def test_eviction_policy_by_hand(algorithm: str, resident: list[int]) -> None:
+    # Row 0 is used twice, then row 1, then row 2 needs a slot: LRU evicts row 0 (least
+    # recently used), LFU evicts row 1 (used once, row 0 twice).
+    kernel = _hand_kernel(algorithm)
+    with torch.no_grad():
+        for row in (0, 0, 1, 2):
+            out = kernel(torch.tensor([row]), torch.tensor([0, 1]))
+            torch.testing.assert_close(out, torch.arange(4.0).view(1, 4) + 4 * row)
+    assert kernel.resident_rows(0) == resident
+    assert kernel.stats.misses == 3 and kernel.stats.evictions == 1
+    assert kernel.stats.writebacks == 0  # lookups without backward train nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_prefetch_keeps_results_and_in_flight_rows(backend: KernelBackend) -> None:
+    data = batches(10)
+    plain = make(backend, EmbOptimType.EXACT_ADAGRAD, False, False)
+    # two batches' rows fit: the prefetched batch is loaded while the current one is in flight
+    cached = make(backend, EmbOptimType.EXACT_ADAGRAD, False, False, caches=[None, 96, 48])
+    expected = train(plain, data)
+    got = train(cached, data, prefetch=True)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert_same(snapshot(cached), snapshot(plain))
+
+
+def test_prefetch_never_evicts_the_in_flight_batch() -> None:
+    # table 0: 10 rows, 4 slots; batch A needs rows 0-3 (all slots), batch B needs rows 4-5
+    kernel = build_table_batched_embedding(
+        rows=[10], dims=[4], feature_table_map=[0], pooling_mean=False,
+        optimizer=FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1),
+        device=CPU, backend=KernelBackend.TORCH, caches=[TableCache(slots=4)],
+    )
+    out = kernel(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 4]))
+    with pytest.raises(CacheTooSmallError, match=r"4 slots.*backward has not run"):
+        kernel.prefetch(torch.tensor([4, 5]), torch.tensor([0, 2]))
+    out.sum().backward()  # releases A's rows
+    kernel.prefetch(b := torch.tensor([4, 5]), torch.tensor([0, 2]))
+    assert set(kernel.resident_rows(0)) >= {4, 5}
+    with torch.no_grad():
+        kernel(b, torch.tensor([0, 2]))
+
+
+def test_batch_larger_than_the_cache_is_a_clear_error() -> None:
+    kernel = _hand_kernel("lru")
+    with pytest.raises(CacheTooSmallError, match="has 2 slots; a batch needs 3 distinct rows"):
+        kernel(torch.tensor([0, 1, 2]), torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("bad_id", [5, -1])
+def test_out_of_range_ids_of_a_cached_table_name_the_feature(bad_id: int) -> None:
+    kernel = _hand_kernel("lru")
+    with pytest.raises(IdOutOfRangeError, match=rf"feature 'f'.*{bad_id}"):
+        checked_lookup(kernel, torch.tensor([1, bad_id]), torch.tensor([0, 2]), None,
+                       feature_names=["f"], rows_per_feature=[5])
+
+
+def test_invalidate_reads_rows_written_into_the_backing_store() -> None:
+    kernel = _hand_kernel("lru")
+    out = kernel(torch.tensor([3]), torch.tensor([0, 1]))
+    out.sum().backward()  # SGD, lr 0.1: row 3 -> row 3 - 0.1
+    kernel.flush()
+    store = kernel.split_embedding_weights()[0]
+    torch.testing.assert_close(store[3], torch.arange(12.0, 16.0) - 0.1)
+    with torch.no_grad():
+        store[3] = 100.0  # e.g. a checkpoint load
+    kernel.invalidate()
+    with torch.no_grad():
+        torch.testing.assert_close(kernel(torch.tensor([3]), torch.tensor([0, 1])),
+                                   torch.full((1, 4), 100.0))
+
+
+def test_deepcopy_is_refused_with_advice() -> None:
+    import copy
+
+    with pytest.raises(TypeError, match="checkpoint"):
+        copy.deepcopy(_hand_kernel("lru"))
