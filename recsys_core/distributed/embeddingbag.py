@@ -28,6 +28,7 @@ from recsys_core.distributed.sharding.common import (
     PooledSharding,
     ShardedTable,
     column_permutation,
+    planned_caches,
     select_columns,
 )
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
@@ -138,6 +139,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer: FusedOptimizerConfig,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
+        offload_dir: str | None = None,
     ) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
@@ -147,7 +149,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             source = {c.name: state[f"embedding_bags.{c.name}.weight"].detach() for c in configs}
         ctx = KernelContext(
             device=device, optimizer=optimizer, backend=backend, is_weighted=module.is_weighted(),
-            source=source, table_init=table_init,
+            source=source, table_init=table_init, caches=planned_caches(plan),
+            offload_dir=offload_dir,
         )
         spec = CollectionSpec(
             name="ShardedEmbeddingBagCollection", state_prefix="embedding_bags",
@@ -224,6 +227,8 @@ class EmbeddingBagCollectionSharder:
     ...}``); when absent, the optimizer recorded by ``apply_optimizer_in_backward`` on the
     module's weights is used, else EXACT_SGD with lr 0.01 (TorchRec's default).
     ``table_init`` fills every shard independently of the plan (e.g. ``SeededUniformInit``).
+    ``offload_dir``: where tables planned as ``fused_uvm_caching`` keep their backing files on
+    CPU (None: the system's temporary directory).
     """
 
     def __init__(
@@ -231,7 +236,9 @@ class EmbeddingBagCollectionSharder:
         fused_params: Mapping[str, Any] | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
+        offload_dir: str | None = None,
     ) -> None:
+        self._offload_dir = offload_dir
         self._fused = None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
         self._backend = backend
         self._table_init = table_init
@@ -244,7 +251,7 @@ class EmbeddingBagCollectionSharder:
         return [t.value for t in ShardingType]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [EmbeddingComputeKernel.FUSED.value]
+        return cached_or_fused(sharding_type)
 
     def optimizer_config(self, module: EmbeddingBagCollection) -> FusedOptimizerConfig:
         if self._fused is not None:
@@ -260,5 +267,13 @@ class EmbeddingBagCollectionSharder:
     ) -> ShardedEmbeddingBagCollection:
         return ShardedEmbeddingBagCollection(
             module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
-            self._backend, self._table_init,
+            self._backend, self._table_init, self._offload_dir,
         )
+
+
+def cached_or_fused(sharding_type: str) -> list[str]:
+    """The kernels a pooled sharder runs: FUSED, and FUSED_UVM_CACHING (the cached kernel, on
+    CPU and CUDA) for every sharding type but data-parallel."""
+    if ShardingType(sharding_type) is ShardingType.DATA_PARALLEL:
+        return [EmbeddingComputeKernel.FUSED.value]
+    return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]

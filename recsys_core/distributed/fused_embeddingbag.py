@@ -18,10 +18,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection, cached_or_fused
 from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
-    EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingEnv,
@@ -43,10 +42,11 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         device: torch.device | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
+        offload_dir: str | None = None,
     ) -> None:
         super().__init__(
             module, table_name_to_parameter_sharding, env, torch.device(device or "cpu"),
-            module.optimizer_config(), backend, table_init,
+            module.optimizer_config(), backend, table_init, offload_dir,
         )
 
 
@@ -59,8 +59,9 @@ class FusedEmbeddingBagCollectionSharder:
         self,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
+        offload_dir: str | None = None,
     ) -> None:
-        self._backend, self._table_init = backend, table_init
+        self._backend, self._table_init, self._offload_dir = backend, table_init, offload_dir
 
     @property
     def module_type(self) -> type[nn.Module]:
@@ -76,7 +77,7 @@ class FusedEmbeddingBagCollectionSharder:
         return [t.value for t in types]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [EmbeddingComputeKernel.FUSED.value]
+        return cached_or_fused(sharding_type)
 
     def shardable_parameters(self, module: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:
         """Table name -> weight, as in the module's state dict."""
@@ -94,5 +95,5 @@ class FusedEmbeddingBagCollectionSharder:
         device: torch.device | None = None,
     ) -> ShardedFusedEmbeddingBagCollection:
         return ShardedFusedEmbeddingBagCollection(
-            module, params, env, device, self._backend, self._table_init
+            module, params, env, device, self._backend, self._table_init, self._offload_dir
         )

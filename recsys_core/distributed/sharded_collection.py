@@ -204,6 +204,8 @@ class ShardedCollectionCore:
                 missing_keys.append(key)
                 continue
             import_tensor(table, shards.get(table.config.name, []), state_dict.pop(key), None, key)
+        for local in self.lookups:
+            local.invalidate_caches()
 
     # ---- input dist and prefetch -------------------------------------------------------------
     def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
@@ -246,7 +248,13 @@ class ShardedCollectionCore:
         Every rank must prefetch the same batches in the same order (collectives match in
         issue order); :meth:`drop_prefetched` waits for and discards unused ones.
         """
-        self._prefetched.append((features, self.input_dist(features)))
+        inputs = self.input_dist(features)
+        self._prefetched.append((features, inputs))
+        if any(local.cached_kernels() for local in self.lookups):
+            # Cached tables: this rank's ids of that batch are needed now, to bring their rows
+            # into the caches while the current batch computes.
+            for local, received in zip(self.lookups, self.wait_inputs(inputs), strict=True):
+                local.prefetch(received)
 
     def take_input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
         """The prefetched input dist of this very KJT, else a new one."""
@@ -261,6 +269,8 @@ class ShardedCollectionCore:
             inputs.id_check.result()
             for awaitable in inputs:
                 awaitable.wait()
+        for local in self.lookups:
+            local.drop_prefetched()
 
     def wait_inputs(self, inputs: DistInputs) -> list[Any]:
         """Every strategy's received input (after the id check's verdict)."""

@@ -226,6 +226,9 @@ class ShardedFusedOptimizer(KeyedOptimizer):
                         f"different optimizer than {self._config.optimizer.name}"
                     )
                 import_tensor(table, shards.get(name, []), saved[f"{name}.{s}"], s, f"{key}/{s}")
+        for kernel in self._kernels:
+            if callable(getattr(kernel, "invalidate", None)):
+                kernel.invalidate()  # cached tables reread what was written into their store
         # A state dict saved without param groups (KeyedOptimizer.save_param_groups(False))
         # keeps the current learning rate and step, as TorchRec's load does.
         groups = state_dict.get("param_groups") or []

@@ -37,10 +37,11 @@ class Prefetching(Protocol):
 
 
 def prefetching_modules(model: nn.Module) -> list[Prefetching]:
-    """The sharded collections of ``model`` (those with ``prefetch`` and ``drop_prefetched``)."""
+    """The sharded collections of ``model``: those with ``input_dist``, ``prefetch`` and
+    ``drop_prefetched`` (a cached kernel inside one also prefetches, but rows, not KJTs)."""
     return [
         m for m in model.modules()
-        if callable(getattr(m, "prefetch", None)) and callable(getattr(m, "drop_prefetched", None))
+        if all(callable(getattr(m, name, None)) for name in ("input_dist", "prefetch", "drop_prefetched"))
     ]
 
 

@@ -14,7 +14,7 @@ Rows of a batch stay *locked* from the moment they are made resident (by ``forwa
 ``prefetch``) until that batch's backward has updated them (or right after a forward that
 builds no graph), so a prefetch of the next batch never evicts rows the in-flight batch still
 needs. ``prefetch(indices, offsets)`` does the bookkeeping at once and the copies in a worker
-thread; the ``forward`` that later receives the same ``indices`` tensor waits for them.
+thread; the ``forward`` that later receives the same ids waits for them.
 
 The backing store is authoritative only after :meth:`flush` (write back every trained resident
 row); ``split_embedding_weights`` / ``split_optimizer_states`` return views of the store, and
@@ -29,7 +29,6 @@ import math
 import mmap
 import os
 import tempfile
-import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -135,6 +134,7 @@ class _Batch:
     indices: torch.Tensor  # the ids renamed to slots, fed to the inner kernel
     moved: Future | None = None
     released: bool = False
+    deferred: bool = False  # a prefetch that did not fit: its forward looks it up
 
 
 @dataclass
@@ -143,14 +143,23 @@ class CacheStats:
 
     lookups: int = 0  # distinct rows per batch, summed
     misses: int = 0  # of those, rows loaded from the backing store
+    ids: int = 0  # ids looked up (every occurrence)
+    id_hits: int = 0  # of those, ids whose row was resident before the batch
     evictions: int = 0  # resident rows dropped to make room
     writebacks: int = 0  # evicted or flushed rows written to the backing store
     bytes_read: int = 0  # from the backing store
     bytes_written: int = 0  # to the backing store
+    prefetched: int = 0  # batches whose rows a prefetch brought in before their forward
 
     @property
     def hit_rate(self) -> float:
+        """Share of each batch's distinct rows that were resident (FBGEMM's unique hit rate)."""
         return 1.0 - self.misses / self.lookups if self.lookups else 1.0
+
+    @property
+    def id_hit_rate(self) -> float:
+        """Share of looked-up ids whose row was resident."""
+        return self.id_hits / self.ids if self.ids else 1.0
 
 
 class _TableState:
@@ -166,13 +175,19 @@ class _TableState:
         self.dirty = torch.zeros(cache.slots, dtype=torch.bool)
 
 
+def _same_ids(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)))
+
+
 class CachedTableBatchedEmbedding(nn.Module):
     """``forward(indices, offsets, per_sample_weights)`` like the uncached kernels, with the
     tables named in ``caches`` held in a backing store behind a cache (see the module doc).
 
     ``inner_factory(rows)`` builds the fast-tier kernel for the given per-table row counts (the
     caller's FBGEMM-or-torch choice); ``offload_dir`` is where backing files go on CPU (None:
-    the system's temporary directory).
+    the system's temporary directory). Rows moved to or from the backing files stay mapped in
+    this process until about ``max_mapped_bytes`` have been moved, then all are dropped from
+    its resident memory at once (dropping costs about 1 us per written page, less in bulk).
     """
 
     def __init__(
@@ -186,6 +201,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         device: torch.device,
         inner_factory,
         offload_dir: str | None = None,
+        max_mapped_bytes: int = 64 * 1024**2,
     ) -> None:
         super().__init__()
         if len(caches) != len(rows):
@@ -216,7 +232,8 @@ class CachedTableBatchedEmbedding(nn.Module):
         self._pending: deque[_Batch] = deque()  # resident and locked, forward not yet run
         self._in_flight: list[_Batch] = []  # forward run, backward not yet
         self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-cache")
-        self._lock = threading.Lock()
+        self._max_mapped = int(max_mapped_bytes)
+        self._mapped = 0  # bytes moved since the backing files were last dropped from memory
         self.stats = CacheStats()
 
     # ---- the uncached kernel's interface -------------------------------------------------------
@@ -261,7 +278,7 @@ class CachedTableBatchedEmbedding(nn.Module):
             if slots.numel():
                 self._write_back(ts, weights[t], states[t], slots, ts.row_of_slot[slots])
                 ts.dirty[slots] = False
-            ts.store.release()
+        self.release_memory()
 
     @torch.no_grad()
     def invalidate(self) -> None:
@@ -284,6 +301,13 @@ class CachedTableBatchedEmbedding(nn.Module):
         """Drop the backing files' pages from this process's resident memory."""
         for ts in self._tables.values():
             ts.store.release()
+        self._mapped = 0
+
+    def occupancy(self) -> float:
+        """Share of the cache slots holding a row (all cached tables together)."""
+        total = sum(ts.cache.slots for ts in self._tables.values())
+        used = sum(int((ts.row_of_slot >= 0).sum()) for ts in self._tables.values())
+        return used / total if total else 1.0
 
     def reset_stats(self) -> None:
         self.stats = CacheStats()
@@ -291,10 +315,12 @@ class CachedTableBatchedEmbedding(nn.Module):
     # ---- lookups -------------------------------------------------------------------------------
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
         """Make the rows of a future batch resident (copies run in a worker thread); the forward
-        that receives this same ``indices`` tensor uses them. Prefetched batches are consumed in
-        order; rows of batches in flight are never evicted."""
+        that receives the same ids uses them (prefetched batches are consumed in order; a
+        forward of other ids is looked up on its own and leaves them waiting). Rows of batches
+        in flight are never evicted."""
         batch = self._resolve(indices, offsets, asynchronous=True)
-        self._pending.append(batch)
+        # None: no room beside the batches in flight; its forward looks it up then instead.
+        self._pending.append(batch or _Batch(slots={}, source=indices, indices=indices, deferred=True))
 
     def forward(
         self,
@@ -303,11 +329,13 @@ class CachedTableBatchedEmbedding(nn.Module):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._retire()
-        if self._pending and self._pending[0].source is indices:
+        batch = None
+        if self._pending and _same_ids(self._pending[0].source, indices):
             batch = self._pending.popleft()
-        else:
-            self._drop_pending()
+            self.stats.prefetched += not batch.deferred
+        if batch is None or batch.deferred:
             batch = self._resolve(indices, offsets, asynchronous=False)
+        assert batch is not None
         if batch.moved is not None:
             batch.moved.result()
         out = self.inner(batch.indices, offsets, per_sample_weights)
@@ -321,7 +349,7 @@ class CachedTableBatchedEmbedding(nn.Module):
     def _retire(self) -> None:
         self._in_flight = [b for b in self._in_flight if not b.released]
 
-    def _drop_pending(self) -> None:
+    def drop_prefetched(self) -> None:
         """Prefetched batches that no forward consumed (the loop changed course): unlock them."""
         while self._pending:
             batch = self._pending.popleft()
@@ -348,17 +376,19 @@ class CachedTableBatchedEmbedding(nn.Module):
                 b.moved.result()
 
     @torch.no_grad()
-    def _resolve(self, indices: torch.Tensor, offsets: torch.Tensor, asynchronous: bool) -> _Batch:
+    def _resolve(
+        self, indices: torch.Tensor, offsets: torch.Tensor, asynchronous: bool
+    ) -> _Batch | None:
         """Bookkeeping for one batch: pick slots, lock them, rename the ids; returns the batch
-        with the copies to do (run now, or in the worker when ``asynchronous``)."""
+        with the copies to do (run now, or in the worker when ``asynchronous``). A prefetch
+        (``asynchronous``) that does not fit beside the batches in flight returns None and
+        changes nothing; a forward that does not fit raises :class:`CacheTooSmallError`."""
         num_features = len(self.feature_table_map)
         batch_size = (offsets.numel() - 1) // max(num_features, 1)
         bounds = offsets[:: batch_size].tolist() if batch_size > 0 else [0] * (num_features + 1)
-        renamed = indices.clone() if self._tables else indices
         host_ids = indices if indices.device.type == "cpu" else indices.cpu()
-        self._tick += 1
-        slots_by_table: dict[int, torch.Tensor] = {}
-        moves: list[tuple[_TableState, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Pass 1, read-only: the distinct rows of each table, and whether they fit.
+        plans = []
         for t, ts in self._tables.items():
             segments = [(bounds[f], bounds[f + 1]) for f in self._features_of[t]]
             parts = [host_ids[lo:hi] for lo, hi in segments if hi > lo]
@@ -374,11 +404,33 @@ class CachedTableBatchedEmbedding(nn.Module):
             uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             slots = ts.slot_of_row[uniq].long()
             missing = slots < 0
+            n_miss = int(missing.sum())
+            if n_miss:
+                free = ts.locks == 0
+                hit_slots = slots[~missing]
+                available = int(free.sum()) - int(free[hit_slots].sum())
+                if available < n_miss:
+                    if asynchronous:
+                        return None
+                    raise CacheTooSmallError(
+                        f"the cache of table {t} has {ts.cache.slots} slots; a batch needs "
+                        f"{uniq.numel()} distinct rows of it, {n_miss} not resident, but only "
+                        f"{available} slots are free (the others hold this batch's resident "
+                        "rows and rows of batches in flight whose backward has not run). Raise "
+                        "the cache's load_factor (CacheParams), shrink the batch, or run forwards "
+                        "without backward under torch.no_grad()"
+                    )
+            plans.append((t, ts, segments, uniq, inverse, counts, slots, missing))
+        # Pass 2: lock, evict, rename.
+        self._tick += 1
+        renamed = indices.clone() if plans else indices
+        slots_by_table: dict[int, torch.Tensor] = {}
+        moves: list[tuple[_TableState, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for t, ts, segments, uniq, inverse, counts, slots, missing in plans:
             miss_rows = uniq[missing]
-            hit_slots = slots[~missing]
-            ts.locks[hit_slots] += 1
+            ts.locks[slots[~missing]] += 1
             if miss_rows.numel():
-                victims = self._victims(t, ts, miss_rows.numel(), uniq.numel())
+                victims = self._victims(ts, miss_rows.numel())
                 old_rows = ts.row_of_slot[victims]
                 occupied = old_rows >= 0
                 write = occupied & ts.dirty[victims]
@@ -395,6 +447,8 @@ class CachedTableBatchedEmbedding(nn.Module):
                 self.stats.bytes_read += miss_rows.numel() * ts.row_bytes
                 self.stats.bytes_written += int(write.sum()) * ts.row_bytes
             self.stats.lookups += uniq.numel()
+            self.stats.ids += int(counts.sum())
+            self.stats.id_hits += int(counts[~missing].sum())
             ts.last_used[slots] = self._tick
             if ts.freq is not None:
                 ts.freq.index_add_(0, uniq, counts.to(torch.int32))
@@ -406,26 +460,17 @@ class CachedTableBatchedEmbedding(nn.Module):
                 start += hi - lo
         batch = _Batch(slots=slots_by_table, source=indices, indices=renamed)
         if moves:
-            if asynchronous:
-                batch.moved = self._mover.submit(self._move, moves)
-            else:
-                self._move(moves)
+            # Always through the one worker, in order: a row evicted by an earlier prefetch is
+            # written back before any later batch reads it again.
+            batch.moved = self._mover.submit(self._move, moves)
+            if not asynchronous:
+                batch.moved.result()
         return batch
 
-    def _victims(self, t: int, ts: _TableState, needed: int, distinct: int) -> torch.Tensor:
-        """``needed`` unlocked slots: empty ones first, then least recently (LRU) or least
-        frequently (LFU, ties to the least recent) used."""
+    def _victims(self, ts: _TableState, needed: int) -> torch.Tensor:
+        """``needed`` unlocked slots (pass 1 checked there are enough): empty ones first, then
+        least recently (LRU) or least frequently (LFU, ties to the least recent) used."""
         free = ts.locks == 0
-        available = int(free.sum())
-        if available < needed:
-            held = ts.cache.slots - available
-            raise CacheTooSmallError(
-                f"the cache of table {t} has {ts.cache.slots} slots; a batch needs {distinct} "
-                f"distinct rows of it, {needed} not resident, but only {available} slots are "
-                f"free ({held} locked by this batch and by batches in flight whose backward has "
-                "not run). Raise the cache's load_factor (CacheParams), shrink the batch, or run "
-                "forwards without backward under torch.no_grad()"
-            )
         if ts.freq is None:
             key = ts.last_used.clone()
         else:
@@ -454,7 +499,9 @@ class CachedTableBatchedEmbedding(nn.Module):
                 cached.data[load_slots.to(dev)] = store.states[name][load_rows].to(
                     dev, non_blocking=True
                 )
-            store.release()
+            self._mapped += (write_rows.numel() + load_rows.numel()) * ts.row_bytes
+        if self._mapped > self._max_mapped:
+            self.release_memory()
 
     @staticmethod
     def _write_back(

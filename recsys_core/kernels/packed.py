@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from recsys_core.kernels.cached_tbe import TableCache
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.tbe import build_table_batched_embedding
 
@@ -33,6 +34,8 @@ class PackedTable:
     """Rows held (an empty shard holds 0; the kernel then keeps one spare row)."""
     dim: int
     """Columns held."""
+    cache: TableCache | None = None
+    """Held in a slower tier behind a cache of this many rows (None: all rows in the kernel)."""
 
     def __post_init__(self) -> None:
         if self.rows < 0 or self.dim < 1:
@@ -58,6 +61,8 @@ class PackedKernelSpec:
     """The optimizer fused into the kernel's backward."""
     backend: KernelBackend = KernelBackend.AUTO
     """FBGEMM, TORCH, or AUTO (FBGEMM where it is exact here, else torch)."""
+    offload_dir: str | None = None
+    """Where the backing files of cached tables go on CPU (None: the temporary directory)."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.feature_table_map if not 0 <= t < len(self.tables)]
@@ -78,6 +83,8 @@ class PackedKernelSpec:
             device=device,
             backend=self.backend,
             weighted=self.weighted,
+            caches=[t.cache for t in self.tables],
+            offload_dir=self.offload_dir,
         )
 
 

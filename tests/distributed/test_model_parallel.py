@@ -299,18 +299,31 @@ def test_bad_plan_is_rejected_before_communication() -> None:
         DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": good}))
 
 
-def test_uvm_kernels_refused_for_cuda_and_exact_on_cpu() -> None:
+def test_kernel_placement_checks() -> None:
     from recsys_core.distributed import EmbeddingComputeKernel
     from recsys_core.distributed.sharding.common import check_kernel_placement
 
     ebc = EmbeddingBagCollection(CKPT_TABLES, device="meta")
-    plan = construct_module_sharding_plan(
+    cached = construct_module_sharding_plan(
         ebc, {"x": table_wise(rank=0, compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING),
               "y": table_wise(rank=0)}, 1,
     )
-    check_kernel_placement(plan, torch.device("cpu"))  # host memory either way: accepted
-    with pytest.raises(ValueError, match="'x'.*fused_uvm_caching.*use EmbeddingComputeKernel.FUSED"):
-        check_kernel_placement(plan, torch.device("cuda"))
+    # the cached kernel runs on both devices
+    check_kernel_placement(cached, torch.device("cpu"))
+    check_kernel_placement(cached, torch.device("cuda"))
+    uvm = construct_module_sharding_plan(
+        ebc, {"x": table_wise(rank=0, compute_kernel=EmbeddingComputeKernel.FUSED_UVM),
+              "y": table_wise(rank=0)}, 1,
+    )
+    check_kernel_placement(uvm, torch.device("cpu"))  # host memory either way: accepted
+    with pytest.raises(ValueError, match="'x'.*fused_uvm .*use fused_uvm_caching or fused"):
+        check_kernel_placement(uvm, torch.device("cuda"))
+    dp = construct_module_sharding_plan(
+        ebc, {"x": data_parallel(compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING),
+              "y": table_wise(rank=0)}, 1,
+    )
+    with pytest.raises(ValueError, match="'x': a data-parallel table cannot be cached"):
+        check_kernel_placement(dp, torch.device("cpu"))
 
 
 def test_sharding_over_several_ranks_without_process_group_is_refused() -> None:

@@ -179,20 +179,32 @@ def test_prefetch_keeps_results_and_in_flight_rows(backend: KernelBackend) -> No
 
 
 def test_prefetch_never_evicts_the_in_flight_batch() -> None:
-    # table 0: 10 rows, 4 slots; batch A needs rows 0-3 (all slots), batch B needs rows 4-5
+    # table 0: 10 rows, 4 slots; batch A needs rows 0-3 (all slots), batch B rows 4-5
     kernel = build_table_batched_embedding(
         rows=[10], dims=[4], feature_table_map=[0], pooling_mean=False,
         optimizer=FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1),
         device=CPU, backend=KernelBackend.TORCH, caches=[TableCache(slots=4)],
     )
-    out = kernel(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 4]))
-    with pytest.raises(CacheTooSmallError, match=r"4 slots.*backward has not run"):
-        kernel.prefetch(torch.tensor([4, 5]), torch.tensor([0, 2]))
-    out.sum().backward()  # releases A's rows
-    kernel.prefetch(b := torch.tensor([4, 5]), torch.tensor([0, 2]))
-    assert set(kernel.resident_rows(0)) >= {4, 5}
     with torch.no_grad():
-        kernel(b, torch.tensor([0, 2]))
+        kernel.split_embedding_weights()[0].copy_(torch.arange(40.0).view(10, 4))
+    out = kernel(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 4]))
+    b = torch.tensor([4, 5])
+    kernel.prefetch(b, torch.tensor([0, 2]))  # no room beside A: deferred, A untouched
+    assert kernel.resident_rows(0) == [0, 1, 2, 3]
+    out.sum().backward()  # A's update lands in its rows: SGD, lr 0.1, gradient 1
+    with torch.no_grad():
+        got = kernel(b, torch.tensor([0, 2]))  # looked up now, evicting two of A's rows
+    torch.testing.assert_close(got, torch.arange(16.0, 20.0).view(1, 4) + torch.arange(20.0, 24.0))
+    assert kernel.stats.prefetched == 0
+    kernel.flush()
+    torch.testing.assert_close(kernel.split_embedding_weights()[0][:4], torch.arange(16.0).view(4, 4) - 0.1)
+    # with room, the prefetch brings the rows in before the forward
+    c = torch.tensor([6])
+    kernel.prefetch(c, torch.tensor([0, 1]))
+    assert 6 in kernel.resident_rows(0)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel(c, torch.tensor([0, 1])), torch.arange(24.0, 28.0).view(1, 4))
+    assert kernel.stats.prefetched == 1
 
 
 def test_batch_larger_than_the_cache_is_a_clear_error() -> None:

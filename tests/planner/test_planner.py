@@ -262,10 +262,26 @@ def test_plan_for_env_without_process_group() -> None:
     validate_module_sharding_plan(module, plan.plan[""], 2, 2)
 
 
+class _FusedOnlySharder(EmbeddingBagCollectionSharder):
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return ["fused"]
+
+
 def test_fused_only_sharder_reports_missing_hbm() -> None:
-    # today's sharder runs FUSED only: on CUDA the tables must fit in HBM, whatever DDR is free
+    # a sharder that runs FUSED only: on CUDA the tables must fit in HBM, whatever DDR is free
     topology = Topology(world_size=2, compute_device="cuda", hbm_cap=GIB)
     with pytest.raises(PlannerError, match=r"3\.\d\d GiB of HBM.*1\.70 GiB usable.*'t0'"):
         EmbeddingShardingPlanner(topology=topology).plan(
-            ebc([8_000_000], 128), [EmbeddingBagCollectionSharder()]
+            ebc([8_000_000], 128), [_FusedOnlySharder()]
         )
+
+
+def test_sharder_runs_the_cached_kernel_when_hbm_is_short() -> None:
+    # the same tables with the sharder that also runs fused_uvm_caching: a cache in HBM
+    topology = Topology(world_size=2, compute_device="cuda", hbm_cap=GIB)
+    plan = EmbeddingShardingPlanner(topology=topology).plan(
+        ebc([8_000_000], 128), [EmbeddingBagCollectionSharder()]
+    )
+    ps = next(iter(plan.plan.values()))["t0"]
+    assert ps.compute_kernel.value == "fused_uvm_caching"
+    assert 0 < ps.cache_params.load_factor < 1

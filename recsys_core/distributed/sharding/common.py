@@ -12,7 +12,7 @@ The output columns follow ``output_features`` (each feature at its table's full 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,6 +26,7 @@ from recsys_core.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
+from recsys_core.kernels.cached_tbe import CachedTableBatchedEmbedding, TableCache, cache_slots
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.packed import ColumnPermutation as ColumnPermutation
 from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
@@ -33,7 +34,13 @@ from recsys_core.kernels.packed import column_permutation as column_permutation
 from recsys_core.kernels.packed import select_columns as select_columns
 from recsys_core.kernels.tbe import checked_lookup
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recsys_core.plan.params import CacheParams
 from recsys_core.sparse import KeyedJaggedTensor
+
+# Rows per block when filling a table kept in a backing file (bounds the resident memory).
+INIT_BLOCK_ROWS = 65536
+# Cache share of a FUSED_UVM_CACHING shard whose plan gives no load factor (TorchRec's default).
+DEFAULT_LOAD_FACTOR = 0.2
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,12 @@ class KernelContext:
     """Whole tables of the unsharded module to copy shards from (None: a meta module)."""
     table_init: TableInitializer | None
     """Plan-independent initializer; wins over ``source`` and the configs' own init."""
+    caches: Mapping[str, CacheParams] = field(default_factory=dict)
+    """Tables planned as FUSED_UVM_CACHING: held in a slower tier (a file under
+    ``offload_dir`` on CPU, host memory on CUDA) behind a cache of ``load_factor`` of each
+    shard's rows."""
+    offload_dir: str | None = None
+    """Directory of the backing files of cached tables on CPU (None: the temporary directory)."""
 
 
 @dataclass(frozen=True)
@@ -150,17 +163,30 @@ class LocalKernels(nn.Module):
                 if s.shard not in shards:
                     shards.append(s.shard)
             spec = PackedKernelSpec(
-                tables=tuple(PackedTable(name=sh.table, rows=sh.rows, dim=sh.cols) for sh in shards),
+                tables=tuple(
+                    PackedTable(name=sh.table, rows=sh.rows, dim=sh.cols,
+                                cache=_table_cache(sh, ctx.caches.get(sh.table)))
+                    for sh in shards
+                ),
                 feature_table_map=tuple(shards.index(s.shard) for s in group),
                 pooling_mean=pooling is PoolingType.MEAN,
                 weighted=ctx.is_weighted,
                 optimizer=ctx.optimizer,
                 backend=backend or ctx.backend,
+                offload_dir=ctx.offload_dir,
             )
             kernel = spec.build(ctx.device)
             if ctx.device.type != "meta":
+                cached = isinstance(kernel, CachedTableBatchedEmbedding)
                 for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
-                    _init_shard(view[: sh.rows], sh, ctx, configs[sh.table])
+                    # A table in a backing file is filled in blocks of rows, each dropped from
+                    # resident memory once written: it may be larger than the memory.
+                    step = INIT_BLOCK_ROWS if cached else max(sh.rows, 1)
+                    for lo in range(0, sh.rows, step):
+                        hi = min(sh.rows, lo + step)
+                        _init_shard(view[lo:hi], sh, ctx, configs[sh.table], lo)
+                        if cached:
+                            kernel.release_memory()
             self.kernels.append(kernel)
             self.kernel_slots.append(group)
             self.kernel_shards.append(shards)
@@ -188,8 +214,37 @@ class LocalKernels(nn.Module):
             ))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
+    def cached_kernels(self) -> list[CachedTableBatchedEmbedding]:
+        return [k for k in self.kernels if isinstance(k, CachedTableBatchedEmbedding)]
+
+    def prefetch(self, kjt: KeyedJaggedTensor) -> None:
+        """Bring the rows of a future lookup of ``kjt`` into the caches of cached tables."""
+        kernels = self.cached_kernels()
+        if not kernels or not self.slots:
+            return
+        parts = kjt.split([len(g) for g in self.kernel_slots]) if len(self.kernels) > 1 else [kjt]
+        for kernel, part in zip(self.kernels, parts, strict=True):
+            if isinstance(kernel, CachedTableBatchedEmbedding):
+                kernel.prefetch(part.values(), part.offsets())
+
+    def drop_prefetched(self) -> None:
+        for kernel in self.cached_kernels():
+            kernel.drop_prefetched()
+
+    def flush_caches(self) -> None:
+        """Write trained cached rows back: the views :meth:`local_shards` gives are current."""
+        for kernel in self.cached_kernels():
+            kernel.flush()
+
+    def invalidate_caches(self) -> None:
+        """Reread cached tables from their backing store (after it was written from outside)."""
+        for kernel in self.cached_kernels():
+            kernel.invalidate()
+
     def local_shards(self) -> list[tuple[ShardSpec, torch.Tensor, dict[str, torch.Tensor]]]:
-        """``(shard, weight view, optimizer state views)`` for every shard held here."""
+        """``(shard, weight view, optimizer state views)`` for every shard held here (cached
+        tables flushed first, so the views are current)."""
+        self.flush_caches()
         out = []
         for kernel, shards in zip(self.kernels, self.kernel_shards, strict=True):
             weights = kernel.split_embedding_weights()
@@ -201,18 +256,29 @@ class LocalKernels(nn.Module):
         return out
 
 
+def _table_cache(shard: ShardSpec, params: CacheParams | None) -> TableCache | None:
+    if params is None:
+        return None
+    load_factor = DEFAULT_LOAD_FACTOR if params.load_factor is None else params.load_factor
+    return TableCache(slots=cache_slots(max(shard.rows, 1), load_factor),
+                      algorithm=params.algorithm.value)
+
+
 def _init_shard(
-    view: torch.Tensor, shard: ShardSpec, ctx: KernelContext, config: BaseEmbeddingConfig
+    view: torch.Tensor, shard: ShardSpec, ctx: KernelContext, config: BaseEmbeddingConfig,
+    first_row: int = 0,
 ) -> None:
+    """Fill ``view``: rows ``first_row:`` of the shard (the whole shard by default)."""
+    row = shard.row_offset + first_row
     with torch.no_grad():
         if ctx.table_init is not None:
             ctx.table_init.fill(view, TableRegion(
                 table=shard.table, num_rows=config.num_embeddings, dim=config.embedding_dim,
-                row_offset=shard.row_offset, col_offset=shard.col_offset,
+                row_offset=row, col_offset=shard.col_offset,
             ))
         elif ctx.source is not None and shard.table in ctx.source:
             full = ctx.source[shard.table]
-            view.copy_(full[shard.row_offset : shard.row_offset + shard.rows,
+            view.copy_(full[row : row + view.shape[0],
                             shard.col_offset : shard.col_offset + shard.cols])
         else:
             config.init_weight_(view)
@@ -245,15 +311,28 @@ def require_process_group(env: ShardingEnv, module: str) -> None:
 
 
 def check_kernel_placement(plan: Mapping[str, ParameterSharding], device: torch.device) -> None:
-    """On CPU every fused kernel keeps its table in host memory, so FUSED_UVM(_CACHING) equal
-    FUSED. On CUDA they mean managed memory, which these kernels do not place yet: refuse rather
-    than silently put the table in device memory."""
-    uvm = (EmbeddingComputeKernel.FUSED_UVM, EmbeddingComputeKernel.FUSED_UVM_CACHING)
-    if device.type != "cuda":
-        return
+    """FUSED_UVM_CACHING tables run the cached kernel (a cache over a backing file on CPU, over
+    host memory on CUDA), except data-parallel ones (replicas are updated densely). On CPU a
+    FUSED_UVM table is a FUSED one (host memory is where CPU tables live); on CUDA UVM without a
+    cache is not placed by these kernels: refuse rather than put the table in device memory."""
     for name, ps in plan.items():
-        if ps.compute_kernel in uvm:
+        caching = ps.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
+        if caching and ps.sharding_type is ShardingType.DATA_PARALLEL:
             raise ValueError(
-                f"table {name!r}: compute kernel {ps.compute_kernel} (UVM) is not available for "
-                "sharded CUDA tables yet; use EmbeddingComputeKernel.FUSED"
+                f"table {name!r}: a data-parallel table cannot be cached (fused_uvm_caching); "
+                "shard it table-wise or row-wise, or use EmbeddingComputeKernel.FUSED"
             )
+        if device.type == "cuda" and ps.compute_kernel is EmbeddingComputeKernel.FUSED_UVM:
+            raise ValueError(
+                f"table {name!r}: compute kernel {ps.compute_kernel} (UVM without a cache) is "
+                "not available for sharded CUDA tables; use fused_uvm_caching or fused"
+            )
+
+
+def planned_caches(plan: Mapping[str, ParameterSharding]) -> dict[str, CacheParams]:
+    """The cache settings of the tables ``plan`` puts in FUSED_UVM_CACHING."""
+    return {
+        name: ps.cache_params or CacheParams()
+        for name, ps in plan.items()
+        if ps.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
+    }
