@@ -90,6 +90,10 @@ class _FileTensor:
         finally:
             os.close(fd)
             os.unlink(path)
+        # Rows are read one by one at random: no read-ahead, and (on Linux) no mapping of the
+        # neighbouring cached pages on each fault, which would pull far more than the rows
+        # asked for into this process's resident memory.
+        self._map.madvise(mmap.MADV_RANDOM)
         flat = torch.frombuffer(self._map, dtype=torch.float32, count=rows * width)
         self.tensor = flat.view(rows, width)
 
@@ -185,9 +189,8 @@ class CachedTableBatchedEmbedding(nn.Module):
 
     ``inner_factory(rows)`` builds the fast-tier kernel for the given per-table row counts (the
     caller's FBGEMM-or-torch choice); ``offload_dir`` is where backing files go on CPU (None:
-    the system's temporary directory). Rows moved to or from the backing files stay mapped in
-    this process until about ``max_mapped_bytes`` have been moved, then all are dropped from
-    its resident memory at once (dropping costs about 1 us per written page, less in bulk).
+    the system's temporary directory). Rows move to and from the backing files in blocks of
+    ``move_block_rows`` (see ``_move``).
     """
 
     def __init__(
@@ -201,7 +204,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         device: torch.device,
         inner_factory,
         offload_dir: str | None = None,
-        max_mapped_bytes: int = 64 * 1024**2,
+        move_block_rows: int = 1024,
     ) -> None:
         super().__init__()
         if len(caches) != len(rows):
@@ -232,8 +235,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         self._pending: deque[_Batch] = deque()  # resident and locked, forward not yet run
         self._in_flight: list[_Batch] = []  # forward run, backward not yet
         self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-cache")
-        self._max_mapped = int(max_mapped_bytes)
-        self._mapped = 0  # bytes moved since the backing files were last dropped from memory
+        self.move_block_rows = int(move_block_rows)
         self.stats = CacheStats()
 
     # ---- the uncached kernel's interface -------------------------------------------------------
@@ -301,7 +303,6 @@ class CachedTableBatchedEmbedding(nn.Module):
         """Drop the backing files' pages from this process's resident memory."""
         for ts in self._tables.values():
             ts.store.release()
-        self._mapped = 0
 
     def occupancy(self) -> float:
         """Share of the cache slots holding a row (all cached tables together)."""
@@ -484,24 +485,30 @@ class CachedTableBatchedEmbedding(nn.Module):
 
     @torch.no_grad()
     def _move(self, moves) -> None:
+        """Write evicted trained rows back, then load the missing rows, in blocks of
+        ``move_block_rows`` rows; each block's pages of the backing files are dropped from this
+        process's memory once copied (a fault maps the neighbouring cached pages of the file
+        too, so without this a few thousand rows would map hundreds of MB)."""
         weights = self.inner.split_embedding_weights()
         states = self.inner.split_optimizer_states()
+        step = self.move_block_rows
         for ts, t, write_slots, write_rows, load_slots, load_rows in moves:
-            if write_slots.numel():
-                self._write_back(ts, weights[t], states[t], write_slots, write_rows)
+            for lo in range(0, write_slots.numel(), step):
+                self._write_back(ts, weights[t], states[t], write_slots[lo : lo + step],
+                                 write_rows[lo : lo + step])
+                ts.store.release()
             store = ts.store
             dev = weights[t].device
-            # Through ``.data``: the slots written belong to no batch in flight, and the in-flight
-            # batch's autograd (FBGEMM saves the weights for its backward) must not see the
-            # whole tensor as modified.
-            weights[t].data[load_slots.to(dev)] = store.weight[load_rows].to(dev, non_blocking=True)
-            for name, cached in states[t].items():
-                cached.data[load_slots.to(dev)] = store.states[name][load_rows].to(
-                    dev, non_blocking=True
-                )
-            self._mapped += (write_rows.numel() + load_rows.numel()) * ts.row_bytes
-        if self._mapped > self._max_mapped:
-            self.release_memory()
+            for lo in range(0, load_slots.numel(), step):
+                slots = load_slots[lo : lo + step].to(dev)
+                rows = load_rows[lo : lo + step]
+                # Through ``.data``: these slots belong to no batch in flight, and the in-flight
+                # batch's autograd (FBGEMM saves the weights for its backward) must not see the
+                # whole tensor as modified.
+                weights[t].data[slots] = store.weight[rows].to(dev, non_blocking=True)
+                for name, cached in states[t].items():
+                    cached.data[slots] = store.states[name][rows].to(dev, non_blocking=True)
+                store.release()
 
     @staticmethod
     def _write_back(
