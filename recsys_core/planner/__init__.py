@@ -12,13 +12,14 @@ from recsys_core.planner.machine import (
     MemoryReading,
     detect_topology,
     device_memory,
+    disk_space,
     host_memory,
     smallest_over_ranks,
 )
 from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
 from recsys_core.planner.sharding_option import EmbeddingEnumerator, ShardingOption
-from recsys_core.planner.stats import PlanStats, RankStats
-from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage
+from recsys_core.planner.stats import CachedTableStats, PlanStats, RankStats
+from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage, Tier
 from recsys_core.planner.storage_reservations import (
     HeuristicalStorageReservation,
     StorageReservation,
@@ -39,6 +40,7 @@ __all__ = [
     "Storage",
     "CacheAlgorithm",
     "CacheParams",
+    "CachedTableStats",
     "EmbeddingShardingPlanner",
     "MemoryReading",
     "MemoryShortfall",
@@ -47,9 +49,11 @@ __all__ = [
     "PlannerError",
     "RankStats",
     "TableMemory",
+    "Tier",
     "Topology",
     "detect_topology",
     "device_memory",
+    "disk_space",
     "host_memory",
     "plan_for_env",
     "smallest_over_ranks",

@@ -45,7 +45,8 @@ class ParameterConstraints:
     sharding_types: list[ShardingType | str] | None = None
     """Allowed sharding types (None: every type the sharder supports)."""
     compute_kernels: list[EmbeddingComputeKernel | str] | None = None
-    """Allowed kernels (None: FUSED on CPU; FUSED, FUSED_UVM_CACHING, FUSED_UVM on CUDA)."""
+    """Allowed kernels (None: FUSED on CPU, plus FUSED_UVM_CACHING when the topology has an
+    ssd_cap; FUSED, FUSED_UVM_CACHING, FUSED_UVM on CUDA)."""
     min_partition: int | None = None
     """Narrowest column-wise shard, in columns (None: the planner's default, 32)."""
     pooling_factors: list[float] = field(default_factory=lambda: [1.0])
@@ -57,7 +58,8 @@ class ParameterConstraints:
     is_weighted: bool = False
     """Ids carry weights (adds 4 bytes per id to the input all-to-all)."""
     cache_params: CacheParams | None = None
-    """UVM cache settings, carried into the plan; its load_factor, if set, is used exactly."""
+    """Cache settings of a FUSED_UVM_CACHING table, carried into the plan; its load_factor, if
+    set, is used exactly."""
     enforce_hbm: bool | None = None
     """True: keep this table in HBM (FUSED only, never UVM) on a CUDA topology; carried into
     the plan."""

@@ -18,8 +18,15 @@ whose state or update spans a whole row (row-wise Adagrad, partial row-wise Adam
 column block would compute it over its own columns only, so training would differ from the
 unsharded module. Constraints that name a type bring it back.
 
-Kernels: FUSED on a CPU topology (UVM is CUDA's managed memory: asking for it on CPU is an
-error); FUSED, FUSED_UVM_CACHING and FUSED_UVM on CUDA (``enforce_hbm`` keeps FUSED only).
+Kernels, in order of preference (:func:`planner_kernels`):
+
+- CUDA: FUSED (HBM), FUSED_UVM_CACHING (an HBM cache over host memory), FUSED_UVM (host memory).
+- CPU with disk (``Topology.ssd_cap > 0``): FUSED (RAM), FUSED_UVM_CACHING (a RAM cache over
+  files on local disk). No FUSED_UVM: with the table on disk and no cache, every lookup would
+  read the disk.
+- CPU without disk: FUSED only.
+
+``enforce_hbm`` keeps FUSED only; data-parallel replicas are never cached (FUSED only).
 """
 
 from __future__ import annotations
@@ -52,11 +59,17 @@ SHARDING_TYPE_ORDER = (
 # blocks then train exactly like the whole table.
 COLUMN_SPLIT_EXACT = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.ADAM})
 UVM_KERNELS = (EmbeddingComputeKernel.FUSED_UVM_CACHING, EmbeddingComputeKernel.FUSED_UVM)
-# In order of preference: HBM, then an HBM cache over host memory, then host memory only.
-PLANNER_KERNELS = {
-    "cpu": (EmbeddingComputeKernel.FUSED,),
-    "cuda": (EmbeddingComputeKernel.FUSED, *UVM_KERNELS),
-}
+TRAINING_KERNELS = (EmbeddingComputeKernel.FUSED, *UVM_KERNELS)
+
+
+def planner_kernels(topology: Topology) -> tuple[EmbeddingComputeKernel, ...]:
+    """The kernels the planner may choose on ``topology``, in order of preference (fastest
+    memory first; see the module docstring)."""
+    if topology.is_cuda:
+        return TRAINING_KERNELS
+    if topology.ssd_per_rank > 0:
+        return (EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.FUSED_UVM_CACHING)
+    return (EmbeddingComputeKernel.FUSED,)
 
 
 def enumerate_options(
@@ -65,8 +78,13 @@ def enumerate_options(
     """Every candidate of ``table`` with its per-shard estimates, in preference order
     (``with_perf``: also its cost by phase, ``Candidate.perf``)."""
     options = []
+    refused: dict[ShardingType, list[str]] = {}  # types whose sharder runs none of the kernels
     for sharding_type in allowed_sharding_types(table, sharder, topology):
         kernels = allowed_kernels(table, sharding_type, sharder, topology)
+        if not kernels:
+            refused[sharding_type] = sharder.compute_kernels(
+                sharding_type.value, topology.compute_device
+            )
         for placement, rows, cols in _geometries(table, sharding_type, topology):
             for kernel in kernels:
                 options.append(
@@ -74,6 +92,17 @@ def enumerate_options(
                         table, sharding_type, kernel, placement, rows, cols, topology, with_perf
                     )
                 )
+    requested = table.constraints.compute_kernels
+    if not options and requested is not None and refused:
+        runs = "; ".join(f"{t.value}: {sorted(k)}" for t, k in refused.items())
+        hbm = " with enforce_hbm (fused only)" if table.constraints.enforce_hbm else ""
+        raise PlannerError(
+            f"table {table.name!r}: constraints allow compute kernels "
+            f"{[k.value for k in requested]}{hbm}, but no allowed sharding type runs one: "
+            f"{type(sharder).__name__} runs only ({runs}) on {topology.compute_device}, and "
+            "data-parallel replicas are never cached; allow one of those",
+            PlannerErrorType.STRICT_CONSTRAINTS
+        )
     if not options:
         raise PlannerError(
             f"table {table.name!r}: no layout satisfies its constraints and sharder on this "
@@ -117,42 +146,53 @@ def allowed_sharding_types(
 def allowed_kernels(
     table: TableSpec, sharding_type: ShardingType, sharder: Sharder, topology: Topology
 ) -> list[EmbeddingComputeKernel]:
+    """The kernels ``table`` may use split by ``sharding_type``, in order of preference: the
+    planner's (:func:`planner_kernels`) that its constraints allow and its sharder runs.
+
+    Raises PlannerError when the constraints ask for a kernel the topology cannot have."""
     device = topology.compute_device
     constraints = table.constraints
     requested = constraints.compute_kernels
     if requested is not None:
-        not_fused = [k.value for k in requested if k not in PLANNER_KERNELS["cuda"]]
-        if not_fused:
-            raise PlannerError(
-                f"table {table.name!r}: constraints ask for compute kernels {not_fused}; "
-                "training plans use fused kernels: fused, fused_uvm_caching or fused_uvm (CUDA)",
-                PlannerErrorType.STRICT_CONSTRAINTS
-            )
-        uvm = [k.value for k in requested if k in UVM_KERNELS]
-        if uvm and device == "cpu":
-            raise PlannerError(
-                f"table {table.name!r}: constraints ask for compute kernels {uvm} on a CPU "
-                "topology; UVM and UVM caching are CUDA managed memory (a CPU table already "
-                "lives in host memory): use EmbeddingComputeKernel.FUSED, or plan for "
-                "Topology(compute_device='cuda')",
-                PlannerErrorType.STRICT_CONSTRAINTS
-            )
-    kernels = [k for k in PLANNER_KERNELS[device] if requested is None or k in requested]
-    if constraints.enforce_hbm:
+        _check_requested(table.name, requested, topology)
+    kernels = [k for k in planner_kernels(topology) if requested is None or k in requested]
+    if constraints.enforce_hbm or sharding_type is ShardingType.DATA_PARALLEL:
         kernels = [k for k in kernels if k is EmbeddingComputeKernel.FUSED]
     supported = {
         EmbeddingComputeKernel(k) for k in sharder.compute_kernels(sharding_type.value, device)
     }
-    allowed = [k for k in kernels if k in supported]
-    if not allowed and requested is not None:
+    return [k for k in kernels if k in supported]
+
+
+def _check_requested(
+    name: str, requested: list[EmbeddingComputeKernel], topology: Topology
+) -> None:
+    not_fused = [k.value for k in requested if k not in TRAINING_KERNELS]
+    if not_fused:
         raise PlannerError(
-            f"table {table.name!r}: constraints allow compute kernels "
-            f"{[k.value for k in kernels]} for {sharding_type.value}, but "
-            f"{type(sharder).__name__} runs only {sorted(k.value for k in supported)} on "
-            f"{device}; allow one of those",
+            f"table {name!r}: constraints ask for compute kernels {not_fused}; training plans "
+            "use fused kernels: fused, fused_uvm_caching, or fused_uvm (CUDA only)",
             PlannerErrorType.STRICT_CONSTRAINTS
         )
-    return allowed
+    if topology.is_cuda:
+        return
+    if EmbeddingComputeKernel.FUSED_UVM in requested:
+        raise PlannerError(
+            f"table {name!r}: constraints ask for compute kernel fused_uvm on a CPU topology; "
+            "on CPU a table too large for memory lives on local disk, and without a cache every "
+            "lookup would read the disk: use fused_uvm_caching (a cache in RAM over files on "
+            "disk; give the Topology an ssd_cap) or EmbeddingComputeKernel.FUSED",
+            PlannerErrorType.STRICT_CONSTRAINTS
+        )
+    if EmbeddingComputeKernel.FUSED_UVM_CACHING in requested and topology.ssd_per_rank == 0:
+        raise PlannerError(
+            f"table {name!r}: constraints ask for compute kernel fused_uvm_caching on a CPU "
+            "topology without disk (ssd_cap 0); on CPU the cached kernel keeps the table in "
+            "files on local disk behind a cache in RAM: give the Topology an ssd_cap (bytes of "
+            "disk per rank) or use detect_topology(offload_dir=...), or use "
+            "EmbeddingComputeKernel.FUSED",
+            PlannerErrorType.STRICT_CONSTRAINTS
+        )
 
 
 def column_counts(dim: int, min_partition: int, max_shards: int) -> list[int]:

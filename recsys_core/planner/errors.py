@@ -85,7 +85,8 @@ class MemoryShortfall:
     """What does not fit, how much it needs, how much each rank has and where that figure came
     from: the error message without its remedies."""
     memory: str
-    """The memory that ran out: "host memory", "HBM" or "memory (HBM + host)"."""
+    """The memory that ran out: "host memory", "HBM" or "memory (HBM + host)"; on a CPU
+    topology with disk (``ssd_cap``) also "disk" or "memory (host + disk)"."""
     needed_bytes: float
     """The least all tables need of that memory together (most compact allowed layouts)."""
     usable_bytes: float

@@ -9,11 +9,20 @@ storage (bytes)
                      EXACT_ROWWISE_ADAGRAD, 4 * cols for EXACT_ADAGRAD, 8 * cols for ADAM)
     buffers          received ids (+ weights) and lengths, pooled outputs and their gradients
                      (data-parallel: plus a dense gradient of the table)
-    cache            FUSED_UVM_CACHING: load_factor * rows cache slots in HBM; weights and
-                     optimizer state stay in host memory (UVM)
 
     CUDA FUSED keeps everything in HBM; FUSED_UVM keeps weights and state in host memory; on a
-    CPU topology everything is host memory (DDR).
+    CPU topology FUSED keeps everything in host memory (DDR).
+
+    FUSED_UVM_CACHING keeps every row of a shard in a slow tier and ``slots = cache_slots(rows,
+    lf) = ceil(lf * rows)`` rows (at least 1, at most rows) in a cache in a fast tier:
+
+    CUDA (FBGEMM's UVM cache)  HBM   buffers + slots * (cols * bytes(cache precision)
+                                     + CACHE_SLOT_OVERHEAD_BYTES)
+                               DDR   weights + optimizer state (UVM)
+    CPU (the cached kernel)    DDR   buffers + rows * CPU_CACHE_ROW_BOOKKEEPING_BYTES
+                                     + slots * (cols * bytes(cache precision) + state bytes
+                                     per row + CPU_CACHE_SLOT_BOOKKEEPING_BYTES)
+                               disk  weights + optimizer state (memory-mapped backing files)
 
 cost (ms)
     lookup     (row reads + output writes) / memory bandwidth; backward =
@@ -27,8 +36,12 @@ cost (ms)
                dense optimizer update instead (an upper bound: hence DP only for small tables)
     + SHARD_OVERHEAD_MS per shard
 
-    Caching: a hit reads HBM, a miss host memory; the expected hit rate is the load factor (as if
-    ids were uniform: real traffic is skewed, so this over-estimates misses).
+    Caching: the expected hit rate is the load factor (as if ids were uniform: real traffic is
+    skewed, so this over-estimates misses). CUDA: a hit reads HBM, a miss host memory (the
+    lookup and optimizer traffic above, at DDR instead of HBM bandwidth). CPU: every lookup reads
+    the cache in DDR; each distinct row that misses is first read from disk (weights and
+    optimizer state, ``row_bytes``) and, trained, written back when evicted: ``2 * misses *
+    row_bytes / ssd_mem_bw`` (the copies' DDR side, ~50x faster, is left out).
 
 Bandwidths are the topology's, "per rank", in bytes per ms (TorchRec's unit). Sources ids are spread evenly over ranks: a share
 ``(local - 1) / world`` arrives over the intra-host link, ``(world - local) / world`` over the
@@ -42,6 +55,7 @@ import numpy as np
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, DataType
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
+from recsys_core.planner.storage import Tier
 from recsys_core.planner.topology import DEFAULT_BWD_COMPUTE_MULTIPLIER, GIB, Topology
 from recsys_core.planner.types import Candidate, Placement, TableSpec
 
@@ -66,9 +80,16 @@ NS_PER_UPDATED_ROW = {"cuda": 0.0, "cpu": 500.0}
 # (measured ~5 us per extra table on the development VM; a CUDA launch pair is similar).
 SHARD_OVERHEAD_MS = 0.005
 CACHE_SLOT_OVERHEAD_BYTES = 16  # FBGEMM cache: int64 slot -> row index + int64 LRU/LFU state
+# The CPU cached kernel (recsys_core/kernels/cached_tbe.py): per slot an int64 row id, an int64
+# last-use tick, an int32 lock count and a dirty flag (24 bytes rounded); per row of the shard,
+# cached or not, an int32 row -> slot map and an int32 LFU count.
+CPU_CACHE_SLOT_BOOKKEEPING_BYTES = 24
+CPU_CACHE_ROW_BOOKKEEPING_BYTES = 8
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default cache_load_factor
-MIN_CACHE_LOAD_FACTOR = 0.01  # below this a cache barely hits: plain FUSED_UVM instead
+MIN_CACHE_LOAD_FACTOR = 0.01  # below this a cache barely hits: FUSED_UVM (CUDA) instead
 MAX_CACHE_LOAD_FACTOR = 1.0
+# Load factors the partitioner picks have at most this many decimals (the plan stores 6).
+LOAD_FACTOR_DECIMALS = 6
 # Data-parallel replicates a table on every rank and all-reduces its gradient each step; the
 # planner proposes it (unless constraints ask for it) only for tables at most this large.
 DATA_PARALLEL_MAX_BYTES = 1024**2
@@ -138,7 +159,7 @@ def estimate_option(
     table_bw = {
         EmbeddingComputeKernel.FUSED: compute_bw,
         EmbeddingComputeKernel.FUSED_UVM: topology.ddr_mem_bw,
-        EmbeddingComputeKernel.FUSED_UVM_CACHING: topology.hbm_mem_bw,  # all hits; misses below
+        EmbeddingComputeKernel.FUSED_UVM_CACHING: topology.tier_bw(topology.cache_tier),  # hits
     }[kernel]
     row_ms = NS_PER_UPDATED_ROW[topology.compute_device] * 1e-6
     compute_ms = updated * row_ms + table_bytes / table_bw + local_bytes / compute_bw
@@ -168,24 +189,41 @@ def estimate_option(
         fwd_comms = np.zeros_like(rows) if dp else in_ms + out_ms
         perf = np.stack([fwd_compute, fwd_comms, bwd_compute, comm_ms - fwd_comms])
     zeros = np.zeros_like(rows)
-    if not topology.is_cuda:
-        hbm, ddr = zeros, stored + buffers
+    caching = kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
+    # Cache slots (caching) come on top of the fast tier, at the load factor the plan chooses.
+    hbm, ddr, ssd = zeros, zeros, zeros
+    if not topology.is_cuda:  # FUSED_UVM is never proposed on CPU
+        if caching:  # a cache in RAM over backing files on disk
+            ddr, ssd = buffers + rows * CPU_CACHE_ROW_BOOKKEEPING_BYTES, stored
+        else:
+            ddr = stored + buffers
     elif kernel is EmbeddingComputeKernel.FUSED:
-        hbm, ddr = stored + buffers, zeros
-    else:
+        hbm = stored + buffers
+    else:  # UVM, or an HBM cache over UVM
         hbm, ddr = buffers, stored
-    cache_hbm, miss_cost, miss_fwd, load_factor = zeros, zeros, zeros, None
-    if kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
+    slot_bytes, miss_rows, row_bytes, miss_cost, miss_fwd = zeros, zeros, zeros, zeros, zeros
+    load_factor = None
+    if caching:
         params = table.constraints.cache_params
         precision = config.data_type if params is None or params.precision is None else params.precision
         cache_elem = DATA_TYPE_BITS[precision] / 8
-        cache_hbm = rows * (cols * cache_elem + CACHE_SLOT_OVERHEAD_BYTES)
-        miss_cost = table_bytes * (1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw)
-        miss_fwd = fwd_table * (1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw)
+        miss_rows = unique
+        if topology.is_cuda:  # FBGEMM's cache holds weights; the state stays in host memory
+            slot_bytes = cols * cache_elem + CACHE_SLOT_OVERHEAD_BYTES
+            row_bytes = cols * cache_elem
+            slower = 1 / topology.ddr_mem_bw - 1 / topology.hbm_mem_bw
+            miss_cost, miss_fwd = table_bytes * slower, fwd_table * slower
+        else:  # a slot holds a row's weights and state; a miss reads them, eviction writes back
+            slot_bytes = cols * cache_elem + state_row + CPU_CACHE_SLOT_BOOKKEEPING_BYTES
+            row_bytes = cols * elem + state_row
+            miss_fwd = unique * row_bytes / topology.tier_bw(Tier.SSD)
+            miss_cost = 2 * miss_fwd
         if params is not None:
             load_factor = params.load_factor
-            if params.reserved_memory:
+            if params.reserved_memory and topology.is_cuda:
                 hbm = hbm + params.reserved_memory * GIB
+            elif params.reserved_memory:
+                ddr = ddr + params.reserved_memory * GIB
     return Candidate(
         table=table,
         sharding_type=sharding_type,
@@ -195,19 +233,35 @@ def estimate_option(
         shard_cols=np.asarray(shard_cols, dtype=np.int64),
         hbm=hbm,
         ddr=ddr,
+        ssd=ssd,
         cost=cost,
         perf=perf,
-        cache_hbm=cache_hbm,
+        cache_tier=topology.cache_tier,
+        backing_tier=topology.backing_tier,
+        slot_bytes=slot_bytes,
+        miss_rows=miss_rows,
+        row_bytes=row_bytes,
         miss_cost=miss_cost,
         miss_fwd=miss_fwd,
         load_factor=load_factor,
     )
 
 
+def fitting_load_factor(room: np.ndarray, rows: np.ndarray, slot_bytes: np.ndarray) -> np.ndarray:
+    """The largest load factor whose cache fits in ``room`` bytes, per shard (broadcast): rounded
+    down to LOAD_FACTOR_DECIMALS and leaving one slot to spare, so that the kernel's
+    ``ceil(lf * rows)`` slots fit whatever the float rounding; inf for an empty shard, < 0 where
+    not even one slot fits."""
+    rows = np.asarray(rows, dtype=np.float64)
+    scale = 10.0**LOAD_FACTOR_DECIMALS
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spare = np.floor(room / slot_bytes) - 1.0
+        lf = np.floor(spare / rows * scale) / scale
+    return np.where(rows > 0, lf, np.inf)
+
+
 def storage_bytes(option: Candidate, load_factor: float | None = None) -> float:
-    """Total bytes (HBM + host) of all shards of ``option`` (cache at ``load_factor``)."""
-    total = float(option.hbm.sum() + option.ddr.sum())
-    if option.is_caching:
-        lf = load_factor if load_factor is not None else (option.load_factor or MIN_CACHE_LOAD_FACTOR)
-        total += lf * float(option.cache_hbm.sum())
-    return total
+    """Total bytes (every tier) of all shards of ``option`` (cache at ``load_factor``; None: the
+    constraints' load factor, else the smallest the planner gives)."""
+    lf = load_factor if load_factor is not None else (option.load_factor or MIN_CACHE_LOAD_FACTOR)
+    return float(option.memory(lf).sum())

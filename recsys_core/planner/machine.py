@@ -9,8 +9,10 @@ read what is free now:
                       memory.usage_in_bytes``, reclaimable page cache not counted as used);
                       os.sysconf's physical memory where /proc/meminfo is missing
     device_memory()   free memory of a CUDA device (torch.cuda.mem_get_info)
+    disk_space()      free space of the filesystem holding a directory (shutil.disk_usage)
     detect_topology() a Topology with those as ``ddr_cap`` and ``hbm_cap`` (per rank: a host's
-                      memory is split evenly over its ranks)
+                      memory is split evenly over its ranks), and on CPU, given an
+                      ``offload_dir``, its free disk as ``ssd_cap`` (split the same way)
     smallest_over_ranks()  every rank reads its own machine; plan for the smallest reading
 
 The file locations are parameters so tests (and unusual systems) can point them elsewhere.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +98,23 @@ def device_memory(device: torch.device | str | int | None = None) -> MemoryReadi
     )
 
 
+def disk_space(directory: str | os.PathLike[str]) -> MemoryReading:
+    """Free bytes of the filesystem holding ``directory`` now (``shutil.disk_usage``: what an
+    unprivileged process may still write there)."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(
+            f"disk_space: {str(path)!r} is not an existing directory; create the directory for "
+            "the offloaded tables' files first (on a local disk), or pass one that exists"
+        )
+    usage = shutil.disk_usage(path)
+    return MemoryReading(
+        available=int(usage.free),
+        source=f"{_gib(usage.free)} free of {_gib(usage.total)} on the filesystem of {path} "
+               "(shutil.disk_usage)",
+    )
+
+
 def detect_topology(
     world_size: int,
     compute_device: str | None = None,
@@ -104,6 +124,7 @@ def detect_topology(
     device: torch.device | str | int | None = None,
     host: MemoryReading | None = None,
     hbm: MemoryReading | None = None,
+    offload_dir: str | os.PathLike[str] | None = None,
 ) -> Topology:
     """A Topology whose memory is this machine's, as free now (bandwidths: Topology's defaults).
 
@@ -123,6 +144,10 @@ def detect_topology(
         device: the CUDA device to read (default: the current one).
         host: a reading to use instead of :func:`host_memory` (e.g. from other files).
         hbm: a reading to use instead of :func:`device_memory`.
+        offload_dir: CPU only: the directory (on a local disk) that will hold the files of
+            tables too large for memory; its filesystem's free space (:func:`disk_space`),
+            split evenly over the host's ranks, is ``ssd_cap``. None: no disk tier
+            (``ssd_cap`` 0), every table must fit in memory.
     """
     shape = Topology.default(world_size, compute_device)
     if local_world_size is not None:
@@ -139,6 +164,12 @@ def detect_topology(
     override = None if memory_per_rank is None else (
         f"memory_per_rank {_gib(memory_per_rank)} given explicitly (not read from the machine)"
     )
+    if offload_dir is not None and shape.is_cuda:
+        raise ValueError(
+            f"detect_topology: offload_dir {str(offload_dir)!r} on CUDA; the disk tier is for CPU "
+            "ranks (on CUDA, cached tables live in host memory, ddr_cap): leave offload_dir None "
+            "or plan for compute_device='cpu'"
+        )
     if not shape.is_cuda:
         if memory_per_rank is not None:
             ddr_cap, source = memory_per_rank, str(override)
@@ -147,7 +178,14 @@ def detect_topology(
             ddr_cap, source = reading.available // local, f"{_HOST_READ}{reading.source}"
             if local > 1:
                 source += f", shared by {local} ranks on the host"
-        return dataclasses.replace(shape, ddr_cap=ddr_cap, memory_source=source)
+        ssd_cap = 0
+        if offload_dir is not None:
+            disk = disk_space(offload_dir)
+            ssd_cap = disk.available // local
+            source += f"; disk for offloaded tables: {disk.source}"
+            if local > 1:
+                source += f", shared by {local} ranks on the host"
+        return dataclasses.replace(shape, ddr_cap=ddr_cap, ssd_cap=ssd_cap, memory_source=source)
     host_reading = host or host_memory()
     if memory_per_rank is not None:
         hbm_cap, hbm_source = memory_per_rank, override
@@ -171,21 +209,25 @@ def smallest_over_ranks(topology: Topology, pg: dist.ProcessGroup | None = None)
     gathered: list[Topology | None] = [None] * world
     dist.all_gather_object(gathered, topology, group=pg)
     readings = [t for t in gathered if t is not None]
-    if len({(t.hbm_cap, t.ddr_cap) for t in readings}) == 1:  # e.g. the same explicit budget
+    if len({(t.hbm_cap, t.ddr_cap, t.ssd_cap) for t in readings}) == 1:  # e.g. explicit budgets
         first = readings[0]
         return dataclasses.replace(topology, hbm_cap=first.hbm_cap, ddr_cap=first.ddr_cap,
-                                   memory_source=first.memory_source)
+                                   ssd_cap=first.ssd_cap, memory_source=first.memory_source)
     if topology.is_cuda:
         rank = min(range(world), key=lambda r: readings[r].hbm_per_rank)
     else:
         rank = min(range(world), key=lambda r: readings[r].ddr_per_rank)
     ddr_rank = min(range(world), key=lambda r: readings[r].ddr_per_rank)
     chosen, least_ddr = readings[rank], readings[ddr_rank]
+    ssd_rank = min(range(world), key=lambda r: readings[r].ssd_per_rank)
+    least_ssd = readings[ssd_rank]
     source = f"the smallest of {world} ranks' readings, rank {rank}'s: {chosen.memory_source}"
     if least_ddr.ddr_cap < chosen.ddr_cap:
         source += f"; host memory {_gib(least_ddr.ddr_cap)} per rank as read on rank {ddr_rank}"
+    if least_ssd.ssd_per_rank < chosen.ssd_per_rank:
+        source += f"; disk {_gib(least_ssd.ssd_per_rank)} per rank as read on rank {ssd_rank}"
     return dataclasses.replace(topology, hbm_cap=chosen.hbm_cap, ddr_cap=least_ddr.ddr_cap,
-                               memory_source=source)
+                               ssd_cap=least_ssd.ssd_per_rank, memory_source=source)
 
 
 # ---- readers ------------------------------------------------------------------------------------

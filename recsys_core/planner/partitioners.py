@@ -6,14 +6,16 @@ every rank's memory.
    of the final mean)``, where the lower bound adds the cheapest cost of every table still to
    place. Early on, when the mean dominates, cheap layouts (table-wise) win; a table whose
    cost would stick out above the mean is split instead. Kernels go in tiers: FUSED wherever
-   any candidate fits in HBM, else FUSED_UVM_CACHING (cache sized to the free HBM), else
-   FUSED_UVM.
+   any candidate fits (in HBM on CUDA, in host memory on CPU), else FUSED_UVM_CACHING (its
+   cache sized to the free fast tier: HBM on CUDA, host memory on CPU; its rows in the slow
+   tier: host memory on CUDA, local disk on CPU), else FUSED_UVM (CUDA).
 2. Local search from the most loaded rank: re-choose the candidate (and placement) of each table
    on it, or swap one of its table-wise shards with a smaller one elsewhere; accept a move only
    if it lowers ``(max rank cost, sum of squared rank costs)``, so the plan kept is the best seen.
-3. Caches grow into the HBM left free (up to every row), largest miss cost first.
+3. Caches grow into the fast tier left free (up to every row), largest miss cost first.
 
-Placement is vectorised over ranks (and hosts) with numpy, so a table costs a few array passes
+Memory is tracked per tier (:class:`Tier`: HBM, host memory, local disk), as arrays whose first
+axis is the tier. Placement is vectorised over ranks (and hosts) with numpy, so a table costs a few array passes
 per candidate. Ties go to the lower rank, host and candidate index: plans are deterministic.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -30,13 +33,15 @@ from recsys_core.planner.estimators import (
     DEFAULT_CACHE_LOAD_FACTOR,
     MAX_CACHE_LOAD_FACTOR,
     MIN_CACHE_LOAD_FACTOR,
+    fitting_load_factor,
     storage_bytes,
 )
+from recsys_core.planner.storage import Tier
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import Candidate, Placement
+from recsys_core.planner.types import Candidate, Placement, cache_slots
 
 TableKey = tuple[str, str]  # (module path, table name)
-_TIERS = {
+KERNEL_TIERS = {  # the order in which kernels are tried: fastest memory first
     EmbeddingComputeKernel.FUSED: 0,
     EmbeddingComputeKernel.FUSED_UVM_CACHING: 1,
     EmbeddingComputeKernel.FUSED_UVM: 2,
@@ -58,7 +63,24 @@ class Assignment:
     hbm: np.ndarray
     """HBM bytes of each shard, cache included."""
     ddr: np.ndarray
-    """Host-memory bytes of each shard."""
+    """Host-memory bytes of each shard, cache included."""
+    ssd: np.ndarray
+    """Local-disk bytes of each shard."""
+
+    @classmethod
+    def of(cls, option: Candidate, ranks: np.ndarray, load_factor: float | None) -> Assignment:
+        """``option`` on ``ranks``, its cache (if caching) at ``load_factor``."""
+        mem = option.memory(load_factor)
+        cost = option.cost
+        if option.is_caching:
+            assert load_factor is not None
+            cost = option.cost + (1.0 - load_factor) * option.miss_cost
+        return cls(option, ranks, load_factor, cost, mem[Tier.HBM], mem[Tier.DDR], mem[Tier.SSD])
+
+    @cached_property
+    def memory(self) -> np.ndarray:
+        """Bytes of each shard per tier, shape [3, shards]."""
+        return np.array((self.hbm, self.ddr, self.ssd), dtype=np.float64)
 
     def host_index(self, local_size: int) -> int:
         return int(self.ranks[0]) // local_size
@@ -72,20 +94,19 @@ class Partition:
     rank_cost: np.ndarray
     rank_hbm: np.ndarray
     rank_ddr: np.ndarray
+    rank_ssd: np.ndarray
 
 
 class _State:
     """Per-rank load and free memory while tables are being placed, with two indexes for the
     local search: the tables on each rank, and the table-wise shards as arrays (for swaps)."""
 
-    def __init__(
-        self, topology: Topology, hbm_budget: float, ddr_budget: float, capacity: int
-    ) -> None:
+    def __init__(self, topology: Topology, budgets: np.ndarray, capacity: int) -> None:
         world = topology.world_size
         self.hosts, self.local = topology.num_hosts, topology.local_size
         self.cost = np.zeros(world)
-        self.hbm_free = np.full(world, float(hbm_budget))
-        self.ddr_free = np.full(world, float(ddr_budget))
+        self.free = np.repeat(np.asarray(budgets, dtype=np.float64)[:, None], world, axis=1)
+        """Free bytes per tier and rank, shape [3, world]."""
         self.assignments: dict[TableKey, Assignment] = {}
         self.on_rank: list[dict[TableKey, None]] = [{} for _ in range(world)]
         # one slot per swappable (single-shard, uncached) assignment; rank -1 marks a free slot
@@ -93,15 +114,15 @@ class _State:
         self.slot_key: list[TableKey | None] = [None] * capacity
         self.slot_rank = np.full(capacity, -1)
         self.slot_cost = np.zeros(capacity)
-        self.slot_hbm = np.zeros(capacity)
-        self.slot_ddr = np.zeros(capacity)
+        self.slot_mem = np.zeros((3, capacity))
         self._free_slots = list(range(capacity - 1, -1, -1))
 
     def add(self, key: TableKey, a: Assignment) -> None:
         self.assignments[key] = a
         np.add.at(self.cost, a.ranks, a.cost)
-        np.subtract.at(self.hbm_free, a.ranks, a.hbm)
-        np.subtract.at(self.ddr_free, a.ranks, a.ddr)
+        mem = a.memory
+        for tier in Tier:
+            np.subtract.at(self.free[tier], a.ranks, mem[tier])
         for rank in a.ranks.tolist():
             self.on_rank[rank][key] = None
         if a.option.placement is Placement.ANY_RANKS and len(a.ranks) == 1 and not a.option.is_caching:
@@ -109,13 +130,15 @@ class _State:
             self.slot_of[key] = slot
             self.slot_key[slot] = key
             self.slot_rank[slot] = int(a.ranks[0])
-            self.slot_cost[slot], self.slot_hbm[slot], self.slot_ddr[slot] = a.cost[0], a.hbm[0], a.ddr[0]
+            self.slot_cost[slot] = a.cost[0]
+            self.slot_mem[:, slot] = mem[:, 0]
 
     def remove(self, key: TableKey) -> Assignment:
         a = self.assignments.pop(key)
         np.subtract.at(self.cost, a.ranks, a.cost)
-        np.add.at(self.hbm_free, a.ranks, a.hbm)
-        np.add.at(self.ddr_free, a.ranks, a.ddr)
+        mem = a.memory
+        for tier in Tier:
+            np.add.at(self.free[tier], a.ranks, mem[tier])
         for rank in a.ranks.tolist():
             self.on_rank[rank].pop(key, None)
         slot = self.slot_of.pop(key, None)
@@ -130,45 +153,46 @@ class _State:
 
 
 def _cache_load_factors(
-    slot: np.ndarray, load_factor: float | None, room: np.ndarray
+    rows: np.ndarray, slot_bytes: np.ndarray, load_factor: float | None, room: np.ndarray
 ) -> np.ndarray:
     """Load factor each placement could give its cache (0 where it cannot have one).
 
-    ``room`` is free HBM after the shards' own buffers, shaped ``[placements, shards]``, and
-    ``slot`` the HBM of each shard's cache at load factor 1. A table has one load factor, so a
-    placement gets the smallest its shards allow."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        fits = np.where(slot > 0, room / slot, np.inf).min(axis=1)
-    fits = np.where((room >= 0).all(axis=1), fits, 0.0)
+    ``room`` is the free fast tier after the shards' own bytes there, shaped ``[placements,
+    shards]``; ``rows`` and ``slot_bytes`` are the shards' rows and bytes per cache slot. A
+    table has one load factor, so a placement gets the smallest its shards allow."""
     if load_factor is not None:  # the constraint's factor, exactly, or not at all
-        return np.where(fits >= load_factor, load_factor, 0.0)
+        fits = (room >= cache_slots(rows, load_factor) * slot_bytes).all(axis=1)
+        return np.where(fits, load_factor, 0.0)
+    fits = fitting_load_factor(room, rows, slot_bytes).min(axis=1)
+    fits = np.where((room >= 0).all(axis=1), fits, 0.0)
     return np.minimum(fits, DEFAULT_CACHE_LOAD_FACTOR)
 
 
 def _place(option: Candidate, st: _State) -> Assignment | None:
     """The placement of ``option`` with the lowest resulting load on its ranks, if any fits."""
     k = option.num_shards
+    mem = option.memory()  # [tier, shard], without cache slots
     if option.placement is Placement.ANY_RANKS:
         # k identical shards on k distinct ranks: the k least loaded that fit
-        cost, hbm, ddr = st.cost[:, None], st.hbm_free[:, None], st.ddr_free[:, None]
-        fixed, slot = option.hbm[:1], option.cache_hbm[:1]
-        ok = st.ddr_free >= option.ddr[0]
-        shard_cost, shard_miss = option.cost[:1], option.miss_cost[:1]
+        cost, free = st.cost[:, None], st.free[:, :, None]  # [world, 1], [tier, world, 1]
+        shards = slice(0, 1)
     else:
         shape = (st.hosts, st.local) if option.placement is Placement.ANY_HOST else (1, k)
         cost = st.cost.reshape(shape)[:, :k]
-        hbm = st.hbm_free.reshape(shape)[:, :k]
-        ddr = st.ddr_free.reshape(shape)[:, :k]
-        fixed, slot = option.hbm, option.cache_hbm
-        ok = (ddr >= option.ddr).all(axis=1)
-        shard_cost, shard_miss = option.cost, option.miss_cost
+        free = st.free.reshape(3, *shape)[:, :, :k]  # [tier, placement, shard]
+        shards = slice(0, k)
+    room = free - mem[:, None, shards]
+    shard_cost, shard_miss = option.cost[shards], option.miss_cost[shards]
     lf = None
     if option.is_caching:
-        lf = _cache_load_factors(slot, option.load_factor, hbm - fixed)
+        others = [t for t in Tier if t is not option.cache_tier]
+        ok = (room[others] >= 0).all(axis=(0, 2))
+        lf = _cache_load_factors(option.shard_rows[shards], option.slot_bytes[shards],
+                                 option.load_factor, room[option.cache_tier])
         ok &= lf >= MIN_CACHE_LOAD_FACTOR
         load = cost + shard_cost + (1.0 - lf[:, None]) * shard_miss
     else:
-        ok &= (hbm >= fixed).all(axis=1)
+        ok = (room >= 0).all(axis=(0, 2))
         load = cost + shard_cost
     worst = np.where(ok, load.max(axis=1), np.inf)
     if option.placement is Placement.ANY_RANKS:
@@ -187,23 +211,24 @@ def _place(option: Candidate, st: _State) -> Assignment | None:
         base = group * st.local if option.placement is Placement.ANY_HOST else 0
         ranks = base + np.arange(k)
     factor = None
-    shard_hbm = option.hbm
-    shard_costs = option.cost
     if option.is_caching:
         assert lf is not None
         factor = float(lf[chosen].min())
-        shard_hbm = option.hbm + factor * option.cache_hbm
-        shard_costs = option.cost + (1.0 - factor) * option.miss_cost
-    return Assignment(option, ranks, factor, shard_costs, shard_hbm, option.ddr)
+    return Assignment.of(option, ranks, factor)
 
 
 class GreedyPartitioner:
     """Greedy largest-first placement, local search, cache growth (see the module docstring)."""
 
-    def __init__(self, topology: Topology, hbm_budget: float, ddr_budget: float) -> None:
+    def __init__(
+        self, topology: Topology, hbm_budget: float, ddr_budget: float,
+        ssd_budget: float | None = None,
+    ) -> None:
+        """Budgets are usable bytes per rank of each tier (``ssd_budget`` None: the topology's
+        ``ssd_cap``)."""
         self._topology = topology
-        self._hbm_budget = hbm_budget
-        self._ddr_budget = ddr_budget
+        ssd = topology.ssd_per_rank if ssd_budget is None else ssd_budget
+        self._budgets = np.array([hbm_budget, ddr_budget, ssd], dtype=np.float64)
 
     def partition(
         self, options: dict[TableKey, Sequence[Candidate]], max_moves: int | None = None,
@@ -214,7 +239,7 @@ class GreedyPartitioner:
 
         ``deadline`` (a ``time.perf_counter()`` value) stops the local search early; the greedy
         placement always completes."""
-        st = _State(self._topology, self._hbm_budget, self._ddr_budget, len(options))
+        st = _State(self._topology, self._budgets, len(options))
         tiers = {key: _by_tier(opts) for key, opts in options.items()}
         cheapest = {
             key: min(o.total_cost(DEFAULT_CACHE_LOAD_FACTOR) for o in t[0]) for key, t in tiers.items()
@@ -236,9 +261,8 @@ class GreedyPartitioner:
 
     def _result(self, options: dict[TableKey, Sequence[Candidate]], st: _State) -> Partition:
         ordered = {key: st.assignments[key] for key in options if key in st.assignments}
-        return Partition(
-            ordered, st.cost.copy(), self._hbm_budget - st.hbm_free, self._ddr_budget - st.ddr_free
-        )
+        used = self._budgets[:, None] - st.free
+        return Partition(ordered, st.cost.copy(), used[Tier.HBM], used[Tier.DDR], used[Tier.SSD])
 
     def _choose(
         self, tiers: list[list[Candidate]], st: _State, rest: float
@@ -306,15 +330,13 @@ class GreedyPartitioner:
         top = before[0]
         order = sorted(mine.tolist(), key=lambda slot: (-st.slot_cost[slot], st.slot_key[slot]))
         for slot in order:
-            c, h, d = st.slot_cost[slot], st.slot_hbm[slot], st.slot_ddr[slot]
+            c, m = st.slot_cost[slot], st.slot_mem[:, slot, None]
             here = top - c + st.slot_cost
             there = st.cost[o_rank] - st.slot_cost + c
             fits = (
                 others & (st.slot_cost < c)
-                & (st.hbm_free[rank] + h - st.slot_hbm >= 0)
-                & (st.ddr_free[rank] + d - st.slot_ddr >= 0)
-                & (st.hbm_free[o_rank] + st.slot_hbm - h >= 0)
-                & (st.ddr_free[o_rank] + st.slot_ddr - d >= 0)
+                & (st.free[:, rank, None] + m - st.slot_mem >= 0).all(axis=0)
+                & (st.free[:, o_rank] + st.slot_mem - m >= 0).all(axis=0)
             )
             pair_max = np.where(fits, np.maximum(here, there), np.inf)
             j = int(np.argmin(pair_max))
@@ -342,30 +364,26 @@ class GreedyPartitioner:
         for _, key in sorted(caching):
             old = st.remove(key)
             option = old.option
-            room = st.hbm_free[old.ranks] - option.hbm
-            slot = option.cache_hbm
-            with np.errstate(divide="ignore", invalid="ignore"):
-                factor = float(np.where(slot > 0, room / slot, np.inf).min())
+            tier = option.cache_tier
+            room = st.free[tier][old.ranks] - option.memory()[tier]
+            factor = float(fitting_load_factor(room, option.shard_rows, option.slot_bytes).min())
             factor = min(MAX_CACHE_LOAD_FACTOR, factor)
             assert old.load_factor is not None
             if factor <= old.load_factor:
                 st.add(key, old)
                 continue
-            st.add(key, Assignment(
-                option, old.ranks, factor, option.cost + (1.0 - factor) * option.miss_cost,
-                option.hbm + factor * slot, option.ddr,
-            ))
+            st.add(key, Assignment.of(option, old.ranks, factor))
 
 
 def _by_tier(options: Sequence[Candidate]) -> list[list[Candidate]]:
     tiers: dict[int, list[Candidate]] = {}
     for option in options:
-        tiers.setdefault(_TIERS[option.compute_kernel], []).append(option)
+        tiers.setdefault(KERNEL_TIERS[option.compute_kernel], []).append(option)
     return [tiers[t] for t in sorted(tiers)]
 
 
 def _moved(a: Assignment, rank: int) -> Assignment:
-    return Assignment(a.option, np.array([rank]), a.load_factor, a.cost, a.hbm, a.ddr)
+    return Assignment(a.option, np.array([rank]), a.load_factor, a.cost, a.hbm, a.ddr, a.ssd)
 
 
 def _better(new: tuple[float, float], old: tuple[float, float]) -> bool:

@@ -95,8 +95,11 @@ def build_plan(
             sharding = module_plan[name]
             sharding.cache_params = constraints.cache_params
             if a.option.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING:
+                # The load factor as estimated: the constraints' own, or one the partitioner
+                # chose with at most 6 decimals (its slots are ceil(load_factor * shard rows),
+                # as the kernel counts them).
                 base = constraints.cache_params or CacheParams()
-                params = dataclasses.replace(base, load_factor=round(float(a.load_factor or 0), 6))
+                params = dataclasses.replace(base, load_factor=float(a.load_factor or 0))
                 sharding.cache_params = params
             sharding.enforce_hbm = constraints.enforce_hbm
             sharding.stochastic_rounding = constraints.stochastic_rounding

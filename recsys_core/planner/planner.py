@@ -3,7 +3,7 @@
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"))
     plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], pg)  # or .plan()
     print(plan)      # TorchRec's two tables
-    print(planner)   # per rank: estimated HBM, DDR, cost and share of the total
+    print(planner)   # per rank: estimated memory per tier, cost and share of the total
 
 Planning is pure: ``plan()`` needs no process group. ``collective_plan()`` plans on rank 0 and
 broadcasts the plan's JSON, so every rank shards with the identical plan.
@@ -186,21 +186,25 @@ class EmbeddingShardingPlanner:
             topology, self._batch_size, module, sharders, self._constraints
         )
         hbm_budget, ddr_budget = float(reserved.hbm_per_rank), float(reserved.ddr_per_rank)
+        # disk is not reserved: dense parameters and activations live in memory
+        ssd_budget = float(reserved.ssd_per_rank)
         reservation = _reserved_fraction(topology, reserved)
         specs = {spec.key: spec for spec in tables}
-        check_total(specs, options, topology, hbm_budget, ddr_budget, reservation)
+        check_total(specs, options, topology, hbm_budget, ddr_budget, reservation,
+                    ssd_budget=ssd_budget)
         deadline = None if self._timeout_seconds is None else start + self._timeout_seconds
-        partition, failed = GreedyPartitioner(topology, hbm_budget, ddr_budget).partition(
-            options, deadline=deadline
-        )
+        partition, failed = GreedyPartitioner(
+            topology, hbm_budget, ddr_budget, ssd_budget
+        ).partition(options, deadline=deadline)
         if failed is not None:
             raise no_fit_error(
-                specs, options, failed, partition, topology, hbm_budget, ddr_budget, reservation
+                specs, options, failed, partition, topology, hbm_budget, ddr_budget, reservation,
+                ssd_budget=ssd_budget,
             )
         plan = build_plan(collections, partition, topology)
         self._stats = PlanStats.from_partition(
             partition, topology, hbm_budget, ddr_budget, self._batch_size,
-            time.perf_counter() - start,
+            time.perf_counter() - start, ssd_budget=ssd_budget,
         )
         if self._debug:
             print(plan)

@@ -3,8 +3,10 @@ per-shard :class:`Shard` estimates) and :class:`EmbeddingEnumerator`, which list
 this planner considers, with its estimates, for inspection.
 
 The planner searches the same candidates internally (``types.Candidate``, numpy arrays per
-shard); these are their TorchRec-shaped copies. Storage is in bytes per shard (a cache at
-``cache_params.load_factor`` when the constraints fix one, else TorchRec's default 0.2);
+shard); these are their TorchRec-shaped copies. Storage is in bytes per shard and tier (a cache at
+``cache_params.load_factor`` when the constraints fix one, else TorchRec's default 0.2, in HBM
+on CUDA and host memory on CPU; a cached table's rows in host memory on CUDA and on disk, ``ssd``,
+on CPU);
 ``Perf`` splits each shard's estimated ms per step by phase and sums to the planner's cost.
 """
 
@@ -157,16 +159,17 @@ class EmbeddingEnumerator:
         rows, cols = c.shard_rows.tolist(), c.shard_cols.tolist()
         row_split = c.sharding_type.value in ("row_wise", "table_row_wise")
         col_split = c.sharding_type.value in ("column_wise", "table_column_wise")
+        memory = c.memory(lf)  # [tier, shard], the cache (if caching) at lf
         shards = []
         for i in range(c.num_shards):
             miss = (1.0 - lf) * float(c.miss_cost[i]) if c.is_caching else 0.0
             miss_fwd = (1.0 - lf) * float(c.miss_fwd[i]) if c.is_caching else 0.0
             fwd_compute, fwd_comms, bwd_compute, bwd_comms = (float(v) for v in c.perf[:, i])
-            hbm = float(c.hbm[i]) + (lf * float(c.cache_hbm[i]) if c.is_caching else 0.0)
+            hbm, ddr, ssd = (round(float(v)) for v in memory[:, i])
             shards.append(Shard(
                 size=[rows[i], cols[i]],
                 offset=[sum(rows[:i]) if row_split else 0, sum(cols[:i]) if col_split else 0],
-                storage=Storage(round(hbm), round(float(c.ddr[i])), 0),
+                storage=Storage(hbm, ddr, ssd),
                 perf=Perf(fwd_compute=fwd_compute + miss_fwd, fwd_comms=fwd_comms,
                           bwd_compute=bwd_compute + miss - miss_fwd, bwd_comms=bwd_comms),
             ))

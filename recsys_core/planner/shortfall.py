@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from recsys_core.planner.errors import (
     SHOWN_TABLES,
     MemoryShortfall,
@@ -18,8 +20,13 @@ from recsys_core.planner.errors import (
     PlannerErrorType,
     TableMemory,
 )
-from recsys_core.planner.estimators import MIN_CACHE_LOAD_FACTOR, storage_bytes
-from recsys_core.planner.partitioners import Partition, TableKey
+from recsys_core.planner.estimators import (
+    CPU_CACHE_ROW_BOOKKEEPING_BYTES,
+    MIN_CACHE_LOAD_FACTOR,
+    storage_bytes,
+)
+from recsys_core.planner.partitioners import KERNEL_TIERS, Partition, TableKey
+from recsys_core.planner.storage import Tier
 from recsys_core.planner.topology import DEFAULT_DDR_CAP, DEFAULT_HBM_CAP, GIB, Topology
 from recsys_core.planner.types import Candidate, TableSpec
 
@@ -30,82 +37,172 @@ REMEDIES = (
     "Topology hbm_cap / ddr_cap, a lower storage_reservation). Constraints that allow few "
     "layouts (or, on CUDA, no UVM kernels for the largest tables) make tables harder to place."
 )
+DISK_HINT = (
+    " On CPU, tables larger than memory can live in files on local disk behind a cache in "
+    "memory (the fused_uvm_caching kernel): give the Topology an ssd_cap (bytes of disk per "
+    "rank) or plan with detect_topology(offload_dir=...) on a local directory, with a sharder "
+    "that runs fused_uvm_caching (EmbeddingBagCollectionSharder does)."
+)
+DISK_REMEDIES = (
+    "To fix: give each rank more disk (a larger Topology ssd_cap, or "
+    "detect_topology(offload_dir=...) on a directory of a local disk with more free space); "
+    "use more ranks (row-wise shards spread a table's rows, and its disk, over them); or use "
+    "smaller tables (fewer rows, a smaller embedding_dim, FP16 weights)."
+)
+CACHE_NOTE = (
+    " Tables that do not fit in memory can live on disk, but each keeps in host memory its cache "
+    f"(at least {MIN_CACHE_LOAD_FACTOR:.0%} of its rows, weights and optimizer state) and "
+    f"{CPU_CACHE_ROW_BOOKKEEPING_BYTES} bytes of bookkeeping per row."
+)
+
+
+def remedies(kind: str, topology: Topology) -> str:
+    """What a user of the library can change when ``kind`` of memory is short."""
+    if kind == "disk":
+        return DISK_REMEDIES
+    if topology.is_cuda:
+        return REMEDIES
+    if topology.ssd_per_rank == 0:
+        return REMEDIES + DISK_HINT
+    if kind == "memory (host + disk)":
+        return REMEDIES + (" Or give each rank more disk (Topology ssd_cap, "
+                           "detect_topology(offload_dir=...)).")
+    return REMEDIES  # host memory for the caches: more disk would not help
 
 
 def check_total(
     specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[Candidate]],
     topology: Topology, hbm_budget: float, ddr_budget: float, reservation: float,
+    *, ssd_budget: float = 0.0,
 ) -> None:
     """Raise when no placement can work: the least each table needs (of each memory, and in
-    all) summed over tables, against what all ranks have together."""
+    all) summed over tables, against what all ranks have together. Caches count at the
+    smallest load factor the planner gives (or the one the constraints fix). A candidate that
+    alone needs more of a tier than all ranks have is not counted (a table too large for all
+    ranks' memory together can only be on disk, so its least disk is its whole size); where no
+    candidate of a table fits, its last-resort kernel's candidates count (the cached one on
+    CPU), as the partitioner would try those last."""
     world = topology.world_size
-    host = ("host memory", lambda o: float(o.ddr.sum()), ddr_budget)
-    kinds = [host] if not topology.is_cuda else [
-        ("memory (HBM + host)", lambda o: storage_bytes(o, MIN_CACHE_LOAD_FACTOR),
-         hbm_budget + ddr_budget),
-        ("HBM", lambda o: float(o.hbm.sum() + MIN_CACHE_LOAD_FACTOR * o.cache_hbm.sum() * o.is_caching),
-         hbm_budget),
-        host,
-    ]
-    for kind, size, budget in kinds:
-        needed = sum(min(size(o) for o in opts) for opts in options.values())
+    total = world * np.array([hbm_budget, ddr_budget, ssd_budget])
+    feasible = []  # per table: the least bytes per tier of each counted candidate, [tier, option]
+    for opts in options.values():
+        least = np.array([_least(o).sum(axis=1) for o in opts]).T
+        fits = (least <= total[:, None]).all(axis=0)
+        if not fits.any():
+            level = np.array([KERNEL_TIERS[o.compute_kernel] for o in opts])
+            fits = level == level.max()
+        feasible.append(least[:, fits])
+
+    host = ("host memory", [Tier.DDR], ddr_budget)
+    if topology.is_cuda:
+        kinds = [
+            ("memory (HBM + host)", [Tier.HBM, Tier.DDR], hbm_budget + ddr_budget),
+            ("HBM", [Tier.HBM], hbm_budget),
+            host,
+        ]
+    elif ssd_budget > 0:
+        kinds = [
+            ("memory (host + disk)", [Tier.DDR, Tier.SSD], ddr_budget + ssd_budget),
+            host,
+            ("disk", [Tier.SSD], ssd_budget),
+        ]
+    else:
+        kinds = [host]
+    for kind, tiers, budget in kinds:
+        needed = float(sum(least[tiers].sum(axis=0).min() for least in feasible))
         if needed <= world * budget:
             continue
         tables = _tables(specs, options)
+        what = ("the weights and optimizer state of the tables that do not fit in memory, in "
+                "their backing files" if kind == "disk" else
+                "weights, optimizer state and buffers in their most compact allowed layouts")
         summary = (
             f"the model does not fit: its tables need at least {_gib(needed)} of {kind} "
-            f"(weights, optimizer state and buffers in their most compact allowed layouts) but "
-            f"the {world} ranks have {_gib(world * budget)} usable: {_gib(budget)} per rank = "
-            f"{_per_rank(kind, topology, reservation)}. Source of these figures: "
-            f"{memory_origin(topology)}. Largest tables: "
-            f"{_largest(tables)}."
+            f"({what}) but the {world} ranks have {_gib(world * budget)} usable: "
+            f"{_gib(budget)} per rank = {_per_rank(kind, topology, reservation)}. Source of "
+            f"these figures: {memory_origin(topology)}. Largest tables: {_largest(tables)}."
         )
-        raise PlannerError(f"{summary} {REMEDIES}", PlannerErrorType.INSUFFICIENT_STORAGE, MemoryShortfall(
-            summary=summary, memory=kind, needed_bytes=needed, usable_bytes=world * budget,
-            reservation=reservation, topology=topology, tables=tables,
-        ))
+        if kind == "host memory" and ssd_budget > 0:
+            summary += CACHE_NOTE
+        raise PlannerError(
+            f"{summary} {remedies(kind, topology)}", PlannerErrorType.INSUFFICIENT_STORAGE,
+            MemoryShortfall(
+                summary=summary, memory=kind, needed_bytes=needed, usable_bytes=world * budget,
+                reservation=reservation, topology=topology, tables=tables,
+            ),
+        )
 
 
 def no_fit_error(
     specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[Candidate]],
     failed: TableKey, partition: Partition, topology: Topology, hbm_budget: float,
-    ddr_budget: float, reservation: float,
+    ddr_budget: float, reservation: float, *, ssd_budget: float = 0.0,
 ) -> PlannerError:
     """The error when table ``failed`` fits on no rank after the tables placed before it."""
     spec = specs[failed]
 
     def on_one_rank(o: Candidate) -> float:
-        return float((o.hbm + o.ddr + MIN_CACHE_LOAD_FACTOR * o.cache_hbm * o.is_caching).max())
+        return float(_least(o).sum(axis=0).max())
 
-    # the candidate asking least of any one rank, and the rank with the most memory left
-    compact = min(options[failed], key=on_one_rank)
-    per_shard = on_one_rank(compact)
-    hbm_free = hbm_budget - partition.rank_hbm
-    ddr_free = ddr_budget - partition.rank_ddr
-    free = hbm_free + ddr_free
-    rank = int(free.argmax())
+    budgets = np.array([hbm_budget, ddr_budget, ssd_budget])
+    free = budgets[:, None] - np.stack([partition.rank_hbm, partition.rank_ddr, partition.rank_ssd])
+    with_disk = not topology.is_cuda and ssd_budget > 0
+    if with_disk:  # the candidate that comes closest to fitting, to say what it lacks
+        most_free = free.max(axis=1)
+
+        def deficit(o: Candidate) -> tuple[float, float]:
+            return float(np.maximum(_least(o).max(axis=1) - most_free, 0).sum()), on_one_rank(o)
+
+        compact = min(options[failed], key=deficit)
+    else:  # the candidate asking least of any one rank
+        compact = min(options[failed], key=on_one_rank)
     tables = _tables(specs, options)
-    summary = (
-        f"table {_where(spec)} ({spec.config.num_embeddings} x {spec.config.embedding_dim} "
-        f"{spec.config.data_type}) does not fit: its most compact candidate "
-        f"({compact.sharding_type.value}/{compact.compute_kernel.value}, {compact.num_shards} "
-        f"shard(s)) needs {_gib(per_shard)} on a rank, but with {len(partition.assignments)} "
-        f"other table(s) placed the most any rank has free is {_gib(free[rank])} (rank {rank}: "
-        f"{_memory(topology, hbm_free[rank], ddr_free[rank])} free; each rank has "
-        f"{_memory(topology, hbm_budget, ddr_budget)} usable = "
-        f"{_per_rank('memory', topology, reservation)}). Source of these figures: "
-        f"{memory_origin(topology)}. Largest tables: "
-        f"{_largest(tables)}."
-    )
-    budget = ddr_budget + (hbm_budget if topology.is_cuda else 0.0)
+    table = (f"table {_where(spec)} ({spec.config.num_embeddings} x "
+             f"{spec.config.embedding_dim} {spec.config.data_type}) does not fit: its most "
+             f"compact candidate ({compact.sharding_type.value}/{compact.compute_kernel.value}, "
+             f"{compact.num_shards} shard(s))")
+    origin = (f"Source of these figures: {memory_origin(topology)}. Largest tables: "
+              f"{_largest(tables)}.")
+    kind = "memory (HBM + host)" if topology.is_cuda else "host memory"
+    placed = f"with {len(partition.assignments)} other table(s) placed"
+    if not with_disk:
+        per_shard = on_one_rank(compact)
+        total = free.sum(axis=0)
+        rank = int(total.argmax())  # the rank with the most memory left
+        summary = (
+            f"{table} needs {_gib(per_shard)} on a rank, but {placed} the most any rank has "
+            f"free is {_gib(total[rank])} (rank {rank}: "
+            f"{_memory(topology, free[Tier.HBM, rank], free[Tier.DDR, rank])} free; each rank "
+            f"has {_memory(topology, hbm_budget, ddr_budget)} usable = "
+            f"{_per_rank('memory', topology, reservation)}). {origin}"
+        )
+    else:
+        need = _least(compact).max(axis=1)
+        ddr_rank, ssd_rank = int(free[Tier.DDR].argmax()), int(free[Tier.SSD].argmax())
+        short = [name for name, t, r in (("host memory", Tier.DDR, ddr_rank),
+                                         ("disk", Tier.SSD, ssd_rank))
+                 if need[t] > free[t, r]]
+        if short == ["disk"]:
+            kind = "disk"
+        cache = (f" (its cache at load factor {compact.load_factor or MIN_CACHE_LOAD_FACTOR:g}, "
+                 "row bookkeeping and buffers)" if compact.is_caching else "")
+        summary = (
+            f"{table} needs {_gib(need[Tier.DDR])} of host memory{cache} and "
+            f"{_gib(need[Tier.SSD])} of disk on a rank, but {placed} the most any rank has "
+            f"free is {_gib(free[Tier.DDR, ddr_rank])} of host memory (rank {ddr_rank}) and "
+            f"{_gib(free[Tier.SSD, ssd_rank])} of disk (rank {ssd_rank}); each rank has "
+            f"{_gib(ddr_budget)} usable = {_per_rank('host memory', topology, reservation)}, "
+            f"and {_gib(ssd_budget)} of disk. Short: "
+            f"{' and '.join(short) or 'no rank has both free at once'}. {origin}"
+        )
+    budget = float(budgets.sum())
     needed, usable = sum(t.needed_bytes for t in tables), topology.world_size * budget
     # As TorchRec: enough memory in all, but not in the pieces the allowed layouts make
-    kind = (PlannerErrorType.INSUFFICIENT_STORAGE if needed > usable
-            else PlannerErrorType.STRICT_CONSTRAINTS)
-    return PlannerError(f"{summary} {REMEDIES}", kind, MemoryShortfall(
-        summary=summary, memory="memory (HBM + host)" if topology.is_cuda else "host memory",
-        needed_bytes=needed, usable_bytes=usable, reservation=reservation, topology=topology,
-        tables=tables,
+    error_type = (PlannerErrorType.INSUFFICIENT_STORAGE if needed > usable
+                  else PlannerErrorType.STRICT_CONSTRAINTS)
+    return PlannerError(f"{summary} {remedies(kind, topology)}", error_type, MemoryShortfall(
+        summary=summary, memory=kind, needed_bytes=needed, usable_bytes=usable,
+        reservation=reservation, topology=topology, tables=tables,
     ))
 
 
@@ -122,7 +219,14 @@ def memory_origin(topology: Topology) -> str:
                      + (default if hbm_default else "(Topology hbm_cap)"))
     parts.append(f"host memory {_gib(topology.ddr_cap or 0)} per rank "
                  + (default if topology.ddr_cap == DEFAULT_DDR_CAP else "(Topology ddr_cap)"))
+    if topology.ssd_per_rank:
+        parts.append(f"disk {_gib(topology.ssd_per_rank)} per rank (Topology ssd_cap)")
     return "the Topology as given: " + ", ".join(parts)
+
+
+def _least(option: Candidate) -> np.ndarray:
+    """Bytes per tier and shard of ``option`` with the smallest cache the planner gives it."""
+    return option.memory(option.load_factor or MIN_CACHE_LOAD_FACTOR)
 
 
 # ---- formatting ---------------------------------------------------------------------------------
@@ -147,14 +251,19 @@ def _per_rank(kind: str, topology: Topology, reservation: float) -> str:
     if topology.local_size > 1:
         host = _gib((topology.ddr_cap or 0) * topology.local_size)
         shared = f" ({host} on a host, shared by {topology.local_size} ranks)"
+    reserved = f"the {reservation:.0%} storage_reservation kept for dense parameters and activations"
+    if kind == "disk":
+        return f"{_gib(topology.ssd_per_rank)} of disk per rank (no storage_reservation on disk)"
+    if kind == "memory (host + disk)":
+        return (f"host memory {_gib(ddr)} per rank{shared} less {reserved}, plus disk "
+                f"{_gib(topology.ssd_per_rank)} per rank")
     if kind == "HBM":
         total = f"{_gib(hbm)} of HBM per rank"
     elif kind == "host memory" or not topology.is_cuda:
         total = f"{_gib(ddr)} of host memory per rank{shared}"
     else:
         total = f"HBM {_gib(hbm)} + host {_gib(ddr)} per rank{shared}"
-    return (f"{total} less the {reservation:.0%} storage_reservation kept for dense parameters "
-            "and activations")
+    return f"{total} less {reserved}"
 
 
 def _largest(tables: Sequence[TableMemory]) -> str:

@@ -2,7 +2,8 @@
 one shard, by phase), :class:`Shard` (one placed piece of a table) and :class:`DeviceHardware`
 (one rank's capacity).
 
-``Storage`` adds and subtracts per tier and orders like TorchRec's (a dataclass compared field
+:class:`Tier` names the tiers (in ``Storage``'s field order, so it indexes the planner's per-tier
+arrays). ``Storage`` adds and subtracts per tier and orders like TorchRec's (a dataclass compared field
 by field: hbm, then ddr, then ssd); :meth:`Storage.fits_in` is the per-tier comparison a
 planner needs::
 
@@ -13,6 +14,24 @@ planner needs::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum, unique
+
+
+@unique
+class Tier(IntEnum):
+    """A memory tier, numbered in :class:`Storage`'s field order (hbm, ddr, ssd)."""
+
+    HBM = 0
+    """Device (GPU) memory."""
+    DDR = 1
+    """Host memory (RAM)."""
+    SSD = 2
+    """Local disk: the backing files of cached tables on CPU."""
+
+    @property
+    def label(self) -> str:
+        """How plans and messages name it: "HBM", "DDR", "disk"."""
+        return ("HBM", "DDR", "disk")[self]
 
 
 @dataclass(order=True)
@@ -24,7 +43,7 @@ class Storage:
     ddr: int
     """Host memory."""
     ssd: int = 0
-    """Local disk (no kernel of this library uses it: always 0 in its estimates)."""
+    """Local disk (TorchRec's SSD tier): the backing files of FUSED_UVM_CACHING tables on CPU."""
 
     def __add__(self, other: Storage) -> Storage:
         return Storage(self.hbm + other.hbm, self.ddr + other.ddr, self.ssd + other.ssd)

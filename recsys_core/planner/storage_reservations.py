@@ -3,7 +3,7 @@
 TorchRec's ``StorageReservation`` interface: ``reserve(topology, batch_size, module, sharders,
 constraints)`` returns the topology the tables must fit in. :class:`HeuristicalStorageReservation`
 keeps a fixed fraction of every rank's HBM and host memory free: 15% of 80 GiB of HBM leaves
-68 GiB for tables.
+68 GiB for tables. Disk (``ssd_cap``) holds only offloaded tables, so none of it is reserved.
 """
 
 from __future__ import annotations

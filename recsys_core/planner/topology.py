@@ -10,7 +10,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
-from recsys_core.planner.storage import DeviceHardware, Perf, Storage
+from recsys_core.planner.storage import DeviceHardware, Perf, Storage, Tier
 
 GIB = 1024**3
 GB = 1000**3
@@ -31,6 +31,11 @@ DEFAULT_CUDA_INTRA_HOST_BW = 600 * GB / MS  # INTRA_NODE_BANDWIDTH (NVLink)
 # 64 MiB all-to-all between 2 ranks on the 2-vCPU development VM (bigger hosts do better).
 DEFAULT_CPU_INTRA_HOST_BW = 1 * GB / MS
 DEFAULT_INTER_HOST_BW = 12.5 * GB / MS  # CROSS_NODE_BANDWIDTH (a 100 Gb/s NIC per rank)
+# Local disk under the backing files of cached tables on CPU (TorchRec's SSD_MEM_BW is 100 MiB/s).
+# A placeholder for random row reads and write-backs through a memory-mapped file on an NVMe
+# drive, partly served by the page cache: bench/offload.py measures the cached kernel on this
+# machine and is where this figure should be calibrated.
+DEFAULT_SSD_MEM_BW = 1 * GB / MS
 # TorchRec's BWD_COMPUTE_MULTIPLIER: backward scatters gradients and the fused optimizer
 # read-modify-writes every touched row, about twice the forward's memory traffic.
 DEFAULT_BWD_COMPUTE_MULTIPLIER = 2.0
@@ -43,7 +48,9 @@ class Topology:
     Positional arguments follow TorchRec's order: ``Topology(8, "cuda", 40 * GIB)`` is 8 GPUs
     of 40 GiB on one host; ``Topology(world_size=8, compute_device="cuda")`` has 32 GiB each
     (TorchRec's default). On a CPU topology memory is DDR, ``ddr_cap`` per rank, and ``hbm_cap``
-    is 0.
+    is 0. A CPU topology may also have local disk, ``ssd_cap`` per rank: tables that do not fit
+    in memory then live in files there behind a cache in RAM (the FUSED_UVM_CACHING kernel);
+    ``detect_topology(offload_dir=...)`` reads a directory's free space for it.
     The defaults are TorchRec's constants, not this machine's memory:
     ``recsys_core.planner.detect_topology`` reads what this machine has free.
     """
@@ -57,7 +64,9 @@ class Topology:
     ddr_cap: int | None = None
     """Host memory bytes per rank (None: 128 GiB, TorchRec's DDR_CAP)."""
     ssd_cap: int | None = None
-    """TorchRec's SSD tier: no kernel here uses one, so only None or 0."""
+    """Local disk bytes per rank for the backing files of cached tables (TorchRec's SSD tier).
+    CPU only (None: 0, no disk tier: every table must fit in ddr_cap); on CUDA the cached
+    kernel's slower tier is host memory (ddr_cap), so only None or 0."""
     local_world_size: int | None = None
     """Ranks per host (None: all ranks on one host). Must divide world_size."""
     pod_size: int | None = None
@@ -68,7 +77,8 @@ class Topology:
     ddr_mem_bw: float = DEFAULT_DDR_MEM_BW
     """Bytes per ms a rank's lookups read from host memory (CPU kernels and UVM)."""
     ssd_mem_bw: float | None = None
-    """TorchRec's SSD bandwidth: no SSD tier here, so only None."""
+    """Bytes per ms a rank moves between its cache and the disk tier (CPU only; None: 1 GB/s,
+    ``DEFAULT_SSD_MEM_BW``). On CUDA only None."""
     hbm_to_ddr_mem_bw: float | None = None
     """TorchRec's HBM <-> host copy bandwidth (for prefetching caches): not modelled, only None."""
     intra_host_bw: float | None = None
@@ -80,7 +90,7 @@ class Topology:
     """Backward lookup traffic as a multiple of the forward's (TorchRec's default 2)."""
     _: KW_ONLY
     memory_source: str | None = field(default=None, compare=False)
-    """Where hbm_cap and ddr_cap come from, for messages (``detect_topology`` fills it in;
+    """Where hbm_cap, ddr_cap and ssd_cap come from, for messages (``detect_topology`` fills it in;
     None: given to this constructor, or its TorchRec defaults)."""
 
     def __post_init__(self) -> None:
@@ -97,14 +107,33 @@ class Topology:
                 f"divides world_size {self.world_size}; pass the number of ranks per host"
             )
         object.__setattr__(self, "local_world_size", local)
-        for name, value in (("ssd_cap", self.ssd_cap or None), ("pod_size", self.pod_size),
-                            ("ssd_mem_bw", self.ssd_mem_bw),
+        for name, value in (("pod_size", self.pod_size),
                             ("hbm_to_ddr_mem_bw", self.hbm_to_ddr_mem_bw)):
             if value is not None:
                 raise ValueError(
-                    f"Topology: {name}={value!r} is not supported (no SSD tier, NVLink pods or "
+                    f"Topology: {name}={value!r} is not supported (no NVLink pods or "
                     f"cache-prefetch copies are modelled by this planner); leave {name} as None"
                 )
+        if device == "cuda":
+            for name, value in (("ssd_cap", self.ssd_cap or None), ("ssd_mem_bw", self.ssd_mem_bw)):
+                if value is not None:
+                    raise ValueError(
+                        f"Topology: {name}={value!r} is not supported on a CUDA topology (its "
+                        "cached tables live in host memory, sized by ddr_cap; a disk tier "
+                        f"exists on CPU topologies only); leave {name} as None"
+                    )
+        ssd = 0 if self.ssd_cap is None else self.ssd_cap
+        if isinstance(ssd, bool) or not isinstance(ssd, int | float) or not ssd >= 0:
+            raise ValueError(
+                f"Topology: ssd_cap must be a number >= 0 (bytes of local disk per rank), got "
+                f"{self.ssd_cap!r}"
+            )
+        object.__setattr__(self, "ssd_cap", int(ssd))
+        if device == "cpu":
+            bw = DEFAULT_SSD_MEM_BW if self.ssd_mem_bw is None else self.ssd_mem_bw
+            if isinstance(bw, bool) or not bw > 0:
+                raise ValueError(f"Topology: ssd_mem_bw must be > 0 bytes/ms, got {bw!r}")
+            object.__setattr__(self, "ssd_mem_bw", float(bw))
         if device == "cpu" and self.hbm_cap:
             raise ValueError(
                 f"Topology: hbm_cap {self.hbm_cap} on a CPU topology; CPU ranks have no HBM, "
@@ -150,11 +179,33 @@ class Topology:
         return int(self.ddr_cap or 0)
 
     @property
+    def ssd_per_rank(self) -> int:
+        return int(self.ssd_cap or 0)
+
+    @property
+    def cache_tier(self) -> Tier:
+        """The fast tier of a FUSED_UVM_CACHING table, holding its cache: HBM on CUDA, host
+        memory (DDR) on CPU."""
+        return Tier.HBM if self.is_cuda else Tier.DDR
+
+    @property
+    def backing_tier(self) -> Tier:
+        """The slow tier of a FUSED_UVM_CACHING table, holding all its rows: host memory (DDR)
+        on CUDA, local disk (SSD) on CPU."""
+        return Tier.DDR if self.is_cuda else Tier.SSD
+
+    def tier_bw(self, tier: Tier) -> float:
+        """Bytes per ms a rank's lookups move from ``tier``."""
+        return {Tier.HBM: self.hbm_mem_bw, Tier.DDR: self.ddr_mem_bw,
+                Tier.SSD: float(self.ssd_mem_bw or DEFAULT_SSD_MEM_BW)}[tier]
+
+    @property
     def devices(self) -> list[DeviceHardware]:
-        """TorchRec's per-rank view: each rank's usable memory (``ddr_per_rank`` of host memory)
-        and no load yet."""
+        """TorchRec's per-rank view: each rank's usable memory (``ddr_per_rank`` of host memory,
+        ``ssd_per_rank`` of disk) and no load yet."""
         return [
-            DeviceHardware(rank, Storage(self.hbm_per_rank, self.ddr_per_rank, 0), Perf(0, 0, 0, 0))
+            DeviceHardware(rank, Storage(self.hbm_per_rank, self.ddr_per_rank, self.ssd_per_rank),
+                           Perf(0, 0, 0, 0))
             for rank in range(self.world_size)
         ]
 

@@ -56,7 +56,10 @@ def test_uvm_moves_weights_to_host_memory_and_costs_more() -> None:
     assert fused.ddr.tolist() == [0] and uvm.ddr.tolist() == [1000 * 64 * 4]
     assert uvm.cost[0] > fused.cost[0]
     caching = estimate_option(spec(), args[0], EmbeddingComputeKernel.FUSED_UVM_CACHING, *args[1:])
-    assert caching.cache_hbm.tolist() == [1000 * (64 * 4 + 16)]
+    assert caching.slot_bytes.tolist() == [64 * 4 + 16]  # FBGEMM's slot: weights + 16 B
+    assert caching.cache_bytes(1.0).tolist() == [1000 * (64 * 4 + 16)]
+    assert caching.cache_bytes(0.2).tolist() == [200 * (64 * 4 + 16)]
+    assert caching.ddr.tolist() == [1000 * 64 * 4] and caching.ssd.tolist() == [0]
     assert caching.total_cost(1.0) == pytest.approx(fused.total_cost())
     assert caching.total_cost(0.0) == pytest.approx(uvm.total_cost())
 
