@@ -56,21 +56,26 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"--plan {config.plan}: cannot read a sharding plan ({e}); pass a "
                              f"plan.json written by an earlier run") from None
+    offload_dir = None
+    if config.offload:
+        offload_dir = Path(config.offload_dir) if config.offload_dir else Path(config.out) / "offload"
+        offload_dir.mkdir(parents=True, exist_ok=True)
     sharder = EmbeddingBagCollectionSharder(fused_params={
         "optimizer": _FUSED[config.embedding_optimizer],
         "learning_rate": config.embedding_learning_rate,
         "eps": config.eps,
-    }, table_init=table_initializer(config.seed))
+    }, table_init=table_initializer(config.seed),
+        offload_dir=None if offload_dir is None else str(offload_dir))
     model = build_dlrm(spec, config.model, device="meta")
     env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
            else ShardingEnv.from_local(1, 0))
     if plan is None:
         topology = topology_for_run(env.world_size, env.local_world_size, device,
-                                    config.memory_per_rank)
+                                    config.memory_per_rank, offload_dir)
         try:
             plan = plan_for_env(model, env, [sharder], device, topology=topology)
         except PlannerError as e:
-            raise planning_error_for_user(e) from None
+            raise planning_error_for_user(e, config.offload) from None
     dmp = DistributedModelParallel(model, device=device, env=env, plan=plan, sharders=[sharder])
     torch.manual_seed(config.seed)
     for module in dmp.module.modules():

@@ -92,6 +92,13 @@ class TrainConfig:
     """A saved plan.json to use instead of planning."""
     memory_per_rank: float | None = None
     """GiB of memory the planner may use per rank; None: detected from the machine."""
+    offload: bool = True
+    """Tables that do not fit in that memory live in files on local disk (--offload-dir) behind
+    a cache in memory that the planner sizes: training gives the same model, only slower.
+    --no-offload makes such tables an error instead."""
+    offload_dir: str | None = None
+    """Directory for the offloaded tables' files, on a local disk (None: OUT/offload); its
+    free space is the disk the planner may use. The files are deleted when training ends."""
     log_every: int = 50
     """Steps between metrics-log lines."""
     timeout: float = 600.0

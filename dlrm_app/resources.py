@@ -16,6 +16,7 @@ preprocess command prints: the fp32 weights and optimizer state of a dataset's t
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -42,10 +43,12 @@ def topology_for_run(
     local_world_size: int,
     device: torch.device | str,
     memory_per_rank_gib: float | None,
+    offload_dir: str | os.PathLike | None = None,
 ) -> Topology:
     """The topology to plan this run for: the memory this machine has free (host memory, and on
     CUDA the device's free memory), or ``--memory-per-rank`` GiB per rank where given (host
-    memory on CPU, GPU memory on CUDA)."""
+    memory on CPU, GPU memory on CUDA); with ``offload_dir``, also the disk free there for
+    tables kept in files behind a cache (CPU)."""
     override = None
     if memory_per_rank_gib is not None:
         if not (math.isfinite(memory_per_rank_gib) and memory_per_rank_gib > 0):
@@ -58,6 +61,7 @@ def topology_for_run(
     return detect_topology(
         world_size, device.type, local_world_size=local_world_size, memory_per_rank=override,
         device=device if device.type == "cuda" else None,
+        offload_dir=offload_dir if device.type == "cpu" else None,
     )
 
 
@@ -83,17 +87,18 @@ def table_memory_bytes(
     ))
 
 
-def planning_error_for_user(error: PlannerError) -> ValueError:
+def planning_error_for_user(error: PlannerError, offload: bool = True) -> ValueError:
     """The planner's error about the DLRM's tables, with the fixes a user of this application
-    has: its command-line flags. Errors not about memory keep their message."""
+    has: its command-line flags (``offload``: whether the run allowed tables on disk). Errors
+    not about memory keep their message."""
     shortfall = error.shortfall
     if shortfall is None:
         return ValueError(str(error))
-    fixes = "\n".join(f"  - {fix}" for fix in _fixes(shortfall))
+    fixes = "\n".join(f"  - {fix}" for fix in _fixes(shortfall, offload))
     return ValueError(f"{shortfall.summary}\nTo fix, any one of:\n{fixes}")
 
 
-def _fixes(s: MemoryShortfall) -> list[str]:
+def _fixes(s: MemoryShortfall, offload: bool = True) -> list[str]:
     topology = s.topology
     short = s.needed_bytes > s.usable_bytes  # False: it fits in total, one table fits nowhere
     target = SUGGESTION_HEADROOM * s.usable_bytes
@@ -114,6 +119,20 @@ def _fixes(s: MemoryShortfall) -> list[str]:
         embeddings += f", e.g. N = {new_dim} instead of {dim}"
     fixes.append(embeddings + " (if you set --dense-arch-layer-sizes, end it with the same N)")
 
+    if s.memory in ("disk", "memory (host + disk)"):
+        # "disk": what the offloaded tables need; "memory (host + disk)": both tiers together,
+        # an upper bound of the disk needed
+        per_rank = s.needed_bytes / topology.world_size
+        fixes.append("`dlrm-app train ... --offload-dir DIR` on a local disk with more free "
+                     f"space: the tables kept on disk need at most about {_gib(per_rank)} per "
+                     "rank (ranks on one host share its disk)")
+    elif not topology.is_cuda and not offload:
+        fixes.append("drop `--no-offload`: tables that do not fit in memory then live in files "
+                     "on local disk (`--offload-dir`) behind a cache in memory; the model is the "
+                     "same, training is slower")
+    if s.memory == "disk":
+        fixes.append("more nodes: `torchrun --nnodes M`; each holds a share of the tables")
+        return fixes
     per_rank = s.usable_bytes / topology.world_size / (1.0 - s.reservation)
     memory = ("`dlrm-app train ... --memory-per-rank GIB` if each rank really has more free "
               f"memory than the {_gib(per_rank)} above (e.g. memory other jobs are about to "

@@ -3,6 +3,7 @@ error when the DLRM's tables do not fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -127,3 +128,39 @@ def test_suggested_sizes_fit() -> None:
 def test_other_planner_errors_keep_their_message() -> None:
     error = planning_error_for_user(PlannerError("constraints name tables ['x']"))
     assert isinstance(error, ValueError) and str(error) == "constraints name tables ['x']"
+
+
+def plan_with_disk(rows: list[int], dim: int, memory_gib: float, disk_gib: float):
+    model = build_dlrm(dlrm_spec(rows), ModelConfig(embedding_dim=dim), device="meta")
+    topology = dataclasses.replace(topology_for_run(2, 2, "cpu", memory_gib),
+                                   ssd_cap=int(disk_gib * GIB))
+    return plan_for_env(model, ShardingEnv(world_size=2, rank=0, local_world_size=2), [SHARDER],
+                        "cpu", topology=topology)
+
+
+def test_with_disk_the_tables_beyond_memory_are_offloaded() -> None:
+    # 21.3 GiB of tables on 2 ranks of 4 GiB: the largest live on disk behind caches
+    plan = plan_with_disk(ROWS, 128, 4.0, 20.0)
+    kernels = {name: ps.compute_kernel for module in plan.plan.values()
+               for name, ps in module.items()}
+    assert kernels["t_c0"] == "fused_uvm_caching" and kernels["t_c4"] == "fused"
+
+
+def test_disk_too_small_names_the_offload_dir_flag() -> None:
+    with pytest.raises(PlannerError) as info:
+        plan_with_disk(ROWS, 128, 4.0, 2.0)
+    assert info.value.shortfall is not None
+    assert info.value.shortfall.memory in ("disk", "memory (host + disk)")
+    text = str(planning_error_for_user(info.value))
+    per_rank = float(re.search(r"--offload-dir DIR` on a local disk with more free space: the "
+                               r"tables kept on disk need at most about (\d+\.\d\d) GiB per rank", text)[1])
+    assert 2.0 < per_rank < 22.0 / 2
+    assert "drop `--no-offload`" not in text
+    plan_with_disk(ROWS, 128, 4.0, per_rank + 0.1)
+
+
+def test_without_offload_the_error_offers_it() -> None:
+    with pytest.raises(PlannerError) as info:
+        plan_dlrm(ROWS, 128, 4.0)
+    assert "drop `--no-offload`" in str(planning_error_for_user(info.value, offload=False))
+    assert "--no-offload" not in str(planning_error_for_user(info.value, offload=True))

@@ -198,3 +198,39 @@ def test_evaluate_refuses_a_differently_encoded_dataset(data: Path, tmp_path: Pa
              pooling_factors=[1.0, 1.0, 3.0, 1.0], seed=1, row_group_size=256)
     result = evaluate_checkpoint(tmp_path / "run", split="test", data=str(same_encoding))
     assert result["num_examples"] == 300
+
+
+def test_tables_beyond_the_memory_budget_train_from_disk_to_the_same_model(tmp_path: Path) -> None:
+    # One table of 100,000 rows (3.6 MB with row-wise Adagrad) and two small ones; with 3 MB per
+    # rank the planner keeps the large one in a file behind a cache of about a quarter of its rows
+    data = tmp_path / "data"
+    generate(data, rows=8_000, num_dense=4, cardinalities=[100_000, 50, 1000],
+             pooling_factors=[1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0, rows_per_shard=4_000,
+             row_group_size=256)
+    memory = train(_config(data, tmp_path / "memory", max_steps=30, validate_every=15),
+                   progress=False)
+    budget_gib = 3e6 / 2**30
+    disk = train(_config(data, tmp_path / "disk", max_steps=30, validate_every=15,
+                         memory_per_rank=budget_gib), progress=False)
+    plan = json.loads((tmp_path / "disk" / "plan.json").read_text())
+    kernels = {name: ps["compute_kernel"] for module in plan.values() for name, ps in module.items()}
+    assert kernels == {"t_cat_0": "fused_uvm_caching", "t_cat_1": "fused", "t_cat_2": "fused"}
+    (cache,) = [ps["cache_params"] for module in plan.values() for ps in module.values()
+                if ps["cache_params"]]
+    assert 0.05 < cache["load_factor"] < 0.5, cache
+    assert [r["loss"] for r in _log(tmp_path / "disk", "train")] == \
+        [r["loss"] for r in _log(tmp_path / "memory", "train")]
+    assert disk["validation"] == memory["validation"]
+    # the best checkpoint of the offloaded run evaluates like the in-memory one, and the
+    # backing files are gone once training ended
+    on_disk, in_memory = (evaluate_checkpoint(tmp_path / run, split="test")
+                           for run in ("disk", "memory"))
+    assert on_disk.pop("checkpoint").endswith("step_00000025")
+    assert in_memory.pop("checkpoint").endswith("step_00000025")
+    assert on_disk == in_memory
+    assert list((tmp_path / "disk" / "offload").iterdir()) == []
+    # --no-offload turns the same budget into the planner's error naming the flags
+    with pytest.raises(ValueError, match="--memory-per-rank") as e:
+        train(_config(data, tmp_path / "refused", max_steps=2, memory_per_rank=budget_gib,
+                      offload=False), progress=False)
+    assert "drop `--no-offload`" in str(e.value)
