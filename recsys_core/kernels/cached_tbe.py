@@ -213,7 +213,8 @@ class CachedTableBatchedEmbedding(nn.Module):
         self.feature_table_map = list(feature_table_map)
         self.optimizer = optimizer
         self.caches = [
-            None if c is None else TableCache(slots=min(c.slots, r), algorithm=c.algorithm)
+            # an empty table (a shard with no rows) has nothing to cache
+            None if c is None or r == 0 else TableCache(slots=min(c.slots, r), algorithm=c.algorithm)
             for c, r in zip(caches, self.rows, strict=True)
         ]
         inner_rows = [r if c is None else c.slots for r, c in zip(self.rows, self.caches, strict=True)]

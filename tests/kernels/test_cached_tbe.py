@@ -241,3 +241,28 @@ def test_deepcopy_is_refused_with_advice() -> None:
 
     with pytest.raises(TypeError, match="checkpoint"):
         copy.deepcopy(_hand_kernel("lru"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_an_empty_table_with_a_cache_is_an_empty_table(backend: KernelBackend) -> None:
+    # a row-wise shard can have no rows: its cache is dropped, its bags pool to zeros, and the
+    # other (cached) table trains as usual
+    config = FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.5)
+    kernel = build_table_batched_embedding(
+        rows=[0, 4], dims=[4, 4], feature_table_map=[0, 1], pooling_mean=False, optimizer=config,
+        device=CPU, backend=backend, caches=[TableCache(slots=3), TableCache(slots=2)],
+    )
+    assert isinstance(kernel, CachedTableBatchedEmbedding)
+    assert kernel.caches[0] is None and kernel.caches[1].slots == 2
+    with torch.no_grad():
+        kernel.split_embedding_weights()[1].copy_(torch.arange(16.0).view(4, 4))
+    # batch of 2: feature 0 has empty bags, feature 1 bags [3] and [3, 1]
+    out = kernel(torch.tensor([3, 3, 1]), torch.tensor([0, 0, 0, 1, 3]))
+    w = torch.arange(16.0).view(4, 4)
+    torch.testing.assert_close(out, torch.cat([torch.zeros(2, 4), torch.stack([w[3], w[3] + w[1]])], 1))
+    out.sum().backward()
+    kernel.flush()
+    weights = kernel.split_embedding_weights()
+    assert weights[0].shape == (0, 4)
+    # SGD, lr 0.5, gradient of the sum: row 3 used twice (-1.0), row 1 once (-0.5)
+    torch.testing.assert_close(weights[1], w - torch.tensor([0.0, 0.5, 0.0, 1.0]).view(4, 1))
