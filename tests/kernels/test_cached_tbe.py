@@ -119,10 +119,13 @@ def test_cached_equals_uncached_after_steps(backend: KernelBackend, opt: EmbOpti
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
-def test_eviction_writes_trained_rows_back(backend: KernelBackend) -> None:
+@pytest.mark.parametrize("block", [256, 3], ids=["one_block", "blocks_of_3"])
+def test_eviction_writes_trained_rows_back(backend: KernelBackend, block: int) -> None:
     data = batches(6)
     plain = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False)
     cached = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False, caches=[None, 48, 24])
+    # rows move in blocks of `block` (sorted by row, each block's file pages dropped after it)
+    cached.move_block_rows = block
     train(plain, data)
     train(cached, data)
     store = cached.split_embedding_weights()[2]
