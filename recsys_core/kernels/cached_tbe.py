@@ -21,10 +21,18 @@ row); ``split_embedding_weights`` / ``split_optimizer_states`` return views of t
 the collections flush before exporting state and :meth:`invalidate` after importing it.
 
 Tables without a cache in the same kernel are held by the inner kernel as usual.
+
+On CPU, misses and write-backs move rows with ``pread`` / ``pwrite`` through the package's
+small C helper (``_rowio.c``, built at install when a C compiler is there), which maps nothing
+into the process; without it they go through the files' memory mappings, in blocks whose pages
+are dropped again (same results; measured 1.8x slower on the bench's 2-core machine, see
+``bench/offload.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import math
 import mmap
 import os
@@ -46,6 +54,30 @@ CACHE_ALGORITHMS = ("lru", "lfu")
 BOOKKEEPING_BYTES_PER_ROW = 8
 BOOKKEEPING_BYTES_PER_SLOT = 24
 _NEVER = torch.iinfo(torch.int64).max
+
+
+def _load_rowio() -> ctypes.CDLL | None:
+    """The C helper's row read/write functions, or None when the package was installed without
+    it (no C compiler at install time)."""
+    try:
+        spec = importlib.util.find_spec("recsys_core.kernels._rowio")
+        if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
+            return None
+        lib = ctypes.CDLL(spec.origin)
+    except (ImportError, OSError):
+        return None
+    args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    for fn in (lib.recsys_read_rows, lib.recsys_write_rows):
+        fn.restype, fn.argtypes = ctypes.c_int64, args
+    return lib
+
+
+_ROWIO = _load_rowio()
+
+
+def row_io_available() -> bool:
+    """Whether cached tables on CPU move rows with pread/pwrite (the C helper was built)."""
+    return _ROWIO is not None
 
 
 class CacheTooSmallError(RuntimeError):
@@ -87,9 +119,12 @@ class _FileTensor:
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        finally:
             os.unlink(path)
+        self._fd = fd  # for pread / pwrite of rows; closed with the object
         # Rows are read one by one at random: no read-ahead, and (on Linux) no mapping of the
         # neighbouring cached pages on each fault, which would pull far more than the rows
         # asked for into this process's resident memory.
@@ -97,6 +132,35 @@ class _FileTensor:
         flat = torch.frombuffer(self._map, dtype=torch.float32, count=rows * width)
         self.tensor = flat.view(rows, width)
         self._row_bytes = width * 4
+
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (int64) as a new ``[len(rows), width]`` tensor, read with pread."""
+        rows = rows.contiguous()
+        out = torch.empty(rows.numel(), self._row_bytes // 4)
+        self._check(_ROWIO.recsys_read_rows(
+            self._fd, rows.data_ptr(), rows.numel(), self._row_bytes, out.data_ptr()), "read")
+        return out
+
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (``[len(rows), width]`` float32) over rows ``rows`` with pwrite."""
+        rows, values = rows.contiguous(), values.contiguous()
+        assert values.dtype == torch.float32 and values.numel() * 4 == rows.numel() * self._row_bytes
+        self._check(_ROWIO.recsys_write_rows(
+            self._fd, rows.data_ptr(), rows.numel(), self._row_bytes, values.data_ptr()), "write")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(-rc, f"cached embedding kernel: cannot {what} rows of its backing file "
+                               f"({os.strerror(-rc)}); check the disk of --offload-dir / offload_dir")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
 
     def release(self, first_row: int = 0, last_row: int | None = None) -> None:
         """Drop the pages of rows ``first_row..last_row`` (default: all). The cost of the call
@@ -132,6 +196,23 @@ class _Store:
             name: (make(1).view(rows) if rowwise else make(dim))
             for name, rowwise in states.items()
         }
+        # the files in order: weight, then each state (for pread / pwrite of rows)
+        self.files = list(self._files)
+
+    def read_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Weights ``[n, dim]`` and states (``[n]`` row-wise, ``[n, dim]``) of ``rows``, read
+        without mapping the files (CPU with the C helper)."""
+        weight = self.files[0].read_rows(rows)
+        states = {}
+        for (name, state), f in zip(self.states.items(), self.files[1:], strict=True):
+            states[name] = f.read_rows(rows).view(-1, *state.shape[1:])
+        return weight, states
+
+    def write_rows(self, rows: torch.Tensor, weight: torch.Tensor,
+                   states: dict[str, torch.Tensor]) -> None:
+        self.files[0].write_rows(rows, weight)
+        for (name, _), f in zip(self.states.items(), self.files[1:], strict=True):
+            f.write_rows(rows, states[name])
 
     def release(self, rows: torch.Tensor | None = None) -> None:
         """Drop the backing pages of ``rows`` (sorted; default: every row) from memory."""
@@ -254,6 +335,8 @@ class CachedTableBatchedEmbedding(nn.Module):
             max_workers=max(1, min(len(self._tables), os.cpu_count() or 1)),
             thread_name_prefix="embedding-cache-table")
         self.move_block_rows = int(move_block_rows)
+        # rows move with pread / pwrite (the C helper) on CPU; False: through the mappings
+        self.row_io = _ROWIO is not None and device.type == "cpu"
         self.stats = CacheStats()
 
     # ---- the uncached kernel's interface -------------------------------------------------------
@@ -296,7 +379,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         for t, ts in self._tables.items():
             slots = torch.nonzero(ts.dirty & (ts.row_of_slot >= 0)).flatten()
             if slots.numel():
-                self._write_back(ts, weights[t], states[t], slots, ts.row_of_slot[slots])
+                self._store_rows(ts, weights[t], states[t], slots, ts.row_of_slot[slots])
                 ts.dirty[slots] = False
         self.release_memory()
 
@@ -503,11 +586,8 @@ class CachedTableBatchedEmbedding(nn.Module):
 
     @torch.no_grad()
     def _move(self, moves) -> None:
-        """Write evicted trained rows back, then load the missing rows, in blocks of
-        ``move_block_rows`` rows, the tables side by side in worker threads; each block's pages
-        of the backing files are dropped from this process's memory once copied (a fault maps
-        up to 16 neighbouring pages of the file that are in the page cache, so a block of 1024
-        rows mapped ~64 MB; blocks of 256 keep the bench within its budget)."""
+        """Write evicted trained rows back, then load the missing rows, the tables side by side
+        in worker threads (see :meth:`_store_rows` and :meth:`_load_rows`)."""
         weights = self.inner.split_embedding_weights()
         states = self.inner.split_optimizer_states()
         if len(moves) == 1:
@@ -519,40 +599,59 @@ class CachedTableBatchedEmbedding(nn.Module):
     def _move_table(self, weights, states, ts, t, write_slots, write_rows, load_slots,
                     load_rows) -> None:
         """One table's part of :meth:`_move`."""
-        step = self.move_block_rows
-        # In row order: a block then spans a small part of the file, and dropping its pages
-        # walks only that part (measured alone, 2M rows of 64 floats: 2.0 us per row loaded
-        # and dropped, against 4.5 us dropping the whole file's range after each block).
-        write_rows, order = torch.sort(write_rows)
-        write_slots = write_slots[order]
-        for lo in range(0, write_slots.numel(), step):
-            rows = write_rows[lo : lo + step]
-            self._write_back(ts, weights[t], states[t], write_slots[lo : lo + step], rows)
-            ts.store.release(rows)
-        store = ts.store
-        dev = weights[t].device
-        load_rows, order = torch.sort(load_rows)
-        load_slots = load_slots[order]
-        for lo in range(0, load_slots.numel(), step):
-            slots = load_slots[lo : lo + step].to(dev)
-            rows = load_rows[lo : lo + step]
-            # Through ``.data``: these slots belong to no batch in flight, and the in-flight
-            # batch's autograd (FBGEMM saves the weights for its backward) must not see the
-            # whole tensor as modified.
-            weights[t].data[slots] = store.weight[rows].to(dev, non_blocking=True)
-            for name, cached in states[t].items():
-                cached.data[slots] = store.states[name][rows].to(dev, non_blocking=True)
-            store.release(rows)
+        self._store_rows(ts, weights[t], states[t], write_slots, write_rows)
+        self._load_rows(ts, weights[t], states[t], load_slots, load_rows)
 
-    @staticmethod
-    def _write_back(
-        ts: _TableState, weight: torch.Tensor, states: dict[str, torch.Tensor],
-        slots: torch.Tensor, rows: torch.Tensor,
-    ) -> None:
+    def _blocks(self, slots: torch.Tensor, rows: torch.Tensor):
+        """(slots, rows) in row order, in blocks of ``move_block_rows`` rows (through the C
+        helper, which maps no pages, blocks of 65536 rows: they bound the copies a flush of a
+        large cache makes)."""
+        rows, order = torch.sort(rows)
+        slots = slots[order]
+        step = 65536 if self.row_io else self.move_block_rows
+        for lo in range(0, rows.numel(), max(step, 1)):
+            yield slots[lo : lo + step], rows[lo : lo + step]
+
+    def _store_rows(self, ts: _TableState, weight: torch.Tensor, states: dict[str, torch.Tensor],
+                    slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the cache's ``slots`` (weights and states) over backing ``rows``. Through the
+        memory mappings (no C helper, or pinned host memory on CUDA), each block's pages are
+        dropped once written: a fault maps up to 16 neighbouring pages of the file that are in
+        the page cache, so a block of 1024 rows mapped ~64 MB, and the blocks walk the file in
+        row order so that each drop covers a small part of it (measured alone, 2M rows of 64
+        floats: 2.0 us per row against 4.5 us dropping the whole range after each block)."""
         dev = weight.device
-        ts.store.weight[rows] = weight[slots.to(dev)].cpu()
-        for name, cached in states.items():
-            ts.store.states[name][rows] = cached[slots.to(dev)].cpu()
+        for block_slots, block_rows in self._blocks(slots, rows):
+            on = block_slots.to(dev)
+            values = weight[on].cpu()
+            state_values = {name: cached[on].cpu() for name, cached in states.items()}
+            if self.row_io and ts.store.files:
+                ts.store.write_rows(block_rows, values, state_values)
+            else:
+                ts.store.weight[block_rows] = values
+                for name, v in state_values.items():
+                    ts.store.states[name][block_rows] = v
+                ts.store.release(block_rows)
+
+    def _load_rows(self, ts: _TableState, weight: torch.Tensor, states: dict[str, torch.Tensor],
+                   slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Read backing ``rows`` into the cache's ``slots`` (as :meth:`_store_rows`, reversed).
+        Through ``.data``: these slots belong to no batch in flight, and the in-flight batch's
+        autograd (FBGEMM saves the weights for its backward) must not see the whole tensor as
+        modified."""
+        dev = weight.device
+        for block_slots, block_rows in self._blocks(slots, rows):
+            on = block_slots.to(dev)
+            if self.row_io and ts.store.files:
+                values, state_values = ts.store.read_rows(block_rows)
+            else:
+                values = ts.store.weight[block_rows]
+                state_values = {name: s[block_rows] for name, s in ts.store.states.items()}
+            weight.data[on] = values.to(dev, non_blocking=True)
+            for name, cached in states.items():
+                cached.data[on] = state_values[name].to(dev, non_blocking=True)
+            if not (self.row_io and ts.store.files):
+                ts.store.release(block_rows)
 
     def __deepcopy__(self, memo):
         raise TypeError(

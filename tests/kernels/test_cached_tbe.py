@@ -4,6 +4,8 @@ tables; eviction policies and write-back checked by hand; prefetch keeps results
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,7 @@ from recsys_core.kernels.cached_tbe import (
     CachedTableBatchedEmbedding,
     CacheTooSmallError,
     TableCache,
+    row_io_available,
 )
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.tbe import IdOutOfRangeError, build_table_batched_embedding, checked_lookup
@@ -100,15 +103,37 @@ CASES = [
 ]
 
 
+# How rows move between the backing files and the cache: pread/pwrite through the C helper
+# (built at install where a compiler is), or the files' memory mappings (the fallback).
+ROW_IO = ["pread", "mmap"]
+
+
+def use_row_io(kernel: CachedTableBatchedEmbedding, io: str) -> None:
+    if io == "pread" and not row_io_available():
+        pytest.skip("the C helper recsys_core/kernels/_rowio.c was not built")
+    kernel.row_io = io == "pread"
+
+
+def test_the_row_io_helper_is_built_where_ci_runs() -> None:
+    # CI installs with a C compiler: the fast path must be the one its tests exercise
+    if os.environ.get("CI") == "true":
+        assert row_io_available()
+    kernel = make(KernelBackend.TORCH, EmbOptimType.EXACT_SGD, False, False, caches=[None, 8, 8])
+    assert kernel.row_io is row_io_available()
+
+
 @pytest.mark.parametrize(("backend", "opt"), CASES, ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
-def test_cached_equals_uncached_after_steps(backend: KernelBackend, opt: EmbOptimType, mean: bool) -> None:
+@pytest.mark.parametrize("io", ROW_IO)
+def test_cached_equals_uncached_after_steps(backend: KernelBackend, opt: EmbOptimType, mean: bool,
+                                            io: str) -> None:
     weighted = not mean or backend is KernelBackend.TORCH  # FBGEMM-CPU weighted MEAN is refused
     data = batches(10, weighted=weighted)
     plain = make(backend, opt, mean, weighted)
     # table 0 uncached; tables 1 and 2 hold 48 of 100 and 24 of 300 rows: every batch misses
     cached = make(backend, opt, mean, weighted, caches=[None, 48, 24])
     assert isinstance(cached, CachedTableBatchedEmbedding)
+    use_row_io(cached, io)
     expected = train(plain, data)
     got = train(cached, data)
     for a, b in zip(expected, got, strict=True):
@@ -119,12 +144,15 @@ def test_cached_equals_uncached_after_steps(backend: KernelBackend, opt: EmbOpti
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
-@pytest.mark.parametrize("block", [256, 3], ids=["one_block", "blocks_of_3"])
-def test_eviction_writes_trained_rows_back(backend: KernelBackend, block: int) -> None:
+@pytest.mark.parametrize(("io", "block"), [("pread", 256), ("mmap", 256), ("mmap", 3)],
+                         ids=["pread", "mmap_one_block", "mmap_blocks_of_3"])
+def test_eviction_writes_trained_rows_back(backend: KernelBackend, io: str, block: int) -> None:
     data = batches(6)
     plain = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False)
     cached = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False, caches=[None, 48, 24])
-    # rows move in blocks of `block` (sorted by row, each block's file pages dropped after it)
+    use_row_io(cached, io)
+    # through the mappings rows move in blocks of `block` (sorted by row, each block's file
+    # pages dropped after it)
     cached.move_block_rows = block
     train(plain, data)
     train(cached, data)
