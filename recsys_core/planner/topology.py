@@ -31,11 +31,12 @@ DEFAULT_CUDA_INTRA_HOST_BW = 600 * GB / MS  # INTRA_NODE_BANDWIDTH (NVLink)
 # 64 MiB all-to-all between 2 ranks on the 2-vCPU development VM (bigger hosts do better).
 DEFAULT_CPU_INTRA_HOST_BW = 1 * GB / MS
 DEFAULT_INTER_HOST_BW = 12.5 * GB / MS  # CROSS_NODE_BANDWIDTH (a 100 Gb/s NIC per rank)
-# Local disk under the backing files of cached tables on CPU (TorchRec's SSD_MEM_BW is 100 MiB/s).
-# A placeholder for random row reads and write-backs through a memory-mapped file on an NVMe
-# drive, partly served by the page cache: bench/offload.py measures the cached kernel on this
-# machine and is where this figure should be calibrated.
-DEFAULT_SSD_MEM_BW = 1 * GB / MS
+# Local disk under the backing files of cached tables on CPU (TorchRec's SSD_MEM_BW is 100 MiB/s):
+# the bytes of missed rows read plus evicted rows written back, per second of step time they
+# add. bench/offload.py on the 2-vCPU development VM (rows of 260 bytes, pread/pwrite, files
+# served by the page cache): 8.9 MB per step added 53 ms (Zipf ids), 15.9 MB added 99 ms
+# (uniform), 0.16-0.17 GB/s. Random small rows make this a latency figure, not a bandwidth one.
+DEFAULT_SSD_MEM_BW = 0.16 * GB / MS
 # TorchRec's BWD_COMPUTE_MULTIPLIER: backward scatters gradients and the fused optimizer
 # read-modify-writes every touched row, about twice the forward's memory traffic.
 DEFAULT_BWD_COMPUTE_MULTIPLIER = 2.0

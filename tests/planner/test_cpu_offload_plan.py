@@ -183,7 +183,7 @@ def test_a_fixed_load_factor_is_used_exactly() -> None:
 
 def test_topology_takes_disk_on_cpu_only() -> None:
     cpu = Topology(2, "cpu", ddr_cap=GIB, ssd_cap=10 * GIB)
-    assert (cpu.ssd_cap, cpu.ssd_mem_bw, DEFAULT_SSD_MEM_BW) == (10 * GIB, 1e6, 1e6)  # 1 GB/s
+    assert (cpu.ssd_cap, cpu.ssd_mem_bw, DEFAULT_SSD_MEM_BW) == (10 * GIB, 1.6e5, 1.6e5)  # 0.16 GB/s
     assert cpu.devices[1].storage == Storage(0, GIB, 10 * GIB)
     assert Topology(2, "cpu").ssd_cap == 0  # None: no disk tier
     with pytest.raises(ValueError, match=r"ssd_cap must be a number >= 0"):
