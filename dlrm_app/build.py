@@ -45,6 +45,13 @@ def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _existing_ancestor(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path.cwd()
+
+
 def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
                 ) -> DistributedModelParallel:
     """The DLRM sharded over the world (plan from ``config.plan`` or the planner), initialized
@@ -59,7 +66,6 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
     offload_dir = None
     if config.offload:
         offload_dir = Path(config.offload_dir) if config.offload_dir else Path(config.out) / "offload"
-        offload_dir.mkdir(parents=True, exist_ok=True)
     sharder = EmbeddingBagCollectionSharder(fused_params={
         "optimizer": _FUSED[config.embedding_optimizer],
         "learning_rate": config.embedding_learning_rate,
@@ -70,12 +76,23 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
     env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
            else ShardingEnv.from_local(1, 0))
     if plan is None:
+        # the disk free where the files would go (the directory is made only when needed)
+        disk = None if offload_dir is None else _existing_ancestor(offload_dir)
         topology = topology_for_run(env.world_size, env.local_world_size, device,
-                                    config.memory_per_rank, offload_dir)
+                                    config.memory_per_rank, disk)
         try:
             plan = plan_for_env(model, env, [sharder], device, topology=topology)
         except PlannerError as e:
             raise planning_error_for_user(e, config.offload) from None
+    if offload_dir is not None and any(
+            ps.compute_kernel == "fused_uvm_caching"
+            for module in plan.plan.values() for ps in module.values()):
+        try:
+            offload_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--offload-dir {offload_dir}: cannot create the directory for the "
+                             f"tables kept on disk ({e.strerror}); pass a writable directory on a "
+                             "local disk") from None
     dmp = DistributedModelParallel(model, device=device, env=env, plan=plan, sharders=[sharder])
     torch.manual_seed(config.seed)
     for module in dmp.module.modules():

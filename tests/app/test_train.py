@@ -229,6 +229,7 @@ def test_tables_beyond_the_memory_budget_train_from_disk_to_the_same_model(tmp_p
     assert in_memory.pop("checkpoint").endswith("step_00000025")
     assert on_disk == in_memory
     assert list((tmp_path / "disk" / "offload").iterdir()) == []
+    assert not (tmp_path / "memory" / "offload").exists()  # made only for tables on disk
     # --no-offload turns the same budget into the planner's error naming the flags
     with pytest.raises(ValueError, match="--memory-per-rank") as e:
         train(_config(data, tmp_path / "refused", max_steps=2, memory_per_rank=budget_gib,
