@@ -81,6 +81,7 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         # collection exposes. The kernel lives on its construction device; train() is forwarded.
         object.__setattr__(self, "_emb_module", emb_module)
         self.optimizer = optimizer
+        self.managed_caching = any(caching)
         self._state_names = optimizer.optimizer.state_names
 
     def train(self, mode: bool = True) -> FbgemmTableBatchedEmbedding:
@@ -97,7 +98,21 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         return self._emb_module(indices, offsets, per_sample_weights)
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
+        """Per table a view of its weights; for a managed-caching table, of the UVM copy, which
+        is current only after :meth:`flush` (FBGEMM's cache holds trained rows until then)."""
         return list(self._emb_module.split_embedding_weights())
+
+    def flush(self) -> None:
+        """Write the rows trained in FBGEMM's device cache back to UVM (managed caching)."""
+        if self.managed_caching:
+            self._emb_module.flush()
+
+    def invalidate(self) -> None:
+        """After the UVM weights were written from outside (a checkpoint load): write back what
+        the cache trained, then forget its rows so that lookups read UVM again."""
+        if self.managed_caching:
+            self._emb_module.flush()
+            self._emb_module.reset_cache_states()
 
     def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
         if not self._state_names:

@@ -297,3 +297,40 @@ def test_an_empty_table_with_a_cache_is_an_empty_table(backend: KernelBackend) -
     assert weights[0].shape == (0, 4)
     # SGD, lr 0.5, gradient of the sum: row 3 used twice (-1.0), row 1 once (-0.5)
     torch.testing.assert_close(weights[1], w - torch.tensor([0.0, 0.5, 0.0, 1.0]).view(4, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [KernelBackend.TORCH, KernelBackend.FBGEMM], ids=lambda b: b.name)
+def test_cached_on_cuda_equals_uncached(backend: KernelBackend) -> None:
+    # CUDA: the torch kernel caches in device memory over pinned host memory; with FBGEMM's
+    # CUDA build, FBGEMM's UVM caching kernel. Either way: the uncached kernel's results.
+    if backend is KernelBackend.FBGEMM and not fbgemm_available():
+        pytest.skip("FBGEMM is not installed")
+    cuda = torch.device("cuda")
+    config = FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05,
+                                  eps=1e-3)
+
+    def build(caches):
+        kernel = build_table_batched_embedding(
+            rows=ROWS, dims=DIMS, feature_table_map=FEATURE_TABLE_MAP, pooling_mean=False,
+            optimizer=config, device=cuda, backend=backend, weighted=True, caches=caches)
+        gen = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for w in kernel.split_embedding_weights():
+                w.copy_(torch.rand(w.shape, generator=gen) - 0.5)
+        if hasattr(kernel, "invalidate"):
+            kernel.invalidate()  # the weights were written behind the cache
+        return kernel
+
+    data = [tuple(None if x is None else x.to(cuda) for x in step)
+            for step in batches(10, weighted=True)]
+    plain = build([])
+    cached = build([None, TableCache(slots=48), TableCache(slots=24)])
+    for a, b in zip(train(plain, data), train(cached, data), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    cached.flush()
+    for w, v in zip(cached.split_embedding_weights(), plain.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(w.cpu(), v.cpu(), rtol=0, atol=1e-5)
+    for s, t in zip(cached.split_optimizer_states(), plain.split_optimizer_states(), strict=True):
+        for name in t:
+            torch.testing.assert_close(s[name].cpu(), t[name].cpu(), rtol=0, atol=1e-5)

@@ -231,14 +231,19 @@ class LocalKernels(nn.Module):
         for kernel in self.cached_kernels():
             kernel.drop_prefetched()
 
+    def _caching_kernels(self) -> list[nn.Module]:
+        """The kernels with a cache to flush: ours, and FBGEMM's UVM caching on CUDA."""
+        return [k for k in self.kernels
+                if isinstance(k, CachedTableBatchedEmbedding) or getattr(k, "managed_caching", False)]
+
     def flush_caches(self) -> None:
         """Write trained cached rows back: the views :meth:`local_shards` gives are current."""
-        for kernel in self.cached_kernels():
+        for kernel in self._caching_kernels():
             kernel.flush()
 
     def invalidate_caches(self) -> None:
         """Reread cached tables from their backing store (after it was written from outside)."""
-        for kernel in self.cached_kernels():
+        for kernel in self._caching_kernels():
             kernel.invalidate()
 
     def local_shards(self) -> list[tuple[ShardSpec, torch.Tensor, dict[str, torch.Tensor]]]:
