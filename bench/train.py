@@ -420,8 +420,9 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit("--worker runs under torchrun; run `python bench/train.py` instead")
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = DatasetSpec.load(args.data)
+    # tables in memory (no run directory to keep offloaded tables in)
     config = TrainConfig(data=args.data, out=os.devnull, model=model_config(args),
-                         batch_size=args.batch_size, seed=args.seed)
+                         batch_size=args.batch_size, seed=args.seed, offload=False)
     bench = IMPLS[args.impl](config, spec, device)
 
     def loader(prefetch: int) -> ParquetLoader:  # the order of train(): same for both impls

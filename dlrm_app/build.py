@@ -47,7 +47,7 @@ def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
 
 def _existing_ancestor(path: Path) -> Path:
     for candidate in (path, *path.parents):
-        if candidate.exists():
+        if candidate.is_dir():
             return candidate
     return Path.cwd()
 
