@@ -200,6 +200,8 @@ def no_fit_error(
     # As TorchRec: enough memory in all, but not in the pieces the allowed layouts make
     error_type = (PlannerErrorType.INSUFFICIENT_STORAGE if needed > usable
                   else PlannerErrorType.STRICT_CONSTRAINTS)
+    if with_disk:  # what the ranks have of the tier named short, not of memory and disk together
+        usable = topology.world_size * (ssd_budget if kind == "disk" else ddr_budget)
     return PlannerError(f"{summary} {remedies(kind, topology)}", error_type, MemoryShortfall(
         summary=summary, memory=kind, needed_bytes=needed, usable_bytes=usable,
         reservation=reservation, topology=topology, tables=tables,

@@ -217,6 +217,18 @@ def test_too_little_disk_on_any_one_rank_names_the_disk() -> None:
                      r"on a rank.*1\.50 GiB of disk.*Short: disk\.", message), message
     assert "larger Topology ssd_cap" in message and "offload_dir" in message
     assert info.value.shortfall is not None and info.value.shortfall.memory == "disk"
+    assert info.value.shortfall.usable_bytes == 2 * (3 * GIB // 2)  # the disk, not disk + memory
+
+
+def test_a_table_short_of_memory_on_every_rank_reports_the_memory_alone() -> None:
+    # t0 (16M rows) needs 128 MB of row bookkeeping in memory on whichever rank takes it;
+    # each rank has 0.85 x 128 MiB: the shortfall is of memory, with the memory's figures
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=128 * MIB, ssd_cap=64 * GIB)
+    with pytest.raises(PlannerError) as info:
+        plan([16_000_000, 1000], topology, table_wise(2))
+    shortfall = info.value.shortfall
+    assert shortfall is not None and shortfall.memory == "host memory", str(info.value)
+    assert shortfall.usable_bytes == pytest.approx(2 * 0.85 * 128 * MIB)
 
 
 def test_too_little_memory_for_the_caches_names_the_memory() -> None:
