@@ -63,7 +63,10 @@ def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
         raise ValueError(f"dataset {data} has other sparse features or table sizes than the "
                          f"one the model was trained on ({config.data}); encode it with "
                          f"`dlrm-app preprocess ... --like {config.data}`")
-    config_for_eval = TrainConfig.from_json_dict({**config.to_json_dict(), "plan": None})
+    # Planned afresh for this world and this machine: the run's --memory-per-rank budgeted its
+    # training world (another number of ranks, another batch per rank), not this one.
+    config_for_eval = TrainConfig.from_json_dict(
+        {**config.to_json_dict(), "plan": None, "memory_per_rank": None})
     model = build_model(config_for_eval, spec, device)
     load_checkpoint(path, model=model, optimizer=None, extra={})
     return model, config, spec, path

@@ -50,6 +50,8 @@ inter-host link, and the rank's own share is free.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from recsys_core.kernels.config import EmbOptimType
@@ -260,8 +262,30 @@ def fitting_load_factor(room: np.ndarray, rows: np.ndarray, slot_bytes: np.ndarr
     return np.where(rows > 0, lf, np.inf)
 
 
+# The cached kernel keeps the rows of the batch in flight locked while the pipeline brings the
+# next batch's rows in: a cache must hold the distinct rows of two batches. A rank's batch sends
+# a table ``ids_per_batch`` ids on average (its pooling factors), any one shard at most all of
+# them; 2.5x leaves a quarter for batches with more ids than the average.
+CACHE_BATCHES = 2.5
+
+
+def least_load_factor(option: Candidate) -> float:
+    """The smallest load factor the planner gives ``option``'s cache: the constraints' factor
+    if fixed, else at least MIN_CACHE_LOAD_FACTOR and enough slots on every shard for
+    ``CACHE_BATCHES`` x the ids a rank's batch sends the table (or all its rows)."""
+    if option.load_factor:
+        return option.load_factor
+    rows = np.asarray(option.shard_rows, dtype=np.float64)
+    if not option.is_caching or not rows.size:
+        return MIN_CACHE_LOAD_FACTOR
+    need = np.minimum(rows, np.ceil(CACHE_BATCHES * option.table.ids_per_batch))
+    needed = float((need / np.maximum(rows, 1.0)).max())
+    scale = 10.0**LOAD_FACTOR_DECIMALS
+    return min(MAX_CACHE_LOAD_FACTOR, max(MIN_CACHE_LOAD_FACTOR, math.ceil(needed * scale) / scale))
+
+
 def storage_bytes(option: Candidate, load_factor: float | None = None) -> float:
     """Total bytes (every tier) of all shards of ``option`` (cache at ``load_factor``; None: the
     constraints' load factor, else the smallest the planner gives)."""
-    lf = load_factor if load_factor is not None else (option.load_factor or MIN_CACHE_LOAD_FACTOR)
+    lf = load_factor if load_factor is not None else least_load_factor(option)
     return float(option.memory(lf).sum())

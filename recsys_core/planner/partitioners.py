@@ -32,8 +32,8 @@ from recsys_core.plan.types import EmbeddingComputeKernel
 from recsys_core.planner.estimators import (
     DEFAULT_CACHE_LOAD_FACTOR,
     MAX_CACHE_LOAD_FACTOR,
-    MIN_CACHE_LOAD_FACTOR,
     fitting_load_factor,
+    least_load_factor,
     storage_bytes,
 )
 from recsys_core.planner.storage import Tier
@@ -153,7 +153,8 @@ class _State:
 
 
 def _cache_load_factors(
-    rows: np.ndarray, slot_bytes: np.ndarray, load_factor: float | None, room: np.ndarray
+    rows: np.ndarray, slot_bytes: np.ndarray, load_factor: float | None, room: np.ndarray,
+    least: float = 0.0,
 ) -> np.ndarray:
     """Load factor each placement could give its cache (0 where it cannot have one).
 
@@ -165,7 +166,8 @@ def _cache_load_factors(
         return np.where(fits, load_factor, 0.0)
     fits = fitting_load_factor(room, rows, slot_bytes).min(axis=1)
     fits = np.where((room >= 0).all(axis=1), fits, 0.0)
-    return np.minimum(fits, DEFAULT_CACHE_LOAD_FACTOR)
+    # the default factor, or the least this cache can run with where that is more
+    return np.minimum(fits, max(DEFAULT_CACHE_LOAD_FACTOR, least))
 
 
 def _place(option: Candidate, st: _State) -> Assignment | None:
@@ -187,9 +189,10 @@ def _place(option: Candidate, st: _State) -> Assignment | None:
     if option.is_caching:
         others = [t for t in Tier if t is not option.cache_tier]
         ok = (room[others] >= 0).all(axis=(0, 2))
+        least = least_load_factor(option)
         lf = _cache_load_factors(option.shard_rows[shards], option.slot_bytes[shards],
-                                 option.load_factor, room[option.cache_tier])
-        ok &= lf >= MIN_CACHE_LOAD_FACTOR
+                                 option.load_factor, room[option.cache_tier], least)
+        ok &= lf >= least
         load = cost + shard_cost + (1.0 - lf[:, None]) * shard_miss
     else:
         ok = (room >= 0).all(axis=(0, 2))
@@ -239,20 +242,41 @@ class GreedyPartitioner:
 
         ``deadline`` (a ``time.perf_counter()`` value) stops the local search early; the greedy
         placement always completes."""
-        st = _State(self._topology, self._budgets, len(options))
         tiers = {key: _by_tier(opts) for key, opts in options.items()}
         cheapest = {
             key: min(o.total_cost(DEFAULT_CACHE_LOAD_FACTOR) for o in t[0]) for key, t in tiers.items()
         }
         size = {key: min(storage_bytes(o) for o in opts) for key, opts in options.items()}
         order = sorted(options, key=lambda key: (-cheapest[key], -size[key], key))
-        rest = sum(cheapest.values())
-        for key in order:
-            rest -= cheapest[key]
-            choice = self._choose(tiers[key], st, rest)
-            if choice is None:
-                return self._result(options, st), key
-            st.add(key, choice)
+        # With disk on CPU, memory is kept for the tables still to place (the least memory each
+        # can take: its cache, bookkeeping and buffers): otherwise the first, largest tables take
+        # it fused and the small ones placed last find none, though caching a large one would
+        # have made room for all.
+        keep = self._keep_tier()
+        least = ({key: min(float(o.memory(least_load_factor(o))[keep].sum())
+                           for o in opts) for key, opts in options.items()}
+                 if keep is not None else {})
+        # The tables placed last may take more than their least (data-parallel copies on every
+        # rank): when the greedy pass runs out, it runs again keeping 2x, 4x, 8x that much.
+        for scale in (1.0, 2.0, 4.0, 8.0) if keep is not None else (1.0,):
+            st = _State(self._topology, self._budgets, len(options))
+            rest = sum(cheapest.values())
+            reserve = scale * sum(least.values())
+            failed = None
+            for key in order:
+                rest -= cheapest[key]
+                reserve -= scale * least.get(key, 0.0)
+                choice = self._choose(tiers[key], st, rest, keep, reserve)
+                if choice is None:
+                    failed = key
+                    break
+                st.add(key, choice)
+            if failed is None:
+                break
+            if scale == 1.0:  # the error describes the first pass
+                first_failure = (self._result(options, st), failed)
+        else:
+            return first_failure
         self._local_search(
             tiers, st, max_moves if max_moves is not None else 4 * len(options) + 64, deadline
         )
@@ -264,8 +288,34 @@ class GreedyPartitioner:
         used = self._budgets[:, None] - st.free
         return Partition(ordered, st.cost.copy(), used[Tier.HBM], used[Tier.DDR], used[Tier.SSD])
 
+    def _keep_tier(self) -> Tier | None:
+        """The tier whose room the greedy pass keeps for later tables: host memory on a CPU
+        topology with disk; None elsewhere (placement as without caching)."""
+        if self._topology.is_cuda or self._budgets[Tier.SSD] <= 0:
+            return None
+        return Tier.DDR
+
     def _choose(
-        self, tiers: list[list[Candidate]], st: _State, rest: float
+        self, tiers: list[list[Candidate]], st: _State, rest: float,
+        keep: Tier | None = None, reserve: float = 0.0,
+    ) -> Assignment | None:
+        """The best assignment from the first tier with one that fits; with ``keep``, one that
+        leaves ``reserve`` bytes of that tier free over all ranks, else the one that fits taking
+        least of that tier."""
+        if keep is None or reserve <= 0:
+            return self._pick(tiers, st, rest, None, 0.0)
+        chosen = self._pick(tiers, st, rest, keep, reserve)
+        if chosen is not None:
+            return chosen
+        fitting = [a for options in tiers for option in options
+                   if (a := _place(option, st)) is not None]
+        if not fitting:
+            return None
+        return min(fitting, key=lambda a: (float(a.memory[keep].sum()), float(a.cost.sum())))
+
+    def _pick(
+        self, tiers: list[list[Candidate]], st: _State, rest: float, keep: Tier | None,
+        reserve: float,
     ) -> Assignment | None:
         world = self._topology.world_size
         current_max = float(st.cost.max())
@@ -275,6 +325,8 @@ class GreedyPartitioner:
             for index, option in enumerate(options):
                 a = _place(option, st)
                 if a is None:
+                    continue
+                if keep is not None and float(st.free[keep].sum() - a.memory[keep].sum()) < reserve:
                     continue
                 loads = st.cost[a.ranks] + a.cost
                 new_max = max(current_max, float(loads.max()))

@@ -23,6 +23,7 @@ from recsys_core.planner.errors import (
 from recsys_core.planner.estimators import (
     CPU_CACHE_ROW_BOOKKEEPING_BYTES,
     MIN_CACHE_LOAD_FACTOR,
+    least_load_factor,
     storage_bytes,
 )
 from recsys_core.planner.partitioners import KERNEL_TIERS, Partition, TableKey
@@ -184,7 +185,7 @@ def no_fit_error(
                  if need[t] > free[t, r]]
         if short == ["disk"]:
             kind = "disk"
-        cache = (f" (its cache at load factor {compact.load_factor or MIN_CACHE_LOAD_FACTOR:g}, "
+        cache = (f" (its cache at load factor {least_load_factor(compact):g}, "
                  "row bookkeeping and buffers)" if compact.is_caching else "")
         summary = (
             f"{table} needs {_gib(need[Tier.DDR])} of host memory{cache} and "
@@ -228,7 +229,7 @@ def memory_origin(topology: Topology) -> str:
 
 def _least(option: Candidate) -> np.ndarray:
     """Bytes per tier and shard of ``option`` with the smallest cache the planner gives it."""
-    return option.memory(option.load_factor or MIN_CACHE_LOAD_FACTOR)
+    return option.memory(least_load_factor(option))
 
 
 # ---- formatting ---------------------------------------------------------------------------------
@@ -279,7 +280,7 @@ def _largest(tables: Sequence[TableMemory]) -> str:
 def _tables(
     specs: Mapping[TableKey, TableSpec], options: Mapping[TableKey, Sequence[Candidate]]
 ) -> tuple[TableMemory, ...]:
-    need = {key: min(storage_bytes(o, MIN_CACHE_LOAD_FACTOR) for o in opts)
+    need = {key: min(storage_bytes(o) for o in opts)
             for key, opts in options.items()}
     return tuple(
         TableMemory(table=specs[key].name, module=specs[key].path,

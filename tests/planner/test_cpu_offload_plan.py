@@ -363,3 +363,26 @@ def test_summary_prints_memory_disk_and_misses_per_rank() -> None:
             f"[{p[name].ranks[0]}]", f"{lf:.6g}", f"{math.ceil(lf * rows) * SLOT / GIB:.2f}",
             f"{rows * ROW / GIB:.2f}", f"{misses:.0f}", f"{misses * ROW / MIB:.2f}",
         ]
+
+
+def test_memory_is_kept_for_the_tables_placed_last() -> None:
+    # t0 (40k rows, 10.9 MB fused) would fit alone, but ten small tables (~0.8 MB each with
+    # their buffers) need the memory too: 19 MB fused in all against 15 MB usable. Placing t0
+    # fused first would leave the small ones short; the plan caches t0 and keeps them fused.
+    rows = [40_000] + [1000] * 10
+    topology = Topology(world_size=1, compute_device="cpu", ddr_cap=15e6 / 0.85, ssd_cap=GIB)
+    sharding, planner = plan(rows, topology, table_wise(len(rows)))
+    kernels = {name: ps.compute_kernel for name, ps in sharding.plan[""].items()}
+    assert kernels == {"t0": CACHING, **{f"t{i}": FUSED for i in range(1, 11)}}
+
+
+def test_a_cache_holds_two_batches_of_ids_and_a_quarter() -> None:
+    # The kernel locks the rows of the batch in flight while the next one is brought in: with
+    # 1024 one-hot ids per batch, a 40k-row table's cache gets at least 2.5 x 1024 slots
+    # (load factor 0.064), not the 1% floor, even where memory is short.
+    rows = [40_000] + [1000] * 10
+    topology = Topology(world_size=1, compute_device="cpu", ddr_cap=15e6 / 0.85, ssd_cap=GIB)
+    sharding, _ = plan(rows, topology, table_wise(len(rows)))
+    load_factor = sharding.plan[""]["t0"].cache_params.load_factor
+    assert load_factor >= 2.5 * 1024 / 40_000
+    assert math.ceil(load_factor * 40_000) >= 2560
