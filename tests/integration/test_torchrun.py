@@ -346,3 +346,32 @@ def test_failing_rank_and_its_peer_each_print_one_line(data: Path, tmp_path: Pat
         "cannot go on; fix that error and rerun (--resume continues from the last checkpoint)"])
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr.split(
         "torch/distributed/elastic")[0]
+
+
+def test_two_ranks_train_tables_beyond_memory_like_the_same_plan_in_memory(tmp_path: Path) -> None:
+    # A 100k-row table over 2 ranks with 1.5 MB of memory each: the planner keeps it row-wise
+    # in files behind caches. The same plan with the table in memory (--plan, fused) trains to
+    # the same losses and validation: the cache (with the pipeline's prefetch) changes nothing.
+    data = tmp_path / "data"
+    generate(data, rows=8_000, num_dense=4, cardinalities=[100_000, 50, 1000],
+             pooling_factors=[1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0, rows_per_shard=4_000,
+             row_group_size=BATCH)
+    flags = [*COMMON, "--batch-size", str(BATCH), "--max-steps", "30", "--no-shuffle"]
+    cached = _run(2, "train", "--data", str(data), "--out", str(tmp_path / "cached"), *flags,
+                  "--memory-per-rank", str(1.5e6 / 2**30))
+    plan = json.loads((tmp_path / "cached" / "plan.json").read_text())
+    table = plan["sparse_arch.embedding_bag_collection"]["t_cat_0"]
+    assert table["compute_kernel"] == "fused_uvm_caching", plan
+    assert 0.05 < table["cache_params"]["load_factor"] < 1.0
+    for module in plan.values():
+        for sharding in module.values():
+            sharding["compute_kernel"], sharding["cache_params"] = "fused", None
+    (tmp_path / "in_memory.json").write_text(json.dumps(plan))
+    in_memory = _run(2, "train", "--data", str(data), "--out", str(tmp_path / "memory"), *flags,
+                     "--plan", str(tmp_path / "in_memory.json"))
+    l1, l2 = _losses(tmp_path / "memory"), _losses(tmp_path / "cached")
+    assert sorted(l1) == sorted(l2) == list(range(1, 31))
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], abs=1e-6), step
+    for key in ("auc", "ne", "logloss"):
+        assert cached["validation"][key] == pytest.approx(in_memory["validation"][key], abs=1e-6)
