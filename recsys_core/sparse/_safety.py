@@ -20,6 +20,8 @@ checked by construction. Errors are ``ValueError`` naming the key and batch posi
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,32 @@ if TYPE_CHECKING:
 
 _OWNER = "KeyedJaggedTensor"
 _UNSIGNED = {torch.int64: np.uint64, torch.int32: np.uint32}
+
+
+def _load_native() -> dict[torch.dtype, object] | None:
+    """The one-pass sums of ``_native.c`` per lengths dtype, or None when the package was
+    installed without it (no C compiler at install time)."""
+    try:
+        spec = importlib.util.find_spec("recsys_core.sparse._native")
+        if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
+            return None
+        lib = ctypes.CDLL(spec.origin)
+    except (ImportError, OSError):
+        return None
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    out = {}
+    for dtype, fn in ((torch.int64, lib.recsys_key_sums_i64), (torch.int32, lib.recsys_key_sums_i32)):
+        fn.restype, fn.argtypes = ctypes.c_int64, args
+        out[dtype] = fn
+    return out
+
+
+_NATIVE = _load_native()
+
+
+def native_available() -> bool:
+    """Whether the one-pass C helper for KJT lengths was built with the package."""
+    return _NATIVE is not None
 
 
 def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
@@ -102,6 +130,13 @@ def _sums_in_range(
     num_values: int,
 ) -> list[int]:
     """Per-key sums, after proving every length is in ``[0, num_values]``."""
+    if fixed and _NATIVE is not None and lengths.device.type == "cpu" and lengths.is_contiguous():
+        fn = _NATIVE.get(lengths.dtype)
+        if fn is not None:  # both in one pass; out of range: the checks below name the entry
+            sums = np.empty(len(keys), dtype=np.int64)
+            if fn(lengths.data_ptr(), len(keys), stride_per_key[0], num_values,
+                  sums.ctypes.data) == 0:
+                return sums.tolist()
     _check_in_range(_OWNER, keys, stride_per_key, lengths, num_values)
     if fixed:
         sums: list[int] = lengths.view(len(keys), stride_per_key[0]).sum(1).tolist()
