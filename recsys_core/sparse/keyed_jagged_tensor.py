@@ -359,7 +359,10 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         """Start of each key in ``values`` plus the end: ``len(keys) + 1`` host ints."""
         offset_per_key = self._offset_per_key
         if offset_per_key is None:
-            offset_per_key = _jit_ops.cumsum(self.length_per_key())
+            length_per_key = self.length_per_key()
+            # the safety check behind length_per_key may have cached the offsets too
+            cached = self._offset_per_key
+            offset_per_key = cached if cached is not None else _jit_ops.cumsum(length_per_key)
             self._offset_per_key = offset_per_key
         return offset_per_key
 
