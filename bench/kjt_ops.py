@@ -19,8 +19,11 @@ that drift and allocator state hit them equally):
   regroup_fwd_bwd   the same plus backward of a fixed output gradient
 
 Reference lines (``impl``): ``fbgemm_forced`` is the FBGEMM kernel where the library picked
-torch (shows why), ``copy_floor`` is one ``clone()`` of the data the op must move.
-Prints one JSON line per (op, impl). Usage: python bench/kjt_ops.py [--batch-size 4096]
+torch (shows why; TorchRec's CPU permute runs this kernel), ``copy_floor`` is one ``clone()`` of
+the data the op must move, ``recsys_core_torch_path`` is the library with its optional C helper
+switched off (what an install without a C compiler runs).
+Prints one JSON line per (op, impl).
+Usage: python bench/kjt_ops.py [--batch-size 4096] [--only permute construct]
 """
 
 from __future__ import annotations
@@ -34,12 +37,23 @@ from collections.abc import Callable
 import torch
 
 from recsys_core.kernels import sparse_ops
-from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, _native_lib
 
 NUM_KEYS = 26
 ONE_HOT_KEYS = 13
 MAX_BAG = 40
 EMBEDDING_DIM = 128
+OPS = [
+    "construct",
+    "construct_nosync",
+    "validate",
+    "permute",
+    "split",
+    "to_dict",
+    "to_dict_offsets",
+    "regroup",
+    "regroup_fwd_bwd",
+]
 
 
 def make_batch(batch: int, seed: int = 0) -> tuple[list[str], torch.Tensor, torch.Tensor]:
@@ -89,7 +103,17 @@ def naive_extents(keys: list[str], lengths: torch.Tensor, batch: int) -> list[tu
     return extents
 
 
-def bench_ops(batch: int, budget_s: float) -> list[dict[str, object]]:
+def torch_path(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the optional C helper (``recsys_core/sparse/_native.c``) switched off."""
+
+    def run() -> object:
+        with _native_lib.torch_path_only():
+            return fn()
+
+    return run
+
+
+def bench_ops(batch: int, budget_s: float, only: set[str] | None = None) -> list[dict[str, object]]:
     keys, values, lengths = make_batch(batch)
     kjt = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
     lpk = kjt.length_per_key()
@@ -144,7 +168,10 @@ def bench_ops(batch: int, budget_s: float) -> list[dict[str, object]]:
 
     results = []
 
-    def record(op: str, timings: dict[str, float], extra: dict[str, object]) -> None:
+    def record(op: str, impls: dict[str, Callable[[], object]], extra: dict[str, object]) -> None:
+        if only is not None and op not in only:
+            return
+        timings = measure(impls, budget_s)
         naive = timings["naive_loop"]
         for impl, us in timings.items():
             results.append(
@@ -161,70 +188,53 @@ def bench_ops(batch: int, budget_s: float) -> list[dict[str, object]]:
     shape = {"batch": batch, "keys": NUM_KEYS, "values": values.numel()}
     record(
         "construct",
-        measure(
-            {
-                "recsys_core": lambda: KeyedJaggedTensor.from_lengths_sync(keys, values, lengths),
-                "naive_loop": naive_construct,
-            },
-            budget_s,
-        ),
+        {
+            "recsys_core": lambda: KeyedJaggedTensor.from_lengths_sync(keys, values, lengths),
+            "recsys_core_torch_path": torch_path(
+                lambda: KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+            ),
+            "naive_loop": naive_construct,
+        },
         shape,
     )
     record(
         "construct_nosync",
-        measure(
-            {
-                "recsys_core": lambda: KeyedJaggedTensor(keys, values, lengths=lengths),
-                "naive_loop": naive_construct,
-            },
-            budget_s,
-        ),
+        {
+            "recsys_core": lambda: KeyedJaggedTensor(keys, values, lengths=lengths),
+            "naive_loop": naive_construct,
+        },
         shape,
     )
-    record(
-        "validate",
-        measure({"recsys_core": kjt.validate, "naive_loop": naive_construct}, budget_s),
-        shape,
-    )
+    record("validate", {"recsys_core": kjt.validate, "naive_loop": naive_construct}, shape)
     record(
         "permute",
-        measure(
-            {
-                "recsys_core": lambda: kjt.permute(reverse),
-                "naive_loop": naive_permute,
-                "fbgemm_forced": lambda: sparse_ops.permute_2d_sparse_data(
-                    perm_tensor, lengths_2d, values, None, values.numel(), use_fbgemm=True
-                ),
-                "copy_floor": values.clone,
-            },
-            budget_s,
-        ),
+        {
+            "recsys_core": lambda: kjt.permute(reverse),
+            "recsys_core_torch_path": torch_path(lambda: kjt.permute(reverse)),
+            "naive_loop": naive_permute,
+            "fbgemm_forced": lambda: sparse_ops.permute_2d_sparse_data(
+                perm_tensor, lengths_2d, values, None, values.numel(), use_fbgemm=True
+            ),
+            "copy_floor": values.clone,
+        },
         shape,
     )
     record(
-        "split",
-        measure(
-            {"recsys_core": lambda: kjt.split([half, half]), "naive_loop": naive_split}, budget_s
-        ),
-        shape,
+        "split", {"recsys_core": lambda: kjt.split([half, half]), "naive_loop": naive_split}, shape
     )
-    record(
-        "to_dict",
-        measure({"recsys_core": fresh_to_dict, "naive_loop": naive_to_dict}, budget_s),
-        shape,
-    )
+    record("to_dict", {"recsys_core": fresh_to_dict, "naive_loop": naive_to_dict}, shape)
     record(
         "to_dict_offsets",
-        measure(
-            {
-                "recsys_core": lambda: read_offsets(fresh_to_dict()),
-                "naive_loop": lambda: read_offsets(naive_to_dict()),
-            },
-            budget_s,
-        ),
+        {
+            "recsys_core": lambda: read_offsets(fresh_to_dict()),
+            "naive_loop": lambda: read_offsets(naive_to_dict()),
+        },
         shape,
     )
-    results.extend(bench_regroup(batch, budget_s))
+    if only is None or only & {"regroup", "regroup_fwd_bwd"}:
+        # both regroup ops are measured together; keep the lines asked for
+        regroup = bench_regroup(batch, budget_s)
+        results.extend(line for line in regroup if only is None or line["op"] in only)
     return results
 
 
@@ -298,8 +308,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=2.0, help="seconds per op")
+    parser.add_argument(
+        "--only", nargs="+", choices=OPS, help="run only these ops (default: all of them)"
+    )
     args = parser.parse_args()
-    for line in bench_ops(args.batch_size, args.budget_s):
+    only = None if args.only is None else set(args.only)
+    for line in bench_ops(args.batch_size, args.budget_s, only):
         line["threads"] = torch.get_num_threads()
         print(json.dumps(line), flush=True)
 

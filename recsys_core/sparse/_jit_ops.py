@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from recsys_core.kernels import sparse_ops
+from recsys_core.sparse import _native_lib
 
 
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -76,9 +77,18 @@ def permute_keys(
         values = values.narrow(0, 0, covered)
         if weights is not None:
             weights = weights.narrow(0, 0, covered)
+    if not torch.jit.is_scripting():
+        copied = _permute_native(
+            indices, lengths, values, weights, stride_per_key, length_per_key
+        )
+        if copied is not None:
+            return copied
     # FBGEMM's kernel takes only float weights; integer ones (TorchRec allows them) use torch.
+    # Its backward crashed the process on CPU (fbgemm_gpu-cpu 1.8.0: a segfault), so inputs
+    # that need gradients use torch.cat, whose backward is torch's own.
     float_weights = weights is None or weights.is_floating_point()
-    if fixed_stride and len(stride_per_key) > 0 and float_weights:
+    needs_grad = values.requires_grad or (weights is not None and weights.requires_grad)
+    if fixed_stride and len(stride_per_key) > 0 and float_weights and not needs_grad:
         if not torch.jit.is_scripting():
             return _permute_2d(
                 indices, indices_tensor, lengths, values, weights, stride_per_key, length_per_key
@@ -89,6 +99,22 @@ def permute_keys(
     if weights is not None:
         new_weights = gather_segments(weights, length_per_key, indices)
     return new_lengths, new_values, new_weights
+
+
+@torch.jit.unused
+def _permute_native(
+    indices: list[int],
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    stride_per_key: list[int],
+    length_per_key: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Eager host permute: one C call for every block copy (None: the helper is absent or the
+    tensors are not plain contiguous host tensors; the torch path below gives the same)."""
+    return _native_lib.permute_blocks(
+        indices, lengths.reshape(-1), values, weights, stride_per_key, length_per_key
+    )
 
 
 @torch.jit.unused

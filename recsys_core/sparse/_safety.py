@@ -21,14 +21,13 @@ checked by construction. Errors are ``ValueError`` naming the key and batch posi
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from recsys_core.sparse import _jit_ops
+from recsys_core.sparse import _jit_ops, _native_lib
 from recsys_core.sparse._utils import check_values_cover
 from recsys_core.sparse.jagged_tensor_validator import describe_position, raise_negative_length
 
@@ -40,30 +39,10 @@ _OWNER = "KeyedJaggedTensor"
 _UNSIGNED = {torch.int64: np.uint64, torch.int32: np.uint32}
 
 
-def _load_native() -> dict[torch.dtype, object] | None:
-    """The one-pass sums of ``_native.c`` per lengths dtype, or None when the package was
-    installed without it (no C compiler at install time)."""
-    try:
-        spec = importlib.util.find_spec("recsys_core.sparse._native")
-        if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
-            return None
-        lib = ctypes.CDLL(spec.origin)
-    except (ImportError, OSError):
-        return None
-    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    out = {}
-    for dtype, fn in ((torch.int64, lib.recsys_key_sums_i64), (torch.int32, lib.recsys_key_sums_i32)):
-        fn.restype, fn.argtypes = ctypes.c_int64, args
-        out[dtype] = fn
-    return out
-
-
-_NATIVE = _load_native()
-
-
 def native_available() -> bool:
-    """Whether the one-pass C helper for KJT lengths was built with the package."""
-    return _NATIVE is not None
+    """Whether the optional C helper (``_native.c``: the one-pass lengths proof, permute copies)
+    was built with the package."""
+    return _native_lib.available()
 
 
 def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
@@ -80,7 +59,9 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
     only_offsets = kjt._lengths is None
     offsets = kjt._offsets
     stride_per_key = kjt.stride_per_key()
-    lengths = kjt.lengths().reshape(-1)
+    lengths = kjt.lengths()
+    if lengths.dim() != 1:
+        lengths = lengths.reshape(-1)
     num_values = values.size(0)
     if lengths.numel() != sum(stride_per_key):
         raise ValueError(
@@ -130,13 +111,12 @@ def _sums_in_range(
     num_values: int,
 ) -> list[int]:
     """Per-key sums, after proving every length is in ``[0, num_values]``."""
-    if fixed and _NATIVE is not None and lengths.device.type == "cpu" and lengths.is_contiguous():
-        fn = _NATIVE.get(lengths.dtype)
+    if fixed and lengths.device.type == "cpu" and lengths.is_contiguous():
+        fn = _native_lib.key_sums(lengths.dtype)
         if fn is not None:  # both in one pass; out of range: the checks below name the entry
-            sums = np.empty(len(keys), dtype=np.int64)
-            if fn(lengths.data_ptr(), len(keys), stride_per_key[0], num_values,
-                  sums.ctypes.data) == 0:
-                return sums.tolist()
+            out = (ctypes.c_int64 * len(keys))()  # cheaper to make and read than numpy's
+            if fn(lengths.data_ptr(), len(keys), stride_per_key[0], num_values, out) == 0:
+                return out[:]
     _check_in_range(_OWNER, keys, stride_per_key, lengths, num_values)
     if fixed:
         sums: list[int] = lengths.view(len(keys), stride_per_key[0]).sum(1).tolist()

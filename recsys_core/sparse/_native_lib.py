@@ -1,0 +1,144 @@
+"""ctypes bindings of the optional C helper ``recsys_core/sparse/_native.c``.
+
+The package's build compiles it where a C compiler exists (``optional = true`` in
+pyproject.toml); without it every caller runs the same work as torch ops, with identical
+results. ctypes releases the GIL for the duration of each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        spec = importlib.util.find_spec("recsys_core.sparse._native")
+        if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
+            return None
+        return ctypes.CDLL(spec.origin)
+    except (ImportError, OSError):
+        return None
+
+
+_LIB = _load()
+
+
+def _key_sums_fns(lib: ctypes.CDLL | None) -> dict[torch.dtype, object] | None:
+    if lib is None:
+        return None
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    out = {}
+    for dtype, fn in ((torch.int64, lib.recsys_key_sums_i64), (torch.int32, lib.recsys_key_sums_i32)):
+        fn.restype, fn.argtypes = ctypes.c_int64, args
+        out[dtype] = fn
+    return out
+
+
+def _permute_fn(lib: ctypes.CDLL | None) -> object | None:
+    fn = None if lib is None else getattr(lib, "recsys_permute_blocks", None)
+    if fn is not None:
+        fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_void_p]
+    return fn
+
+
+_KEY_SUMS = _key_sums_fns(_LIB)
+_PERMUTE = _permute_fn(_LIB)
+_enabled = True
+
+
+def available() -> bool:
+    """Whether the helper was built with the package (CI builds it; a user may lack a compiler)."""
+    return _LIB is not None
+
+
+@contextlib.contextmanager
+def torch_path_only() -> Iterator[None]:
+    """Within this block every caller runs its torch path (tests and ``bench/kjt_ops.py``
+    compare the two); not thread-safe."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def key_sums(dtype: torch.dtype) -> object | None:
+    """``recsys_key_sums_{i64,i32}(lengths, keys, stride, max_length, sums_out) -> 0 | 1`` for
+    lengths of ``dtype`` (per-key sums + range proof; see ``_native.c``), or None."""
+    if not _enabled or _KEY_SUMS is None:
+        return None
+    return _KEY_SUMS.get(dtype)
+
+
+def _plain_host(t: torch.Tensor) -> bool:
+    """A dense, contiguous CPU tensor with real storage and no autograd history to keep."""
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.requires_grad
+    )
+
+
+def permute_blocks(
+    indices: list[int],
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    stride_per_key: list[int],
+    length_per_key: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``KeyedJaggedTensor.permute``'s gather of per-key blocks of 1-D ``lengths`` and of
+    ``values``/``weights`` (rows ``length_per_key``) in one C call, or None where the helper
+    is absent or a tensor is not a plain contiguous host tensor (the caller's torch path then
+    runs). The caller has proven the layout (per-key blocks inside their tensors); the helper
+    re-checks the block bounds and returns None instead of copying if they fail."""
+    fn = _PERMUTE if _enabled else None
+    if fn is None or torch.jit.is_scripting() or torch.compiler.is_compiling():
+        return None
+    if not (_plain_host(lengths) and _plain_host(values)):
+        return None
+    if weights is not None and not (_plain_host(weights) and weights.size(0) == values.size(0)):
+        return None
+    num_lengths = 0
+    num_values = 0
+    for i in indices:
+        num_lengths += stride_per_key[i]
+        num_values += length_per_key[i]
+    new_lengths = lengths.new_empty(num_lengths)
+    new_values = values.new_empty((num_values, *values.shape[1:]))
+    new_weights = None
+    weights_meta = [0, 0, 0, 0]
+    if weights is not None:
+        new_weights = weights.new_empty((num_values, *weights.shape[1:]))
+        weights_meta = [
+            weights.data_ptr(), new_weights.data_ptr(), _row_bytes(weights), weights.size(0)
+        ]
+    meta = np.array(
+        [
+            len(stride_per_key), len(indices),
+            lengths.data_ptr(), new_lengths.data_ptr(), lengths.element_size(), lengths.numel(),
+            values.data_ptr(), new_values.data_ptr(), _row_bytes(values), values.size(0),
+            *weights_meta, *indices, *stride_per_key, *length_per_key,
+        ],
+        dtype=np.int64,
+    )
+    if fn(meta.ctypes.data) != 0:
+        return None
+    return new_lengths, new_values, new_weights
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one entry along dim 0 (a scalar for 1-D tensors)."""
+    row = 1
+    for s in t.shape[1:]:
+        row *= s
+    return row * t.element_size()
