@@ -67,8 +67,11 @@ class TrainConfig:
     pipelined: bool = True
     """Overlap the next batch's copy and sparse all-to-all with this batch (off: plain loop,
     same results, easier to debug)."""
-    amp: bool = False
-    """bfloat16 autocast of the dense part on CUDA (ignored on CPU)."""
+    amp: bool | None = None
+    """bfloat16 autocast of the MLPs and the interaction in training, validation and
+    `evaluate` (fp32 weights, optimizer state and loss; exported models are fp32); None: on
+    where the device computes bf16 natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX),
+    off elsewhere. --no-amp trains in fp32."""
     seed: int = 0
     """Seed of the initialization and of the data order."""
     validate_every: int | None = None

@@ -20,11 +20,11 @@ from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.metrics import BinaryClassificationMetrics
 from dlrm_app.report import save_evaluation, write_report
-from dlrm_app.runtime import autocast, init_distributed, world
+from dlrm_app.runtime import amp_enabled, autocast, init_distributed, world
 
 
 def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
-                   max_batches: int = 0, amp: bool = False,
+                   max_batches: int = 0, amp: bool | None = False,
                    save_to: tuple[str | Path, str] | None = None) -> dict[str, float]:
     """AUC, NE, logloss... of ``dmp`` on ``loader``'s split, exact over all ranks.
     ``save_to=(run_dir, name)``: rank 0 also stores the metrics with the ROC and calibration
@@ -82,9 +82,13 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
     loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
                            world_size=world_size, drop_last=False, pad_last=True)
     name = split if data is None else f"{split}_{Path(data).resolve().name}"
-    metrics = evaluate_model(model, loader, init_distributed(), save_to=(run, name))
+    # in the precision the run trained and validated in (--amp), so that the best
+    # checkpoint's validation AUC here is the one training recorded
+    metrics = evaluate_model(model, loader, init_distributed(), amp=config.amp,
+                             save_to=(run, name))
     if rank == 0:
         write_report(run)
-    return {"split": split, "checkpoint": str(path), "world_size": world_size, **metrics,
+    return {"split": split, "checkpoint": str(path), "world_size": world_size,
+            "amp": amp_enabled(init_distributed(), config.amp), **metrics,
             "teacher_auc": spec.parameters.get("teacher_auc", {}).get(split)
             if isinstance(spec.parameters.get("teacher_auc"), dict) else None}

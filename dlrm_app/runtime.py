@@ -8,6 +8,7 @@ else gloo. Without those variables a command runs as a single process.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
 import resource
@@ -73,7 +74,34 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
-def autocast(device: torch.device, amp: bool) -> Any:
-    if amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX; Linux flags).
+    Without it bf16 matmuls are emulated and no faster than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def amp_enabled(device: torch.device, amp: bool | None) -> bool:
+    """``--amp`` resolved: ``None`` (the default) means on where the device computes bf16
+    natively (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX) and off elsewhere."""
+    if amp is not None:
+        return amp
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def autocast(device: torch.device, amp: bool | None) -> Any:
+    """bfloat16 autocast of the model's forward (weights, gradients, optimizer state and the
+    loss stay fp32; the embedding lookups are not autocast ops and stay fp32 too)."""
+    if amp_enabled(device, amp) and device.type in ("cuda", "cpu"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()

@@ -52,7 +52,15 @@ from dlrm_app.evaluate import evaluate_model
 from dlrm_app.pipeline import device_batches
 from dlrm_app.report import write_report
 from dlrm_app.run_dir import prepare_run_dir
-from dlrm_app.runtime import autocast, gather, global_mean, init_distributed, peak_memory_mb, world
+from dlrm_app.runtime import (
+    amp_enabled,
+    autocast,
+    gather,
+    global_mean,
+    init_distributed,
+    peak_memory_mb,
+    world,
+)
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -141,6 +149,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
 
     log = _Log(out / "metrics.jsonl", rank == 0)
     log.write({"event": "start", "world_size": world_size, "device": str(device),
+               "amp": amp_enabled(device, config.amp),
                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                "validate_every": validate_every, "resumed_from": resumed_from,
                "start_step": state.step})
@@ -258,6 +267,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         "trained_steps": state.step - start_step,
         "epochs": state.epoch + state.epoch_batches / steps_per_epoch,
         "world_size": world_size,
+        "amp": amp_enabled(device, config.amp),
         "global_batch": global_batch,
         "samples_per_s": (state.step - start_step) * global_batch / elapsed if elapsed > 0 else 0.0,
         "seconds": elapsed,

@@ -35,6 +35,44 @@ def test_dot_interaction_by_hand() -> None:
     assert InteractionArch(26).output_dim(128) == 128 + 27 * 26 // 2
 
 
+def _pairs_by_loop(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    """Every dot product of [dense, e_1..e_F] above the diagonal, pair by pair."""
+    vectors = [dense, *sparse.unbind(1)]
+    pairs = [(vectors[i] * vectors[j]).sum(1) for i, j in
+             itertools.combinations(range(len(vectors)), 2)]
+    return torch.cat([dense, torch.stack(pairs, dim=1)], dim=1)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_dot_interaction_and_its_gradient_equal_a_loop_over_pairs(grad: bool) -> None:
+    """The training path (one-product backward) and the inference path give the values and
+    gradients of the pairwise loop in fp64; under bf16 autocast they stay within bf16
+    rounding of it, with fp32 gradients for fp32 inputs."""
+    torch.manual_seed(0)
+    dense = torch.randn(5, 4, dtype=torch.float64, requires_grad=grad)
+    sparse = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=grad)
+    weights = torch.randn(5, 4 + 6, dtype=torch.float64)
+    arch = InteractionArch(num_sparse_features=3)
+    with torch.set_grad_enabled(grad):
+        out, expected = arch(dense, sparse), _pairs_by_loop(dense, sparse)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    if grad:
+        got = torch.autograd.grad((out * weights).sum(), (dense, sparse))
+        want = torch.autograd.grad((expected * weights).sum(), (dense, sparse))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    dense32, sparse32 = (t.detach().float().requires_grad_(grad) for t in (dense, sparse))
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+        low = arch(dense32, sparse32)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.double(), expected.detach(), rtol=0.02, atol=0.05)
+    if grad:
+        got = torch.autograd.grad((low.double() * weights).sum(), (dense32, sparse32))
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g.double(), w, rtol=0.03, atol=0.1)
+
+
 def test_dcn_interaction_matches_formula() -> None:
     torch.manual_seed(0)
     arch = InteractionDCNArch(num_sparse_features=3, embedding_dim=4, num_layers=2, low_rank=3)

@@ -125,7 +125,9 @@ def test_two_ranks_learn_and_equal_one_rank(data: Path, two_rank_run: tuple[Path
     auc_floor = 0.5 + AUC_GAP_CLOSED * (teacher - 0.5)
     assert shuffled["validation"]["auc"] > auc_floor
     assert len(shuffled["peak_memory_mb_per_rank"]) == 2
-    fixed = [*COMMON, "--max-steps", "80", "--no-shuffle"]  # 80 steps: into the 2nd epoch
+    # 80 steps: into the 2nd epoch; fp32, since bf16 rounds a 2x larger per-rank batch
+    # differently (the fast path's quality is checked against fp32 in tests/app/test_train.py)
+    fixed = [*COMMON, "--max-steps", "80", "--no-shuffle", "--no-amp"]
     two = _run(2, "train", "--data", str(data), "--out", str(tmp_path / "two"), "--batch-size",
                str(BATCH), *fixed)
     one = _run(0, "train", "--data", str(_interleave_ranks(data, tmp_path / "data1", 2)),
