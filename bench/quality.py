@@ -8,7 +8,10 @@ For each dataset the CLI runs as a new user would, with no tuning flag:
 
 and prints one JSON line per system and dataset (test AUC, NE, logloss, rows, seconds):
 
-  dlrm_defaults        the DLRM above (its best checkpoint, chosen on the validation split)
+  dlrm_defaults        the DLRM above (its best checkpoint, chosen on the validation split);
+                       its ``amp`` says whether the default --amp trained it in bfloat16
+  dlrm_fp32            the same with --no-amp (the default's fp32 reference: with --amp on,
+                       ``auc_minus_fp32`` is the bf16 fast path's cost in test AUC)
   logistic_regression  the same encoded dataset, same splits: one weight per categorical id (the
                        preprocessor's vocabulary) + the log-transformed dense features, L2 chosen
                        on the validation split from a small grid; full-batch L-BFGS in plain
@@ -19,7 +22,7 @@ and prints one JSON line per system and dataset (test AUC, NE, logloss, rows, se
 Datasets (found beside the repository: ../shared/data from its root, or --criteo/--movielens):
 the Criteo Kaggle 10k-row sample and MovieLens 100K.
 
-Usage: python bench/quality.py [--nproc 1] [--datasets criteo_kaggle_10k movielens_100k]
+Usage: python bench/quality.py [--nproc 1] [--seeds 0] [--datasets criteo_kaggle_10k movielens_100k]
 """
 
 from __future__ import annotations
@@ -135,22 +138,33 @@ def logistic_regression(data: Path) -> dict:
             "rows": {"train": len(train[2]), "validation": len(val[2]), "test": len(test[2])}}
 
 
-def run(name: str, work: Path, nproc: int) -> list[dict]:
+def _dlrm(data: Path, run_dir: Path, nproc: int, seed: int, *flags: str) -> dict:
+    start = time.perf_counter()
+    summary = _cli(nproc, "train", "--data", str(data), "--out", str(run_dir), "--quiet",
+                   "--seed", str(seed), *flags)
+    test = _cli(1, "evaluate", str(run_dir), "--split", "test")
+    return {"nproc": nproc, "seed": seed, "amp": summary["amp"], "auc": test["auc"],
+            "ne": test["ne"], "logloss": test["logloss"],
+            "validation_auc": summary["validation"]["auc"], "steps": summary["steps"],
+            "stopped": summary["stopped"], "samples_per_s": round(summary["samples_per_s"]),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def run(name: str, work: Path, nproc: int, seeds: list[int]) -> list[dict]:
     kind, src = SOURCES[name]
     if not src.exists():
         raise SystemExit(f"{src} not found: pass --criteo / --movielens")
-    data, run_dir = work / f"{name}_data", work / f"{name}_run"
-    start = time.perf_counter()
+    data = work / f"{name}_data"
     _cli(1, "preprocess", kind, str(src), "--out", str(data))
-    summary = _cli(nproc, "train", "--data", str(data), "--out", str(run_dir), "--quiet")
-    test = _cli(1, "evaluate", str(run_dir), "--split", "test")
-    seconds = time.perf_counter() - start
     baselines = logistic_regression(data)
     common = {"dataset": name, "rows": baselines["rows"]}
-    lines = [{**common, "system": "dlrm_defaults", "nproc": nproc, "auc": test["auc"],
-              "ne": test["ne"], "logloss": test["logloss"],
-              "validation_auc": summary["validation"]["auc"], "steps": summary["steps"],
-              "stopped": summary["stopped"], "seconds": round(seconds, 1)}]
+    lines = []
+    for seed in seeds:
+        default = _dlrm(data, work / f"{name}_run_{seed}", nproc, seed)
+        fp32 = _dlrm(data, work / f"{name}_fp32_{seed}", nproc, seed, "--no-amp")
+        lines.append({**common, "system": "dlrm_defaults", **default,
+                      "auc_minus_fp32": default["auc"] - fp32["auc"]})
+        lines.append({**common, "system": "dlrm_fp32", **fp32})
     for system in ("logistic_regression", "base_rate"):
         lines.append({**common, "system": system, **baselines[system]})
     return lines
@@ -160,6 +174,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     parser.add_argument("--nproc", type=int, default=1, help="ranks for dlrm-app train")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="train seeds; each trains with the defaults and with --no-amp")
     parser.add_argument("--criteo", type=Path, default=None, help="a Criteo Kaggle TSV")
     parser.add_argument("--movielens", type=Path, default=None, help="an ml-100k folder")
     args = parser.parse_args()
@@ -169,7 +185,7 @@ def main() -> None:
         SOURCES["movielens_100k"] = ("movielens", args.movielens)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.datasets:
-            for line in run(name, Path(tmp), args.nproc):
+            for line in run(name, Path(tmp), args.nproc, args.seeds):
                 print(json.dumps(line), flush=True)
 
 

@@ -31,6 +31,13 @@ are skipped). Rank 0 of each job prints one JSON line, which the driver relays:
   peak_memory_mb           rank 0's (and ``_per_rank``) peak RSS on CPU, the whole process's (one
                            implementation per job), or ``torch.cuda.max_memory_allocated``
   ratio_to_baseline        (recsys_core_dmp only) its samples/s over pytorch_ddp's, same world
+                           and precision; ratio_to_fp32_baseline: over pytorch_ddp in fp32
+  precision                fp32, or bf16: bfloat16 autocast of the dense arch, interaction and
+                           top MLP (``dlrm-app train --amp``) in both implementations
+  floor_ms / step_over_floor  the machine's limit for the model's dense part: a
+                           ``dlrm_train_floor`` line per precision times exactly its matrix
+                           products (forward and both gradients) on one rank's threads, alone;
+                           step_over_floor = step_ms / floor_ms (1.0 would be the limit)
 
 Phases: data (next batch from a loader without a prefetch thread, to device), input_dist (ids
 all-to-all, start + wait), lookup (local TBE forward), output_dist (pooled all-to-all),
@@ -80,7 +87,7 @@ from dlrm_app.model import (
     table_name,
 )
 from dlrm_app.pipeline import device_batches
-from dlrm_app.runtime import init_distributed
+from dlrm_app.runtime import autocast, init_distributed
 from recsys_core.distributed import DistributedModelParallel
 from recsys_core.optim import CombinedOptimizer, in_backward_optimizer_filter
 
@@ -89,6 +96,7 @@ FULL = {"batch_size": 2048, "rows_per_table": 100_000, "dim": 128, "bottom": "51
 QUICK = {"batch_size": 128, "rows_per_table": 1000, "dim": 16, "bottom": "32",
          "top": "64,32", "steps": 3, "warmup": 1, "phased_steps": 2}
 OURS, BASELINE = "recsys_core_dmp", "pytorch_ddp"
+PRECISIONS = ("fp32", "bf16")
 PHASES_MEASURED = ("mean of instrumented steps on rank 0; each phase ends with a device sync and "
                    "a barrier, so phases do not overlap and include waiting for the slowest rank")
 
@@ -109,6 +117,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tables", type=int, default=26)
     p.add_argument("--num-dense", type=int, default=13)
     p.add_argument("--world-sizes", default="1,2")
+    p.add_argument("--precisions", default="fp32,bf16",
+                   help="fp32: no autocast; bf16: bfloat16 autocast of the dense arch, "
+                        "interaction and top MLP (dlrm-app train --amp), both implementations")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help=argparse.SUPPRESS)
     p.add_argument("--threads-per-rank", type=int, default=1,
                    help="intra-op threads per rank (more than cores / world oversubscribes)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -125,6 +137,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  "num_dense", "threads_per_rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    bad = sorted(set(args.precisions.split(",")) - set(PRECISIONS))
+    if bad:
+        p.error(f"--precisions: unknown {bad}; choose from {list(PRECISIONS)}")
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (its first step gives first_step_loss), got {args.warmup}")
     return args
@@ -208,9 +223,12 @@ def all_reduce_grads(params: list[nn.Parameter], average: bool) -> None:
                 p.grad /= world
 
 
-def dense_logits(model: nn.Module, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-    """Bottom MLP, interaction and top MLP of either model on pooled ``[B, F, D]``."""
-    return model.over_arch(model.inter_arch(model.dense_arch(dense), pooled)).squeeze(1)
+def dense_logits(model: nn.Module, dense: torch.Tensor, pooled: torch.Tensor,
+                 amp: bool) -> torch.Tensor:
+    """Bottom MLP, interaction and top MLP of either model on pooled ``[B, F, D]``, in fp32
+    or under bf16 autocast; fp32 logits either way (the loss is computed in fp32)."""
+    with autocast(pooled.device, amp):
+        return model.over_arch(model.inter_arch(model.dense_arch(dense), pooled)).squeeze(1).float()
 
 
 # ---- ours: DistributedModelParallel -------------------------------------------------------------
@@ -226,6 +244,7 @@ class Ours:
         self.model = self.dmp.module
         self.ebc = self.model.sparse_arch.embedding_bag_collection
         self.config = config
+        self.amp = bool(config.amp)
         named = self.dmp.named_parameters()
         self.dense_params = [p for _, p in in_backward_optimizer_filter(named)]
         names = self.model.sparse_arch.feature_names
@@ -240,8 +259,10 @@ class Ours:
         for _ in range(steps):
             batch = next(batches)
             set_learning_rates(self.dmp, self.optimizer, self.base_lrs, 1.0)
-            logits = self.dmp(batch.dense, batch.sparse).squeeze(1)
-            loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+            with autocast(self.device, self.amp):  # as dlrm_app/train.py
+                logits = self.dmp(batch.dense, batch.sparse).squeeze(1)
+            loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels,
+                                                          reduction="sum")
             self.optimizer.zero_grad()
             (loss_sum / self.global_batch).backward()
             self.optimizer.step()
@@ -267,7 +288,7 @@ class Ours:
             values = values.index_select(1, self.to_key_order)
         clock.mark("output_dist")
         emb = values.detach().requires_grad_()
-        logits = dense_logits(self.model, batch.dense, emb)
+        logits = dense_logits(self.model, batch.dense, emb, self.amp)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss / self.global_batch
         clock.mark("dense_forward")
@@ -316,8 +337,8 @@ class PlainDLRM(nn.Module):
         return torch.stack([bag(i, o) for bag, i, o in bags], dim=1)
 
     def forward(self, dense: torch.Tensor, ids: list[torch.Tensor],
-                offsets: list[torch.Tensor]) -> torch.Tensor:
-        return dense_logits(self, dense, self.embed(ids, offsets))
+                offsets: list[torch.Tensor], amp: bool) -> torch.Tensor:
+        return dense_logits(self, dense, self.embed(ids, offsets), amp)
 
 
 def bags(batch: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -356,6 +377,7 @@ class Baseline:
             torch.optim.Adagrad(dense, lr=config.learning_rate, eps=config.eps),
         ]
         self.device = device
+        self.amp = bool(config.amp)
 
     def _zero_grad(self) -> None:
         for opt in self.optimizers:
@@ -371,7 +393,7 @@ class Baseline:
         for _ in range(steps):
             batch = next(batches).to(self.device, non_blocking=True)
             ids, offsets = bags(batch)
-            loss = F.binary_cross_entropy_with_logits(self.ddp(batch.dense, ids, offsets),
+            loss = F.binary_cross_entropy_with_logits(self.ddp(batch.dense, ids, offsets, self.amp),
                                                       batch.labels)
             self._zero_grad()
             loss.backward()
@@ -387,7 +409,7 @@ class Baseline:
         pooled = self.model.embed(ids, offsets)
         clock.mark("lookup")
         emb = pooled.detach().requires_grad_()
-        loss = F.binary_cross_entropy_with_logits(dense_logits(self.model, batch.dense, emb),
+        loss = F.binary_cross_entropy_with_logits(dense_logits(self.model, batch.dense, emb, self.amp),
                                                   batch.labels)
         clock.mark("dense_forward")
         self._zero_grad()
@@ -422,7 +444,8 @@ def worker(args: argparse.Namespace) -> None:
     spec = DatasetSpec.load(args.data)
     # tables in memory (no run directory to keep offloaded tables in)
     config = TrainConfig(data=args.data, out=os.devnull, model=model_config(args),
-                         batch_size=args.batch_size, seed=args.seed, offload=False)
+                         batch_size=args.batch_size, seed=args.seed, offload=False,
+                         amp=args.precision == "bf16")
     bench = IMPLS[args.impl](config, spec, device)
 
     def loader(prefetch: int) -> ParquetLoader:  # the order of train(): same for both impls
@@ -453,7 +476,8 @@ def worker(args: argparse.Namespace) -> None:
         rows = sorted({f.num_embeddings for f in spec.sparse_features})
         phase_ms = {k: round(sum(p[k] for p in phases) / len(phases), 2) for k in phases[0]}
         line = {
-            "bench": "dlrm_train", "impl": args.impl, "world_size": world,
+            "bench": "dlrm_train", "impl": args.impl, "precision": args.precision,
+            "world_size": world,
             "device": device.type, "backend": dist.get_backend(),
             "batch_size_per_rank": config.batch_size, "global_batch": config.batch_size * world,
             "tables": len(spec.sparse_features),
@@ -486,6 +510,50 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---- driver -------------------------------------------------------------------------------------
+def matmul_floor(args: argparse.Namespace, precision: str, device: torch.device) -> dict:
+    """The machine's limit for this model's dense part: the time of exactly its matrix
+    products (each Linear's forward, input-gradient and weight-gradient GEMM at the batch size,
+    the interaction's batched products likewise), run back to back on ``--threads-per-rank``
+    threads in ``precision``, with nothing else (no activations, loss, optimizer, data)."""
+    config, batch = model_config(args), args.batch_size
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    sizes = [args.num_dense, *config.dense_arch_layer_sizes]
+    pairs = args.tables * (args.tables + 1) // 2
+    top = [config.embedding_dim + pairs, *config.over_arch_layer_sizes]
+    gemms = []  # (m, k, n) of each product: [m, k] @ [k, n]
+    for widths in (sizes, top):
+        for k, n in zip(widths, widths[1:], strict=False):
+            gemms += [(batch, k, n), (batch, n, k), (k, batch, n)]  # forward, dX, dW
+    f, d = args.tables + 1, config.embedding_dim
+    bmms = [(f, d, f), (f, f, d), (f, f, d)]  # Z Z^T forward and its two gradients, per row
+    operands = [(torch.randn(m, k, dtype=dtype, device=device),
+                 torch.randn(k, n, dtype=dtype, device=device)) for m, k, n in gemms]
+    operands += [(torch.randn(batch, m, k, dtype=dtype, device=device),
+                  torch.randn(batch, k, n, dtype=dtype, device=device)) for m, k, n in bmms]
+    flops = 2 * sum(m * k * n for m, k, n in gemms) + 2 * batch * sum(m * k * n
+                                                                      for m, k, n in bmms)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads_per_rank)
+    try:
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for a, b in operands:
+                torch.matmul(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    best = sorted(times)[1]  # second best of 7: the floor, not a lucky outlier
+    return {"bench": "dlrm_train_floor", "precision": precision, "device": device.type,
+            "threads": args.threads_per_rank, "batch_size_per_rank": batch,
+            "floor_ms": round(best * 1e3, 3), "gflop_per_step": round(flops / 1e9, 4),
+            "gflop_per_s": round(flops / best / 1e9, 1),
+            "measures": "the dense part's matrix products alone, per rank and step"}
+
+
+
 def run_job(args: argparse.Namespace, argv: list[str], data: str, world: int, impl: str,
             cuda: bool) -> dict[str, object]:
     """One torchrun job; its rank 0's JSON line (the job's stderr passes through)."""
@@ -523,6 +591,11 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
                      cardinalities=[args.rows_per_table] * args.tables,
                      pooling_factors=[1.0] * args.tables, splits=(0.98, 0.01, 0.01),
                      row_group_size=4 * args.batch_size, seed=args.seed)
+        precisions = args.precisions.split(",")
+        device = torch.device("cuda" if cuda else "cpu")
+        floors = {p: matmul_floor(args, p, device) for p in precisions}
+        for line in floors.values():
+            print(json.dumps(line), flush=True)
         for world in worlds:
             if cuda and world > torch.cuda.device_count():
                 print(f"world size {world} skipped: {torch.cuda.device_count()} GPU(s)",
@@ -531,11 +604,20 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
             if args.threads_per_rank * world > cores:
                 print(f"note: {world} ranks x {args.threads_per_rank} threads on {cores} cores",
                       file=sys.stderr, flush=True)
-            base = run_job(args, argv, data, world, BASELINE, cuda)
-            print(json.dumps(base), flush=True)
-            ours = run_job(args, argv, data, world, OURS, cuda)
-            ours["ratio_to_baseline"] = round(ours["samples_per_s"] / base["samples_per_s"], 3)
-            print(json.dumps(ours), flush=True)
+            fp32_base = None
+            for precision in precisions:
+                job = [*argv, "--precision", precision]
+                base = run_job(args, job, data, world, BASELINE, cuda)
+                fp32_base = fp32_base or (base if precision == "fp32" else None)
+                ours = run_job(args, job, data, world, OURS, cuda)
+                ours["ratio_to_baseline"] = round(ours["samples_per_s"] / base["samples_per_s"], 3)
+                if fp32_base is not None:
+                    ours["ratio_to_fp32_baseline"] = round(
+                        ours["samples_per_s"] / fp32_base["samples_per_s"], 3)
+                for line in (base, ours):
+                    line["floor_ms"] = floors[precision]["floor_ms"]
+                    line["step_over_floor"] = round(line["step_ms"] / line["floor_ms"], 2)
+                    print(json.dumps(line), flush=True)
 
 
 def main() -> None:
