@@ -10,7 +10,5 @@ shift 3
 # Split the cores between the ranks: more threads than cores makes the ranks fight.
 cores=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc_per_node > 0 ? cores / nproc_per_node : 1 ))}
-# Keep big per-step temporaries on the malloc heap instead of fresh mmap()s (page faults).
-export MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-0}
 exec torchrun --standalone --nproc-per-node "$nproc_per_node" \
     -m dlrm_app train --data "$data" --out "$run" "$@"
