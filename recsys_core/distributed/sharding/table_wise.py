@@ -117,6 +117,8 @@ class TwPooledSharding:
 
         def assemble() -> torch.Tensor:
             received = inflight.wait()
+            if len(out_splits) == 1:  # one rank: already [batch, dim], no split + cat copy
+                return select_columns(received.view(batch, self._dims[0]), self._columns)
             blocks = [
                 chunk.view(batch, d)
                 for chunk, d in zip(received.split(out_splits), self._dims, strict=True)
