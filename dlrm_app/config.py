@@ -69,9 +69,9 @@ class TrainConfig:
     same results, easier to debug)."""
     amp: bool | None = None
     """bfloat16 autocast of the MLPs and the interaction in training, validation and
-    `evaluate` (fp32 weights, optimizer state and loss; exported models are fp32); None: on
-    where the device computes bf16 natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX),
-    off elsewhere. --no-amp trains in fp32."""
+    `evaluate` (fp32 weights, optimizer state and loss; exported models are fp32). Default
+    (auto, None in config.json): on where the device computes bf16 natively (CUDA with bf16,
+    a CPU with AVX-512 BF16 or AMX), off elsewhere. --no-amp trains in fp32."""
     seed: int = 0
     """Seed of the initialization and of the data order."""
     validate_every: int | None = None

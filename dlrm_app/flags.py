@@ -106,6 +106,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
         optional = type(None) in args and (typing.get_origin(hint) in (typing.Union, types.UnionType))
         base = next(a for a in args if a is not type(None)) if optional else hint
         if base is bool:
+            if optional and default is None:  # a tri-state: None decides at run time
+                kwargs["help"] = f"{help_text} (default: auto)"
             stem = "--" + BOOLEAN_FLAGS.get(field.name, field.name).replace("_", "-")
             parser.add_argument(stem, action=argparse.BooleanOptionalAction, **kwargs)
             continue
