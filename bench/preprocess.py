@@ -17,8 +17,13 @@ workers write whole shards of plain input in parallel, so one huge shard would b
 ``--ids uniform`` (default) draws every categorical id uniformly from 32 bits: nearly every id
 is distinct, the worst case for the vocabulary; ``--ids skewed`` draws Zipf-distributed ids
 (a few ids in most rows, a long tail), closer to the real data.
+``--repeat R`` runs every (workers, encoding) R times, interleaved (1, 2, 1, 2, ...: a shared
+machine's load hits every count alike), and then prints one ``"stat": "median"`` line per
+(input, workers, encoding) with the median seconds over the R runs; ``--inputs`` and
+``--encodings`` pick what to run.
 Usage: python bench/preprocess.py [--rows 1000000] [--workers 1 2] [--rows-per-shard N]
-[--ids uniform|skewed] [--skip-python]
+[--ids uniform|skewed] [--skip-python] [--repeat R] [--inputs plain gzip]
+[--encodings hash vocabulary]
 """
 
 from __future__ import annotations
@@ -81,6 +86,12 @@ def bare_pyarrow(path: Path) -> int:
     return pacsv.read_csv(path, read, opts).num_rows
 
 
+def _line(path: Path, name: str, rows: int, seconds: float, mb: float) -> dict:
+    return {"bench": "preprocess_criteo", "input": path.name, "impl": name, "rows": rows,
+            "seconds": round(seconds, 3), "rows_per_s": round(rows / seconds),
+            "mb_per_s": round(mb / seconds, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -91,53 +102,78 @@ def main() -> None:
     parser.add_argument("--ids", choices=("uniform", "skewed"), default="uniform",
                         help="categorical ids: uniform over 32 bits or Zipf-skewed")
     parser.add_argument("--skip-python", action="store_true", help="skip the slow baseline")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each (workers, encoding), interleaved; medians at the end")
+    parser.add_argument("--inputs", nargs="+", choices=("plain", "gzip"),
+                        default=["plain", "gzip"])
+    parser.add_argument("--encodings", nargs="+", choices=("hash", "vocabulary"),
+                        default=["hash", "vocabulary"])
     args = parser.parse_args()
     table_summary([])  # its one-time import (torch, the planner) is not preprocessing time
+    sizing = {"hash": {"num_embeddings_per_feature": 1000}, "vocabulary": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tsv = Path(tmp) / "day_0.tsv"
         write_tsv(tsv, args.rows, args.seed, args.ids)
-        gz = Path(tmp) / "day_0.tsv.gz"
-        gz.write_bytes(gzip.compress(tsv.read_bytes(), compresslevel=6))
         mb = tsv.stat().st_size / 1e6
-        for path in (tsv, gz):
+        paths = [tsv] if "plain" in args.inputs else []
+        if "gzip" in args.inputs:
+            gz = Path(tmp) / "day_0.tsv.gz"
+            gz.write_bytes(gzip.compress(tsv.read_bytes(), compresslevel=6))
+            paths.append(gz)
+        for path in paths:
             impls: dict[tuple[str, int | None, str | None], Callable[[], DatasetSpec | int]] = {
                 ("pyarrow_bare", None, None): lambda p=path: bare_pyarrow(p)}
-            for w in args.workers:
-                for encoding, sizing in (("hash", {"num_embeddings_per_feature": 1000}),
-                                         ("vocabulary", {})):
-                    impls[("ours", w, encoding)] = lambda p=path, w=w, e=encoding, s=sizing: \
+            for w in dict.fromkeys(args.workers):
+                for encoding in args.encodings:
+                    impls[("ours", w, encoding)] = lambda p=path, w=w, e=encoding: \
                         preprocess_criteo([p], Path(tmp) / f"out-{p.suffix}-{w}-{e}",
-                                          rows_per_shard=args.rows_per_shard, workers=w, **s)
+                                          rows_per_shard=args.rows_per_shard, workers=w,
+                                          **sizing[e])
             if not args.skip_python:
                 impls[("plain_python", None, None)] = lambda p=path: plain_python(p, 1000)
-            bare = 0.0
-            hashed: dict[int, float] = {}  # workers -> rows/s of the hash encoding
-            for (name, workers, encoding), fn in impls.items():
-                start = time.perf_counter()
-                result = fn()
-                seconds = time.perf_counter() - start
-                spec = result if isinstance(result, DatasetSpec) else None
-                rows = result if spec is None else sum(s.rows for s in spec.splits)
-                line = {"bench": "preprocess_criteo", "input": path.name, "impl": name,
-                        "rows": rows, "seconds": round(seconds, 3),
-                        "rows_per_s": round(rows / seconds),
-                        "mb_per_s": round(mb / seconds, 1)}
-                if name == "pyarrow_bare":
-                    bare = rows / seconds
-                else:
-                    line["ratio_to_pyarrow"] = round(rows / seconds / bare, 3)
-                if workers is not None and spec is not None:
-                    line["encoding"] = encoding
-                    line["rows_per_shard"] = args.rows_per_shard
-                    line["workers"] = workers
-                    line["rows_per_s_per_worker"] = round(rows / seconds / workers)
-                    line["table_rows"] = spec.parameters["tables"]["total_rows"]
-                    line["ids"] = args.ids
-                    if encoding == "hash":
-                        hashed[workers] = rows / seconds
-                    else:
-                        line["ratio_to_hash"] = round(rows / seconds / hashed[workers], 3)
-                print(json.dumps(line), flush=True)
+            times: dict[tuple[str, int | None, str | None], list[float]] = {}
+            rows_of: dict[tuple[str, int | None, str | None], int] = {}
+            for run in range(args.repeat):
+                for key, fn in impls.items():
+                    if key[0] == "plain_python" and run:
+                        continue  # the slow baseline once
+                    start = time.perf_counter()
+                    result = fn()
+                    seconds = time.perf_counter() - start
+                    spec = result if isinstance(result, DatasetSpec) else None
+                    rows = result if spec is None else sum(s.rows for s in spec.splits)
+                    times.setdefault(key, []).append(seconds)
+                    rows_of[key] = rows
+                    line = {**_line(path, key[0], rows, seconds, mb), "run": run}
+                    if spec is not None:
+                        line |= {"workers": key[1], "encoding": key[2],
+                                 "table_rows": spec.parameters["tables"]["total_rows"]}
+                    print(json.dumps(line), flush=True)
+            _print_medians(path, times, rows_of, mb, args)
+
+
+def _print_medians(path: Path, times: dict, rows_of: dict, mb: float,
+                   args: argparse.Namespace) -> None:
+    """One line per impl: median seconds, compared with the bare parse (and hashing)."""
+    median = {k: float(np.median(v)) for k, v in times.items()}
+    bare = rows_of[("pyarrow_bare", None, None)] / median[("pyarrow_bare", None, None)]
+    for (name, workers, encoding), seconds in median.items():
+        rows = rows_of[(name, workers, encoding)]
+        line = {**_line(path, name, rows, seconds, mb), "stat": "median",
+                "runs": len(times[(name, workers, encoding)])}
+        if name != "pyarrow_bare":
+            line["ratio_to_pyarrow"] = round(rows / seconds / bare, 3)
+        if workers is not None:
+            line |= {"encoding": encoding, "rows_per_shard": args.rows_per_shard,
+                     "workers": workers, "rows_per_s_per_worker": round(rows / seconds / workers),
+                     "ids": args.ids}
+            one = median.get((name, args.workers[0], encoding))
+            if workers != args.workers[0] and one is not None:
+                line[f"speedup_over_{args.workers[0]}"] = round(one / seconds, 3)
+            hashed = median.get((name, workers, "hash"))
+            if encoding == "vocabulary" and hashed is not None:
+                line["ratio_to_hash"] = round(hashed / seconds, 3)
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Modules, in the order data flows through them:
 ``format``         the row format (fields, columns, kaggle vs terabyte splits), shared with
                    serving
 ``parse``          blocks of raw lines -> validated typed columns (vectorized)
+``fastparse``      the optional C parser of rows in the strict format (same rows, one pass)
 ``lines``          reading blocks of whole lines; line counts and line indexes
 ``vocabulary``     the train-split vocabulary that sizes the tables (count, select, save, load)
 ``encoding``       vocabulary, hashing or ``like``: raw ids -> table rows; the block encoder

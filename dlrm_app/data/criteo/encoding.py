@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import shutil
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from dlrm_app.data.criteo.format import NUM_DENSE, NUM_SPARSE, OUTPUT_SCHEMA, SplitRule
+from dlrm_app.data.criteo.lines import LineIndex
 from dlrm_app.data.criteo.parse import Rows
 from dlrm_app.data.criteo.vocabulary import (
     DEFAULT_FREQUENCY_THRESHOLD,
@@ -44,7 +46,6 @@ from dlrm_app.data.criteo.vocabulary import (
     VOCABULARY_FILE,
     build_vocabulary,
     load_vocabulary,
-    save_vocabulary,
 )
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.schema import DatasetSpec, sha256_file
@@ -96,26 +97,51 @@ def _positions(vocab: np.ndarray, raw: np.ndarray) -> np.ndarray:
     return pos
 
 
+SHARED_VOCABULARY = "vocabulary.npy"
+"""In ``.staging``: every feature's kept ids, concatenated, mapped by every encoding process."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EncodeSpec:
-    """What a worker needs to build the encoder (a vocabulary is loaded once per process)."""
+    """What a worker needs to build the encoder: the table sizes and, for a vocabulary, the
+    ``.npy`` file it is memory-mapped from (one copy in the page cache for all processes,
+    nothing to decode) with each feature's ``[start, end)`` in it."""
 
     num_embeddings: tuple[int, ...]
     vocabulary: str | None = None
-    vocabulary_sha256: str | None = None
+    vocabulary_edges: tuple[int, ...] = ()
+    vocabulary_digest: str | None = None
+    """A hash of the mapped ids: which vocabulary this is (for the run's fingerprint)."""
 
     @classmethod
-    def of(cls, encoding: dict, out: Path) -> EncodeSpec:
-        """The spec of an ``encoding`` record whose vocabulary (if any) is in ``out``."""
+    def of(cls, encoding: dict, out: Path, staging: Path,
+           vocab: list[np.ndarray] | None = None) -> EncodeSpec:
+        """The spec of an ``encoding`` record whose vocabulary (if any) is ``vocab`` or in
+        ``out``; a vocabulary is written to ``staging`` for the encoding processes."""
         sizes = tuple(encoding["num_embeddings"])
-        if encoding["mode"] == "vocabulary":
-            return cls(sizes, str(out / VOCABULARY_FILE), encoding["vocabulary_sha256"])
-        return cls(sizes)
+        if encoding["mode"] != "vocabulary":
+            return cls(sizes)
+        if vocab is None:
+            vocab = load_vocabulary(out)
+        staging.mkdir(exist_ok=True)
+        ids = np.concatenate(vocab).astype(np.int64, copy=False)
+        edges = tuple(np.cumsum([0, *map(len, vocab)]).tolist())
+        digest = hashlib.sha256(ids.data)
+        digest.update(np.asarray(edges, np.int64).data)
+        tmp = staging / f".{SHARED_VOCABULARY}.tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, ids)
+        os.replace(tmp, staging / SHARED_VOCABULARY)
+        return cls(sizes, str(staging / SHARED_VOCABULARY), edges, digest.hexdigest())
 
 
 @functools.lru_cache(maxsize=1)
 def encoder(spec: EncodeSpec) -> Encoder:
-    vocab = None if spec.vocabulary is None else load_vocabulary(Path(spec.vocabulary).parent)
+    vocab = None
+    if spec.vocabulary is not None:
+        ids = np.load(spec.vocabulary, mmap_mode="r")
+        edges = spec.vocabulary_edges
+        vocab = [ids[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
     return Encoder(list(spec.num_embeddings), vocab)
 
 
@@ -185,9 +211,13 @@ def _per_feature(value: int | Sequence[int], name: str) -> list[int]:
 
 
 def choose_encoding(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
-                    counts: list[int | None], request: EncodingRequest, block_bytes: int,
-                    on_bad_row: str) -> dict:
-    """The ``encoding`` record of dataset.json; a vocabulary is built or copied into ``out``."""
+                    counts: list[int | None], indexes: list[LineIndex | None],
+                    request: EncodingRequest, block_bytes: int,
+                    on_bad_row: str) -> tuple[dict, list[np.ndarray] | None]:
+    """The ``encoding`` record of dataset.json, and the vocabulary it built (None if it built
+    none; its ``vocabulary_sha256`` is then None until the caller saves it with
+    :func:`~dlrm_app.data.criteo.vocabulary.save_vocabulary`); a ``like`` vocabulary is copied
+    into ``out``."""
     if request.mode == "like":
         like = request.like
         assert like is not None
@@ -200,21 +230,21 @@ def choose_encoding(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
             shutil.copyfile(src, out / f".{VOCABULARY_FILE}.tmp")
             os.replace(out / f".{VOCABULARY_FILE}.tmp", out / VOCABULARY_FILE)
         encoding["like"] = str(like)
-        return encoding
+        return encoding, None
     if request.mode == "hash":
         assert request.num_embeddings_per_feature is not None
         return {"mode": "hash", "num_embeddings": _per_feature(
-            request.num_embeddings_per_feature, "num_embeddings_per_feature")}
+            request.num_embeddings_per_feature, "num_embeddings_per_feature")}, None
     threshold = DEFAULT_FREQUENCY_THRESHOLD if request.frequency_threshold is None \
         else request.frequency_threshold
     cap = _per_feature(DEFAULT_MAX_EMBEDDINGS_PER_FEATURE if request.max_embeddings_per_feature
                        is None else request.max_embeddings_per_feature,
                        "max_embeddings_per_feature")
-    vocab = build_vocabulary(run, paths, rule, counts, threshold, cap, block_bytes, on_bad_row,
-                             request.vocabulary_memory_bytes)
+    vocab = build_vocabulary(run, paths, rule, counts, indexes, threshold, cap, block_bytes,
+                             on_bad_row, request.vocabulary_memory_bytes)
     return {"mode": "vocabulary", "frequency_threshold": threshold,
             "max_embeddings_per_feature": cap, "rare_id": RARE_ID,
-            "vocabulary_sha256": save_vocabulary(out, vocab.ids),
+            "vocabulary_sha256": None,  # the caller saves it (save_vocabulary)
             "num_embeddings": vocab.num_embeddings,
             "distinct_train_ids": vocab.distinct, "qualified_ids": vocab.qualified,
-            "train_coverage": [round(c, 6) for c in vocab.coverage]}
+            "train_coverage": [round(c, 6) for c in vocab.coverage]}, vocab.ids

@@ -1,8 +1,11 @@
 """Criteo TSV parsing: raw blocks of whole lines -> validated typed columns.
 
-The row format is :mod:`dlrm_app.data.criteo.format`. The parse is vectorized: pyarrow's CSV
+The row format is :mod:`dlrm_app.data.criteo.format`. A block of rows in the strict format
+(all 40 fields, valid values) goes through the optional C parser
+(:mod:`~dlrm_app.data.criteo.fastparse`: one pass, every field straight to its number);
+anything else, or every block without the helper, takes the vectorized path: pyarrow's CSV
 reader with an explicit schema, a word-at-a-time hex decode, and a per-line fallback only for
-bad or short rows.
+bad or short rows. Both give the same rows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from dlrm_app.data.criteo import fastparse
 from dlrm_app.data.criteo.format import (
     COLUMNS,
     DENSE_NAMES,
@@ -288,8 +292,9 @@ def _parse_slow(buf: bytes, lines: np.ndarray, path: Path, on_bad_row: str,
         # short rows only; the common all-40-fields block is passed through untouched).
         pieces, prev = [], 0
         for i in short:
-            pieces += [buf[prev:nl[i]], b"\t" * int(NUM_FIELDS - fields[i])]
-            prev = nl[i]
+            end = int(nl[i]) - (nl[i] > starts[i] and buf[nl[i] - 1] == 13)  # before a CRLF's CR
+            pieces += [buf[prev:end], b"\t" * int(NUM_FIELDS - fields[i])]
+            prev = end
         pieces.append(buf[prev:])
         padded = b"".join(pieces)
     try:
@@ -308,7 +313,7 @@ def _parse_slow(buf: bytes, lines: np.ndarray, path: Path, on_bad_row: str,
         bad = ~np.asarray(pc.is_in(table[LABEL], pa.array(["0", "1"])))
         for n in DENSE_NAMES:
             bad |= ~np.asarray(pc.match_substring_regex(
-                table[n], rf"^-?[0-9]{{0,{MAX_DENSE_DIGITS}}}$"))
+                table[n], rf"^(-?[0-9]{{1,{MAX_DENSE_DIGITS}}})?$"))
         label = None
         dense_cols = None
     return table, label, bad, dense_cols, lines, buf, skipped
@@ -325,6 +330,9 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str,
     if n_lines is None:
         n_lines = buf.count(b"\n")
     lines = np.arange(first_line, first_line + n_lines)
+    if (fast := fastparse.parse_rows(buf, n_lines)) is not None:
+        label_values, dense_values, cat_values = fast  # every row valid (the strict format)
+        return Rows(label_values, dense_values, list(cat_values), lines), 0
     skipped = 0
     read = pacsv.ReadOptions(column_names=list(COLUMNS))
 

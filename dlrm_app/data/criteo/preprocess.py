@@ -28,12 +28,15 @@ at most ``2 * workers`` shards on disk. Streaming: one process about 0.2 GB + 10
 ``block_bytes``. Measured with 32 MB blocks, in total: plain 0.4 GB (one process) / 0.8 GB
 (two workers), gzip 0.5 / 0.9 GB. Add the line numbers of skipped bad rows (8 bytes each),
 and for the default vocabulary: its counting pass (bounded by ``vocabulary_memory_bytes``, see
-:mod:`~dlrm_app.data.criteo.vocabulary`) and the vocabulary itself in every encoding process (8
-bytes per id with a row).
+:mod:`~dlrm_app.data.criteo.vocabulary`) and the vocabulary itself (8 bytes per id with a row):
+in this process until ``vocabulary.parquet`` is written (by a thread, during the main pass),
+and one copy in ``.staging`` that every encoding process maps (shared page cache).
 
 The default vocabulary reads the train split twice (a counting pass, then the main pass); a
 kaggle vocabulary needs every input's line count first (a gzip input is decompressed once
-more to count them).
+more to count them). Plain inputs are counted (and indexed) in any case, so that in the
+counting pass too each worker reads its own line ranges: only line numbers go to the workers
+and per-range id counts come back (merged here).
 
 Resumption: each shard is written to a hidden temp name and renamed when complete, then a
 small done-marker records its checksum; a rerun keeps every finished shard and redoes only
@@ -43,6 +46,7 @@ Finished shards are not re-parsed. ``dataset.json`` is written last.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -57,11 +61,11 @@ from typing import Literal
 from dlrm_app.data.criteo.encoding import EncodeSpec, EncodingRequest, choose_encoding, encoder
 from dlrm_app.data.criteo.finalize import finalize
 from dlrm_app.data.criteo.format import DENSE_NAMES, LABEL, SPARSE_NAMES, SplitRule
-from dlrm_app.data.criteo.lines import blocks, line_counts, prefetch
+from dlrm_app.data.criteo.lines import LineIndex, blocks, line_counts, prefetch
 from dlrm_app.data.criteo.parse import check_not_empty, no_valid_rows_error
 from dlrm_app.data.criteo.shard_tasks import Spiller, run_shard_tasks, stage_shards
 from dlrm_app.data.criteo.staging import STAGING_DIR, stage
-from dlrm_app.data.criteo.vocabulary import DEFAULT_VOCABULARY_MEMORY_BYTES
+from dlrm_app.data.criteo.vocabulary import DEFAULT_VOCABULARY_MEMORY_BYTES, save_vocabulary
 from dlrm_app.data.criteo.workers import Runner, runner
 from dlrm_app.data.schema import (
     DatasetKind,
@@ -94,6 +98,29 @@ class _Job:
     workers: int
 
 
+def _main_pass(run: Runner, job: _Job, spec: EncodeSpec, counts: list[int | None],
+               indexes: list[LineIndex | None], fingerprint: str) -> tuple[list, list, list]:
+    """Every row parsed, encoded and written to a staging shard: the shards' markers, the
+    input line counts and the skipped lines."""
+    paths, out, rule = job.paths, job.out, job.rule
+    shard_args = (spec, job.block_bytes, job.row_group_size, fingerprint)
+    if all(p.suffix != ".gz" for p in paths) and job.on_bad_row == "error":
+        staged = stage_shards(run, paths, out, rule, counts, indexes,  # type: ignore[arg-type]
+                              job.rows_per_shard, *shard_args)
+        return staged, counts, []
+    if job.on_bad_row == "error" and job.workers > 1 and \
+            many_shards(paths, job.rows_per_shard, job.workers):
+        spiller = Spiller(paths, out, rule.starts(counts), job.rows_per_shard, fingerprint)
+        with contextlib.closing(prefetch(blocks(paths, job.block_bytes))) as read:
+            staged = run_shard_tasks(run, out, spiller.tasks(read), spiller.shards,
+                                     *shard_args, total=None)
+        return staged, spiller.input_lines, []
+    stream = stage(run, paths, out, spec, rule.starts(counts), job.rows_per_shard,
+                   job.row_group_size, job.on_bad_row, job.block_bytes, fingerprint,
+                   None if None in counts else sum(counts))
+    return stream.shards, stream.input_lines, stream.skipped
+
+
 def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, list[int], list]:
     """preprocess_criteo's work, with its runner: the splits, the encoding record, the input
     line counts and the skipped lines."""
@@ -103,9 +130,7 @@ def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, li
     # once. With bad rows as errors, rows are lines and the workers write whole shards:
     # plain inputs are read by the workers, gzip is cut into shards here (see the doc).
     plain = [p.suffix != ".gz" for p in paths]
-    direct = all(plain) and job.on_bad_row == "error"
-    spill = not direct and job.on_bad_row == "error" and job.workers > 1 and \
-        many_shards(paths, job.rows_per_shard, job.workers)
+    direct = all(plain) and job.on_bad_row == "error"  # see _main_pass
     if direct:
         which = [True] * len(paths)
     elif rule.one_split is not None:
@@ -114,32 +139,26 @@ def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, li
         which = [False] * (len(paths) - 1) + plain[-1:]
     else:
         which = [all(plain) or job.request.mode == "vocabulary"] * len(paths)
+    if job.request.mode == "vocabulary" and all(plain):
+        which = [True] * len(paths)  # the workers read their own train lines to count ids
     counts, indexes = line_counts(run, paths, which, job.block_bytes)
-    encoding = choose_encoding(run, paths, out, rule, counts, job.request, job.block_bytes,
-                               job.on_bad_row)
-    spec = EncodeSpec.of(encoding, out)
-    # block_bytes and workers are left out: they do not change a byte of the output
-    config = {"inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
-              "fmt": rule.fmt, "one_split": rule.one_split, "encoding": encoding,
-              "rows_per_shard": job.rows_per_shard, "row_group_size": job.row_group_size,
-              "on_bad_row": job.on_bad_row}
-    fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    shard_args = (spec, job.block_bytes, job.row_group_size, fingerprint)
-    if direct:
-        staged = stage_shards(run, paths, out, rule, counts, indexes, job.rows_per_shard,
-                              *shard_args)
-        input_lines, skipped = counts, []
-    elif spill:
-        spiller = Spiller(paths, out, rule.starts(counts), job.rows_per_shard, fingerprint)
-        with contextlib.closing(prefetch(blocks(paths, job.block_bytes))) as read:
-            staged = run_shard_tasks(run, out, spiller.tasks(read), spiller.shards,
-                                     *shard_args, total=None)
-        input_lines, skipped = spiller.input_lines, []
-    else:
-        stream = stage(run, paths, out, spec, rule.starts(counts), job.rows_per_shard,
-                       job.row_group_size, job.on_bad_row, job.block_bytes, fingerprint,
-                       None if None in counts else sum(counts))
-        staged, input_lines, skipped = stream.shards, stream.input_lines, stream.skipped
+    encoding, vocab = choose_encoding(run, paths, out, rule, counts, indexes, job.request,
+                                      job.block_bytes, job.on_bad_row)
+    # vocabulary.parquet is written by a thread (GIL released) while the rows are encoded
+    with concurrent.futures.ThreadPoolExecutor(1) as saver:
+        saved = None if vocab is None else saver.submit(save_vocabulary, out, vocab)
+        spec = EncodeSpec.of(encoding, out, out / STAGING_DIR, vocab)
+        del vocab  # the encoders map it from the staging copy
+        # block_bytes and workers are left out: they do not change a byte of the output (a
+        # new vocabulary's checksum is not known yet: the digest of its ids stands in)
+        config = {"inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
+                  "fmt": rule.fmt, "one_split": rule.one_split, "encoding": encoding,
+                  "vocabulary": spec.vocabulary_digest, "rows_per_shard": job.rows_per_shard,
+                  "row_group_size": job.row_group_size, "on_bad_row": job.on_bad_row}
+        fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+        staged, input_lines, skipped = _main_pass(run, job, spec, counts, indexes, fingerprint)
+    if saved is not None:
+        encoding["vocabulary_sha256"] = saved.result()
     for p, n, m in zip(paths, counts, input_lines, strict=True):
         if n is not None and n != m:
             raise ValueError(f"{p}: {n} lines when counted, {m} when read; the file "

@@ -9,9 +9,11 @@ cut by the cap, or never seen in train) shares the out-of-vocabulary row ``0``. 
 
 Counting is exact: per feature, the sorted distinct raw ids of the train split and their
 counts (16 bytes per distinct id), merged in this process from per-block counts made in the
-workers. Its memory is bounded by ``memory_bytes`` (default 4 GiB): the held counts (merged,
-and per-block ones waiting to be merged) plus the temporaries of the merge in progress (about 40
-bytes per id merged). Estimates from the published per-feature counts of the whole sets:
+workers (plain inputs: each worker reads its own line ranges of about ``block_bytes``, found
+with the line index; gzip: this process reads the blocks and hands them out). Its memory is
+bounded by ``memory_bytes`` (default 4 GiB): the held counts (merged, and per-block ones
+waiting to be merged) plus the temporaries of the merge in progress (about 40 bytes per id
+merged). Estimates from the published per-feature counts of the whole sets:
 
 * Criteo Kaggle: at most 33.8 M distinct ids over the 26 features, 10.1 M in the largest:
   0.5 GB of merged counts, at most about 1.9 GB while merging (measured on 1 M synthetic rows
@@ -37,8 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dlrm_app.data.criteo.format import NUM_SPARSE, SPARSE_NAMES, SplitRule
-from dlrm_app.data.criteo.lines import Block, blocks, prefetch
-from dlrm_app.data.criteo.parse import no_valid_rows_error, parse_block
+from dlrm_app.data.criteo.lines import Block, LineIndex, blocks, prefetch
+from dlrm_app.data.criteo.parse import no_valid_rows_error, parse_block, read_blocks
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.schema import sha256_file
 
@@ -124,13 +126,7 @@ class IdCounts:
     def _merge(self, k: int, lines_read: str) -> None:
         parts = [(self.ids[k], self.counts[k]), *self.pending[k]]
         self._check(sum(len(i) for i, _ in parts), lines_read)
-        ids = np.concatenate([i for i, _ in parts])
-        counts = np.concatenate([c for _, c in parts])
-        order = np.argsort(ids, kind="stable")  # sorted runs: a merge, not a full sort
-        ids, counts = ids[order], counts[order]
-        del order
-        first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-        self.ids[k], self.counts[k] = ids[first], np.add.reduceat(counts, first)
+        self.ids[k], self.counts[k] = merge_counts(parts)
         self.pending[k], self.pending_ids[k] = [], 0
 
     def finish(self, lines_read: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -143,6 +139,22 @@ class IdCounts:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def merge_counts(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """One (sorted distinct ids, counts) as int64 from several, each sorted (of any int
+    dtype)."""
+    parts = [p for p in parts if len(p[0])]
+    if len(parts) <= 1:
+        ids, counts = parts[0] if parts else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return ids.astype(np.int64, copy=False), counts.astype(np.int64, copy=False)
+    ids = np.concatenate([i for i, _ in parts]).astype(np.int64, copy=False)
+    counts = np.concatenate([c for _, c in parts]).astype(np.int64, copy=False)
+    order = np.argsort(ids, kind="stable")  # sorted runs: a merge, not a full sort
+    ids, counts = ids[order], counts[order]
+    del order
+    first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    return ids[first], np.add.reduceat(counts, first)
 
 
 def select(ids: np.ndarray, counts: np.ndarray, threshold: int,
@@ -158,6 +170,12 @@ def select(ids: np.ndarray, counts: np.ndarray, threshold: int,
     return np.sort(ok[order])
 
 
+def _compact(ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A task's (ids, counts) as uint32, half the bytes to send back: raw ids have at most 8
+    hex digits, and a task counts far fewer than 2**32 rows."""
+    return ids.astype(np.uint32), counts.astype(np.uint32)
+
+
 def count_ids(path: Path, block: Block, on_bad_row: str, train_lines: float
               ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Worker task of the vocabulary pass: per feature, the distinct raw ids of the block's
@@ -165,30 +183,73 @@ def count_ids(path: Path, block: Block, on_bad_row: str, train_lines: float
     of those rows."""
     rows, _ = parse_block(block.data, block.line, path, on_bad_row, block.lines)
     n_train = int(np.searchsorted(rows.lines, train_lines, side="right"))
-    return [np.unique(c[:n_train], return_counts=True) for c in rows.cats], n_train
+    return [_compact(*np.unique(c[:n_train], return_counts=True)) for c in rows.cats], n_train
+
+
+def count_lines_of(path: Path, line: int, lines: int, index: LineIndex, block_bytes: int,
+                   on_bad_row: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """Worker task of the vocabulary pass over a plain input: reads the input's 0-based lines
+    ``[line, line + lines)`` itself (found with its line ``index``; all of them train lines)
+    and returns, per feature, their distinct raw ids and counts, and the rows counted."""
+    start, end = index.locate(path, line), index.locate(path, line + lines)
+    parts: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    n_rows = 0
+    with contextlib.closing(prefetch(read_blocks(path, block_bytes, start, end))) as datas:
+        for data in datas:
+            n = data.count(b"\n")
+            rows, _ = parse_block(data, line + 1, path, on_bad_row, n)
+            parts.append([np.unique(c, return_counts=True) for c in rows.cats])
+            n_rows += len(rows.label)
+            line += n
+    per_feature = [_compact(*merge_counts([p[k] for p in parts])) for k in range(NUM_SPARSE)]
+    return per_feature, n_rows
+
+
+def _line_tasks(paths: list[Path], counts: list[int | None], indexes: list[LineIndex | None],
+                train_lines: list[float], block_bytes: int, on_bad_row: str,
+                positions: deque[tuple[str, int]]) -> Iterator[tuple]:
+    """count_lines_of tasks of about ``block_bytes`` each over the train lines of indexed
+    (plain) inputs: nothing but line numbers goes to the workers."""
+    for path, n, index, train in zip(paths, counts, indexes, train_lines, strict=True):
+        assert n is not None and index is not None
+        train = int(min(train, n))
+        step = max(1, block_bytes * n // max(path.stat().st_size, 1))  # lines per task
+        for line in range(0, train, step):
+            lines = min(step, train - line)
+            positions.append((f"line {line + lines:,} of {path}", lines))
+            yield path, line, lines, index, block_bytes, on_bad_row
 
 
 def build_vocabulary(run: Runner, paths: list[Path], rule: SplitRule,
-                     counts: list[int | None], threshold: int, max_embeddings: Sequence[int],
-                     block_bytes: int, on_bad_row: str, memory_bytes: int) -> Vocabulary:
+                     counts: list[int | None], indexes: list[LineIndex | None], threshold: int,
+                     max_embeddings: Sequence[int], block_bytes: int, on_bad_row: str,
+                     memory_bytes: int) -> Vocabulary:
     """The vocabulary of the train split; only the train lines are read (kaggle: ``counts``
-    has every input's line count)."""
+    has every input's line count). Inputs that all have a line index (plain ones) are read by
+    the workers, each its own line ranges; otherwise (gzip) this process reads the blocks and
+    hands them out."""
     train_lines = rule.train_lines(counts)
     where = ", ".join(map(str, paths)) if len(paths) <= 3 else f"{paths[0]} ... {paths[-1]}"
     counter = IdCounts(memory_bytes, where)
-    # per block in flight, in task order: where it ends, and its train lines
+    # per task in flight, in task order: where it ends, and its train lines
     positions: deque[tuple[str, int]] = deque()
 
-    def tasks(stream: Iterator[Block]) -> Iterator[tuple]:
+    def block_tasks(stream: Iterator[Block]) -> Iterator[tuple]:
         for b in stream:
             lines = int(min(b.lines, train_lines[b.input] - (b.line - 1)))
             positions.append((f"line {b.line - 1 + b.lines:,} of {paths[b.input]}", lines))
             yield paths[b.input], b, on_bad_row, train_lines[b.input]
 
     read, lines_read = "nothing", 0
-    with contextlib.closing(prefetch(blocks(paths, block_bytes, max_lines=train_lines))) \
-            as stream:
-        for per_feature, n_train in run.map(count_ids, tasks(stream)):
+    with contextlib.ExitStack() as stack:
+        if None not in indexes:
+            results = run.map(count_lines_of, _line_tasks(
+                paths, counts, indexes, train_lines, block_bytes, on_bad_row, positions))
+        else:
+            stream = stack.enter_context(contextlib.closing(
+                prefetch(blocks(paths, block_bytes, max_lines=train_lines))))
+            results = run.map(count_ids, block_tasks(stream))
+        for per_feature, n_train in results:
             read, lines = positions.popleft()
             lines_read += lines
             counter.add(per_feature, n_train, read)
