@@ -84,11 +84,11 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
     name = split if data is None else f"{split}_{Path(data).resolve().name}"
     # in the precision the run trained and validated in (--amp), so that the best
     # checkpoint's validation AUC here is the one training recorded
-    metrics = evaluate_model(model, loader, init_distributed(), amp=config.amp,
-                             save_to=(run, name))
+    device = init_distributed()  # joined by load_trained_model: this only names the device
+    metrics = evaluate_model(model, loader, device, amp=config.amp, save_to=(run, name))
     if rank == 0:
         write_report(run)
     return {"split": split, "checkpoint": str(path), "world_size": world_size,
-            "amp": amp_enabled(init_distributed(), config.amp), **metrics,
+            "amp": amp_enabled(device, config.amp), **metrics,
             "teacher_auc": spec.parameters.get("teacher_auc", {}).get(split)
             if isinstance(spec.parameters.get("teacher_auc"), dict) else None}

@@ -186,12 +186,11 @@ class InteractionArch(nn.Module):
                 low = torch.get_autocast_dtype(kind)  # a cat of mixed dtypes is 3-6x slower
                 dense, sparse = dense.to(low), sparse.to(low)
         combined = torch.cat([dense.unsqueeze(1), sparse.to(dense.dtype)], dim=1)
-        if not torch.jit.is_scripting():
-            if torch.is_grad_enabled() and combined.requires_grad:
-                pairs = _gram_pairs_with_grad(combined, self.flat, self.flat_both)
-                return torch.cat([dense.to(pairs.dtype), pairs], dim=1)
-        products = torch.bmm(combined, combined.transpose(1, 2))
-        pairs = products.view(products.shape[0], -1).index_select(1, self.flat)
+        if not torch.jit.is_scripting() and torch.is_grad_enabled() and combined.requires_grad:
+            pairs = _gram_pairs_with_grad(combined, self.flat, self.flat_both)
+        else:
+            products = torch.bmm(combined, combined.transpose(1, 2))
+            pairs = products.view(products.shape[0], -1).index_select(1, self.flat)
         return torch.cat([dense.to(pairs.dtype), pairs], dim=1)
 
 
