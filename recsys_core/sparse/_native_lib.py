@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import importlib.util
 from collections.abc import Iterator
 
@@ -27,6 +28,17 @@ def _load() -> ctypes.CDLL | None:
 
 
 _LIB = _load()
+
+
+def _load_module() -> object | None:
+    try:
+        return importlib.import_module("recsys_core.sparse._native")
+    except ImportError:
+        return None
+
+
+# The same library imported as a module: its ``key_sums`` returns Python lists directly.
+_KEY_SUMS_LISTS = getattr(_load_module() if _LIB is not None else None, "key_sums", None)
 
 
 def _key_sums_fns(lib: ctypes.CDLL | None) -> dict[torch.dtype, object] | None:
@@ -75,6 +87,13 @@ def key_sums(dtype: torch.dtype) -> object | None:
     if not _enabled or _KEY_SUMS is None:
         return None
     return _KEY_SUMS.get(dtype)
+
+
+def key_sums_lists() -> object | None:
+    """``key_sums(address, element_size, num_keys, stride, max_length) -> (sums, offsets) |
+    None`` of ``_native.c`` (the one-pass proof and per-key sums, with the running offsets, as
+    lists), or None where the helper is absent or switched off."""
+    return _KEY_SUMS_LISTS if _enabled else None
 
 
 def _plain_host(t: torch.Tensor) -> bool:

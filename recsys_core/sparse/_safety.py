@@ -50,6 +50,9 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
     docstring); returns (and caches) ``length_per_key``. Free once a KJT is checked."""
     if kjt._checked:
         return kjt.length_per_key()
+    fast = _fixed_batch_fast_path(kjt)
+    if fast is not None:
+        return fast
     keys = kjt.keys()
     values = kjt.values()
     if len(keys) == 0 or values.is_meta:
@@ -104,6 +107,58 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
     kjt._offset_per_key = offset_per_key
     kjt._checked = True
     return sums
+
+
+def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
+    """The common case in one C call, or None for the general path below: a fixed batch given
+    as 1-D contiguous host lengths only (no offsets, no cached counts to compare), at least one
+    length, and one weight per value if any. The helper proves every length in
+    ``[0, len(values)]`` while it sums them per key; the last offset must then fit the values.
+    Anything else, a length out of range included, takes the general path, which names it."""
+    fn = _native_lib.key_sums_lists()
+    lengths = kjt._lengths
+    if (
+        fn is None
+        or type(lengths) is not torch.Tensor
+        or kjt._offsets is not None
+        or kjt._stride_per_key_per_rank is not None
+        or kjt._length_per_key is not None
+        or kjt._offset_per_key is not None
+        or not lengths.is_cpu
+        or lengths.dim() != 1
+        or lengths.dtype not in _NATIVE_DTYPES
+        or not lengths.is_contiguous()
+    ):
+        return None
+    num_keys = len(kjt._keys)
+    numel = lengths.numel()
+    stride = kjt._stride
+    if num_keys == 0 or numel == 0:
+        return None
+    if stride is None:
+        stride, rest = divmod(numel, num_keys)
+        if rest:
+            return None
+    elif stride * num_keys != numel:
+        return None
+    values = kjt._values
+    weights = kjt._weights
+    num_values = values.size(0)
+    if (weights is not None and weights.size(0) != num_values) or values.is_meta:
+        return None
+    out = fn(lengths.data_ptr(), lengths.element_size(), num_keys, stride, num_values)
+    if out is None:
+        return None
+    sums, offsets = out
+    if offsets[-1] > num_values:
+        return None
+    kjt._length_per_key = sums
+    kjt._offset_per_key = offsets
+    kjt._checked = True
+    return sums
+
+
+_NATIVE_DTYPES = (torch.int64, torch.int32)
 
 
 def _sums_in_range(

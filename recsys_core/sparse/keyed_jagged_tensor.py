@@ -18,6 +18,7 @@ from recsys_core.sparse.jagged_tensor import JaggedTensor
 from recsys_core.sparse.jagged_tensor_validator import check_keyed_jagged_tensor
 
 _OWNER = "KeyedJaggedTensor"
+_INDEX = (torch.int32, torch.int64)
 
 
 class KeyedJaggedTensor(metaclass=SparseTypeMeta):
@@ -90,15 +91,24 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> None:
         if not torch.jit.is_scripting():
-            keys, lengths, offsets, stride_per_key_per_rank = check_kjt_inputs(
-                keys,
-                values,
-                lengths,
-                offsets,
-                stride_per_key_per_rank,
-                length_per_key,
-                offset_per_key,
+            # the common case needs no conversion: skip the call (a third of a construction)
+            plain = (
+                type(keys) is list
+                and type(values) is torch.Tensor
+                and stride_per_key_per_rank is None
+                and (lengths is None or (type(lengths) is torch.Tensor and lengths.dtype in _INDEX))
+                and (offsets is None or (type(offsets) is torch.Tensor and offsets.dtype in _INDEX))
             )
+            if not plain:
+                keys, lengths, offsets, stride_per_key_per_rank = check_kjt_inputs(
+                    keys,
+                    values,
+                    lengths,
+                    offsets,
+                    stride_per_key_per_rank,
+                    length_per_key,
+                    offset_per_key,
+                )
         self._keys: list[str] = keys
         self._values: torch.Tensor = values
         self._weights: torch.Tensor | None = weights

@@ -64,3 +64,91 @@ def test_from_lengths_sync_by_hand() -> None:
     assert kjt.length_per_key() == [3, 1, 3] and kjt.offset_per_key() == [0, 3, 4, 7]
     with pytest.raises(ValueError, match="negative|-1"):
         KeyedJaggedTensor.from_lengths_sync(KEYS, torch.arange(4), torch.tensor([1, 1, -1, 3, 0, 0])).permute([1, 0, 2])
+
+
+def _plant(lengths: torch.Tensor, case: str, position: int, num_values: int) -> None:
+    if case == "negative":  # the key's sum stays right: only the range proof catches it
+        lengths[(position + 1) % lengths.numel()] += int(lengths[position]) + 1
+        lengths[position] = -1
+    elif case == "too_large":
+        lengths[position] = num_values + 1
+    elif case == "most_negative":
+        lengths[position] = torch.iinfo(lengths.dtype).min
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("num_keys", [1, 3, 26])
+@pytest.mark.parametrize("stride", [1, 7, 31, 32, 33, 64, 65, 100, 1031])
+def test_key_sums_lists_by_hand_in_the_vector_loop_and_its_tail(
+    dtype: torch.dtype, num_keys: int, stride: int
+) -> None:
+    """``_native.key_sums`` (the per-key sums and running offsets as lists, int64 lengths in
+    blocks of 32 plus a scalar tail) against sums by hand; None for a bad length in the vector
+    part or in the tail of any key."""
+    fn = _native_lib.key_sums_lists()
+    if fn is None:
+        pytest.skip("recsys_core/sparse/_native.c was not built")
+    gen = torch.Generator().manual_seed(stride * 100 + num_keys)
+    lengths = torch.randint(0, 9, (num_keys * stride,), generator=gen, dtype=dtype)
+    num_values = int(lengths.sum())
+    rows = lengths.tolist()
+    sums = [sum(rows[k * stride:(k + 1) * stride]) for k in range(num_keys)]
+    offsets = [0]
+    for s in sums:
+        offsets.append(offsets[-1] + s)
+    assert fn(lengths.data_ptr(), lengths.element_size(), num_keys, stride, num_values) == (
+        sums, offsets)
+    # a bound below the largest length: not proven
+    largest = max(rows)
+    if largest > 0:
+        assert fn(lengths.data_ptr(), lengths.element_size(), num_keys, stride, largest - 1) is None
+    last_key = (num_keys - 1) * stride
+    positions = {0, last_key + stride - 1, last_key + min(stride - 1, 31), last_key + stride // 2}
+    for case in ("negative", "too_large", "most_negative"):
+        for position in positions:
+            bad = lengths.clone()
+            _plant(bad, case, position, num_values)
+            assert fn(bad.data_ptr(), bad.element_size(), num_keys, stride, num_values) is None, (
+                case, position)
+
+
+@pytest.mark.parametrize("case", ["good", "negative", "too_large", "most_negative", "weights",
+                                  "stride", "values_short"])
+def test_from_lengths_sync_fast_path_equals_the_general_path(case: str) -> None:
+    """The fixed-batch fast path of ``ensure_safe_layout`` (one C call) and the general path
+    (with the helper switched off) give the same counts, offsets and stride, and the same
+    error for every malformed input."""
+    gen = torch.Generator().manual_seed(5)
+    keys = [f"f{i}" for i in range(26)]
+    lengths = torch.randint(0, 5, (26 * 70,), generator=gen)
+    num_values = int(lengths.sum())
+    values = torch.arange(num_values)
+    weights = None
+    stride = None
+    if case in ("negative", "too_large", "most_negative"):
+        _plant(lengths, case, 26 * 70 - 3, num_values)
+    elif case == "weights":
+        weights = torch.ones(num_values - 1)
+    elif case == "stride":
+        stride = 69
+    elif case == "values_short":
+        values = values[:-1]
+
+    def build() -> tuple | str:
+        try:
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                keys, values, lengths, weights=weights, stride=stride)
+            kjt.permute(list(range(25, -1, -1)))
+            return kjt.length_per_key(), kjt.offset_per_key(), kjt.stride()
+        except (ValueError, RuntimeError) as e:  # a stride that does not fit: as TorchRec's view
+            return f"{type(e).__name__}: {e}"
+
+    fast = build()
+    with _native_lib.torch_path_only():
+        general = build()
+    assert fast == general
+    if case == "good":
+        sums = lengths.view(26, 70).sum(1).tolist()
+        assert fast[0] == sums and fast[1][-1] == num_values and fast[2] == 70
+    else:
+        assert isinstance(fast, str)
