@@ -94,6 +94,11 @@ from dlrm_app.runtime import autocast, init_distributed
 from recsys_core.distributed import DistributedModelParallel
 from recsys_core.optim import CombinedOptimizer, in_backward_optimizer_filter
 
+# Criteo 1TB cardinalities of the 26 categorical features (as in bench/planner.py)
+CRITEO_1TB_ROWS = [
+    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10, 2209,
+    11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
+]
 FULL = {"batch_size": 2048, "rows_per_table": 100_000, "dim": 128, "bottom": "512,256",
         "top": "1024,1024,512,256", "steps": 20, "warmup": 3, "phased_steps": 5}
 QUICK = {"batch_size": 128, "rows_per_table": 1000, "dim": 16, "bottom": "32",
@@ -118,6 +123,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--phased-steps", type=int, help=f"default {FULL['phased_steps']}")
     p.add_argument("--quick", action="store_true", help=f"tiny defaults for a smoke test: {QUICK}")
     p.add_argument("--tables", type=int, default=26)
+    p.add_argument("--criteo-1tb-sizes", action="store_true",
+                   help="table i gets min(Criteo 1TB's cardinality of feature i, --rows-per-table) "
+                        "rows (26 tables) instead of --rows-per-table each")
     p.add_argument("--num-dense", type=int, default=13)
     p.add_argument("--world-sizes", default="1,2")
     p.add_argument("--precisions", default="fp32,bf16",
@@ -140,12 +148,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  "num_dense", "threads_per_rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.criteo_1tb_sizes and args.tables != len(CRITEO_1TB_ROWS):
+        p.error(f"--criteo-1tb-sizes needs --tables {len(CRITEO_1TB_ROWS)}, got {args.tables}")
     bad = sorted(set(args.precisions.split(",")) - set(PRECISIONS))
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {list(PRECISIONS)}")
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (its first step gives first_step_loss), got {args.warmup}")
     return args
+
+
+def table_rows(args: argparse.Namespace) -> list[int]:
+    if args.criteo_1tb_sizes:
+        return [min(r, args.rows_per_table) for r in CRITEO_1TB_ROWS]
+    return [args.rows_per_table] * args.tables
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -589,7 +605,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
             train_rows = max(need * max(worlds), 4 * args.batch_size * max(worlds))
             print(f"generating {train_rows} rows in {tmp}", file=sys.stderr, flush=True)
             generate(tmp, rows=int(train_rows / 0.98) + 2, num_dense=args.num_dense,
-                     cardinalities=[args.rows_per_table] * args.tables,
+                     cardinalities=table_rows(args),
                      pooling_factors=[1.0] * args.tables, splits=(0.98, 0.01, 0.01),
                      row_group_size=4 * args.batch_size, seed=args.seed)
         precisions = args.precisions.split(",")
