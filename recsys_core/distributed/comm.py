@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
+from recsys_core.distributed.qcomm_types import QuantizedCommCodecs
 
 Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | None"]]
 
@@ -27,15 +28,22 @@ Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | None"]]
 @dataclass
 class _InFlight:
     backward: Launch
+    codecs: QuantizedCommCodecs | None = None
     work: dist.Work | None = None
     grad_work: dist.Work | None = None
     grad: torch.Tensor | None = None
+    input_dtype: torch.dtype | None = None
+    sent_shape: torch.Size | None = None
+    sent_dtype: torch.dtype | None = None
 
 
 class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _InFlight, forward: Launch, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out, state.work = forward(x)
+        codecs = state.codecs
+        send = x if codecs is None else codecs.forward.encode(x)
+        out, state.work = forward(send)
+        state.input_dtype, state.sent_shape, state.sent_dtype = x.dtype, out.shape, out.dtype
         ctx.state = state
         return out
 
@@ -45,6 +53,8 @@ class _Start(torch.autograd.Function):
         if state.grad_work is not None:
             state.grad_work.wait()
         grad, state.grad, state.grad_work = state.grad, None, None
+        if state.codecs is not None and grad is not None:
+            grad = state.codecs.backward.decode(grad).to(state.input_dtype)
         return None, None, grad
 
 
@@ -58,27 +68,41 @@ class _Wait(torch.autograd.Function):
             # one step of collective buffers per step).
             state.work = None
         ctx.state = state
+        if state.codecs is not None:
+            return state.codecs.forward.decode(out).to(state.input_dtype)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
         state: _InFlight = ctx.state
-        state.grad, state.grad_work = state.backward(grad.contiguous())
+        codecs = state.codecs
+        send = grad.contiguous() if codecs is None else codecs.backward.encode(grad.contiguous())
+        state.grad, state.grad_work = state.backward(send)
         # autograd wants a gradient shaped like this node's input; the input's real gradient
         # is produced by _Start.backward once the reverse collective lands.
-        return None, grad
+        if codecs is None:
+            return None, grad
+        # (the encoded payload's dtype differs: a zero-stride placeholder, no copy)
+        return None, grad.new_zeros((), dtype=state.sent_dtype).expand(state.sent_shape)
 
 
 class CollectiveAwaitable(Awaitable[torch.Tensor]):
-    """A collective in flight; ``wait()`` returns its (differentiable) result."""
+    """A collective in flight; ``wait()`` returns its (differentiable) result. With
+    ``codecs`` the payload travels encoded (``codecs.forward``) and arrives decoded to the
+    input's dtype; so does the gradient in backward (``codecs.backward``)."""
 
-    def __init__(self, x: torch.Tensor, forward: Launch, backward: Launch) -> None:
+    def __init__(
+        self, x: torch.Tensor, forward: Launch, backward: Launch,
+        codecs: QuantizedCommCodecs | None = None,
+    ) -> None:
         super().__init__()
         if torch.is_grad_enabled() and not x.requires_grad:
             # A rank with nothing to send (no local shard) must still take part in the
             # reverse collective in backward, or the ranks' collectives fall out of step.
             x = x.detach().requires_grad_()
-        self._state = _InFlight(backward=backward)
+        if codecs is not None and codecs.is_identity():
+            codecs = None
+        self._state = _InFlight(backward=backward, codecs=codecs)
         self._out = _Start.apply(self._state, forward, x)
 
     def _wait_impl(self) -> torch.Tensor:
@@ -100,8 +124,10 @@ def all_to_all_1d(
     in_splits: Sequence[int],
     out_splits: Sequence[int],
     group: dist.ProcessGroup | None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> CollectiveAwaitable:
-    """Differentiable uneven all-to-all of a 1-D tensor (``in_splits[r]`` elements go to r)."""
+    """Differentiable uneven all-to-all of a 1-D tensor (``in_splits[r]`` elements go to r),
+    its payload encoded by ``codecs`` (None: as is)."""
     send, recv = list(in_splits), list(out_splits)
     if x.numel() != sum(send):
         raise ValueError(f"all_to_all: tensor has {x.numel()} elements, splits sum to {sum(send)}")
@@ -109,13 +135,17 @@ def all_to_all_1d(
         x.reshape(-1).contiguous(),
         forward=lambda t: _all_to_all(t, recv, send, group),
         backward=lambda g: _all_to_all(g, send, recv, group),
+        codecs=codecs,
     )
 
 
 def reduce_scatter_dim0(
-    x: torch.Tensor, group: dist.ProcessGroup | None
+    x: torch.Tensor, group: dist.ProcessGroup | None,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Awaitable[torch.Tensor]:
     """Sum ``x`` over the group and keep this rank's equal chunk of dim 0 (backward: all-gather).
+    With ``codecs`` the chunks travel encoded; on gloo the decoded chunks are summed (in the
+    input's dtype), on NCCL the collective sums the encoded ones, as TorchRec does.
 
     On gloo it runs as an all-to-all of the chunks plus a local sum (whose backward is the
     all-to-all that all-gathers): measured 2-3x faster there than gloo's reduce-scatter and
@@ -127,7 +157,7 @@ def reduce_scatter_dim0(
     chunk_shape = (x.shape[0] // size, *x.shape[1:])
     if size > 1 and dist.get_backend(group) == "gloo":
         n = x.numel() // size
-        inflight = all_to_all_1d(x, [n] * size, [n] * size, group)
+        inflight = all_to_all_1d(x, [n] * size, [n] * size, group, codecs)
         return FunctionAwaitable(lambda: inflight.wait().view(size, *chunk_shape).sum(dim=0))
 
     def forward(t: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
@@ -142,7 +172,7 @@ def reduce_scatter_dim0(
             return out.copy_(g), None
         return out, dist.all_gather_into_tensor(out, g, group=group, async_op=True)
 
-    return CollectiveAwaitable(x.contiguous(), forward, backward)
+    return CollectiveAwaitable(x.contiguous(), forward, backward, codecs)
 
 
 class TensorAllToAll(Awaitable[torch.Tensor]):

@@ -36,6 +36,7 @@ from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
+    QuantizedCommCodecs,
     ShardingEnv,
     ShardingType,
 )
@@ -113,6 +114,7 @@ class ShardedEmbeddingCollection(nn.Module):
         optimizer: FusedOptimizerConfig,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
         configs = module.embedding_configs()
@@ -121,7 +123,7 @@ class ShardedEmbeddingCollection(nn.Module):
             source = {c.name: module.embeddings[c.name].weight.detach() for c in configs}
         ctx = KernelContext(
             device=device, optimizer=optimizer, backend=backend, is_weighted=False,
-            source=source, table_init=table_init,
+            source=source, table_init=table_init, qcomm_codecs_registry=qcomm_codecs_registry,
         )
         spec = CollectionSpec(
             name="ShardedEmbeddingCollection", state_prefix="embeddings", configs=tuple(configs),
@@ -190,9 +192,11 @@ class EmbeddingCollectionSharder:
     def __init__(
         self,
         fused_params: Mapping[str, Any] | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
     ) -> None:
+        self.qcomm_codecs_registry = qcomm_codecs_registry
         self._fused = (
             None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
         )
@@ -223,5 +227,5 @@ class EmbeddingCollectionSharder:
     ) -> ShardedEmbeddingCollection:
         return ShardedEmbeddingCollection(
             module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
-            self._backend, self._table_init,
+            self._backend, self._table_init, self.qcomm_codecs_registry,
         )

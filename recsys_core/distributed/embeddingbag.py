@@ -39,6 +39,7 @@ from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
+    QuantizedCommCodecs,
     ShardingEnv,
     ShardingType,
 )
@@ -140,6 +141,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
         offload_dir: str | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
@@ -150,7 +152,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ctx = KernelContext(
             device=device, optimizer=optimizer, backend=backend, is_weighted=module.is_weighted(),
             source=source, table_init=table_init, caches=planned_caches(plan),
-            offload_dir=offload_dir,
+            offload_dir=offload_dir, qcomm_codecs_registry=qcomm_codecs_registry,
         )
         spec = CollectionSpec(
             name="ShardedEmbeddingBagCollection", state_prefix="embedding_bags",
@@ -228,17 +230,21 @@ class EmbeddingBagCollectionSharder:
     module's weights is used, else EXACT_SGD with lr 0.01 (TorchRec's default).
     ``table_init`` fills every shard independently of the plan (e.g. ``SeededUniformInit``).
     ``offload_dir``: where tables planned as ``fused_uvm_caching`` keep their backing files on
-    CPU (None: the system's temporary directory).
+    CPU (None: the system's temporary directory). ``qcomm_codecs_registry`` (from
+    ``fbgemm_qcomm_codec.get_qcomm_codecs_registry``): the precision the output dist's pooled
+    embeddings and their gradients travel in (None: float32).
     """
 
     def __init__(
         self,
         fused_params: Mapping[str, Any] | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
         offload_dir: str | None = None,
     ) -> None:
         self._offload_dir = offload_dir
+        self.qcomm_codecs_registry = qcomm_codecs_registry
         self._fused = None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
         self._backend = backend
         self._table_init = table_init
@@ -267,7 +273,7 @@ class EmbeddingBagCollectionSharder:
     ) -> ShardedEmbeddingBagCollection:
         return ShardedEmbeddingBagCollection(
             module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
-            self._backend, self._table_init, self._offload_dir,
+            self._backend, self._table_init, self._offload_dir, self.qcomm_codecs_registry,
         )
 
 

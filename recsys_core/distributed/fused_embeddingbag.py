@@ -23,6 +23,7 @@ from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
+    QuantizedCommCodecs,
     ShardingEnv,
     ShardingType,
 )
@@ -43,10 +44,11 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
         offload_dir: str | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__(
             module, table_name_to_parameter_sharding, env, torch.device(device or "cpu"),
-            module.optimizer_config(), backend, table_init, offload_dir,
+            module.optimizer_config(), backend, table_init, offload_dir, qcomm_codecs_registry,
         )
 
 
@@ -60,8 +62,10 @@ class FusedEmbeddingBagCollectionSharder:
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
         offload_dir: str | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         self._backend, self._table_init, self._offload_dir = backend, table_init, offload_dir
+        self.qcomm_codecs_registry = qcomm_codecs_registry
 
     @property
     def module_type(self) -> type[nn.Module]:
@@ -95,5 +99,6 @@ class FusedEmbeddingBagCollectionSharder:
         device: torch.device | None = None,
     ) -> ShardedFusedEmbeddingBagCollection:
         return ShardedFusedEmbeddingBagCollection(
-            module, params, env, device, self._backend, self._table_init, self._offload_dir
+            module, params, env, device, self._backend, self._table_init, self._offload_dir,
+            self.qcomm_codecs_registry,
         )

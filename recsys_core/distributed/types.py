@@ -3,6 +3,12 @@
 The definitions live in :mod:`recsys_core.plan`, the layer below the planner and the runtime.
 """
 
+from recsys_core.distributed.qcomm_types import (
+    CommOp,
+    NoOpQuantizedCommCodec,
+    QuantizedCommCodec,
+    QuantizedCommCodecs,
+)
 from recsys_core.plan.env import ShardingEnv
 from recsys_core.plan.params import BoundsCheckMode, CacheAlgorithm, CacheParams, KeyValueParams
 from recsys_core.plan.spec import EnumerableShardingSpec
@@ -20,6 +26,10 @@ __all__ = [
     "BoundsCheckMode",
     "CacheAlgorithm",
     "CacheParams",
+    "CommOp",
+    "NoOpQuantizedCommCodec",
+    "QuantizedCommCodec",
+    "QuantizedCommCodecs",
     "EnumerableShardingSpec",
     "KeyValueParams",
     "EmbeddingComputeKernel",

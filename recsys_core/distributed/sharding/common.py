@@ -21,8 +21,10 @@ from torch import nn
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.table_init import TableInitializer, TableRegion
 from recsys_core.distributed.types import (
+    CommOp,
     EmbeddingComputeKernel,
     ParameterSharding,
+    QuantizedCommCodecs,
     ShardingEnv,
     ShardingType,
 )
@@ -117,6 +119,13 @@ class KernelContext:
     shard's rows."""
     offload_dir: str | None = None
     """Directory of the backing files of cached tables on CPU (None: the temporary directory)."""
+    qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None
+    """Codecs of the output dist's collectives, keyed by ``CommOp.name`` (see
+    ``fbgemm_qcomm_codec``); None: float32 payloads."""
+
+    def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
+        registry = self.qcomm_codecs_registry
+        return None if registry is None else registry.get(op.name)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from recsys_core.distributed.sharding.sequence import (
     return_rows,
     sequence_slots,
 )
-from recsys_core.distributed.types import ShardingEnv
+from recsys_core.distributed.types import CommOp, ShardingEnv
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -60,6 +60,8 @@ class RwPooledSharding:
         cross_group: dist.ProcessGroup | None,
     ) -> None:
         self._env, self._is_weighted = env, ctx.is_weighted
+        self._scatter_codecs = ctx.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
+        self._a2a_codecs = ctx.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         self._domain_size = domain_size
         self._num_domains = env.world_size // domain_size
         self._domain_group, self._cross_group = domain_group, cross_group
@@ -128,7 +130,7 @@ class RwPooledSharding:
             order = torch.arange(self._env.world_size * batch, device=pooled.device)
             order = order.view(hosts, size, batch).transpose(0, 1).reshape(-1)
             pooled = pooled.index_select(0, order)
-        scattered = reduce_scatter_dim0(pooled, self._domain_group)
+        scattered = reduce_scatter_dim0(pooled, self._domain_group, self._scatter_codecs)
         dims_by_domain = [sum(self._dims[i] for i in feats) for feats in self._domain_features]
         lengths = local_features.lengths()
 
@@ -137,7 +139,7 @@ class RwPooledSharding:
             if hosts > 1:
                 cross = all_to_all_1d(
                     mine, [batch * dim] * hosts, [batch * d for d in dims_by_domain],
-                    self._cross_group,
+                    self._cross_group, self._a2a_codecs,
                 ).wait()
                 blocks = [
                     c.view(batch, d)
@@ -174,6 +176,7 @@ class RwSequenceSharding:
         ctx: KernelContext,
     ) -> None:
         self._env = env
+        self._codecs = ctx.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
         self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = sequence_slots(tables, env.world_size)
         self.local = LocalKernels(
@@ -219,7 +222,7 @@ class RwSequenceSharding:
     def output_dist(
         self, rows: list[torch.Tensor], batch: SequenceBatch
     ) -> Awaitable[list[torch.Tensor]]:
-        blocks = return_rows(rows, batch, self._slots, self._env)
+        blocks = return_rows(rows, batch, self._slots, self._env, self._codecs)
 
         def assemble() -> list[torch.Tensor]:
             got = blocks()

@@ -49,7 +49,7 @@ import torch
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.comm import all_to_all_1d
 from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
-from recsys_core.distributed.types import ShardingEnv
+from recsys_core.distributed.types import QuantizedCommCodecs, ShardingEnv
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -127,6 +127,7 @@ def return_rows(
     batch: SequenceBatch,
     slots: list[list[Slot]],
     env: ShardingEnv,
+    codecs: QuantizedCommCodecs | None = None,
 ) -> Callable[[], list[list[torch.Tensor]]]:
     """Start the all-to-all that sends each looked-up row back to its id's rank.
 
@@ -154,7 +155,7 @@ def return_rows(
     out_splits = [sum(sizes) for sizes in out_sizes]
     device = received.values().device
     buffer = torch.cat(send) if send else torch.zeros(0, device=device)
-    inflight = all_to_all_1d(buffer, in_splits, out_splits, env.pg)
+    inflight = all_to_all_1d(buffer, in_splits, out_splits, env.pg, codecs)
 
     def blocks() -> list[list[torch.Tensor]]:
         flat = inflight.wait()

@@ -38,7 +38,7 @@ from recsys_core.distributed.sharding.sequence import (
     return_rows,
     sequence_slots,
 )
-from recsys_core.distributed.types import ShardingEnv
+from recsys_core.distributed.types import CommOp, ShardingEnv
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -70,6 +70,7 @@ class TwPooledSharding:
     ) -> None:
         self._env = env
         self._is_weighted = ctx.is_weighted
+        self._codecs = ctx.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = slots_by_rank(tables, env.world_size)
         configs = {t.config.name: t.config for t in tables}
@@ -113,7 +114,7 @@ class TwPooledSharding:
         world = self._env.world_size
         in_splits = [batch * self.local.output_dim] * world
         out_splits = [batch * d for d in self._dims]
-        inflight = all_to_all_1d(pooled, in_splits, out_splits, self._env.pg)
+        inflight = all_to_all_1d(pooled, in_splits, out_splits, self._env.pg, self._codecs)
 
         def assemble() -> torch.Tensor:
             received = inflight.wait()
@@ -142,6 +143,7 @@ class TwSequenceSharding:
         ctx: KernelContext,
     ) -> None:
         self._env = env
+        self._codecs = ctx.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
         self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = sequence_slots(tables, env.world_size)
         self.local = LocalKernels(
@@ -180,7 +182,7 @@ class TwSequenceSharding:
     def output_dist(
         self, rows: list[torch.Tensor], batch: SequenceBatch
     ) -> Awaitable[list[torch.Tensor]]:
-        blocks = return_rows(rows, batch, self._slots, self._env)
+        blocks = return_rows(rows, batch, self._slots, self._env, self._codecs)
 
         def assemble() -> list[torch.Tensor]:
             got = blocks()

@@ -1,0 +1,186 @@
+"""Reduced-precision embedding collectives (``fbgemm_qcomm_codec``, TorchRec's qcomms).
+
+Codecs against plain torch casts; the registry's keys and TorchRec's validation; and sharded
+collections over real gloo ranks against the unsharded module: with BF16 codecs every output
+the all-to-all carries is the reference rounded to bf16, the gradient reaching the tables is the
+reference gradient rounded to bf16 (so one SGD step equals the reference's step on that
+rounded gradient), and the payloads on the wire are bf16 (half the bytes).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, PoolingType
+from recsys_core.distributed import (
+    EmbeddingBagCollectionSharder,
+    ShardingEnv,
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from recsys_core.distributed.fbgemm_qcomm_codec import (
+    CastCommCodec,
+    CommType,
+    QCommsConfig,
+    get_qcomm_codecs_registry,
+)
+from recsys_core.distributed.types import CommOp, QuantizedCommCodecs
+from recsys_core.testing import run_gloo
+from tests.distributed.test_sharded_ebc import concat, global_batch
+
+# -- codecs ------------------------------------------------------------------------------------
+
+
+def test_cast_codecs_equal_torch_casts_with_scale_and_fp16_clamp() -> None:
+    x = torch.tensor([1.0 + 2**-10, -3.0e5, 7.0e4, 1e-9, -0.0, 123.456])
+    bf16 = CastCommCodec(CommType.BF16)
+    assert bf16.encode(x).dtype == torch.bfloat16
+    assert torch.equal(bf16.decode(bf16.encode(x)), x.to(torch.bfloat16).float())
+    fp16 = CastCommCodec(CommType.FP16)
+    # past fp16's range: clamped to +-65504 instead of becoming inf
+    assert fp16.decode(fp16.encode(x)).tolist()[1:3] == [-65504.0, 65504.0]
+    scaled = CastCommCodec(CommType.FP16, loss_scale=2.0**20)
+    # 1e-9 flushes to 0 in fp16; scaled by 2^20 first it survives, and decode divides again
+    assert fp16.decode(fp16.encode(x))[3] == 0
+    got = scaled.decode(scaled.encode(x))[3].item()
+    assert got == pytest.approx(1e-9, rel=1e-3)
+    # ... while a large value scaled past fp16's range is clamped
+    assert scaled.encode(x)[0].item() == 65504.0
+    assert CastCommCodec(CommType.FP32).encode(x) is not None
+    assert torch.equal(CastCommCodec(CommType.FP32).decode(CastCommCodec(CommType.FP32).encode(x)), x)
+
+
+def test_registry_keys_defaults_and_validation() -> None:
+    assert get_qcomm_codecs_registry(QCommsConfig()) is None  # FP32 both ways: nothing to do
+    registry = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType.BF16, backward_precision=CommType.FP16))
+    assert registry is not None
+    assert sorted(registry) == sorted(op.name for op in CommOp)
+    codecs = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert codecs.forward.quantized_dtype == torch.bfloat16
+    assert codecs.backward.quantized_dtype == torch.float16
+    only = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision="bf16"), comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])
+    assert list(only) == ["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert only["POOLED_EMBEDDINGS_ALL_TO_ALL"].backward.quantized_dtype == torch.float32
+    assert QuantizedCommCodecs().is_identity()
+    assert str(CommType.BF16) == "bf16"
+    with pytest.raises(NotImplementedError, match="fp8"):
+        QCommsConfig(forward_precision=CommType.FP8)
+    with pytest.raises(ValueError, match="fp8_quantize_dim"):
+        QCommsConfig(forward_precision=CommType.BF16, fp8_quantize_dim=4)
+    with pytest.raises(ValueError, match="not one of"):
+        QCommsConfig(backward_precision="bf17")
+    with pytest.raises(ValueError, match="positive"):
+        QCommsConfig(forward_precision=CommType.FP16, forward_loss_scale=0.0)
+
+
+# -- sharded, over gloo ------------------------------------------------------------------------
+
+TABLES = [
+    EmbeddingBagConfig(name="t_sum", embedding_dim=8, num_embeddings=13, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
+    EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
+]
+LR, BATCH = 0.5, 3
+
+
+def _plan(kind: str, ebc: EmbeddingBagCollection, world: int, local: int) -> dict:
+    last = world - 1
+    generators = {
+        "table_wise": {"t_sum": table_wise(rank=last), "t_mean": table_wise(rank=0)},
+        "column_wise": {"t_sum": column_wise(ranks=[0, last]), "t_mean": table_wise(rank=last)},
+        "row_wise": {"t_sum": row_wise(), "t_mean": row_wise()},
+        "table_row_wise": {"t_sum": table_row_wise(host_index=world // local - 1),
+                           "t_mean": table_row_wise(host_index=0)},
+    }[kind]
+    return construct_module_sharding_plan(ebc, generators, world, local)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def qcomm_worker(rank: int, world: int, kind: str) -> dict[str, object]:
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(TABLES)
+    reference = copy.deepcopy(ebc)
+    registry = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType.BF16, backward_precision=CommType.BF16))
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
+        qcomm_codecs_registry=registry)
+    sharded = sharder.shard(ebc, _plan(kind, ebc, world, local), env, torch.device("cpu"))
+
+    sent_dtypes: list[torch.dtype] = []
+    original = dist.all_to_all_single
+
+    def spy(output, input, *args, **kwargs):  # noqa: A002 (torch's names)
+        if input.is_floating_point():
+            sent_dtypes.append(input.dtype)
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        kjts = global_batch(7, world, False)
+        out = sharded(kjts[rank]).wait()
+        values = out.values()
+        upstream = torch.randn(world * BATCH, values.shape[1], generator=torch.Generator().manual_seed(3))
+        lo, hi = rank * BATCH, (rank + 1) * BATCH
+        values.backward(upstream[lo:hi])
+    finally:
+        dist.all_to_all_single = original
+
+    ref_values = reference(concat(kjts)).values()
+    expected = ref_values[lo:hi].detach()
+    if kind in ("table_wise", "column_wise"):
+        # each pooled value travels once: the reference rounded to bf16
+        torch.testing.assert_close(values.detach(), _bf16(expected), atol=1e-6, rtol=0)
+        assert torch.equal(values.detach(), _bf16(values.detach()))
+    else:
+        # row-wise: the partial sums travel in bf16 and are added in fp32 after decoding
+        torch.testing.assert_close(values.detach(), expected, atol=0.02, rtol=0.01)
+        assert not torch.equal(values.detach(), expected)  # the payload was rounded
+    # The reference's step on the bf16-rounded upstream gradient: what the tables must hold
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    ref_values.backward(_bf16(upstream))
+    ref_opt.step()
+    checked = 0
+    for local_kernels in sharded.lookups:
+        for shard, weight, _state in local_kernels.local_shards():
+            full = reference.embedding_bags[shard.table].weight.detach()
+            rows = slice(shard.row_offset, shard.row_offset + shard.rows)
+            cols = slice(shard.col_offset, shard.col_offset + shard.cols)
+            if kind.endswith("row_wise") and shard.table == "t_mean":
+                # row-wise divides by the bag size before the gradient is encoded: the
+                # rounding differs from the reference's by up to a bf16 step
+                torch.testing.assert_close(weight, full[rows, cols], atol=0.01, rtol=0)
+            else:
+                torch.testing.assert_close(weight, full[rows, cols], atol=1e-6, rtol=1e-6)
+            checked += 1
+    return {"checked": checked, "sent": sorted({str(d) for d in sent_dtypes})}
+
+
+@pytest.mark.parametrize("kind, world", [("table_wise", 2), ("column_wise", 2), ("row_wise", 2),
+                                         ("table_row_wise", 4)])
+def test_bf16_comms_round_outputs_and_gradients_only(kind: str, world: int) -> None:
+    local = 2 if kind == "table_row_wise" else world
+    out = run_gloo(world, qcomm_worker, kind, local_world_size=local)
+    assert sum(r["checked"] for r in out) >= len(TABLES)
+    for r in out:
+        assert r["sent"] == ["torch.bfloat16"], r  # every float payload on the wire was bf16
+
+
+def test_sharder_accepts_the_registry_positionally_as_torchrec() -> None:
+    registry = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16))
+    sharder = EmbeddingBagCollectionSharder(None, registry)
+    assert sharder.qcomm_codecs_registry is registry
