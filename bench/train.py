@@ -34,6 +34,9 @@ are skipped). Rank 0 of each job prints one JSON line, which the driver relays:
                            and precision; ratio_to_fp32_baseline: over pytorch_ddp in fp32
   precision                fp32, or bf16: bfloat16 autocast of the dense arch, interaction and
                            top MLP (``dlrm-app train --amp``) in both implementations
+  comm_precision           (ours) what the pooled embeddings and their gradients travel in
+                           between ranks (``dlrm-app train --comm-precision``, resolved; one job
+                           per value of ``--comm-precisions``)
   floor_ms / step_over_floor  the machine's limit for the model's dense part: a
                            ``dlrm_train_floor`` line per precision times exactly its matrix
                            products (forward and both gradients) on one rank's threads, alone;
@@ -76,8 +79,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrm_app.build import build_model, build_optimizer, set_learning_rates
-from dlrm_app.config import TrainConfig
+from dlrm_app.build import build_model, build_optimizer, comm_precision, set_learning_rates
+from dlrm_app.config import CommPrecision, TrainConfig
 from dlrm_app.data.loader import Batch, ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
@@ -132,6 +135,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="fp32: no autocast; bf16: bfloat16 autocast of the dense arch, "
                         "interaction and top MLP (dlrm-app train --amp), both implementations")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help=argparse.SUPPRESS)
+    p.add_argument("--comm-precisions", default="auto",
+                   help="comma list of dlrm-app's --comm-precision values to run ours with, one "
+                        f"job each (choices {[c.value for c in CommPrecision]}; auto: bf16 "
+                        "payloads at 2+ ranks in bf16, fp32 otherwise)")
+    p.add_argument("--comm-precision", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--threads-per-rank", type=int, default=1,
                    help="intra-op threads per rank (more than cores / world oversubscribes)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -150,6 +158,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.criteo_1tb_sizes and args.tables != len(CRITEO_1TB_ROWS):
         p.error(f"--criteo-1tb-sizes needs --tables {len(CRITEO_1TB_ROWS)}, got {args.tables}")
+    bad = sorted(set(args.comm_precisions.split(",")) - {c.value for c in CommPrecision})
+    if bad:
+        p.error(f"--comm-precisions: unknown {bad}; choose from {[c.value for c in CommPrecision]}")
     bad = sorted(set(args.precisions.split(",")) - set(PRECISIONS))
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {list(PRECISIONS)}")
@@ -464,7 +475,8 @@ def worker(args: argparse.Namespace) -> None:
     # tables in memory (no run directory to keep offloaded tables in)
     config = TrainConfig(data=args.data, out=os.devnull, model=model_config(args),
                          batch_size=args.batch_size, seed=args.seed, offload=False,
-                         amp=args.precision == "bf16")
+                         amp=args.precision == "bf16",
+                         comm_precision=CommPrecision(args.comm_precision))
     bench = IMPLS[args.impl](config, spec, device)
 
     def loader(prefetch: int) -> ParquetLoader:  # the order of train(): same for both impls
@@ -496,6 +508,8 @@ def worker(args: argparse.Namespace) -> None:
         phase_ms = {k: round(sum(p[k] for p in phases) / len(phases), 2) for k in phases[0]}
         line = {
             "bench": "dlrm_train", "impl": args.impl, "precision": args.precision,
+            "comm_precision": (comm_precision(config, device, world).value
+                               if args.impl == OURS else None),
             "world_size": world,
             "device": device.type, "backend": dist.get_backend(),
             "batch_size_per_rank": config.batch_size, "global_batch": config.batch_size * world,
@@ -626,12 +640,16 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
                 job = [*argv, "--precision", precision]
                 base = run_job(args, job, data, world, BASELINE, cuda)
                 fp32_base = fp32_base or (base if precision == "fp32" else None)
-                ours = run_job(args, job, data, world, OURS, cuda)
-                ours["ratio_to_baseline"] = round(ours["samples_per_s"] / base["samples_per_s"], 3)
-                if fp32_base is not None:
-                    ours["ratio_to_fp32_baseline"] = round(
-                        ours["samples_per_s"] / fp32_base["samples_per_s"], 3)
-                for line in (base, ours):
+                lines = [base]
+                for comm in args.comm_precisions.split(","):
+                    ours = run_job(args, [*job, "--comm-precision", comm], data, world, OURS, cuda)
+                    ours["ratio_to_baseline"] = round(
+                        ours["samples_per_s"] / base["samples_per_s"], 3)
+                    if fp32_base is not None:
+                        ours["ratio_to_fp32_baseline"] = round(
+                            ours["samples_per_s"] / fp32_base["samples_per_s"], 3)
+                    lines.append(ours)
+                for line in lines:
                     line["floor_ms"] = floors[precision]["floor_ms"]
                     line["step_over_floor"] = round(line["step_ms"] / line["floor_ms"], 2)
                     print(json.dumps(line), flush=True)

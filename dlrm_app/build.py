@@ -14,10 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrm_app.config import DenseOptimizer, EmbeddingOptimizer, TrainConfig
+from dlrm_app.config import CommPrecision, DenseOptimizer, EmbeddingOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.model import build_dlrm, table_initializer
+from dlrm_app.model import Interaction, build_dlrm, table_initializer
 from dlrm_app.resources import planning_error_for_user, topology_for_run
+from dlrm_app.runtime import amp_enabled
 from recsys_core.distributed import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
@@ -25,6 +26,12 @@ from recsys_core.distributed import (
     ShardingPlan,
 )
 from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from recsys_core.distributed.fbgemm_qcomm_codec import (
+    CommType,
+    QCommsConfig,
+    get_qcomm_codecs_registry,
+)
+from recsys_core.distributed.types import QuantizedCommCodecs
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 from recsys_core.planner import PlannerError, plan_for_env
@@ -52,6 +59,25 @@ def _existing_ancestor(path: Path) -> Path:
     return Path.cwd()
 
 
+def comm_precision(config: TrainConfig, device: torch.device, world_size: int) -> CommPrecision:
+    """``--comm-precision`` resolved (see the field): auto is bf16 only where that changes no
+    value, i.e. the pooled embeddings are rounded to bf16 by the dot interaction under autocast
+    (forward) and their gradients come from its bf16 products (backward)."""
+    if config.comm_precision is not CommPrecision.AUTO:
+        return config.comm_precision
+    lossless = (world_size > 1 and amp_enabled(device, config.amp)
+                and config.model.interaction is Interaction.DOT)
+    return CommPrecision.BF16 if lossless else CommPrecision.FP32
+
+
+def comm_codecs(precision: CommPrecision) -> dict[str, QuantizedCommCodecs] | None:
+    """The sharder's ``qcomm_codecs_registry`` for a resolved precision (None: fp32)."""
+    comm_type = {CommPrecision.FP32: CommType.FP32, CommPrecision.BF16: CommType.BF16,
+                 CommPrecision.FP16: CommType.FP16}[precision]
+    return get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=comm_type, backward_precision=comm_type))
+
+
 def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
                 ) -> DistributedModelParallel:
     """The DLRM sharded over the world (plan from ``config.plan`` or the planner), initialized
@@ -66,15 +92,16 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
     offload_dir = None
     if config.offload:
         offload_dir = Path(config.offload_dir) if config.offload_dir else Path(config.out) / "offload"
+    env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
+           else ShardingEnv.from_local(1, 0))
     sharder = EmbeddingBagCollectionSharder(fused_params={
         "optimizer": _FUSED[config.embedding_optimizer],
         "learning_rate": config.embedding_learning_rate,
         "eps": config.eps,
-    }, table_init=table_initializer(config.seed),
+    }, qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.world_size)),
+        table_init=table_initializer(config.seed),
         offload_dir=None if offload_dir is None else str(offload_dir))
     model = build_dlrm(spec, config.model, device="meta")
-    env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
-           else ShardingEnv.from_local(1, 0))
     if plan is None:
         # the disk free where the files would go (the directory is made only when needed)
         disk = None if offload_dir is None else _existing_ancestor(offload_dir)

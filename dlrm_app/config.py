@@ -24,6 +24,15 @@ class EmbeddingOptimizer(enum.Enum):
     ROWWISE_ADAGRAD = "rowwise_adagrad"
 
 
+class CommPrecision(enum.Enum):
+    """What the pooled embeddings and their gradients travel in between ranks."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
 class DenseOptimizer(enum.Enum):
     SGD = "sgd"
     ADAGRAD = "adagrad"
@@ -72,6 +81,12 @@ class TrainConfig:
     `evaluate` (fp32 weights, optimizer state and loss; exported models are fp32). Default
     (auto, None in config.json): on where the device computes bf16 natively (CUDA with bf16,
     a CPU with AVX-512 BF16 or AMX), off elsewhere. --no-amp trains in fp32."""
+    comm_precision: CommPrecision = CommPrecision.AUTO
+    """Precision the pooled embeddings and their gradients travel in between ranks (half the
+    bytes in bf16 or fp16). auto: bf16 where it changes no value (--amp on, the dot
+    interaction, more than one rank: the interaction rounds the embeddings and their
+    gradients to bf16 anyway), else fp32. fp16 overflows past 65504 and flushes tiny
+    gradients."""
     seed: int = 0
     """Seed of the initialization and of the data order."""
     validate_every: int | None = None
@@ -145,6 +160,8 @@ class TrainConfig:
         if not isinstance(self.embedding_optimizer, EmbeddingOptimizer):
             raise ValueError(f"embedding_optimizer must be an EmbeddingOptimizer, got "
                              f"{self.embedding_optimizer!r}")
+        if not isinstance(self.comm_precision, CommPrecision):
+            raise ValueError(f"comm_precision must be a CommPrecision, got {self.comm_precision!r}")
         if not isinstance(self.dense_optimizer, DenseOptimizer):
             raise ValueError(f"dense_optimizer must be a DenseOptimizer, got "
                              f"{self.dense_optimizer!r}")
@@ -201,6 +218,8 @@ class TrainConfig:
             values["embedding_optimizer"] = EmbeddingOptimizer(values["embedding_optimizer"])
         if "dense_optimizer" in values:
             values["dense_optimizer"] = DenseOptimizer(values["dense_optimizer"])
+        if "comm_precision" in values:
+            values["comm_precision"] = CommPrecision(values["comm_precision"])
         return cls(**values)
 
     def save(self, path: Path) -> None:

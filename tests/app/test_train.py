@@ -262,3 +262,33 @@ def test_amp_default_is_on_where_the_device_has_bf16(monkeypatch: pytest.MonkeyP
         text = flags.read_text()
         expected = " avx512_bf16" in text or " amx_bf16" in text
         assert detect() is expected
+
+
+def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dlrm_app import build, runtime
+    from dlrm_app.config import CommPrecision, TrainConfig
+    from dlrm_app.model import Interaction, ModelConfig
+
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
+    cpu = torch.device("cpu")
+
+    def resolved(world: int, **kwargs: object) -> CommPrecision:
+        config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), **kwargs)
+        return build.comm_precision(config, cpu, world)
+
+    assert resolved(2) is CommPrecision.BF16  # amp auto (on: native bf16), dot, 2 ranks
+    assert resolved(1) is CommPrecision.FP32  # one rank sends nothing
+    assert resolved(2, amp=False) is CommPrecision.FP32  # fp32 dense: bf16 would round
+    dcn = ModelConfig(interaction=Interaction.DCN)
+    assert resolved(2, model=dcn) is CommPrecision.FP32  # DCN multiplies them in fp32
+    assert resolved(1, comm_precision=CommPrecision.FP16) is CommPrecision.FP16  # as asked
+    assert build.comm_codecs(CommPrecision.FP32) is None
+    codecs = build.comm_codecs(CommPrecision.BF16)["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert codecs.forward.quantized_dtype == codecs.backward.quantized_dtype == torch.bfloat16
+    # config.json round trip, and an older run's config (no key) reads as auto
+    config = TrainConfig(data="d", out="o", comm_precision=CommPrecision.BF16)
+    assert TrainConfig.from_json_dict(config.to_json_dict()) == config
+    old = config.to_json_dict()
+    del old["comm_precision"]
+    assert TrainConfig.from_json_dict(old).comm_precision is CommPrecision.AUTO

@@ -148,6 +148,27 @@ def test_two_ranks_learn_and_equal_one_rank(data: Path, two_rank_run: tuple[Path
     verify_checkpoint(newest)
 
 
+def _start_event(run: Path) -> dict:
+    with open(run / "metrics.jsonl") as f:
+        return next(e for e in map(json.loads, f) if e.get("event") == "start")
+
+
+def test_bf16_comms_change_no_value_under_amp(data: Path, tmp_path: Path) -> None:
+    """--comm-precision bf16 (what auto picks at 2 ranks under --amp) sends the pooled
+    embeddings and their gradients in half the bytes and changes no loss: the dot interaction
+    rounds the embeddings to bf16 anyway, and their gradients come from its bf16 products."""
+    fixed = [*COMMON, "--max-steps", "20", "--amp", "--no-shuffle"]
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        run = tmp_path / precision
+        _run(2, "train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
+             *fixed, "--comm-precision", precision)
+        assert _start_event(run)["comm_precision"] == precision
+        losses[precision] = _losses(run)
+    assert sorted(losses["bf16"]) == list(range(1, 21))
+    assert losses["bf16"] == losses["fp32"]  # exactly
+
+
 def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Path, dict],
                                               tmp_path: Path) -> None:
     run2, _ = two_rank_run
