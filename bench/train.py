@@ -79,7 +79,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrm_app.build import build_model, build_optimizer, comm_precision, set_learning_rates
+from dlrm_app.build import (
+    build_model,
+    build_optimizer,
+    comm_precision,
+    set_learning_rates,
+    world_hosts,
+)
 from dlrm_app.config import CommPrecision, TrainConfig
 from dlrm_app.data.loader import Batch, ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
@@ -138,7 +144,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--comm-precisions", default="auto",
                    help="comma list of dlrm-app's --comm-precision values to run ours with, one "
                         f"job each (choices {[c.value for c in CommPrecision]}; auto: bf16 "
-                        "payloads at 2+ ranks in bf16, fp32 otherwise)")
+                        "payloads across hosts in bf16, fp32 otherwise)")
     p.add_argument("--comm-precision", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--threads-per-rank", type=int, default=1,
                    help="intra-op threads per rank (more than cores / world oversubscribes)")
@@ -508,7 +514,7 @@ def worker(args: argparse.Namespace) -> None:
         phase_ms = {k: round(sum(p[k] for p in phases) / len(phases), 2) for k in phases[0]}
         line = {
             "bench": "dlrm_train", "impl": args.impl, "precision": args.precision,
-            "comm_precision": (comm_precision(config, device, world).value
+            "comm_precision": (comm_precision(config, device, world_hosts()).value
                                if args.impl == OURS else None),
             "world_size": world,
             "device": device.type, "backend": dist.get_backend(),

@@ -83,10 +83,10 @@ class TrainConfig:
     a CPU with AVX-512 BF16 or AMX), off elsewhere. --no-amp trains in fp32."""
     comm_precision: CommPrecision = CommPrecision.AUTO
     """Precision the pooled embeddings and their gradients travel in between ranks (half the
-    bytes in bf16 or fp16). auto: bf16 where it changes no value (--amp on, the dot
-    interaction, more than one rank: the interaction rounds the embeddings and their
-    gradients to bf16 anyway), else fp32. fp16 overflows past 65504 and flushes tiny
-    gradients."""
+    bytes in bf16 or fp16). auto: bf16 where it changes no value (--amp on and the dot
+    interaction, which rounds the embeddings and their gradients to bf16 anyway) and the ranks
+    span several hosts; fp32 on one host, where the casts cost what the halved bytes save.
+    fp16 overflows past 65504 and flushes tiny gradients."""
     seed: int = 0
     """Seed of the initialization and of the data order."""
     validate_every: int | None = None

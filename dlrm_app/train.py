@@ -37,7 +37,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dlrm_app.build import build_model, build_optimizer, comm_precision, set_learning_rates
+from dlrm_app.build import (
+    build_model,
+    build_optimizer,
+    comm_precision,
+    set_learning_rates,
+    world_hosts,
+)
 from dlrm_app.checkpoint import (
     best_checkpoint,
     latest_checkpoint,
@@ -150,7 +156,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     log = _Log(out / "metrics.jsonl", rank == 0)
     log.write({"event": "start", "world_size": world_size, "device": str(device),
                "amp": amp_enabled(device, config.amp),
-               "comm_precision": comm_precision(config, device, world_size).value,
+               "comm_precision": comm_precision(config, device, world_hosts()).value,
                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                "validate_every": validate_every, "resumed_from": resumed_from,
                "start_step": state.step})
@@ -269,7 +275,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         "epochs": state.epoch + state.epoch_batches / steps_per_epoch,
         "world_size": world_size,
         "amp": amp_enabled(device, config.amp),
-        "comm_precision": comm_precision(config, device, world_size).value,
+        "comm_precision": comm_precision(config, device, world_hosts()).value,
         "global_batch": global_batch,
         "samples_per_s": (state.step - start_step) * global_batch / elapsed if elapsed > 0 else 0.0,
         "seconds": elapsed,

@@ -264,7 +264,7 @@ def test_amp_default_is_on_where_the_device_has_bf16(monkeypatch: pytest.MonkeyP
         assert detect() is expected
 
 
-def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value(
+def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from dlrm_app import build, runtime
     from dlrm_app.config import CommPrecision, TrainConfig
@@ -273,15 +273,16 @@ def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value(
     monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
     cpu = torch.device("cpu")
 
-    def resolved(world: int, **kwargs: object) -> CommPrecision:
+    def resolved(hosts: int, **kwargs: object) -> CommPrecision:
         config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), **kwargs)
-        return build.comm_precision(config, cpu, world)
+        return build.comm_precision(config, cpu, hosts)
 
-    assert resolved(2) is CommPrecision.BF16  # amp auto (on: native bf16), dot, 2 ranks
-    assert resolved(1) is CommPrecision.FP32  # one rank sends nothing
+    assert resolved(2) is CommPrecision.BF16  # amp auto (on: native bf16), dot, 2 hosts
+    assert resolved(1) is CommPrecision.FP32  # one host: loopback, the casts do not pay
     assert resolved(2, amp=False) is CommPrecision.FP32  # fp32 dense: bf16 would round
     dcn = ModelConfig(interaction=Interaction.DCN)
     assert resolved(2, model=dcn) is CommPrecision.FP32  # DCN multiplies them in fp32
+    assert build.world_hosts() == 1
     assert resolved(1, comm_precision=CommPrecision.FP16) is CommPrecision.FP16  # as asked
     assert build.comm_codecs(CommPrecision.FP32) is None
     codecs = build.comm_codecs(CommPrecision.BF16)["POOLED_EMBEDDINGS_ALL_TO_ALL"]

@@ -154,7 +154,7 @@ def _start_event(run: Path) -> dict:
 
 
 def test_bf16_comms_change_no_value_under_amp(data: Path, tmp_path: Path) -> None:
-    """--comm-precision bf16 (what auto picks at 2 ranks under --amp) sends the pooled
+    """--comm-precision bf16 (what auto picks across hosts under --amp) sends the pooled
     embeddings and their gradients in half the bytes and changes no loss: the dot interaction
     rounds the embeddings to bf16 anyway, and their gradients come from its bf16 products."""
     fixed = [*COMMON, "--max-steps", "20", "--amp", "--no-shuffle"]
