@@ -1,5 +1,5 @@
 import sys
 
-from dlrm_app.cli import main
+from dlrm_app.launcher import main
 
 sys.exit(main())

@@ -36,3 +36,28 @@ def test_info_with_fbgemm_disabled_uses_torch_everywhere() -> None:
     assert report["fbgemm_gpu"] is None
     assert "disabled by RECSYS_CORE_DISABLE_FBGEMM" in report["fbgemm_status"]
     assert all(v.startswith("torch") for v in report["fused_kernels"].values())
+
+
+def test_worker_processes_reimport_the_entry_point_without_torch(tmp_path) -> None:
+    """Preprocessing workers (multiprocessing forkserver/spawn) re-run the program's main
+    script as ``__mp_main__`` when they start. Through ``dlrm_app.launcher`` that imports no
+    torch (1.5 s per worker here before); the console script and ``python -m dlrm_app`` both
+    enter there."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["dlrm-app"] == "dlrm_app.launcher:main"
+    assert "from dlrm_app.launcher import main" in (root / "dlrm_app" / "__main__.py").read_text()
+    # what pip writes for a console script
+    script = tmp_path / "dlrm-app"
+    script.write_text("import re\nimport sys\nfrom dlrm_app.launcher import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main())\n")
+    heavy = ("torch", "numpy", "pyarrow", "dlrm_app.cli", "recsys_core")
+    code = (f"import runpy, sys; runpy.run_path({str(script)!r}, run_name='__mp_main__'); "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    assert out.strip() == "[]"
