@@ -137,6 +137,16 @@ def amp_enabled(device: torch.device, amp: bool | None) -> bool:
     return device.type == "cpu" and cpu_has_native_bf16()
 
 
+def amp_warning(device: torch.device, amp: bool | None) -> str | None:
+    """The warning for ``--amp`` asked for on a CPU that emulates bf16 (no AVX-512 BF16 or
+    AMX), where the dense layers run many times slower than fp32; ``None`` elsewhere."""
+    if amp is True and device.type == "cpu" and not cpu_has_native_bf16():
+        return ("warning: --amp on a CPU without bf16 hardware (no AVX-512 BF16 or AMX): "
+                "its bf16 matrix products are emulated, far slower than fp32; drop --amp "
+                "(the default trains in fp32 on this CPU) or pass --no-amp")
+    return None
+
+
 def autocast(device: torch.device, amp: bool | None) -> Any:
     """bfloat16 autocast of the model's forward (weights, gradients, optimizer state and the
     loss stay fp32; the embedding lookups are not autocast ops and stay fp32 too)."""

@@ -60,6 +60,7 @@ from dlrm_app.report import write_report
 from dlrm_app.run_dir import prepare_run_dir
 from dlrm_app.runtime import (
     amp_enabled,
+    amp_warning,
     autocast,
     gather,
     global_mean,
@@ -160,6 +161,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                "validate_every": validate_every, "resumed_from": resumed_from,
                "start_step": state.step})
+    if rank == 0 and (message := amp_warning(device, config.amp)) is not None:
+        print(message, file=sys.stderr)
     phase_s = dict.fromkeys(PHASES, 0.0)
     bar = tqdm(total=total_steps, initial=state.step, disable=not (progress and rank == 0),
                unit="step", dynamic_ncols=True)

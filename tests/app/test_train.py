@@ -257,6 +257,12 @@ def test_amp_default_is_on_where_the_device_has_bf16(monkeypatch: pytest.MonkeyP
         monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda native=native: native)
         assert runtime.amp_enabled(cpu, None) is native
         assert isinstance(runtime.autocast(cpu, None), torch.autocast) is native
+        # --amp asked for where bf16 is emulated: warned, with the flag that fixes it
+        warning = runtime.amp_warning(cpu, True)
+        assert (warning is None) is native
+        if warning is not None:
+            assert "--amp" in warning and "--no-amp" in warning
+        assert runtime.amp_warning(cpu, None) is None and runtime.amp_warning(cpu, False) is None
     flags = Path("/proc/cpuinfo")
     if flags.exists():
         text = flags.read_text()
