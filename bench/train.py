@@ -588,7 +588,7 @@ def matmul_floor(args: argparse.Namespace, precision: str, device: torch.device)
     return {"bench": "dlrm_train_floor", "precision": precision, "device": device.type,
             "threads": args.threads_per_rank, "batch_size_per_rank": batch,
             "floor_ms": round(best * 1e3, 3), "gflop_per_step": round(flops / 1e9, 4),
-            "gflop_per_s": round(flops / best / 1e9, 1),
+            "gflop_per_s": float(f"{flops / best / 1e9:.3g}"),
             "measures": "the dense part's matrix products alone, per rank and step"}
 
 
