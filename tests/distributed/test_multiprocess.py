@@ -121,3 +121,40 @@ def test_unpicklable_fn_fails_in_parent() -> None:
 
     with pytest.raises((AttributeError, TypeError, pickle.PicklingError), match="local"):
         run_gloo(2, local_fn)
+
+
+_STATE = {"touched": False}
+
+
+def _touches_state(rank: int, world_size: int, seed: int) -> dict[str, object]:
+    seen = dict(_STATE)
+    _STATE["touched"] = True
+    os.environ["RUN_GLOO_TEST_LEFTOVER"] = "1"
+    before = torch.get_num_threads()
+    torch.manual_seed(seed)
+    return {"seen": seen, "env": os.environ.get("RUN_GLOO_TEST_LEFTOVER_SEEN"),
+            "draw": torch.rand(3), "pid": os.getpid(), "parent": os.getppid(),
+            "threads": before}
+
+
+def _reads_leftovers(rank: int, world_size: int) -> dict[str, object]:
+    return {"seen": dict(_STATE), "env": os.environ.get("RUN_GLOO_TEST_LEFTOVER"),
+            "draw": torch.rand(3), "pid": os.getpid(), "parent": os.getppid()}
+
+
+def test_every_call_gets_fresh_rank_processes() -> None:
+    # Ranks fork from a server that imported torch once; each call's ranks are new processes
+    # that see nothing an earlier call's ranks changed (module state, environment, RNG).
+    first = run_gloo(2, _touches_state, 7)
+    second = run_gloo(2, _reads_leftovers)
+    assert all(r["seen"] == {"touched": False} and r["threads"] == 1 for r in first)
+    assert all(r["seen"] == {"touched": False} and r["env"] is None for r in second)
+    pids = {r["pid"] for r in first + second}
+    assert len(pids) == 4 and os.getpid() not in pids
+    # torch's default generator starts from its fixed default seed in every new process, so
+    # the second call's draws are those of a fresh interpreter, not the seeded one's sequel
+    torch.manual_seed(7)
+    seeded = torch.rand(3)
+    assert all(torch.equal(r["draw"], seeded) for r in first)
+    fresh = [r["draw"] for r in second]
+    assert torch.equal(fresh[0], fresh[1]) and not torch.equal(fresh[0], seeded)
