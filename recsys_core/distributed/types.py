@@ -3,6 +3,7 @@
 The definitions live in :mod:`recsys_core.plan`, the layer below the planner and the runtime.
 """
 
+from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable, LazyNoWait
 from recsys_core.distributed.qcomm_types import (
     CommOp,
     NoOpQuantizedCommCodec,
@@ -23,6 +24,9 @@ from recsys_core.plan.types import (
 )
 
 __all__ = [
+    "Awaitable",
+    "LazyAwaitable",
+    "LazyNoWait",
     "BoundsCheckMode",
     "CacheAlgorithm",
     "CacheParams",
