@@ -22,6 +22,24 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
         return sparse_ops.lengths_to_offsets(flat)
 
 
+def safe_tolist(tensor: torch.Tensor) -> list[int]:
+    """``tensor.tolist()`` that waits only for the current CUDA stream.
+
+    ``.tolist()`` on a CUDA tensor synchronizes the whole device, so it also waits for (and can
+    hang on) collectives queued on other streams; copying into pinned host memory and syncing
+    the current stream gives the same list. CPU and scripted callers get plain ``tolist()``.
+    """
+    if torch.jit.is_scripting() or not tensor.is_cuda:
+        return tensor.tolist()
+    else:
+        if tensor.numel() == 0:
+            return []
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return host.tolist()
+
+
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
     """``[0, 3, 3, 5] -> [3, 0, 2]``."""
     return offsets[1:] - offsets[:-1]

@@ -13,6 +13,9 @@ from recsys_core.sparse.jagged_tensor_validator import validate_jagged
 
 _OWNER = "JaggedTensor"
 
+# TorchRec's private helper under its name there (its tests and some users import it).
+_safe_tolist = _jit_ops.safe_tolist
+
 
 class BatchedRows:
     """Per-row lengths and offsets views of a ``[K, B]`` lengths tensor, created together on
@@ -438,6 +441,9 @@ _REEXPORTS = (
     "ComputeJTDictToKJT",
     "regroup_kts",
     "permute_multi_embedding",
+    "_regroup_keyed_tensors",
+    "_fbgemm_permute_pooled_embs",
+    "_kt_regroup_arguments",
 )
 
 

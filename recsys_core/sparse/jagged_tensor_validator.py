@@ -152,8 +152,9 @@ def validate_jagged(
     lengths = lengths.reshape(-1)
     if offsets is not None and offsets.numel() not in (0, lengths.numel() + 1):
         raise ValueError(
-            f"{owner}: offsets has {offsets.numel()} entries but lengths has "
-            f"{lengths.numel()}; offsets needs len(lengths) + 1 entries (a leading 0)."
+            f"{owner}: Expected lengths size to be 1 more than offsets size, but offsets has "
+            f"{offsets.numel()} entries and lengths has {lengths.numel()}; offsets needs "
+            "len(lengths) + 1 entries (a leading 0)."
         )
     if keys is not None:
         _check_keys(owner, keys, stride_per_key, lengths.numel())

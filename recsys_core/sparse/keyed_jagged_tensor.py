@@ -876,7 +876,12 @@ def _kjt_concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     )
     first = kjt_list[0]
     keys: list[str] = []
+    # TorchRec's semantics: no sync here. The parts are concatenated whole (a part may be
+    # inconsistent on its own, e.g. values split at another place than the lengths, as long
+    # as the result is consistent); the result is checked, like any KJT, before a kernel reads
+    # it. Per-key counts carry over only when every part has them cached.
     length_per_key: list[int] = []
+    has_length_per_key = True
     spkpr: list[list[int]] = []
     weights: list[torch.Tensor] = []
     inverse_keys: list[str] = []
@@ -884,18 +889,15 @@ def _kjt_concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     values: list[torch.Tensor] = []
     for kjt in kjt_list:
         keys.extend(kjt.keys())
-        # Each part proven safe; values past a part's last bag are dropped, so that the next
-        # part's keys start where the lengths say they do.
-        if torch.jit.is_scripting():
-            counts = kjt.length_per_key()
-        else:
-            counts = kjt._ensure_safe()
-        covered = sum(counts)
-        length_per_key = length_per_key + counts
-        values.append(kjt.values().narrow(0, 0, covered))
+        counts = kjt.length_per_key_or_none()
+        if counts is None:
+            has_length_per_key = False
+        elif has_length_per_key:
+            length_per_key = length_per_key + counts
+        values.append(kjt.values())
         w = kjt.weights_or_none()
         if w is not None:
-            weights.append(w.narrow(0, 0, covered))
+            weights.append(w)
         if kjt.variable_stride_per_key():
             spkpr.extend(kjt.stride_per_key_per_rank())
         inverse = kjt.inverse_indices_or_none()
@@ -910,7 +912,7 @@ def _kjt_concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         lengths=torch.cat([k.lengths().reshape(-1) for k in kjt_list]),
         stride=None if variable else first.stride(),
         stride_per_key_per_rank=spkpr if variable else None,
-        length_per_key=length_per_key,
+        length_per_key=length_per_key if has_length_per_key else None,
         inverse_indices=(inverse_keys, torch.cat(inverse_tensors))
         if len(inverse_tensors) > 0
         else None,

@@ -266,6 +266,72 @@ def permute_multi_embedding(
     return _regroup_keyed_tensors(keyed_tensors, groups)
 
 
+@torch.fx.wrap
+def _fbgemm_permute_pooled_embs(
+    keyed_tensors: list[KeyedTensor], groups: list[list[str]]
+) -> list[torch.Tensor]:
+    """TorchRec's name for the regrouping it runs with FBGEMM's ``permute_pooled_embs``
+    (pooled embeddings, ``key_dim`` 1); here the same checked regroup as the others."""
+    return _regroup_keyed_tensors(keyed_tensors, groups)
+
+
+def _kt_regroup_arguments(
+    value: torch.Tensor,
+    keys: list[list[str]],
+    key_lengths: list[list[int]],
+    groups: list[list[str]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The plan FBGEMM's ``permute_multi_embedding`` executes: ``(permutes, in_shapes,
+    out_shapes, out_lengths)``, tensors on ``value``'s device (int32).
+
+    One ``permutes`` row per group entry: ``[in_tensor, out_tensor, in_start, out_start,
+    length, jump]``. ``jump`` chains the rows of a key used more than once (the backward adds
+    their gradients): the key's first row holds the next row's index, a middle row minus the
+    next index, the last row ``-len(permutes)``; a key used once has 0. Two inputs, groups
+    ``[[a, c], [a]]`` with ``a`` (width 2) in tensor 0 and ``c`` (width 3) in tensor 1::
+
+        [[0, 0, 0, 0, 2, 2],     a -> group 0 at 0, next use in row 2
+         [1, 0, 0, 2, 3, 0],     c -> group 0 at 2
+         [0, 1, 0, 0, 2, -3]]    a -> group 1 at 0, last use
+        in_shapes [2, 3]   out_shapes = out_lengths = [5, 2]
+    """
+    where: dict[str, tuple[int, int, int]] = {}
+    for t, (names, widths) in enumerate(zip(keys, key_lengths, strict=True)):
+        for name, start, width in zip(names, accumulate(widths, initial=0), widths, strict=False):
+            where[name] = (t, start, width)
+    rows: list[list[int]] = []
+    uses: dict[str, list[int]] = {}
+    out_lengths: list[int] = []
+    for g, group in enumerate(groups):
+        out_start = 0
+        for name in group:
+            if name not in where:
+                raise ValueError(
+                    f"_kt_regroup_arguments: group {g} asks for key '{name}', which none of "
+                    f"the keyed tensors has (known keys: {sorted(where)})."
+                )
+            t, in_start, width = where[name]
+            uses.setdefault(name, []).append(len(rows))
+            rows.append([t, g, in_start, out_start, width, 0])
+            out_start += width
+        out_lengths.append(out_start)
+    for chain in uses.values():
+        if len(chain) > 1:
+            for i, (row, nxt) in enumerate(zip(chain, chain[1:], strict=False)):
+                rows[row][5] = nxt if i == 0 else -nxt
+            rows[chain[-1]][5] = -len(rows)
+    device = value.device
+    permutes = torch.tensor(rows, dtype=torch.int32).view(len(rows), 6)
+    in_shapes = torch.tensor([sum(widths) for widths in key_lengths], dtype=torch.int32)
+    out_shapes = torch.tensor(out_lengths, dtype=torch.int32)
+    return (
+        permutes.to(device),
+        in_shapes.to(device),
+        out_shapes.to(device),
+        out_lengths,
+    )
+
+
 def _regroup(
     values: list[torch.Tensor],
     keys: list[list[str]],

@@ -274,7 +274,7 @@ def test_validate_accepts_consistent_tensor(dtype: torch.dtype) -> None:
             {"lengths": [1, 2], "offsets": [0, 2, 3]},
             r"offsets is not equal to the cumulative sum of lengths \(they disagree at 2",
         ),
-        ({"lengths": [1, 2], "offsets": [0, 3]}, "offsets has 2 entries but lengths has 2"),
+        ({"lengths": [1, 2], "offsets": [0, 3]}, "offsets has 2 entries and lengths has 2"),
         (
             {"lengths": [3], "weights": [1.0, 2.0]},
             "weights size must equal to values size, but weights has 2 entries and values has 3",

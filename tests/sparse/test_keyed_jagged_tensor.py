@@ -352,6 +352,46 @@ def test_concat_three_and_keeps_length_per_key() -> None:
     assert joined.length_per_key_or_none() == [1, 3, 0]
 
 
+def test_concat_joins_parts_whole_like_torchrec() -> None:
+    # Values cut one entry after the lengths' boundary: part 0 has a spare trailing value,
+    # part 1 is one short. Neither is consistent alone; TorchRec's concat joins them whole
+    # and the result is (and passes every check).
+    lengths = torch.tensor([0, 2, 1, 3, 0, 1])
+    values = torch.arange(7)
+    a = KeyedJaggedTensor(keys=["x"], values=values[:3], lengths=lengths[:2])
+    b = KeyedJaggedTensor(keys=["y", "z"], values=values[3:], lengths=lengths[2:])
+    joined = KeyedJaggedTensor.concat([a, b])
+    assert joined.values().tolist() == list(range(7))
+    assert joined.length_per_key_or_none() is None  # no part had its counts cached: no sync
+    assert joined.validate().length_per_key() == [2, 4, 1]
+    assert joined["y"].values().tolist() == [2, 3, 4, 5]
+    # One part short and nothing after it: the joined KJT is refused where a kernel reads it.
+    w = KeyedJaggedTensor(keys=["w"], values=torch.arange(1), lengths=torch.tensor([1, 1]))
+    short = KeyedJaggedTensor.concat([b, w])
+    with pytest.raises(ValueError, match="values has only 5 entries"):
+        short.permute([1, 0])
+
+
+def test_extra_weights_are_accepted_until_validate() -> None:
+    # TorchRec's KJT accepts more weights than values (its jit tracing test feeds 10x); every
+    # kernel reads weight i for value i only, so views work; validate() still reports it.
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"], values=torch.tensor([5, 6, 7]), lengths=torch.tensor([2, 1]),
+        weights=torch.arange(30, dtype=torch.float32),
+    )
+    assert kjt["a"].weights().tolist() == [0.0, 1.0]
+    assert kjt["b"].weights().tolist() == [2.0]
+    assert kjt.permute([1, 0]).weights().tolist() == [2.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="weights has 30 entries and values has 3"):
+        kjt.validate()
+    too_few = KeyedJaggedTensor(
+        keys=["a"], values=torch.tensor([5, 6]), lengths=torch.tensor([2]),
+        weights=torch.tensor([1.0]),
+    )
+    with pytest.raises(ValueError, match="weights has 1 entries and values has 2"):
+        too_few["a"]
+
+
 # -- batch selection, movement, misc ----------------------------------------------------------
 
 

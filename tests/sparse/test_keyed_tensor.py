@@ -200,3 +200,56 @@ def test_empty_keyed_tensor() -> None:
     kt = KeyedTensor([], [], torch.Tensor())
     assert str(kt) == "KeyedTensor()\n"
     assert kt.keys() == [] and kt.to_dict() == {}
+
+
+# -- TorchRec's private regroup helpers (its tests and benchmarks import them) -----------------
+
+
+def test_kt_regroup_arguments_chains_repeated_keys() -> None:
+    from recsys_core.sparse.jagged_tensor import _kt_regroup_arguments
+
+    # a (width 2) and b (1) in tensor 0, c (3) in tensor 1; a is used three times.
+    permutes, in_shapes, out_shapes, out_lengths = _kt_regroup_arguments(
+        torch.empty(0), [["a", "b"], ["c"]], [[2, 1], [3]], [["a", "c"], ["b", "a"], ["a"]]
+    )
+    # [in_tensor, out_tensor, in_start, out_start, length, jump]: a's first row points to its
+    # next use (3), the middle one to minus the next (-4), the last one to -len(rows) (-5).
+    assert permutes.dtype == torch.int32
+    assert permutes.tolist() == [
+        [0, 0, 0, 0, 2, 3],
+        [1, 0, 0, 2, 3, 0],
+        [0, 1, 2, 0, 1, 0],
+        [0, 1, 0, 1, 2, -4],
+        [0, 2, 0, 0, 2, -5],
+    ]
+    assert in_shapes.tolist() == [3, 3]
+    assert out_shapes.tolist() == [5, 3, 2]
+    assert out_lengths == [5, 3, 2]
+    on_meta = _kt_regroup_arguments(torch.empty(0, device="meta"), [["a"]], [[2]], [["a"]])
+    assert on_meta[0].is_meta and on_meta[0].shape == (1, 6) and on_meta[3] == [2]
+    with pytest.raises(ValueError, match="group 0 asks for key 'zz'"):
+        _kt_regroup_arguments(torch.empty(0), [["a"]], [[2]], [["zz"]])
+
+
+def test_regroup_function_spellings_agree() -> None:
+    from recsys_core.sparse.jagged_tensor import (
+        _fbgemm_permute_pooled_embs,
+        _regroup_keyed_tensors,
+        permute_multi_embedding,
+        regroup_kts,
+    )
+
+    kt0 = KeyedTensor(["a", "b"], [2, 1], torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+    kt1 = KeyedTensor(["c"], [1], torch.tensor([[7.0], [8.0]]))
+    groups = [["c", "a"], ["b"]]
+    expected = [[[7.0, 1.0, 2.0], [8.0, 4.0, 5.0]], [[3.0], [6.0]]]
+    for fn in (_fbgemm_permute_pooled_embs, _regroup_keyed_tensors, permute_multi_embedding,
+               regroup_kts):
+        assert [t.tolist() for t in fn([kt0, kt1], groups)] == expected, fn.__name__
+
+
+def test_safe_tolist_on_cpu() -> None:
+    from recsys_core.sparse.jagged_tensor import _safe_tolist
+
+    assert _safe_tolist(torch.tensor([3, 5, 7])) == [3, 5, 7]
+    assert _safe_tolist(torch.tensor([], dtype=torch.int64)) == []
