@@ -9,6 +9,7 @@ are importable from here, as from TorchRec's module of the same name.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,6 @@ from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import (
     EmbeddingBagConfig,
     PoolingType,
-    check_table_names,
     get_embedding_names_by_table,
 )
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
@@ -82,7 +82,8 @@ class FusedEmbeddingBagCollection(nn.Module):
         backend: KernelBackend = KernelBackend.AUTO,
     ) -> None:
         super().__init__()
-        check_table_names(tables, "FusedEmbeddingBagCollection")
+        # Declaration index of the table each name's weight and optimizer state refer to.
+        exposed = _exposed_tables(tables)
         for config in tables:
             if not isinstance(config, EmbeddingBagConfig):
                 raise TypeError(f"FusedEmbeddingBagCollection takes EmbeddingBagConfig, got {config!r}")
@@ -94,14 +95,19 @@ class FusedEmbeddingBagCollection(nn.Module):
         self._optimizer_kwargs = dict(optimizer_kwargs or {})
         self._optimizer_config = resolve_fused_config(optimizer_type, optimizer_kwargs)
         self._feature_names = [f for c in tables for f in c.feature_names]
-        names_by_table = dict(zip([c.name for c in tables], get_embedding_names_by_table(tables), strict=True))
-        self._embedding_names = [n for c in tables for n in names_by_table[c.name]]
+        names_by_table = get_embedding_names_by_table(tables)
+        self._embedding_names = [n for names in names_by_table for n in names]
+        if len(set(self._embedding_names)) != len(self._embedding_names):
+            raise ValueError(
+                "FusedEmbeddingBagCollection: tables of the same name share a feature, so two "
+                f"outputs would be named alike ({self._embedding_names}); rename a table"
+            )
         self._lengths_per_embedding = [c.embedding_dim for c in tables for _ in c.feature_names]
 
         # One kernel per pooling type, tables in declaration order within each.
-        groups: dict[PoolingType, list[EmbeddingBagConfig]] = {}
-        for config in tables:
-            groups.setdefault(config.pooling, []).append(config)
+        groups: dict[PoolingType, list[int]] = {}
+        for index, config in enumerate(tables):
+            groups.setdefault(config.pooling, []).append(index)
         # Not registered as submodules (as TorchRec): named_modules/parameters/buffers are those of
         # an EmbeddingBagCollection; train()/eval() are forwarded by hand.
         self._kernels: list[nn.Module] = []
@@ -110,7 +116,8 @@ class FusedEmbeddingBagCollection(nn.Module):
         self._group_rows: list[list[int]] = []
         table_weights: dict[str, TableWeight] = {}
         optims = []
-        for pooling, configs in groups.items():
+        for pooling, indices in groups.items():
+            configs = [tables[i] for i in indices]
             feature_table_map = [t for t, c in enumerate(configs) for _ in c.feature_names]
             kernel = build_table_batched_embedding(
                 rows=[c.num_embeddings for c in configs],
@@ -124,16 +131,23 @@ class FusedEmbeddingBagCollection(nn.Module):
             )
             self._kernels.append(kernel)
             self._group_features.append([f for c in configs for f in c.feature_names])
-            self._group_embeddings.append([n for c in configs for n in names_by_table[c.name]])
+            self._group_embeddings.append([n for i in indices for n in names_by_table[i]])
             self._group_rows.append([c.num_embeddings for c in configs for _ in c.feature_names])
             params: dict[str, nn.Parameter] = {}
-            for config, view in zip(configs, kernel.split_embedding_weights(), strict=True):
+            kernel_tables: list[int] = []
+            views = kernel.split_embedding_weights()
+            for position, (index, config, view) in enumerate(zip(indices, configs, views, strict=True)):
                 if self._device.type != "meta":
                     config.init_weight_(view)
+                if exposed[config.name] != index:
+                    continue  # a same-named table declared later is the one exposed
                 weight = nn.Parameter(view)
                 table_weights[config.name] = TableWeight(weight)
                 params[f"embedding_bags.{config.name}.weight"] = weight
-            optim = EmbeddingFusedOptimizer(kernel, params, [c.name for c in configs])
+                kernel_tables.append(position)
+            optim = EmbeddingFusedOptimizer(
+                kernel, params, [configs[t].name for t in kernel_tables], kernel_tables
+            )
             for weight in params.values():
                 weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
             optims.append(optim)
@@ -293,6 +307,27 @@ class FusedEmbeddingBagCollection(nn.Module):
                 "tables live inside table-batched kernels); build it with device=... instead"
             )
         return super()._apply(fn, recurse)
+
+
+def _exposed_tables(tables: Sequence[EmbeddingBagConfig]) -> dict[str, int]:
+    """Per table name, the declaration index of the table its weight and optimizer state expose.
+
+    TorchRec's FusedEmbeddingBagCollection accepts two tables of one name: both are looked up
+    and trained, and the later one's weight replaces the earlier in ``embedding_bags``. So do
+    we (the last one is exposed), with a warning: a checkpoint then lacks the others.
+    """
+    exposed: dict[str, int] = {}
+    for index, config in enumerate(tables):
+        if config.name in exposed:
+            warnings.warn(
+                f"FusedEmbeddingBagCollection: two tables are named {config.name!r}. Both are "
+                "looked up and trained, but (as in TorchRec) state_dict(), named_parameters() "
+                "and the fused optimizer's state hold only the last one, so a checkpoint loses "
+                "the others; give every table its own name.",
+                stacklevel=3,
+            )
+        exposed[config.name] = index
+    return exposed
 
 
 # isinstance(module, FusedOptimizerModule) holds as in TorchRec (a virtual subclass, no inheritance).

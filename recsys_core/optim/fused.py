@@ -63,6 +63,8 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
         kernel: the table-batched kernel that applies the update in backward.
         params: ``{parameter name: weight view}`` in the kernel's table order.
         table_names: the kernel's tables, same order; state keys are ``"<table>.<state>"``.
+        kernel_tables: the kernel table each entry of ``params`` is (default: all, in order);
+            a table left out is still updated in backward but has no key here.
     """
 
     def __init__(
@@ -70,13 +72,15 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
         kernel: TableBatchedKernel,
         params: Mapping[str, torch.Tensor],
         table_names: Sequence[str],
+        kernel_tables: Sequence[int] | None = None,
     ) -> None:
         self._kernel = kernel
         weights = list(params.values())
+        states = kernel.split_optimizer_states()
+        if kernel_tables is not None:
+            states = [states[t] for t in kernel_tables]
         state: dict[torch.Tensor, dict[str, Any]] = {}
-        for weight, table, table_state in zip(
-            weights, table_names, kernel.split_optimizer_states(), strict=True
-        ):
+        for weight, table, table_state in zip(weights, table_names, states, strict=True):
             state[weight] = {f"{table}.{k}": v for k, v in table_state.items()}
         # The configured value, not the kernel's: FBGEMM keeps lr as float32 (0.02 -> 0.0199999).
         self._kernel_lr = kernel.optimizer.learning_rate

@@ -235,3 +235,26 @@ def test_lengths_values_mismatch_names_the_key(backend: KernelBackend) -> None:
     for module in (fused, ebc):
         with pytest.raises(ValueError, match="f3"):
             module(kjt)
+
+
+@pytest.mark.parametrize("backend", [KernelBackend.AUTO, KernelBackend.TORCH])
+def test_two_tables_of_one_name_are_both_trained_last_one_exposed(backend: KernelBackend) -> None:
+    # TorchRec accepts this: both tables work; the later one's weight is the one named.
+    first = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["a"])
+    second = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["b"])
+    with pytest.warns(UserWarning, match="two tables are named 't'.*a checkpoint loses"):
+        fused = FusedEmbeddingBagCollection(
+            [first, second], EmbOptimType.EXACT_SGD, {"learning_rate": 1.0}, backend=backend
+        )
+    assert list(fused.state_dict()) == ["embedding_bags.t.weight"]
+    exposed = fused.state_dict()["embedding_bags.t.weight"].clone()
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([0, 0]), lengths=torch.tensor([1, 1]))
+    out = fused(kjt)
+    assert out.keys() == ["a", "b"]
+    assert torch.equal(out["b"].detach(), exposed[0:1])
+    a_before = out["a"].detach().clone()
+    assert not torch.equal(a_before, exposed[0:1])  # a reads the other table
+    out["b"].sum().backward()  # SGD, lr 1: the exposed table's row 0 drops by 1
+    torch.testing.assert_close(fused.state_dict()["embedding_bags.t.weight"][0], exposed[0] - 1)
+    assert torch.equal(fused(kjt)["a"].detach(), a_before)  # the other table had no gradient
+    assert list(fused.fused_optimizer.params) == ["embedding_bags.t.weight"]
