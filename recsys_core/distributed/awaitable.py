@@ -57,6 +57,11 @@ class LazyAwaitable(Awaitable[W]):
     """An awaitable that waits by itself when used as its result."""
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("_callbacks", "_done", "_result"):  # set by Awaitable.__init__
+            raise RuntimeError(
+                f"LazyAwaitable type {type(self)} has not been initialized properly, did you "
+                "forget to call 'super().__init__()' in its __init__?"
+            )
         if name.startswith("_"):  # internal attributes and copy/pickle probes
             raise AttributeError(name)
         return getattr(self.wait(), name)
