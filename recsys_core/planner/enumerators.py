@@ -245,3 +245,12 @@ def _geometries(
     if sharding_type is ShardingType.TABLE_ROW_WISE:
         return [(Placement.ANY_HOST, blocks(local), np.full(local, dim))]
     return [(Placement.ALL_RANKS, np.full(world, rows), np.full(world, dim))]  # data-parallel
+
+
+def __getattr__(name: str) -> object:
+    # TorchRec's EmbeddingEnumerator lives in sharding_option.py, which imports this module.
+    if name == "EmbeddingEnumerator":
+        from recsys_core.planner.sharding_option import EmbeddingEnumerator
+
+        return EmbeddingEnumerator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -442,3 +442,18 @@ def _better(new: tuple[float, float], old: tuple[float, float]) -> bool:
     if new[0] < old[0] * (1 - _REL_EPS):
         return True
     return new[0] <= old[0] * (1 + _REL_EPS) and new[1] < old[1] * (1 - _REL_EPS)
+
+
+# TorchRec's partitioners over ShardingOption proposals (its pluggable planner path).
+from recsys_core.planner.perf_partitioners import (  # noqa: E402
+    GreedyPerfPartitioner,
+    MemoryBalancedPartitioner,
+    OrderedDeviceHardware,
+    ShardingOptionGroup,
+    SortBy,
+)
+
+__all__ = [
+    "GreedyPartitioner", "GreedyPerfPartitioner", "MemoryBalancedPartitioner",
+    "OrderedDeviceHardware", "ShardingOptionGroup", "SortBy",
+]

@@ -55,10 +55,16 @@ class EmbeddingShardingPlanner:
         timeout_seconds: bounds the search's improvement phase (the greedy placement always
             completes); None: no bound.
 
-    TorchRec's argument order. Its ``enumerator``, ``proposer``, ``partitioner``,
-    ``performance_model``, ``stats``, ``callbacks`` and ``plan_loader`` pick other search
-    strategies than this planner's single one (every candidate layout, one greedy placement with
-    local search, see ``partitioners.py``): they must be None.
+    TorchRec's argument order. Without ``enumerator``, ``proposer``, ``partitioner``,
+    ``performance_model``, ``stats``, ``callbacks`` or ``plan_loader`` it runs this library's
+    search (every candidate layout, one greedy placement with local search, see
+    ``partitioners.py``). Given any of them, it runs TorchRec's search
+    (``planners.search_plan``: enumerate, propose, partition, rate, keep the best) with them,
+    TorchRec's defaults for the others: :class:`EmbeddingEnumerator`, GridSearch + Greedy (by
+    depth and by sum) + Uniform proposers, :class:`GreedyPerfPartitioner`,
+    :class:`NoopPerfModel`, :class:`EmbeddingStats`. TorchRec's search also runs for
+    topologies this library's search does not model (MTIA, hosts of unequal size, per-rank
+    capacities).
     """
 
     def __init__(
@@ -80,18 +86,22 @@ class EmbeddingShardingPlanner:
         batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"EmbeddingShardingPlanner: batch_size must be an int >= 1, got {batch_size!r}")
-        strategies = {
-            "enumerator": enumerator, "proposer": proposer, "partitioner": partitioner,
-            "performance_model": performance_model, "stats": stats, "callbacks": callbacks,
-            "plan_loader": plan_loader,
-        }
-        custom = [name for name, value in strategies.items() if value is not None]
-        if custom:
-            raise ValueError(
-                f"EmbeddingShardingPlanner: {custom} are not supported: this planner has one "
-                "search (every candidate layout, greedy placement, local search); leave them "
-                "None and steer it with constraints, topology and storage_reservation"
-            )
+        if proposer is not None and not isinstance(proposer, list | tuple):
+            proposer = [proposer]
+        if stats is not None and not isinstance(stats, list | tuple):
+            stats = [stats]
+        self._enumerator = enumerator
+        self._proposers = list(proposer) if proposer is not None else None
+        self._partitioner = partitioner
+        self._perf_model = performance_model
+        self._stats_loggers = list(stats) if stats is not None else None
+        self._callbacks = list(callbacks or [])
+        self.plan_loader = plan_loader
+        # Any TorchRec component selects TorchRec's search with it (planners.search_plan).
+        self._pluggable = any(x is not None for x in (
+            enumerator, proposer, partitioner, performance_model, stats, callbacks, plan_loader))
+        self._num_proposals = 0
+        self._num_plans = 0
         if timeout_seconds is not None and not timeout_seconds > 0:
             raise ValueError(f"EmbeddingShardingPlanner: timeout_seconds must be > 0, got {timeout_seconds!r}")
         if storage_reservation is None or isinstance(storage_reservation, int | float):
@@ -173,6 +183,8 @@ class EmbeddingShardingPlanner:
 
     # ---- planning -------------------------------------------------------------------------------
     def _plan(self, module: nn.Module, sharders: Sequence[Sharder], topology: Topology) -> ShardingPlan:
+        if self._pluggable or _needs_torchrec_search(topology):
+            return self._search(module, sharders, topology)
         start = time.perf_counter()
         collections = collections_of(module, sharders)
         if not collections:  # as TorchRec: no sharder handles any module, nothing to shard
@@ -210,6 +222,89 @@ class EmbeddingShardingPlanner:
             print(plan)
             print(self._stats)
         return plan
+
+
+    # ---- TorchRec's search ----------------------------------------------------------------------
+    def _components(self, topology: Topology) -> None:
+        """TorchRec's default components where none were given (they need the topology)."""
+        from recsys_core.planner.embedding_stats import EmbeddingStats
+        from recsys_core.planner.perf_models import NoopPerfModel
+        from recsys_core.planner.perf_partitioners import GreedyPerfPartitioner
+        from recsys_core.planner.proposers import (
+            GreedyProposer,
+            GridSearchProposer,
+            UniformProposer,
+        )
+        from recsys_core.planner.sharding_option import EmbeddingEnumerator
+
+        if self._enumerator is None:
+            self._enumerator = EmbeddingEnumerator(topology, self._batch_size, self._constraints)
+        if self._proposers is None:
+            self._proposers = [GridSearchProposer(), GreedyProposer(),
+                               GreedyProposer(use_depth=False), UniformProposer()]
+        if self._partitioner is None:
+            self._partitioner = GreedyPerfPartitioner()
+        if self._perf_model is None:
+            self._perf_model = NoopPerfModel(topology)
+        if self._stats_loggers is None:
+            self._stats_loggers = [EmbeddingStats()]
+
+    def _search(self, module: nn.Module, sharders: Sequence[Sharder], topology: Topology) -> ShardingPlan:
+        from recsys_core.planner.planners import search_plan
+
+        self._topology = topology
+        self._components(topology)
+        plan, best = search_plan(self, module, list(sharders), topology)
+        self._best_plan = best
+        if self._debug:
+            print(plan)
+        return plan
+
+    @property
+    def _stats_logger(self) -> object:
+        loggers = self._stats_loggers or []
+
+        class _All:
+            @staticmethod
+            def log(**kwargs: object) -> None:
+                for stats in loggers:
+                    stats.log(**kwargs)
+
+        return _All()
+
+    def hash_planner_context_inputs(self) -> int:
+        """TorchRec's hash of this planner's inputs (after a plan: it needs the enumerator's
+        search space and the reservation's topology)."""
+        from recsys_core.planner.context_hash import hash_planner_context_inputs
+
+        return hash_planner_context_inputs(self._topology, self._batch_size, self._enumerator,
+                                           self._storage_reservation, self._constraints)
+
+    def hash_planner_context_inputs_str(self) -> str:
+        """As :meth:`hash_planner_context_inputs`, as hex."""
+        from recsys_core.planner.context_hash import hash_planner_context_inputs_str
+
+        return hash_planner_context_inputs_str(self._topology, self._batch_size,
+                                               self._enumerator, self._storage_reservation,
+                                               self._constraints)
+
+    def _loader_plan_validation(self, current_planner_hash: str, loaded_plan_hash: str | None) -> None:
+        """A loaded plan must be for these inputs (PLANNER_INPUT_CONTEXT_MISMATCH otherwise)."""
+        if loaded_plan_hash is not None and current_planner_hash != loaded_plan_hash:
+            raise PlannerError(
+                "Planner input context mismatch: the stored plan was planned for other inputs "
+                f"(hash {loaded_plan_hash}) than this planner's ({current_planner_hash}); "
+                "re-plan, or load a plan made for this model, topology and constraints",
+                PlannerErrorType.PLANNER_INPUT_CONTEXT_MISMATCH)
+
+
+def _needs_torchrec_search(topology: Topology) -> bool:
+    """Topologies this library's search does not model: MTIA, hosts of unequal size, per-rank
+    capacities."""
+    local = topology.local_world_size or topology.world_size
+    return (topology.compute_device == "mtia"
+            or (local < topology.world_size and topology.world_size % local != 0)
+            or topology.custom_topology_data is not None)
 
 
 def plan_for_env(

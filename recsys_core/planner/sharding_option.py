@@ -12,17 +12,24 @@ on CPU);
 
 from __future__ import annotations
 
+import copy
+import hashlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import DataType
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.plan.params import BoundsCheckMode, CacheParams, KeyValueParams
 from recsys_core.plan.sharder import Sharder
+from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.enumerators import enumerate_options
-from recsys_core.planner.estimators import DEFAULT_CACHE_LOAD_FACTOR
+from recsys_core.planner.estimators import DEFAULT_CACHE_LOAD_FACTOR, estimate_option
 from recsys_core.planner.plan_builder import collections_of
 from recsys_core.planner.storage import Perf, Shard, Storage
 from recsys_core.planner.table_specs import table_specs
@@ -75,11 +82,49 @@ class ShardingOption:
         self.stochastic_rounding = stochastic_rounding
         self.bounds_check_mode = bounds_check_mode
         self.dependency = dependency
-        self._is_pooled = bool(is_pooled) if is_pooled is not None else True
+        self._is_pooled = (
+            bool(is_pooled) if is_pooled is not None else ShardingOption.module_pooled(module[1], name)
+        )
+        self.is_weighted: bool | None = None
         self.feature_names = feature_names
         self.output_dtype = output_dtype
         self.key_value_params = key_value_params
         self.num_poolings = num_poolings
+        child = module[1]
+        self._module_type_key = f"{type(child).__module__}.{type(child).__name__}"
+        processors = getattr(getattr(child, "_feature_processor", None),
+                             "feature_processor_modules", None)
+        self._has_feature_processor = isinstance(processors, nn.ModuleDict) and name in processors
+        if isinstance(child, EmbeddingBagCollection):
+            self.is_weighted = child.is_weighted()
+
+    @staticmethod
+    def module_pooled(module: nn.Module, sharding_option_name: str) -> bool:
+        """False where the table belongs to an EmbeddingCollection (one output row per id)."""
+        if isinstance(module, EmbeddingCollection):
+            return False
+        for sub in module.modules():
+            if isinstance(sub, EmbeddingCollection):
+                if any(sharding_option_name in n for n, _ in sub.named_parameters()):
+                    return False
+        return True
+
+    module_type_key = property(lambda self: self._module_type_key)
+    has_feature_processor = property(lambda self: self._has_feature_processor)
+
+    def storage_hash(self) -> int:
+        """Identifies this option in a stored plan: fqn, sharding type, kernel, cache load
+        factor and shard count (a 56-bit BLAKE2b digest, as TorchRec's)."""
+        key = (f"{self.fqn}|{self.sharding_type}|{self.compute_kernel}|"
+               f"{self.cache_load_factor}|{self.num_shards}")
+        return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=7).digest(), "big")
+
+    def __deepcopy__(self, memo: dict[int, object] | None) -> ShardingOption:
+        # The tensor and module are shared, everything else copied.
+        result = self.__class__.__new__(self.__class__)
+        for key, value in self.__dict__.items():
+            setattr(result, key, value if key in ("_tensor", "_module") else copy.deepcopy(value, memo))
+        return result
 
     tensor = property(lambda self: self._tensor)
     module = property(lambda self: self._module)
@@ -127,27 +172,62 @@ class ShardingOption:
 
 
 class EmbeddingEnumerator:
-    """Every layout the planner considers for each table, as TorchRec's ShardingOptions."""
+    """Every layout the planner considers for each table, as TorchRec's ShardingOptions.
+
+    The layouts are this planner's (``enumerators.py``). Estimates come from ``estimator``
+    (one ShardEstimator or a list; default: this library's ``EmbeddingPerfEstimator`` then
+    TorchRec's storage rule, ``EmbeddingStorageEstimator``); :meth:`populate_estimates`
+    re-runs them on changed options (a proposer that changes a kernel or load factor).
+    ``last_stored_search_space`` holds the last ``enumerate`` result (for context hashes).
+    """
 
     def __init__(
         self,
         topology: Topology,
         batch_size: int = DEFAULT_BATCH_SIZE,
         constraints: Mapping[str, ParameterConstraints] | None = None,
+        estimator: Any = None,
+        use_exact_enumerate_order: bool | None = False,
     ) -> None:
+        from recsys_core.planner.shard_estimators import (
+            EmbeddingPerfEstimator,
+            EmbeddingStorageEstimator,
+        )
+
         self._topology = topology
         self._batch_size = batch_size
         self._constraints = dict(constraints or {})
+        if estimator is None:
+            estimator = [EmbeddingPerfEstimator(topology, self._constraints),
+                         EmbeddingStorageEstimator(topology, self._constraints)]
+        self._estimators = list(estimator) if isinstance(estimator, list | tuple) else [estimator]
+        self._use_exact_enumerate_order = bool(use_exact_enumerate_order)
+        self._sharder_map: dict[str, Any] = {}
+        self.last_stored_search_space: list[ShardingOption] | None = None
 
     def enumerate(self, module: nn.Module, sharders: Sequence[Sharder]) -> list[ShardingOption]:
+        from recsys_core.planner.utils import sharder_name
+
         collections = collections_of(module, sharders)
+        self._sharder_map = {sharder_name(s.module_type): s for s in sharders}
         options = []
         for spec in table_specs(collections, self._constraints, self._batch_size, self._topology):
             sub = collections[spec.path][0]
             sharder = collections[spec.path][1]
+            self._sharder_map[sharder_name(type(sub))] = sharder
             for candidate in enumerate_options(spec, sharder, self._topology, with_perf=True):
                 options.append(self._option(candidate, spec.path, sub))
+        self.populate_estimates(options)
+        self.last_stored_search_space = options
         return options
+
+    def populate_estimates(self, sharding_options: list[ShardingOption]) -> None:
+        """Runs every estimator on ``sharding_options`` (in place)."""
+        from recsys_core.planner.utils import build_sharder_data_map
+
+        data = build_sharder_data_map(self._sharder_map)
+        for estimator in self._estimators:
+            estimator.estimate(sharding_options, data)
 
     def _option(self, c: Candidate, path: str, sub: nn.Module) -> ShardingOption:
         spec, config, constraints = c.table, c.table.config, c.table.constraints
@@ -159,21 +239,12 @@ class EmbeddingEnumerator:
         rows, cols = c.shard_rows.tolist(), c.shard_cols.tolist()
         row_split = c.sharding_type.value in ("row_wise", "table_row_wise")
         col_split = c.sharding_type.value in ("column_wise", "table_column_wise")
-        memory = c.memory(lf)  # [tier, shard], the cache (if caching) at lf
-        shards = []
-        for i in range(c.num_shards):
-            miss = (1.0 - lf) * float(c.miss_cost[i]) if c.is_caching else 0.0
-            miss_fwd = (1.0 - lf) * float(c.miss_fwd[i]) if c.is_caching else 0.0
-            fwd_compute, fwd_comms, bwd_compute, bwd_comms = (float(v) for v in c.perf[:, i])
-            hbm, ddr, ssd = (round(float(v)) for v in memory[:, i])
-            shards.append(Shard(
-                size=[rows[i], cols[i]],
-                offset=[sum(rows[:i]) if row_split else 0, sum(cols[:i]) if col_split else 0],
-                storage=Storage(hbm, ddr, ssd),
-                perf=Perf(fwd_compute=fwd_compute + miss_fwd, fwd_comms=fwd_comms,
-                          bwd_compute=bwd_compute + miss - miss_fwd, bwd_comms=bwd_comms),
-            ))
-        return ShardingOption(
+        shards = [
+            Shard(size=[rows[i], cols[i]],
+                  offset=[sum(rows[:i]) if row_split else 0, sum(cols[:i]) if col_split else 0])
+            for i in range(c.num_shards)
+        ]
+        option = ShardingOption(
             name=config.name,
             tensor=torch.empty(config.num_embeddings, config.embedding_dim, device="meta",
                                dtype=_TORCH_DTYPE.get(config.data_type, torch.uint8)),
@@ -194,6 +265,31 @@ class EmbeddingEnumerator:
             num_poolings=None if constraints.num_poolings is None
             else _per_feature(constraints.num_poolings, len(features)),
         )
+        option._table_spec = spec  # what this library's perf model needs (estimate_perf)
+        option._placement = c.placement
+        return option
+
+
+def estimate_perf(so: ShardingOption, topology: Topology) -> None:
+    """Sets each shard's ``perf`` of an option listed by :class:`EmbeddingEnumerator` with
+    this planner's cost model, at the option's current kernel and cache load factor (a
+    FUSED_UVM_CACHING option's expected misses included). Options of other enumerators are
+    left as they are."""
+    spec = getattr(so, "_table_spec", None)
+    if spec is None:
+        return
+    c = estimate_option(
+        spec, ShardingType(so.sharding_type), EmbeddingComputeKernel(so.compute_kernel),
+        so._placement, np.array([s.size[0] for s in so.shards]),
+        np.array([s.size[1] for s in so.shards]), topology, with_perf=True,
+    )
+    lf = so.cache_load_factor if so.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
+    for i, shard in enumerate(so.shards):
+        miss = (1.0 - lf) * float(c.miss_cost[i]) if c.is_caching else 0.0
+        miss_fwd = (1.0 - lf) * float(c.miss_fwd[i]) if c.is_caching else 0.0
+        fwd_compute, fwd_comms, bwd_compute, bwd_comms = (float(v) for v in c.perf[:, i])
+        shard.perf = Perf(fwd_compute=fwd_compute + miss_fwd, fwd_comms=fwd_comms,
+                          bwd_compute=bwd_compute + miss - miss_fwd, bwd_comms=bwd_comms)
 
 
 def _per_feature(values: Sequence[float], count: int) -> list[float]:

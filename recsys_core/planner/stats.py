@@ -223,3 +223,26 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
         " | ".join("-" * w for w in widths),
         *(" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows),
     ]
+
+
+# TorchRec's stats loggers and imbalance measures (its pluggable planner path).
+from recsys_core.planner.embedding_stats import (  # noqa: E402
+    IMBALANCE_STAT_MEASURE,
+    EmbeddingStats,
+    NoopEmbeddingStats,
+    _calc_max_chi_sq_divergence,
+    _calc_max_kl_divergence,
+    _chi_sq_divergence,
+    _kl_divergence,
+    _normalize_float,
+    _normalize_int,
+    _total_distance,
+    _total_variation,
+)
+
+__all__ = [
+    "CachedTableStats", "EmbeddingStats", "IMBALANCE_STAT_MEASURE", "NoopEmbeddingStats",
+    "PlanStats", "RankStats", "_calc_max_chi_sq_divergence", "_calc_max_kl_divergence",
+    "_chi_sq_divergence", "_kl_divergence", "_normalize_float", "_normalize_int",
+    "_total_distance", "_total_variation",
+]

@@ -10,6 +10,12 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
+from recsys_core.planner.constants import HBM_TO_DDR_MEM_BW, WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER
+from recsys_core.planner.interfaces import (
+    BasicCommsBandwidths,
+    CustomTopologyData,
+    GeneralizedCommsBandwidth,
+)
 from recsys_core.planner.storage import DeviceHardware, Perf, Storage, Tier
 
 GIB = 1024**3
@@ -69,10 +75,12 @@ class Topology:
     CPU only (None: 0, no disk tier: every table must fit in ddr_cap); on CUDA the cached
     kernel's slower tier is host memory (ddr_cap), so only None or 0."""
     local_world_size: int | None = None
-    """Ranks per host (None: all ranks on one host). Must divide world_size."""
+    """Ranks per host (None: all ranks on one host). As TorchRec, any int >= 1 is accepted;
+    this planner's own search needs it to divide world_size (or to be at least world_size: one
+    host)."""
     pod_size: int | None = None
-    """TorchRec's hosts per NVLink domain: not modelled here (hosts talk over inter_host_bw),
-    so only None."""
+    """TorchRec's hosts per NVLink domain (at most world_size): sets ``intra_group_size`` for
+    TorchRec's estimators and partitioners; this planner's own search models hosts only."""
     hbm_mem_bw: float = DEFAULT_HBM_MEM_BW
     """Bytes per ms a rank's lookups read from HBM."""
     ddr_mem_bw: float = DEFAULT_DDR_MEM_BW
@@ -81,7 +89,8 @@ class Topology:
     """Bytes per ms a rank moves between its cache and the disk tier (CPU only; None: 1 GB/s,
     ``DEFAULT_SSD_MEM_BW``). On CUDA only None."""
     hbm_to_ddr_mem_bw: float | None = None
-    """TorchRec's HBM <-> host copy bandwidth (for prefetching caches): not modelled, only None."""
+    """TorchRec's HBM <-> host copy bandwidth, bytes/ms (None: its HBM_TO_DDR_MEM_BW); read by
+    TorchRec's estimators (UVM kernels), not by this planner's own search."""
     intra_host_bw: float | None = None
     """Bytes per ms a rank sends to ranks of its host (None: 600 GB/s NVLink on CUDA, 1 GB/s
     over gloo on CPU)."""
@@ -89,6 +98,20 @@ class Topology:
     """Bytes per ms a rank sends to other hosts."""
     bwd_compute_multiplier: float = DEFAULT_BWD_COMPUTE_MULTIPLIER
     """Backward lookup traffic as a multiple of the forward's (TorchRec's default 2)."""
+    custom_topology_data: CustomTopologyData | None = field(default=None, compare=False)
+    """TorchRec's per-rank capacities (``hbm_cap``/``ddr_cap``/``ssd_cap`` lists): ``devices``
+    takes them; this planner's own search plans for the smallest rank."""
+    weighted_feature_bwd_compute_multiplier: float = WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER
+    """TorchRec's extra backward work of weighted features (its perf estimator)."""
+    uneven_sharding_perf_multiplier: float = 1.0
+    """TorchRec's perf estimator's penalty for uneven shards."""
+    generalized_comms_bandwidths: GeneralizedCommsBandwidth | None = field(
+        default=None, compare=False
+    )
+    """TorchRec's collective bandwidth model; when given, intra_host_bw and inter_host_bw are
+    its values."""
+    created_by_factory: bool = field(default=False, compare=False)
+    """TorchRec's TopologyFactory flag (no warning is logged either way)."""
     _: KW_ONLY
     memory_source: str | None = field(default=None, compare=False)
     """Where hbm_cap, ddr_cap and ssd_cap come from, for messages (``detect_topology`` fills it in;
@@ -98,24 +121,29 @@ class Topology:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"Topology: world_size must be an int >= 1, got {self.world_size!r}")
         device = getattr(self.compute_device, "type", self.compute_device)
-        if device not in ("cuda", "cpu"):
-            raise ValueError(f"Topology: compute_device must be 'cuda' or 'cpu', got {self.compute_device!r}")
+        if device not in ("cuda", "cpu", "mtia"):
+            raise ValueError(
+                f"Topology: compute_device must be 'cuda', 'cpu' or 'mtia', got {self.compute_device!r}"
+            )
         object.__setattr__(self, "compute_device", device)
         local = self.world_size if self.local_world_size is None else self.local_world_size
-        if isinstance(local, bool) or not isinstance(local, int) or local < 1 or self.world_size % local:
+        if isinstance(local, bool) or not isinstance(local, int) or local < 1:
             raise ValueError(
-                f"Topology: local_world_size {self.local_world_size!r} must be an int >= 1 that "
-                f"divides world_size {self.world_size}; pass the number of ranks per host"
+                f"Topology: local_world_size {self.local_world_size!r} must be an int >= 1 (the "
+                "number of ranks per host)"
             )
         object.__setattr__(self, "local_world_size", local)
-        for name, value in (("pod_size", self.pod_size),
-                            ("hbm_to_ddr_mem_bw", self.hbm_to_ddr_mem_bw)):
-            if value is not None:
-                raise ValueError(
-                    f"Topology: {name}={value!r} is not supported (no NVLink pods or "
-                    f"cache-prefetch copies are modelled by this planner); leave {name} as None"
-                )
-        if device == "cuda":
+        if self.pod_size is not None and self.pod_size > self.world_size:
+            raise ValueError(
+                f"Topology: pod_size={self.pod_size} cannot be greater than world_size="
+                f"{self.world_size}"
+            )
+        if self.hbm_to_ddr_mem_bw is None:
+            object.__setattr__(self, "hbm_to_ddr_mem_bw", HBM_TO_DDR_MEM_BW)
+        if self.generalized_comms_bandwidths is not None:
+            object.__setattr__(self, "intra_host_bw", self.generalized_comms_bandwidths.intra_host_bw)
+            object.__setattr__(self, "inter_host_bw", self.generalized_comms_bandwidths.inter_host_bw)
+        if device != "cpu":
             for name, value in (("ssd_cap", self.ssd_cap or None), ("ssd_mem_bw", self.ssd_mem_bw)):
                 if value is not None:
                     raise ValueError(
@@ -140,7 +168,7 @@ class Topology:
                 f"Topology: hbm_cap {self.hbm_cap} on a CPU topology; CPU ranks have no HBM, "
                 "so size their memory with ddr_cap (bytes per rank)"
             )
-        hbm = (DEFAULT_HBM_CAP if device == "cuda" else 0) if self.hbm_cap is None else self.hbm_cap
+        hbm = (DEFAULT_HBM_CAP if device != "cpu" else 0) if self.hbm_cap is None else self.hbm_cap
         ddr = DEFAULT_DDR_CAP if self.ddr_cap is None else self.ddr_cap
         for name, value in (("hbm_cap", hbm), ("ddr_cap", ddr)):
             if not value >= 0:
@@ -148,7 +176,7 @@ class Topology:
         object.__setattr__(self, "hbm_cap", int(hbm))
         object.__setattr__(self, "ddr_cap", int(ddr))
         if self.intra_host_bw is None:
-            default = DEFAULT_CUDA_INTRA_HOST_BW if device == "cuda" else DEFAULT_CPU_INTRA_HOST_BW
+            default = DEFAULT_CUDA_INTRA_HOST_BW if device != "cpu" else DEFAULT_CPU_INTRA_HOST_BW
             object.__setattr__(self, "intra_host_bw", default)
         for name in ("hbm_mem_bw", "ddr_mem_bw", "intra_host_bw", "inter_host_bw"):
             if not getattr(self, name) > 0:
@@ -160,8 +188,22 @@ class Topology:
 
     @property
     def local_size(self) -> int:
+        """Ranks per host as this planner's search sees them (at most world_size)."""
         assert self.local_world_size is not None  # resolved in __post_init__
-        return self.local_world_size
+        return min(self.local_world_size, self.world_size)
+
+    @property
+    def intra_group_size(self) -> int:
+        """TorchRec's largest group of ranks on fast links: pod_size hosts, else one host."""
+        assert self.local_world_size is not None
+        return self.local_world_size * (self.pod_size or 1)
+
+    @property
+    def comms_bandwidths(self) -> GeneralizedCommsBandwidth:
+        if self.generalized_comms_bandwidths is not None:
+            return self.generalized_comms_bandwidths
+        return BasicCommsBandwidths(inter_host_bw=self.inter_host_bw,
+                                    intra_host_bw=float(self.intra_host_bw or 0))
 
     @property
     def num_hosts(self) -> int:
@@ -202,13 +244,38 @@ class Topology:
 
     @property
     def devices(self) -> list[DeviceHardware]:
-        """TorchRec's per-rank view: each rank's usable memory (``ddr_per_rank`` of host memory,
-        ``ssd_per_rank`` of disk) and no load yet."""
-        return [
-            DeviceHardware(rank, Storage(self.hbm_per_rank, self.ddr_per_rank, self.ssd_per_rank),
-                           Perf(0, 0, 0, 0))
-            for rank in range(self.world_size)
-        ]
+        """TorchRec's per-rank view: each rank's usable memory (``custom_topology_data``'s
+        per-rank figures where given) and no load yet. One list per Topology, as TorchRec's
+        (code that edits a rank's storage in place sees its edit here)."""
+        devices = self.__dict__.get("_devices")
+        if devices is None:
+            caps = {"hbm_cap": self.hbm_per_rank, "ddr_cap": self.ddr_per_rank,
+                    "ssd_cap": self.ssd_per_rank}
+            per_rank = {k: [v] * self.world_size for k, v in caps.items()}
+            custom = self.custom_topology_data
+            for key in per_rank:
+                if custom is not None and custom.has_data(key):
+                    per_rank[key] = list(custom.get_data(key))
+            devices = [
+                DeviceHardware(rank, Storage(per_rank["hbm_cap"][rank], per_rank["ddr_cap"][rank],
+                                             per_rank["ssd_cap"][rank]), Perf(0, 0, 0, 0))
+                for rank in range(self.world_size)
+            ]
+            self.__dict__["_devices"] = devices
+        return devices
+
+    def _hash(self) -> int:
+        """A hash of everything that sets a plan (TorchRec's ``Topology._hash``)."""
+        from recsys_core.planner.context_hash import hash_sha256_to_int
+
+        return hash_sha256_to_int([
+            self.world_size, self.compute_device,
+            [d.storage.hbm for d in self.devices], [d.storage.ddr for d in self.devices],
+            [d.storage.ssd for d in self.devices], self.local_world_size, self.intra_group_size,
+            self.hbm_mem_bw, self.ddr_mem_bw, self.ssd_mem_bw, self.hbm_to_ddr_mem_bw,
+            self.intra_host_bw, self.inter_host_bw, self.bwd_compute_multiplier,
+            self.weighted_feature_bwd_compute_multiplier, self.uneven_sharding_perf_multiplier,
+        ])
 
     @classmethod
     def default(cls, world_size: int, compute_device: str | None = None) -> Topology:

@@ -201,3 +201,49 @@ def cache_slots(rows: np.ndarray | int, load_factor: float) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.float64)
     slots = np.minimum(rows, np.maximum(1.0, np.ceil(rows * float(load_factor))))
     return np.where(rows > 0, slots, 0.0)
+
+
+# TorchRec's planner interfaces and value types, at its module path (planner.types).
+from recsys_core.planner.context_hash import (  # noqa: E402
+    hash_planner_context_inputs,
+    hash_planner_context_inputs_str,
+    hash_sha256_str,
+    hash_sha256_to_int,
+    round_to_nearest,
+)
+from recsys_core.planner.interfaces import (  # noqa: E402
+    BasicCommsBandwidths,
+    CollectiveType,
+    CustomTopologyData,
+    Enumerator,
+    GeneralizedCommsBandwidth,
+    PartitionByType,
+    Partitioner,
+    PerfModel,
+    PlanDebugStats,
+    PlanLoader,
+    Proposer,
+    SharderData,
+    SharderDataMap,
+    ShardEstimator,
+    Stats,
+)
+from recsys_core.planner.storage_reservations import StorageReservation  # noqa: E402
+
+__all__ += [
+    "BasicCommsBandwidths", "CollectiveType", "CustomTopologyData", "Enumerator",
+    "GeneralizedCommsBandwidth", "PartitionByType", "Partitioner", "PerfModel",
+    "PlanDebugStats", "PlanLoader", "Proposer", "ShardEstimator", "SharderData",
+    "SharderDataMap", "ShardingOption", "Stats", "StorageReservation",  # noqa: F822
+    "hash_planner_context_inputs", "hash_planner_context_inputs_str", "hash_sha256_str",
+    "hash_sha256_to_int", "round_to_nearest",
+]
+
+
+def __getattr__(name: str) -> object:
+    # ShardingOption's module imports this one: resolved on first use.
+    if name == "ShardingOption":
+        from recsys_core.planner.sharding_option import ShardingOption
+
+        return ShardingOption
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,7 @@ def test_topology_defaults_cuda_and_cpu() -> None:
     [
         ({"world_size": 0}, "world_size"),
         ({"world_size": 4, "compute_device": "tpu"}, "compute_device"),
-        ({"world_size": 6, "local_world_size": 4}, "divides world_size"),
+        ({"world_size": 6, "local_world_size": 0}, "local_world_size"),
         ({"world_size": 2, "compute_device": "cpu", "hbm_cap": GIB}, "no HBM"),
         ({"world_size": 2, "ddr_cap": -1}, "ddr_cap"),
         ({"world_size": 2, "inter_host_bw": 0}, "inter_host_bw"),

@@ -49,7 +49,7 @@ def test_topology_positional_order_is_torchrecs() -> None:
     assert t.bwd_compute_multiplier == 2.0
 
 
-@pytest.mark.parametrize("name", ["ssd_cap", "pod_size", "ssd_mem_bw", "hbm_to_ddr_mem_bw"])
+@pytest.mark.parametrize("name", ["ssd_cap", "ssd_mem_bw"])
 def test_topology_rejects_what_it_does_not_model(name: str) -> None:
     with pytest.raises(ValueError, match=f"{name}=.*not supported.*leave {name} as None"):
         Topology(2, "cuda", **{name: 1})
@@ -161,13 +161,6 @@ def test_heuristical_storage_reservation_sets_the_budgets() -> None:
     assert floats.stats is not None and floats.stats.ddr_budget == 3 * GIB
     with pytest.raises(ValueError, match="percentage 1.0 must be in"):
         HeuristicalStorageReservation(1.0)
-
-
-@pytest.mark.parametrize("name", ["enumerator", "proposer", "partitioner", "performance_model",
-                                  "stats", "callbacks", "plan_loader"])
-def test_other_search_strategies_are_refused(name: str) -> None:
-    with pytest.raises(ValueError, match=rf"\['{name}'\] are not supported: this planner has one"):
-        EmbeddingShardingPlanner(Topology(2, "cpu"), **{name: object()})
 
 
 def test_default_batch_size_is_torchrecs_and_timeout_is_checked() -> None:
