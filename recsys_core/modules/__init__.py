@@ -19,6 +19,15 @@ from recsys_core.modules.fused_embedding_modules import (
     FusedEmbeddingCollection,
     fuse_embedding_optimizer,
 )
+from recsys_core.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from recsys_core.modules.mc_modules import (
+    ManagedCollisionCollection,
+    ManagedCollisionModule,
+    MCHManagedCollisionModule,
+)
 
 __all__ = [
     "BaseEmbeddingConfig",
@@ -31,6 +40,11 @@ __all__ = [
     "EmbeddingConfig",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
+    "ManagedCollisionModule",
     "PoolingType",
     "fuse_embedding_optimizer",
     "get_embedding_names_by_table",
