@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, unique
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,29 +27,118 @@ class PoolingType(Enum):
 
 @unique
 class DataType(Enum):
-    """Storage precision of an embedding table."""
+    """Storage precision of an embedding table (TorchRec's members and order; INT64/INT32
+    name id dtypes, NFP8 an 8-bit float storage of quantized inference)."""
 
     FP32 = "FP32"
     FP16 = "FP16"
     BF16 = "BF16"
+    INT64 = "INT64"
+    INT32 = "INT32"
     INT8 = "INT8"
+    UINT8 = "UINT8"
     INT4 = "INT4"
     INT2 = "INT2"
-    UINT8 = "UINT8"
+    NFP8 = "NFP8"
 
     def __str__(self) -> str:
         return self.value
+
+
+class ShardingType(Enum):
+    """TorchRec's well-known sharding types at the config level (same values as
+    ``recsys_core.distributed.ShardingType``; modules must not import the distributed layer)."""
+
+    DATA_PARALLEL = "data_parallel"
+    TABLE_WISE = "table_wise"
+    COLUMN_WISE = "column_wise"
+    ROW_WISE = "row_wise"
+    TABLE_ROW_WISE = "table_row_wise"
+    TABLE_COLUMN_WISE = "table_column_wise"
 
 
 DATA_TYPE_BITS: dict[DataType, int] = {
     DataType.FP32: 32,
     DataType.FP16: 16,
     DataType.BF16: 16,
+    DataType.INT64: 64,
+    DataType.INT32: 32,
     DataType.INT8: 8,
     DataType.UINT8: 8,
+    DataType.NFP8: 8,
     DataType.INT4: 4,
     DataType.INT2: 2,
 }
+DATA_TYPE_NUM_BITS = DATA_TYPE_BITS  # TorchRec's name
+
+_TORCH_DTYPES: dict[DataType, torch.dtype] = {
+    DataType.FP32: torch.float32,
+    DataType.FP16: torch.float16,
+    DataType.BF16: torch.bfloat16,
+    DataType.NFP8: torch.float8_e4m3fn,
+    DataType.INT64: torch.int64,
+    DataType.INT32: torch.int32,
+    DataType.INT8: torch.int8,
+    DataType.UINT8: torch.uint8,
+    DataType.INT4: torch.quint4x2,
+    DataType.INT2: torch.quint2x4,
+}
+# Several torch dtypes name one DataType (the quantized 8-bit ones are INT8).
+_DATA_TYPES: dict[torch.dtype, DataType] = {
+    **{dtype: data_type for data_type, dtype in _TORCH_DTYPES.items()},
+    torch.quint8: DataType.INT8,
+    torch.qint8: DataType.INT8,
+}
+
+
+def data_type_to_dtype(data_type: DataType) -> torch.dtype:
+    """The torch dtype of a DataType (INT4/INT2 are torch's packed ``quint4x2``/``quint2x4``)."""
+    dtype = _TORCH_DTYPES.get(DataType(data_type.value))
+    if dtype is None:
+        raise ValueError(f"DataType {data_type} cannot be converted to dtype")
+    return dtype
+
+
+def dtype_to_data_type(dtype: torch.dtype) -> DataType:
+    """The DataType of a torch dtype; ``ValueError`` for one without a DataType (e.g. float64)."""
+    data_type = _DATA_TYPES.get(dtype)
+    if data_type is None:
+        raise ValueError(
+            f"Invalid data type {dtype}: no DataType stores it (known: "
+            f"{sorted(str(d) for d in _DATA_TYPES)})"
+        )
+    return data_type
+
+
+def data_type_to_sparse_type(data_type: DataType) -> object:
+    """FBGEMM's ``SparseType`` for a table DataType (UINT8 is stored as INT8). Needs FBGEMM."""
+    from recsys_core.kernels._fbgemm import tbe_training_module
+
+    name = {DataType.UINT8: "INT8"}.get(DataType(data_type.value), data_type.value)
+    if name in ("INT64", "INT32"):
+        raise ValueError(f"Invalid DataType {data_type}: FBGEMM has no embedding storage for it")
+    return tbe_training_module().SparseType[name]
+
+
+def pooling_type_to_pooling_mode(
+    pooling_type: PoolingType, sharding_type: ShardingType | None = None
+) -> object:
+    """FBGEMM's ``PoolingMode`` for a pooling type. Row-wise sharded MEAN tables pool as SUM
+    in the kernel (each shard sees part of a bag; the mean is taken after the reduction)."""
+    from recsys_core.kernels._fbgemm import tbe_training_module
+
+    modes = tbe_training_module().PoolingMode
+    row_wise = sharding_type is not None and sharding_type.value in ("row_wise", "table_row_wise")
+    if pooling_type.value == "MEAN" and row_wise:
+        return modes.SUM
+    return modes[pooling_type.value]
+
+
+def pooling_type_to_str(pooling_type: PoolingType) -> str:
+    """``"sum"`` or ``"mean"`` (what ``nn.EmbeddingBag(mode=...)`` takes)."""
+    if pooling_type.value not in ("SUM", "MEAN"):
+        raise ValueError(f"Unsupported pooling type {pooling_type}")
+    return pooling_type.value.lower()
 
 
 @dataclass(frozen=True)
@@ -66,6 +156,10 @@ class BaseEmbeddingConfig:
         num_embeddings_post_pruning: rows kept after pruning (inference), if pruned.
         init_fn: optional callable that fills the weight in place (used instead of uniform init).
         need_pos: whether the features carry positions (kept for TorchRec compatibility).
+        input_dim, total_num_buckets, use_virtual_table, virtual_table_eviction_policy,
+            enable_embedding_update, stash_weights: TorchRec's hints for its sharded key-value
+            ("virtual") tables and bucketized managed collisions. Stored so that TorchRec configs
+            construct; the unsharded modules ignore them, as TorchRec's do.
     """
 
     num_embeddings: int
@@ -78,6 +172,12 @@ class BaseEmbeddingConfig:
     num_embeddings_post_pruning: int | None = None
     init_fn: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     need_pos: bool = False
+    input_dim: int | None = None
+    total_num_buckets: int | None = None
+    use_virtual_table: bool = False
+    virtual_table_eviction_policy: VirtualTableEvictionPolicy | None = None
+    enable_embedding_update: bool = False
+    stash_weights: bool = False
 
     def __post_init__(self) -> None:
         where = f"table {self.name!r}" if self.name else "an embedding config"
@@ -102,6 +202,14 @@ class BaseEmbeddingConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"{where}: feature_names has duplicates: {names}")
         object.__setattr__(self, "feature_names", names)
+        if self.total_num_buckets is not None and (
+            isinstance(self.total_num_buckets, bool)
+            or not isinstance(self.total_num_buckets, int)
+            or self.total_num_buckets <= 0
+        ):
+            raise ValueError(
+                f"{where}: total_num_buckets must be a positive int, got {self.total_num_buckets!r}"
+            )
         lo, hi = self.get_weight_init_min(), self.get_weight_init_max()
         if lo > hi:
             raise ValueError(f"{where}: weight_init_min {lo} is greater than weight_init_max {hi}")
@@ -147,6 +255,26 @@ class EmbeddingBagConfig(BaseEmbeddingConfig):
 @dataclass(frozen=True)
 class EmbeddingConfig(BaseEmbeddingConfig):
     """An unpooled (sequence) table: one vector per id."""
+
+
+@dataclass(frozen=True)
+class EmbeddingTableConfig(BaseEmbeddingConfig):
+    """TorchRec's table description used by sharded modules: any pooling (NONE for sequence
+    tables), whether the features are weighted or feature-processed, and the output names."""
+
+    pooling: PoolingType = PoolingType.SUM
+    is_weighted: bool = False
+    has_feature_processor: bool = False
+    embedding_names: list[str] = field(default_factory=list)
+
+
+class QuantConfig(NamedTuple):
+    """TorchRec's quantization recipe for ``torch.ao.quantization.quantize_dynamic``: observers
+    whose dtype says what to quantize to, optionally per table."""
+
+    activation: Any
+    weight: Any
+    per_table_weight_dtype: dict[str, torch.dtype] | None = None
 
 
 def table_dtype(config: BaseEmbeddingConfig) -> torch.dtype:
@@ -198,3 +326,129 @@ def check_unique_tables(tables: Sequence[BaseEmbeddingConfig], module: str) -> N
                     f"and {config.name!r}; a feature may feed only one table"
                 )
             seen_features[feature] = config.name
+
+
+# -- TorchRec's eviction policies of virtual (key-value) tables: plain data, for configs ------------
+
+
+@dataclass
+class VirtualTableEvictionPolicy:
+    """Base of the eviction policies of a virtual table (mutable, as TorchRec's: the sharder
+    fills in the metadata header once it knows the table)."""
+
+    meta_header_len: int = 0
+    embedding_dim: int = 0
+    initialized: bool = False
+
+    def init_metaheader_config(self, data_type: DataType, embedding_dim: int) -> None:
+        """A 16-byte metadata header, counted in elements of the table's dtype."""
+        if self.initialized:
+            return
+        self.meta_header_len = 16 // data_type_to_dtype(data_type).itemsize
+        self.embedding_dim = embedding_dim
+        self.initialized = True
+
+    def get_meta_header_len(self) -> int:
+        return self.meta_header_len
+
+    def get_embedding_dim(self) -> int:
+        return self.embedding_dim
+
+
+@dataclass
+class CountBasedEvictionPolicy(VirtualTableEvictionPolicy):
+    """Evict ids seen fewer than ``eviction_threshold`` times (counts decay by ``decay_rate``)."""
+
+    training_id_eviction_trigger_count: int = 0
+    eviction_threshold: int = 15
+    decay_rate: float = 0.99
+    inference_eviction_threshold: int | None = None  # defaults to eviction_threshold
+
+    def __post_init__(self) -> None:
+        if self.inference_eviction_threshold is None:
+            self.inference_eviction_threshold = self.eviction_threshold
+
+
+@dataclass
+class FeatureScoreBasedEvictionPolicy(VirtualTableEvictionPolicy):
+    """Evict ids by a decayed feature score (or by age when ``eviction_ttl_mins`` is set)."""
+
+    decay_rate: float = 0.99
+    training_id_eviction_trigger_count: int = 0
+    training_id_keep_count: int = 0
+    eviction_ttl_mins: int = 0
+    max_inference_id_num_per_rank: int = 0  # defaults to training_id_keep_count
+    inference_eviction_feature_score_threshold: float | None = None  # defaults to 0
+    inference_eviction_ttl_mins: int | None = None  # defaults to eviction_ttl_mins
+    feature_score_mapping: dict[str, float] | None = None
+    feature_score_default_value: float | None = None
+    enable_auto_feature_score_collection: bool = False
+    enable_eviction: bool = True
+
+    def __post_init__(self) -> None:
+        if self.inference_eviction_feature_score_threshold is None:
+            self.inference_eviction_feature_score_threshold = 0
+        if self.inference_eviction_ttl_mins is None:
+            self.inference_eviction_ttl_mins = self.eviction_ttl_mins
+        if self.max_inference_id_num_per_rank == 0:
+            self.max_inference_id_num_per_rank = self.training_id_keep_count
+        if self.enable_auto_feature_score_collection and self.feature_score_mapping is None:
+            self.feature_score_mapping = {}
+
+
+@dataclass
+class FeatureScoreMapping:
+    """Per-feature scores of a feature-score eviction policy."""
+
+    feature_score_mapping: dict[str, float] = field(default_factory=dict)
+    eviction_enabled: bool = False
+
+
+@dataclass
+class TimestampBasedEvictionPolicy(VirtualTableEvictionPolicy):
+    """Evict ids not seen for ``eviction_ttl_mins`` minutes."""
+
+    training_id_eviction_trigger_count: int = 0
+    eviction_ttl_mins: int = 24 * 60
+    inference_eviction_ttl_mins: int | None = None  # defaults to eviction_ttl_mins
+    max_inference_id_num_per_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.inference_eviction_ttl_mins is None:
+            self.inference_eviction_ttl_mins = self.eviction_ttl_mins
+
+
+@dataclass
+class CountTimestampMixedEvictionPolicy(VirtualTableEvictionPolicy):
+    """Evict ids that are rare or old (either rule)."""
+
+    training_id_eviction_trigger_count: int = 0
+    eviction_threshold: int = 15
+    decay_rate: float = 0.99
+    eviction_ttl_mins: int = 24 * 60
+    inference_eviction_threshold: int | None = None  # defaults to eviction_threshold
+    inference_eviction_ttl_mins: int | None = None  # defaults to eviction_ttl_mins
+
+    def __post_init__(self) -> None:
+        if self.inference_eviction_ttl_mins is None:
+            self.inference_eviction_ttl_mins = self.eviction_ttl_mins
+        if self.inference_eviction_threshold is None:
+            self.inference_eviction_threshold = self.eviction_threshold
+
+
+@dataclass
+class FeatureL2NormBasedEvictionPolicy(VirtualTableEvictionPolicy):
+    """Evict ids whose embedding's L2 norm is below ``eviction_threshold``."""
+
+    training_id_eviction_trigger_count: int = 0
+    eviction_threshold: float = 0.0
+    inference_eviction_threshold: float | None = None  # defaults to eviction_threshold
+
+    def __post_init__(self) -> None:
+        if self.inference_eviction_threshold is None:
+            self.inference_eviction_threshold = self.eviction_threshold
+
+
+@dataclass
+class NoEvictionPolicy(VirtualTableEvictionPolicy):
+    """Never evict."""
