@@ -58,6 +58,20 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     (p.shape[0],), float(initial_accumulator_value), dtype=p.dtype, device=p.device
                 )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("maximize", False)
+        for param_state in self.state.values():
+            if "step" in param_state and not torch.is_tensor(param_state["step"]):
+                param_state["step"] = torch.tensor(float(param_state["step"]))
+
+    def share_memory(self) -> None:
+        """Move the accumulators to shared memory (for Hogwild-style multi-process training)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"].share_memory_()
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None
@@ -65,31 +79,83 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            adagrad(
+                with_grad,
+                [p.grad for p in with_grad],
+                [self.state[p]["sum"] for p in with_grad],
+                [self.state[p]["step"] for p in with_grad],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                lr_decay=group["lr_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+            )
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[p]
-        state["step"] += 1
-        lr = group["lr"] / (1 + (float(state["step"]) - 1) * group["lr_decay"])
-        eps, wd = group["eps"], group["weight_decay"]
-        grad = -p.grad if group["maximize"] else p.grad
-        if grad.is_sparse:
-            grad = grad.coalesce()
-            rows, g = grad.indices()[0], grad.values()
-        else:
-            rows, g = None, grad
-        w = p if rows is None else p.index_select(0, rows)
-        if wd:
-            g = g + wd * w
-        total = (state["sum"] if rows is None else state["sum"].index_select(0, rows))
-        total = total + (g * g).mean(dim=1)
-        new_w = w - (lr / (total.sqrt() + eps)).unsqueeze(1) * g
-        if rows is None:
-            state["sum"].copy_(total)
-            p.copy_(new_w)
-        else:
-            state["sum"].index_copy_(0, rows, total)
-            p.index_copy_(0, rows, new_w)
+
+@torch.no_grad()
+def adagrad(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state_sums: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    lr_decay: float,
+    eps: float,
+    maximize: bool,
+) -> None:
+    """The functional form (TorchRec's ``adagrad``): updates ``params``, ``state_sums`` (one per
+    row: shape ``[rows]``, or TorchRec's ``[rows, 1]``) and ``state_steps`` in place."""
+    if not all(isinstance(t, torch.Tensor) for t in state_steps):
+        raise RuntimeError(
+            "RowWiseAdagrad: state_steps must be a list of singleton tensors (one per parameter)"
+        )
+    for param, grad, state_sum, step in zip(params, grads, state_sums, state_steps, strict=True):
+        _single_tensor_adagrad(
+            param, grad, state_sum, step,
+            lr=lr, weight_decay=weight_decay, lr_decay=lr_decay, eps=eps, maximize=maximize,
+        )
+
+
+def _single_tensor_adagrad(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state_sum: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    lr_decay: float,
+    eps: float,
+    maximize: bool,
+) -> None:
+    if state_sum.numel() != p.shape[0]:
+        raise ValueError(
+            f"RowWiseAdagrad: the accumulator has {state_sum.numel()} entries for a table of "
+            f"{p.shape[0]} rows (shape {tuple(state_sum.shape)}); it needs one per row"
+        )
+    # A TorchRec state dict keeps [rows, 1]; read and write through a [rows] view so both work.
+    sums = state_sum.view(-1)
+    step += 1
+    clr = lr / (1 + (float(step) - 1) * lr_decay)
+    grad = -grad if maximize else grad
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        rows, g = grad.indices()[0], grad.values()
+    else:
+        rows, g = None, grad
+    w = p if rows is None else p.index_select(0, rows)
+    if weight_decay:
+        g = g + weight_decay * w
+    total = sums if rows is None else sums.index_select(0, rows)
+    total = total + (g * g).mean(dim=1)
+    new_w = w - (clr / (total.sqrt() + eps)).unsqueeze(1) * g
+    if rows is None:
+        sums.copy_(total)
+        p.copy_(new_w)
+    else:
+        sums.index_copy_(0, rows, total)
+        p.index_copy_(0, rows, new_w)

@@ -65,3 +65,30 @@ def test_bad_arguments() -> None:
         RowWiseAdagrad([torch.nn.Parameter(torch.zeros(2, 2))], lr_decay=-1.0)
     with pytest.raises(ValueError, match="must be 2-D"):
         RowWiseAdagrad([torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_torchrec_shaped_accumulator_and_functional_form() -> None:
+    from recsys_core.optim.rowwise_adagrad import adagrad
+
+    # TorchRec keeps the accumulator as [rows, 1]; a state dict saved there must update the
+    # same rows here (a [rows] + [rows, 1] sum would silently broadcast to [rows, rows]).
+    w = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = RowWiseAdagrad([w], lr=1.0, eps=0.0)
+    state = opt.state_dict()
+    state["state"][0]["sum"] = torch.tensor([[0.5], [0.5]])
+    opt.load_state_dict(state)
+    w.grad = torch.tensor([[3.0, 1.0], [0.0, 0.0]])
+    opt.step()
+    assert opt.state[w]["sum"].shape == (2, 1)
+    assert opt.state[w]["sum"].view(-1).tolist() == pytest.approx([5.5, 0.5])
+    expected = torch.tensor([[-3.0, -1.0], [0.0, 0.0]]) / torch.tensor([[math.sqrt(5.5)], [1.0]])
+    torch.testing.assert_close(w.detach(), expected)
+    # the functional form, hand-computed: sum = 0 + (4 + 0) / 2 = 2, w -= 0.5 * g / sqrt(2)
+    p, sums, step = torch.zeros(1, 2), torch.zeros(1), torch.tensor(0.0)
+    adagrad([p], [torch.tensor([[2.0, 0.0]])], [sums], [step], lr=0.5, weight_decay=0.0,
+            lr_decay=0.0, eps=0.0, maximize=False)
+    torch.testing.assert_close(p, torch.tensor([[-1.0 / math.sqrt(2.0), 0.0]]))
+    assert sums.tolist() == [2.0] and float(step) == 1.0
+    with pytest.raises(ValueError, match="3 entries for a table of 1 rows"):
+        adagrad([p], [p.clone()], [torch.zeros(3)], [step], lr=0.5, weight_decay=0.0,
+                lr_decay=0.0, eps=0.0, maximize=False)
