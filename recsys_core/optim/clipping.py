@@ -148,13 +148,29 @@ class GradientClippingOptimizer(OptimizerWrapper):
         return total
 
 
-def _get_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Non-empty gradients of ``params`` (DTensor gradients as their local tensors)."""
+def _get_grads(param_list: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Non-empty gradients of ``param_list`` (DTensor gradients as their local tensors)."""
     return [
         p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-        for p in params
+        for p in param_list
         if p.grad is not None and p.grad.numel() > 0
     ]
+
+
+def _dedup_to_base_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each distinct storage once: a view is replaced by its base, first occurrence kept.
+
+    FSDP2 gives every gradient of one module views of one flat buffer, so the norm of the
+    bases equals the norm of the views with far fewer tensors (TorchRec's helper; the views
+    must tile their base exactly, which FSDP2 guarantees)."""
+    seen: set[int] = set()
+    bases: list[torch.Tensor] = []
+    for tensor in tensors:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in seen:
+            seen.add(id(base))
+            bases.append(base)
+    return bases
 
 
 def _batch_cal_norm(

@@ -186,3 +186,20 @@ def test_64bit_grad_norm_flag() -> None:
         result = _batch_cal_norm([g, g[:10]], 1.0, 2.0)
     assert result.dtype == torch.float32
     assert result.item() == pytest.approx(exact + float((g[:10].double() ** 2).sum()), rel=1e-7)
+
+
+def test_dedup_to_base_tensors_keeps_each_storage_once() -> None:
+    from recsys_core.optim.clipping import _dedup_to_base_tensors, _get_grads
+
+    flat = torch.arange(6.0)
+    a, b = flat[:2], flat[2:]
+    other = torch.ones(3)
+    out = _dedup_to_base_tensors([a, other, b, other])
+    assert len(out) == 2 and out[0] is flat and out[1] is other
+    # the norm over the bases equals the norm over the views when they tile the base
+    assert float(torch.linalg.vector_norm(out[0])) == float(
+        torch.linalg.vector_norm(torch.cat([a, b]))
+    )
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    assert _get_grads(param_list=[p, torch.nn.Parameter(torch.zeros(1))])[0] is p.grad
