@@ -187,7 +187,7 @@ class ManagedCollisionModule(nn.Module):
         self._enable_per_feature_lookups = enable_per_feature_lookups
         self._read_only_suffix = read_only_suffix
         if skip_state_validation:
-            logger.warning(
+            logger.info(
                 "ManagedCollisionModule: state validation skipped; the module may not be "
                 "reshardable"
             )
