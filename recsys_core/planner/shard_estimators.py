@@ -381,3 +381,48 @@ class EmbeddingPerfEstimator(ShardEstimator):
             for shard in so.shards:
                 if shard.perf is not None:
                     _validate_perf(shard.perf, so.name, so.sharding_type)
+
+
+class EmbeddingOffloadStats:
+    """Cache statistics of a FUSED_UVM_CACHING table (TorchRec's ``CacheStatistics``):
+    ``cacheability`` (area under the miss-ratio curve), ``expected_lookups`` (distinct ids per
+    global batch) and an LRU miss-ratio-curve histogram over ``height`` rows: bin i of n counts
+    the lookups that hit once the cache holds at least i/n of the rows."""
+
+    def __init__(self, cacheability: float, expected_lookups: int,
+                 mrc_hist_counts: torch.Tensor, height: int) -> None:
+        if mrc_hist_counts.dim() != 1:
+            raise ValueError(f"expected 1d tensor, got {mrc_hist_counts.dim()}d")
+        if mrc_hist_counts.size()[0] == 0:
+            raise ValueError("expected non-empty tensor")
+        self._cacheability = cacheability
+        self._expected_lookups = expected_lookups
+        self.height = height
+        self.hist: torch.Tensor = mrc_hist_counts
+        self.bins: torch.Tensor = torch.linspace(0, height, len(mrc_hist_counts) + 1)
+
+    @property
+    def expected_lookups(self) -> int:
+        return self._expected_lookups
+
+    @property
+    def cacheability(self) -> float:
+        return self._cacheability
+
+    def expected_miss_rate(self, clf: float) -> float:
+        """The miss rate of a cache of ``clf * height`` rows."""
+        return EmbeddingOffloadStats.estimate_cache_miss_rate(
+            torch.tensor(clf * self.height), self.hist, self.bins).item()
+
+    @staticmethod
+    def estimate_cache_miss_rate(cache_sizes: torch.Tensor, hist: torch.Tensor,
+                                 bins: torch.Tensor) -> torch.Tensor:
+        """Miss ratio of caches of ``cache_sizes`` rows: a cache of k rows hits every reuse at
+        stack distance < k, i.e. the histogram's bins below k (0 misses without data)."""
+        hits = hist.cumsum(dim=0)
+        if hits[-1] == 0:
+            return torch.zeros_like(cache_sizes, dtype=torch.float32)
+        misses = 1 - hits / hits[-1]
+        index = torch.bucketize(cache_sizes - 1, bins, right=True)
+        # index 0 (below every bin) reads the appended 1.0 through -1; past the end reads 0.0
+        return torch.cat((misses, torch.tensor([0.0, 1.0])))[index - 1]

@@ -165,3 +165,11 @@ def test_missing_module_in_plan_is_named() -> None:
         validate_modules_inclusion_in_sharding_plan(ShardingPlan({}), wrapper,
                                                     [EmbeddingBagCollectionSharder()])
     assert error.value.error_type is PlannerErrorType.MISSING_MODULE_IN_PLAN
+
+
+def test_offload_stats_miss_rate_from_the_histogram() -> None:
+    from recsys_core.planner.shard_estimators import EmbeddingOffloadStats
+
+    # 1000 rows, 4 bins of 250: half the reuses at distance 250-499, half at 500-749
+    stats = EmbeddingOffloadStats(0.5, 100, torch.tensor([0.0, 1.0, 1.0, 0.0]), 1000)
+    assert [stats.expected_miss_rate(c) for c in (0.0, 0.3, 0.6, 1.0)] == [1.0, 0.5, 0.0, 0.0]
