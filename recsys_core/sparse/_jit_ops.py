@@ -22,6 +22,24 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
         return sparse_ops.lengths_to_offsets(flat)
 
 
+def pin_and_move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor.to(device)``; a host tensor bound for CUDA goes through pinned memory, so the
+    copy does not block the host."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device=device, non_blocking=True)
+    return tensor.to(device=device, non_blocking=True)
+
+
+@torch.jit.unused
+def cuda_to_cpu_safe(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of a CUDA tensor that waits only for the current stream (see
+    :func:`safe_tolist`)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return host
+
+
 def safe_tolist(tensor: torch.Tensor) -> list[int]:
     """``tensor.tolist()`` that waits only for the current CUDA stream.
 
@@ -34,10 +52,7 @@ def safe_tolist(tensor: torch.Tensor) -> list[int]:
     else:
         if tensor.numel() == 0:
             return []
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        torch.cuda.current_stream(tensor.device).synchronize()
-        return host.tolist()
+        return cuda_to_cpu_safe(tensor).tolist()
 
 
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""TorchRec's helpers around the sparse types: equality checks and conversion modules."""
+"""TorchRec's helpers around the sparse types: equality checks, conversion modules, and the flat
+form of a list of KJTs."""
 
 from collections.abc import Callable
 from typing import Any
@@ -83,3 +84,56 @@ def _same(a: Any, b: Any, compare: Callable[[Any, Any], bool]) -> bool:
     if isinstance(a, torch.Tensor) and (not isinstance(b, torch.Tensor) or a.shape != b.shape):
         return False
     return bool(compare(a, b))
+
+
+# A KJT's flat form: TorchRec's KeyedJaggedTensor._fields order, one tensor (or None) each.
+_KJT_FIELDS = 6  # values, weights, lengths, offsets, stride_per_key_per_rank, inverse indices
+
+
+def flatten_kjt_list(
+    kjt_arr: list[KeyedJaggedTensor],
+) -> tuple[list[torch.Tensor | None], list[list[str]]]:
+    """Every KJT as six tensors (``values, weights, lengths, offsets, stride_per_key_per_rank``
+    as an int32 ``[keys, ranks]`` tensor, the inverse-indices tensor; None where absent), all
+    KJTs back to back, and each KJT's keys. :func:`unflatten_kjt_list` inverts it."""
+    data: list[torch.Tensor | None] = []
+    contexts: list[list[str]] = []
+    for kjt in kjt_arr:
+        spkpr = kjt._stride_per_key_per_rank
+        inverse = kjt.inverse_indices_or_none()
+        data.extend([
+            kjt.values(),
+            kjt.weights_or_none(),
+            kjt.lengths_or_none(),
+            kjt.offsets_or_none(),
+            None if spkpr is None else torch.tensor(spkpr, dtype=torch.int32),
+            None if inverse is None else inverse[1],
+        ])
+        contexts.append(kjt.keys())
+    return data, contexts
+
+
+def unflatten_kjt_list(
+    values: list[torch.Tensor | None], contexts: list[list[str]]
+) -> list[KeyedJaggedTensor]:
+    """The KJTs of :func:`flatten_kjt_list` (inverse indices are keyed by the KJT's keys, as
+    in TorchRec)."""
+    if len(values) != _KJT_FIELDS * len(contexts):
+        raise ValueError(
+            f"unflatten_kjt_list: {len(values)} tensors for {len(contexts)} KJTs; each KJT has "
+            f"{_KJT_FIELDS} entries (values, weights, lengths, offsets, stride_per_key_per_rank, "
+            "inverse indices)"
+        )
+    out: list[KeyedJaggedTensor] = []
+    for j, keys in enumerate(contexts):
+        v, w, lengths, offsets, spkpr, inverse = values[j * _KJT_FIELDS : (j + 1) * _KJT_FIELDS]
+        if v is None:
+            raise ValueError(f"unflatten_kjt_list: KJT {j} (keys {keys}) has no values tensor")
+        out.append(
+            KeyedJaggedTensor(
+                keys=list(keys), values=v, weights=w, lengths=lengths, offsets=offsets,
+                stride_per_key_per_rank=None if spkpr is None else spkpr.tolist(),
+                inverse_indices=None if inverse is None else (list(keys), inverse),
+            )
+        )
+    return out

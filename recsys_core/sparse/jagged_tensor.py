@@ -13,8 +13,13 @@ from recsys_core.sparse.jagged_tensor_validator import validate_jagged
 
 _OWNER = "JaggedTensor"
 
-# TorchRec's private helper under its name there (its tests and some users import it).
+# TorchRec's private helpers under their names there (its tests and some users import them).
 _safe_tolist = _jit_ops.safe_tolist
+_cuda_to_cpu_safe = _jit_ops.cuda_to_cpu_safe
+_pin_and_move = _jit_ops.pin_and_move
+_to_offsets = _jit_ops.lengths_to_offsets
+_cumsum = _jit_ops.cumsum
+JaggedTensorMeta = SparseTypeMeta  # the metaclass of the sparse types (fx-proxyable)
 
 
 class BatchedRows:
@@ -444,6 +449,12 @@ _REEXPORTS = (
     "_regroup_keyed_tensors",
     "_fbgemm_permute_pooled_embs",
     "_kt_regroup_arguments",
+    "_desugar_keyed_tensors",
+    "_all_keys_used_once",
+    "_kjt_concat",
+    "_sum_by_splits",
+    "flatten_kjt_list",
+    "unflatten_kjt_list",
 )
 
 
@@ -452,8 +463,10 @@ def __getattr__(name: str) -> Any:
     names resolve here (imported on first use: those modules import this one)."""
     if name not in _REEXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from recsys_core.sparse import conversions, keyed_jagged_tensor, keyed_tensor
+    from recsys_core.sparse import _kjt_ops, conversions, keyed_jagged_tensor, keyed_tensor
 
+    if name == "_sum_by_splits":
+        return _kjt_ops.sum_by_splits
     for module in (keyed_jagged_tensor, keyed_tensor, conversions):
         if hasattr(module, name):
             return getattr(module, name)

@@ -267,6 +267,27 @@ def permute_multi_embedding(
 
 
 @torch.fx.wrap
+def _desugar_keyed_tensors(
+    kts: list[KeyedTensor],
+) -> tuple[list[list[str]], list[list[int]], list[torch.Tensor]]:
+    """Keys, widths and values of each keyed tensor (TorchRec's helper)."""
+    return (
+        [kt.keys() for kt in kts],
+        [kt.length_per_key() for kt in kts],
+        [kt.values() for kt in kts],
+    )
+
+
+@torch.fx.wrap
+def _all_keys_used_once(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> bool:
+    """True if the groups use every key of the keyed tensors exactly once (TorchRec's test for
+    a plain permutation)."""
+    keys = [k for kt in keyed_tensors for k in kt.keys()]
+    grouped = [k for group in groups for k in group]
+    return len(set(keys)) == len(set(grouped)) == len(keys) == len(grouped)
+
+
+@torch.fx.wrap
 def _fbgemm_permute_pooled_embs(
     keyed_tensors: list[KeyedTensor], groups: list[list[str]]
 ) -> list[torch.Tensor]:

@@ -271,3 +271,39 @@ def test_scripted_vbe_ops_match_eager() -> None:
     ]
     for eager, compiled in zip(VbeOps()(three_key_vbe()), out, strict=True):
         assert torch.equal(eager, compiled)
+
+
+def test_flatten_kjt_list_round_trip() -> None:
+    from recsys_core.sparse.jagged_tensor import flatten_kjt_list, unflatten_kjt_list
+
+    vbe = KeyedJaggedTensor(
+        keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 0, 2]),
+        stride_per_key_per_rank=[[1], [2]],
+        inverse_indices=(["a", "b"], torch.tensor([[0, 0], [1, 0]])),
+    )
+    fixed = weighted_vbe()
+    data, contexts = flatten_kjt_list([vbe, fixed])
+    # six entries per KJT in TorchRec's field order; None where a KJT has no such tensor
+    assert len(data) == 12 and contexts == [["a", "b"], ["index_0", "index_1"]]
+    assert data[4].tolist() == [[1], [2]] and data[4].dtype == torch.int32
+    assert data[1] is None and data[3] is None  # vbe: no weights, built from lengths only
+    back_vbe, back_fixed = unflatten_kjt_list(data, contexts)
+    assert back_vbe.stride_per_key_per_rank() == [[1], [2]]
+    assert back_vbe["b"].lengths().tolist() == [0, 2]
+    assert back_vbe.inverse_indices()[1].tolist() == [[0, 0], [1, 0]]
+    assert back_fixed["index_1"].weights().tolist() == [1.5, 1.0, 0.5, 1.0, 1.0, 1.5]
+    with pytest.raises(ValueError, match="5 tensors for 1 KJTs"):
+        unflatten_kjt_list(data[:5], contexts[:1])
+
+
+def test_torchrec_private_names_resolve() -> None:
+    from recsys_core.sparse import jagged_tensor as jt
+
+    assert jt._sum_by_splits([1, 2, 3, 4], [1, 3]) == [1, 9]
+    assert jt._cumsum([2, 0, 3]) == [0, 2, 2, 5]
+    assert jt._to_offsets(torch.tensor([3, 0, 2])).tolist() == [0, 3, 3, 5]
+    assert isinstance(KeyedJaggedTensor, jt.JaggedTensorMeta)
+    assert jt._pin_and_move(torch.ones(2), torch.device("cpu")).tolist() == [1.0, 1.0]
+    a = KeyedJaggedTensor(keys=["a"], values=torch.arange(2), lengths=torch.tensor([2]))
+    b = KeyedJaggedTensor(keys=["b"], values=torch.arange(1), lengths=torch.tensor([1]))
+    assert jt._kjt_concat([a, b]).lengths().tolist() == [2, 1]
