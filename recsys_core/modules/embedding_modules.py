@@ -43,7 +43,23 @@ __all__ = [
     "EmbeddingCollectionInterface",
     "check_features",
     "get_embedding_names_by_table",
+    "process_pooled_embeddings",
 ]
+
+
+@torch.fx.wrap
+def process_pooled_embeddings(
+    pooled_embeddings: list[torch.Tensor], inverse_indices: torch.Tensor
+) -> torch.Tensor:
+    """Per-table pooled outputs side by side (TorchRec's helper). With variable-batch inputs
+    the tables' rows are first expanded to the full batch: row ``i`` of table ``t`` is its row
+    ``inverse_indices[t, i]`` (an out-of-range index raises ``IndexError``)."""
+    if inverse_indices.numel() > 0:
+        pooled_embeddings = [
+            emb.index_select(0, rows.to(device=emb.device, dtype=torch.long))
+            for emb, rows in zip(pooled_embeddings, inverse_indices.unbind(0), strict=True)
+        ]
+    return torch.cat(pooled_embeddings, dim=1)
 
 
 @runtime_checkable

@@ -186,3 +186,15 @@ def test_non_fp32_tables_are_float16_with_float32_outputs() -> None:
     assert ec.embeddings["t"].weight.dtype == torch.float16
     out = ec(KeyedJaggedTensor(keys=["t"], values=torch.tensor([3]), lengths=torch.tensor([1])))
     assert out["t"].values().dtype == torch.float32 and out["t"].values().tolist() == [[1.0, 1.0]]
+
+
+def test_process_pooled_embeddings_expands_variable_batches() -> None:
+    from recsys_core.modules.embedding_modules import process_pooled_embeddings
+
+    t0 = torch.tensor([[1.0], [2.0]])  # table 0 pooled 2 distinct rows
+    t1 = torch.tensor([[10.0, 11.0]])  # table 1 pooled 1 distinct row
+    assert process_pooled_embeddings([t0, t0], torch.empty(0)).tolist() == [[1.0, 1.0], [2.0, 2.0]]
+    out = process_pooled_embeddings([t0, t1], torch.tensor([[1, 0, 1], [0, 0, 0]]))
+    assert out.tolist() == [[2.0, 10.0, 11.0], [1.0, 10.0, 11.0], [2.0, 10.0, 11.0]]
+    with pytest.raises(IndexError):
+        process_pooled_embeddings([t0, t1], torch.tensor([[0, 2, 0], [0, 0, 0]]))
