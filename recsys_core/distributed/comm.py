@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
+from recsys_core.distributed.comm_ops import get_gradient_division
 from recsys_core.distributed.qcomm_types import QuantizedCommCodecs
 
 Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | None"]]
@@ -29,6 +30,7 @@ Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | None"]]
 class _InFlight:
     backward: Launch
     codecs: QuantizedCommCodecs | None = None
+    group_size: int = 1  # the gradient is divided by this under gradient division
     work: dist.Work | None = None
     grad_work: dist.Work | None = None
     grad: torch.Tensor | None = None
@@ -55,6 +57,8 @@ class _Start(torch.autograd.Function):
         grad, state.grad, state.grad_work = state.grad, None, None
         if state.codecs is not None and grad is not None:
             grad = state.codecs.backward.decode(grad).to(state.input_dtype)
+        if grad is not None and state.group_size > 1 and get_gradient_division():
+            grad = grad.div_(state.group_size)  # a buffer of our own: the received gradient
         return None, None, grad
 
 
@@ -89,11 +93,13 @@ class _Wait(torch.autograd.Function):
 class CollectiveAwaitable(Awaitable[torch.Tensor]):
     """A collective in flight; ``wait()`` returns its (differentiable) result. With
     ``codecs`` the payload travels encoded (``codecs.forward``) and arrives decoded to the
-    input's dtype; so does the gradient in backward (``codecs.backward``)."""
+    input's dtype; so does the gradient in backward (``codecs.backward``). The gradient that
+    reaches ``x`` is divided by ``group_size`` while gradient division is on
+    (:mod:`recsys_core.distributed.comm_ops`)."""
 
     def __init__(
         self, x: torch.Tensor, forward: Launch, backward: Launch,
-        codecs: QuantizedCommCodecs | None = None,
+        codecs: QuantizedCommCodecs | None = None, group_size: int = 1,
     ) -> None:
         super().__init__()
         if torch.is_grad_enabled() and not x.requires_grad:
@@ -102,7 +108,7 @@ class CollectiveAwaitable(Awaitable[torch.Tensor]):
             x = x.detach().requires_grad_()
         if codecs is not None and codecs.is_identity():
             codecs = None
-        self._state = _InFlight(backward=backward, codecs=codecs)
+        self._state = _InFlight(backward=backward, codecs=codecs, group_size=group_size)
         self._out = _Start.apply(self._state, forward, x)
 
     def _wait_impl(self) -> torch.Tensor:
@@ -136,6 +142,7 @@ def all_to_all_1d(
         forward=lambda t: _all_to_all(t, recv, send, group),
         backward=lambda g: _all_to_all(g, send, recv, group),
         codecs=codecs,
+        group_size=1 if group is None else dist.get_world_size(group),
     )
 
 
@@ -172,7 +179,7 @@ def reduce_scatter_dim0(
             return out.copy_(g), None
         return out, dist.all_gather_into_tensor(out, g, group=group, async_op=True)
 
-    return CollectiveAwaitable(x.contiguous(), forward, backward, codecs)
+    return CollectiveAwaitable(x.contiguous(), forward, backward, codecs, group_size=size)
 
 
 class TensorAllToAll(Awaitable[torch.Tensor]):

@@ -159,12 +159,10 @@ def dmp_worker(rank: int, world: int) -> None:
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: torch.optim.SGD(ps, lr=0.1))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    # per-rank mean loss: DDP averages dense grads; embedding grads add up over ranks, so the
-    # single-process reference takes the global mean with the embedding lr scaled by world size
-    ref_opt = torch.optim.SGD([
-        {"params": reference.sparse.parameters(), "lr": 0.1 * world},
-        {"params": reference.over.parameters(), "lr": 0.1},
-    ])
+    # per-rank mean loss: DDP averages the dense grads and the embedding collectives divide
+    # theirs by the world size (TorchRec's gradient division), so the single-process reference
+    # is the global mean loss with the same learning rate everywhere
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
         kjts, labels = batches(world, step)
         optimizer.zero_grad()

@@ -131,7 +131,8 @@ def ec_state_worker(rank: int, world: int) -> dict:
 def test_sharded_ec_state_dict_and_optimizer_state_are_plan_independent() -> None:
     r0, _ = run_gloo(2, ec_state_worker)
     assert r0["keys"] == ["embeddings.a.weight", "embeddings.b.weight"]
-    # replay the two steps on the unsharded module: SUM of every looked-up row, per rank
+    # replay the two steps on the unsharded module: the loss is the SUM of every looked-up row
+    # per rank, and the tables step on the mean of the two ranks' losses (gradient division)
     ec = EmbeddingCollection(SEQ_TABLES)
     ec.load_state_dict(r0["start"])
     weights = {n: ec.embeddings[n].weight for n in ("a", "b")}
@@ -142,6 +143,7 @@ def test_sharded_ec_state_dict_and_optimizer_state_are_plan_independent() -> Non
             kjt = _kjt(rank, step).to_dict()
             for feature, table in (("fa", "a"), ("fb", "b")):
                 grads[table].index_add_(0, kjt[feature].values(), torch.ones(kjt[feature].values().numel(), weights[table].shape[1]))
+        grads = {n: g / 2 for n, g in grads.items()}
         with torch.no_grad():
             for n, w in weights.items():
                 state[n] += grads[n] ** 2

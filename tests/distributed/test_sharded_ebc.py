@@ -1,7 +1,9 @@
 """Sharded == unsharded: every sharding type, world sizes 1-4, real processes over gloo.
 
 Each rank feeds its own slice of a global batch; the reference is the unsharded
-EmbeddingBagCollection on the whole global batch with the matching torch optimizer. After each
+EmbeddingBagCollection on the whole global batch with the matching torch optimizer, stepping on
+the mean of the ranks' losses (TorchRec's gradient division: the embedding collectives divide
+the gradients by the world size, data-parallel tables average like DDP). After each
 of 3 steps the rank's output (and the gradient reaching it) must equal the reference slice;
 at the end every local shard's weights and optimizer state must equal the reference slices.
 """
@@ -32,6 +34,7 @@ from recsys_core.distributed import (
     table_row_wise,
     table_wise,
 )
+from recsys_core.distributed.comm_ops import set_gradient_division
 from recsys_core.optim import RowWiseAdagrad
 from recsys_core.testing import run_gloo
 
@@ -97,8 +100,13 @@ OPTIMIZERS = {
 
 
 def parity_worker(
-    rank: int, world: int, kind: str, weighted: bool, optimizer: str, big: bool = False
+    rank: int, world: int, kind: str, weighted: bool, optimizer: str, big: bool = False,
+    division: bool = True,
 ) -> int:
+    """Each rank's loss is its slice's; the reference steps on the MEAN of the ranks' losses
+    (TorchRec's default gradient division) or, with ``division=False``, on their sum."""
+    set_gradient_division(division)
+    scale = world if division else 1  # reference loss = sum of rank losses / scale
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(0)
     tables = BIG_TABLES if big else TABLES
@@ -122,9 +130,9 @@ def parity_worker(
         torch.testing.assert_close(values, ref_values[lo:hi].detach(), atol=1e-5, rtol=1e-5)
         (torch.tanh(values) * target[lo:hi]).sum().backward()
         ref_opt.zero_grad()
-        (torch.tanh(ref_values) * target).sum().backward()
+        ((torch.tanh(ref_values) * target).sum() / scale).backward()
         ref_opt.step()
-        torch.testing.assert_close(values.grad, ref_values.grad[lo:hi], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values.grad, ref_values.grad[lo:hi] * scale, atol=1e-5, rtol=1e-5)
     checked = 0
     for local_kernels in sharded.lookups:
         for shard, weight, state in local_kernels.local_shards():
@@ -169,4 +177,25 @@ def test_data_parallel_large_table_exchanges_touched_rows(world: int) -> None:
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_sharded_equals_unsharded_other_optimizers(optimizer: str) -> None:
     checked = run_gloo(2, parity_worker, "mixed", True, optimizer)
+    assert sum(checked) >= len(TABLES)
+
+
+# SGD shows the loss scale one for one (Adagrad's step hardly depends on it): every sharding
+# type at world sizes 2 and 4 steps like the unsharded module on the MEAN of the ranks' losses.
+SGD_CASES = [(kind, world) for kind in ["table_wise", "row_wise", "column_wise", "table_row_wise",
+                                        "table_column_wise", "data_parallel", "mixed"]
+             for world in (2, 4)]
+
+
+@pytest.mark.parametrize("kind, world", SGD_CASES, ids=[f"{k}-w{n}" for k, n in SGD_CASES])
+def test_sgd_steps_on_mean_loss(kind: str, world: int) -> None:
+    local = 2 if kind.startswith("table_") and world == 4 else world
+    checked = run_gloo(world, parity_worker, kind, False, "sgd", local_world_size=local)
+    assert sum(checked) >= len(TABLES)
+
+
+# set_gradient_division(False): the model-parallel tables step on the SUM of the ranks' losses.
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise"])
+def test_sgd_steps_on_summed_loss_without_gradient_division(kind: str) -> None:
+    checked = run_gloo(2, parity_worker, kind, False, "sgd", False, False)
     assert sum(checked) >= len(TABLES)

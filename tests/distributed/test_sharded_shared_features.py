@@ -105,9 +105,9 @@ def bag_worker(rank: int, world: int, kind: str) -> dict:
         target = torch.randn(world * BATCH, 16, generator=torch.Generator().manual_seed(step))
         (torch.tanh(values) * target[rows]).sum().backward()
         ref_opt.zero_grad()
-        (torch.tanh(ref_values) * target).sum().backward()
+        ((torch.tanh(ref_values) * target).sum() / world).backward()  # mean of the ranks' losses
         ref_opt.step()
-        torch.testing.assert_close(values.grad, ref_values.grad[rows])
+        torch.testing.assert_close(values.grad, ref_values.grad[rows] * world)
     return {"tables": _tables(sharded), "reference": {k: v.detach() for k, v in reference.state_dict().items()}}
 
 
@@ -147,7 +147,7 @@ def seq_worker(rank: int, world: int, kind: str) -> dict:
             ref_loss = ref_loss + (ref_rows * weight).sum()
         loss.backward()
         ref_opt.zero_grad()
-        ref_loss.backward()
+        (ref_loss / world).backward()  # the mean of the ranks' losses
         ref_opt.step()
     return {"tables": _tables(sharded), "reference": {k: v.detach() for k, v in reference.state_dict().items()}}
 

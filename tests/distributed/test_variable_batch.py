@@ -2,7 +2,7 @@
 
 Each rank's KJT has its own number of (deduplicated) bags per key and ``inverse_indices`` that
 map its 3 batch rows to them. The reference is the unsharded EBC on each rank's KJT, trained
-on the sum of both ranks' losses: outputs, output gradients and the tables after two SGD steps
+on the mean of both ranks' losses (TorchRec's gradient division): outputs, output gradients and the tables after two SGD steps
 must be equal for every sharding type.
 """
 
@@ -103,9 +103,9 @@ def worker(rank: int, world: int, kind: str) -> dict:
         torch.testing.assert_close(out, refs[rank].detach())
         (torch.tanh(out) * targets[rank]).sum().backward()
         ref_opt.zero_grad()
-        sum((torch.tanh(r) * t).sum() for r, t in zip(refs, targets, strict=True)).backward()
+        (sum((torch.tanh(r) * t).sum() for r, t in zip(refs, targets, strict=True)) / world).backward()
         ref_opt.step()
-        torch.testing.assert_close(out.grad, refs[rank].grad)
+        torch.testing.assert_close(out.grad, refs[rank].grad * world)
     tables = {
         (name, s.spec.row_offset, s.spec.col_offset): s.weight.clone()
         for name, shards in sharded.table_shards().items() for s in shards

@@ -86,14 +86,17 @@ class DpPooledSharding:
             most = torch.tensor([rows.numel()], dtype=torch.int64)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
             most_rows = int(most.item())  # same value on every rank: same path everywhere
+            # The replicas step on the MEAN of the ranks' gradients, as DistributedDataParallel
+            # averages the dense part's (and TorchRec's data-parallel tables, which DDP wraps).
             if world * most_rows < num_rows:
-                return _sparse_sum(rows, grads, most_rows, world, group)
+                touched, summed = _sparse_sum(rows, grads, most_rows, world, group)
+                return touched, summed.div_(world)
             dense = grads.new_zeros(num_rows, dim + 1)
             dense[rows, :dim] = grads
             dense[rows, dim] = 1.0  # touched on this rank
             all_reduce_sum_(dense, group)
             touched = dense[:, dim].nonzero().squeeze(1)
-            return touched, dense.index_select(0, touched)[:, :dim]
+            return touched, dense.index_select(0, touched)[:, :dim].div_(world)
 
         return reduce
 
