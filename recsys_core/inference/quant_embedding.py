@@ -203,6 +203,12 @@ class QuantTableWeight(nn.Module):
         self.register_buffer("weight", weight)
 
 
+def stored_rows(config: EmbeddingBagConfig) -> int:
+    """Rows a quantized table stores: ``num_embeddings_post_pruning`` when pruned."""
+    pruned = config.num_embeddings_post_pruning
+    return config.num_embeddings if pruned is None else pruned
+
+
 def quant_weight_type(config: EmbeddingBagConfig) -> WeightType:
     """The FBGEMM storage type for the table's ``data_type`` (ValueError if it has none)."""
     weight_type = QUANT_DATA_TYPES.get(config.data_type)
@@ -277,7 +283,7 @@ class QuantEmbeddingBagCollection(nn.Module):
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._backend = backend
         specs = [
-            QuantTableSpec(c.name, c.num_embeddings, c.embedding_dim, quant_weight_type(c))
+            QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
             for c in self._configs
         ]
         given = dict(table_name_to_quantized_weights or {})
@@ -309,11 +315,25 @@ class QuantEmbeddingBagCollection(nn.Module):
         dtype: DataType | Mapping[str, DataType] = DataType.INT8,
         *,
         backend: KernelBackend = KernelBackend.AUTO,
+        rows_post_pruning: Mapping[str, int] | None = None,
     ) -> QuantEmbeddingBagCollection:
         """Quantize an EmbeddingBagCollection or FusedEmbeddingBagCollection (same device).
 
         ``dtype`` is one type for every table or ``{table name: type}`` covering every table.
+        ``rows_post_pruning``: per table, keep only its first N rows (TorchRec's pruning: ids
+        must already be remapped into ``[0, N)``); the config records N in
+        ``num_embeddings_post_pruning``.
         """
+        pruned = dict(rows_post_pruning or {})
+        known = {c.name: c.num_embeddings for c in module.embedding_bag_configs()}
+        for name, n in pruned.items():
+            if name not in known:
+                raise ValueError(f"from_float: rows_post_pruning names unknown table {name!r}")
+            if not 0 < n <= known[name]:
+                raise ValueError(
+                    f"from_float: table {name!r} keeps {n} rows after pruning; it must be in "
+                    f"[1, {known[name]}]"
+                )
         configs = module.embedding_bag_configs()
         device = module.device
         if device.type == "meta":
@@ -323,8 +343,14 @@ class QuantEmbeddingBagCollection(nn.Module):
             data_type = dtype.get(config.name) if isinstance(dtype, Mapping) else dtype
             if data_type is None:
                 raise ValueError(f"from_float: dtype mapping has no entry for table {config.name!r}")
-            quant = dataclasses.replace(config, data_type=data_type)
-            weight = module.embedding_bags[config.name].weight
+            quant = dataclasses.replace(
+                config,
+                data_type=data_type,
+                num_embeddings_post_pruning=pruned.get(
+                    config.name, config.num_embeddings_post_pruning
+                ),
+            )
+            weight = module.embedding_bags[config.name].weight[: stored_rows(quant)]
             tables[config.name] = quantize_rows(weight.cpu(), quant_weight_type(quant), config.name)
             quant_configs.append(quant)
         return cls(quant_configs, module.is_weighted(), device, tables, backend=backend)

@@ -36,6 +36,11 @@ TORCH_DTYPE_ALIASES: dict[torch.dtype, DataType] = {
 
 QuantDType = DataType | torch.dtype
 
+# The attribute TorchRec's ``set_pruning_data`` puts on a collection: {table: rows kept}.
+MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT: str = (
+    "__emb_name_to_num_rows_post_pruning"
+)
+
 
 def resolve_quant_dtype(dtype: QuantDType) -> DataType:
     """A DataType from a DataType or one of the torch dtypes in :data:`TORCH_DTYPE_ALIASES`."""
@@ -94,8 +99,15 @@ def quantize_inference_model(
     replacements = []
     for path, module in collections:
         per_table = {c.name: overrides.get(c.name, default) for c in module.embedding_bag_configs()}
+        pruning = getattr(module, MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT, None)
+        pruning = {k: v for k, v in (pruning or {}).items() if k in per_table}
         replacements.append(
-            (path, QuantEmbeddingBagCollection.from_float(module, per_table, backend=backend))
+            (
+                path,
+                QuantEmbeddingBagCollection.from_float(
+                    module, per_table, backend=backend, rows_post_pruning=pruning
+                ),
+            )
         )
     for path, quantized in replacements:
         if not path:

@@ -29,6 +29,7 @@ from recsys_core.inference.quant_embedding import (
     QuantTBEBag,
     pooled_lookup,
     quant_weight_type,
+    stored_rows,
 )
 from recsys_core.kernels.config import KernelBackend
 from recsys_core.kernels.quant_tbe import QuantTableSpec, default_row_alignment, table_offsets
@@ -52,7 +53,7 @@ def quant_table_bytes(configs: Sequence[EmbeddingBagConfig], device_type: str) -
     alignment = default_row_alignment(torch.device(device_type))
     out = {}
     for c in configs:
-        spec = QuantTableSpec(c.name, c.num_embeddings, c.embedding_dim, quant_weight_type(c))
+        spec = QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
         out[c.name] = table_offsets([spec], alignment)[-1]
     return out
 
@@ -112,7 +113,7 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         for rank in self.ranks:
             tables = by_rank[rank]
             bag = QuantTBEBag(
-                [QuantTableSpec(c.name, c.num_embeddings, c.embedding_dim, quant_weight_type(c))
+                [QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
                  for c in tables],
                 [t for t, c in enumerate(tables) for _ in c.feature_names],
                 [f for c in tables for f in c.feature_names],
