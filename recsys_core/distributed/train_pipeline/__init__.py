@@ -92,3 +92,19 @@ def pipelined_batches(
                 # stopped it is the one to report, not this cleanup's lost connection.
                 if sys.exc_info()[0] is None:
                     raise
+
+
+from recsys_core.distributed.train_pipeline.train_pipelines import (  # noqa: E402 - uses the above
+    TrainPipeline,
+    TrainPipelineBase,
+    TrainPipelineSparseDist,
+)
+
+__all__ = [
+    "Prefetching",
+    "TrainPipeline",
+    "TrainPipelineBase",
+    "TrainPipelineSparseDist",
+    "pipelined_batches",
+    "prefetching_modules",
+]
