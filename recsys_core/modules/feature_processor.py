@@ -20,8 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsys_core.fx.tracer import is_fx_tracing
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
+
+
+def is_fx_tracing() -> bool:
+    """``recsys_core.fx.tracer.is_fx_tracing``, imported late: the tracer imports the
+    distributed package, whose sharders import this module."""
+    from recsys_core.fx import tracer
+
+    return tracer.is_fx_tracing()
 
 
 @torch.fx.wrap
