@@ -25,7 +25,11 @@ from recsys_core.distributed.sharding_plan import (
     validate_module_sharding_plan,
 )
 from recsys_core.distributed.table_init import SeededUniformInit, TableInitializer, TableRegion
-from recsys_core.distributed.train_pipeline import pipelined_batches
+from recsys_core.distributed.train_pipeline import (
+    TrainPipelineBase,
+    TrainPipelineSparseDist,
+    pipelined_batches,
+)
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -62,6 +66,8 @@ __all__ = [
     "data_parallel",
     "get_default_sharders",
     "pipelined_batches",
+    "TrainPipelineBase",
+    "TrainPipelineSparseDist",
     "row_wise",
     "table_column_wise",
     "table_row_wise",
