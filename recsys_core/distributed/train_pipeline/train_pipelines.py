@@ -9,6 +9,7 @@ batch has been run. Results equal the plain loop over the same batches.
 """
 
 import abc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -67,13 +68,19 @@ class _Pipeline(TrainPipeline[In, Out]):
                 self._batches.close()  # type: ignore[attr-defined]
             self._source = dataloader_iter
             model = self._model if self._prefetch_input_dist else nn.Module()
-            self._batches = pipelined_batches(
+            device = self._device
+            batches = pipelined_batches(
                 dataloader_iter,
                 model,
-                to_device=lambda b: b.to(self._device, non_blocking=True),
+                to_device=lambda b: b.to(device, non_blocking=True),
                 features=_sparse_features,  # type: ignore[arg-type]
-                device=self._device,
+                device=device,
             )
+            # Finish the in-flight input dists while the process group still exists: when the
+            # pipeline is dropped, or at interpreter exit (before torch tears down its tensors;
+            # a pending all-to-all freed during that teardown aborts the process).
+            weakref.finalize(self, batches.close)
+            self._batches = batches
         return self._batches
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
