@@ -10,7 +10,7 @@ thread by default, at the reference 1TB sizes (26 features, dim 128, bottom 512-
   ratio_to_eager   eager step_ms / this step_ms at the same precision (> 1: faster)
 
 ``torch.compile`` wraps the module (``DenseArch``, ``InteractionArch``, ``OverArch``); the
-optimizer is not compiled. Measured here it did not pay (see the README), so the app trains
+optimizer is not compiled. Measured here it did not pay (see docs/benchmarks.md), so the app trains
 eagerly.
 
 Usage: python bench/dense.py [--batch-size 2048] [--threads 1] [--no-compile]

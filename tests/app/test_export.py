@@ -53,15 +53,16 @@ out["meta"] = json.loads(extra["metadata.json"])
 torch.save(out, sys.argv[3])
 """
 
-def readme_loader() -> str:
-    """The README's .pt2 loader, verbatim: the python block after its ``pt2-loader`` mark."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def documented_loader() -> str:
+    """The documented .pt2 loader (docs/serving.md), verbatim: the python block after its
+    ``pt2-loader`` mark."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     block = text.split("<!-- pt2-loader", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert 'path = "model.pt2"' in block
     return block
 
 
-# The README's loader run where the project cannot be imported, fbgemm_gpu blocked unless the
+# The documented loader run where the project cannot be imported, fbgemm_gpu blocked unless the
 # manifest needs it (to prove a torch-lookup program does not), on the inputs of the test.
 PT2_LOADER = ISOLATE + """
 manifest = json.loads(next(zipfile.ZipFile(sys.argv[1]).read(name) for name in
@@ -75,7 +76,7 @@ dense, values, offsets = inputs["dense"], inputs["values"], inputs["offsets"]
 dense_raw, cat_raw = inputs.get("dense_raw"), inputs.get("cat_raw")
 if dense_raw is not None:
     dense_raw = dense_raw.float()
-""" + readme_loader().replace('path = "model.pt2"', "path = sys.argv[1]") + """
+""" + documented_loader().replace('path = "model.pt2"', "path = sys.argv[1]") + """
 out = {"forward": probabilities, "meta": manifest}
 if encode is not None and dense_raw is not None:
     out["raw"] = raw_probabilities
