@@ -4,8 +4,9 @@ values) and key-value store settings (:class:`KeyValueParams`)."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, unique
 from typing import Any
 
@@ -45,6 +46,25 @@ class CacheAlgorithm(Enum):
     LFU = "lfu"
 
 
+class CacheStatistics(abc.ABC):
+    """Statistics of a cached table's ids (TorchRec's interface): the planner's offload
+    scale-up proposer reads them to size each cache."""
+
+    @property
+    @abc.abstractmethod
+    def expected_lookups(self) -> float:
+        """Distinct ids a global training batch looks up."""
+
+    @abc.abstractmethod
+    def expected_miss_rate(self, clf: float) -> float:
+        """Miss rate of a cache holding ``clf`` of the rows (1.0 at 0, 0.0 at 1)."""
+
+    @property
+    @abc.abstractmethod
+    def cacheability(self) -> float:
+        """How hard the ids are to cache whatever the cache size: 0 easy, 1 hard."""
+
+
 @dataclass(frozen=True)
 class CacheParams:
     """Settings of a FUSED_UVM_CACHING table: the HBM cache in front of rows kept in host memory.
@@ -57,21 +77,26 @@ class CacheParams:
     algorithm: CacheAlgorithm = CacheAlgorithm.LRU
     """Which rows the cache evicts first."""
     load_factor: float | None = None
-    """Cache slots as a fraction of the table's rows, in (0, 1]. None: the planner sizes it to
-    the free HBM. Given in a constraint, the planner uses exactly this value."""
+    """Cache slots as a fraction of the table's rows, in [0, 1] (the cache keeps at least one
+    slot, so 0 means a one-row cache; TorchRec accepts 0 here and its planner check refuses it).
+    None: the planner sizes it to the free HBM. Given in a constraint, the planner uses exactly
+    this value."""
     reserved_memory: float | None = None
     """GiB of HBM the cache leaves unused on its rank (FBGEMM's ``cache_reserved_memory``)."""
     precision: DataType | None = None
     """Precision of cached rows (FP32 or FP16); None: the table's data type."""
     prefetch_pipeline: bool | None = None
     """Whether the training pipeline prefetches the next batch's rows into the cache."""
+    stats: CacheStatistics | None = field(default=None, compare=False)
+    """Statistics of the table's ids for the planner (not stored in a plan; TorchRec leaves
+    them out of the hash too)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.algorithm, CacheAlgorithm):
             object.__setattr__(self, "algorithm", coerce_enum(CacheAlgorithm, self.algorithm, "algorithm"))
-        if self.load_factor is not None and not 0.0 < self.load_factor <= 1.0:
+        if self.load_factor is not None and not 0.0 <= self.load_factor <= 1.0:
             raise ValueError(
-                f"CacheParams: load_factor {self.load_factor} must be in (0, 1] (cache slots as a "
+                f"CacheParams: load_factor {self.load_factor} must be in [0, 1] (cache slots as a "
                 "fraction of the table's rows); leave it None to size it to the free HBM"
             )
         if self.reserved_memory is not None and self.reserved_memory < 0:

@@ -30,6 +30,7 @@ class ShardingType(str, Enum):
     COLUMN_WISE = "column_wise"  # column blocks, each on one rank
     TABLE_ROW_WISE = "table_row_wise"  # row blocks on the ranks of one host
     TABLE_COLUMN_WISE = "table_column_wise"  # column blocks on ranks of one host
+    GRID_SHARD = "grid_shard"  # column blocks, each split by rows over the ranks of one host
 
     def __str__(self) -> str:
         return self.value
@@ -37,13 +38,28 @@ class ShardingType(str, Enum):
 
 @unique
 class EmbeddingComputeKernel(str, Enum):
-    """Which kernel holds a shard. On CPU every fused variant keeps the table in host memory."""
+    """Which kernel holds a shard (TorchRec 1.8's members).
+
+    Runnable here (see :mod:`recsys_core.plan.kernels`): DENSE (weights are parameters with
+    gradients, stepped by an optimizer outside the module), FUSED, FUSED_UVM and
+    FUSED_UVM_CACHING (optimizer fused into backward; on CPU the table lives in host memory, the
+    caching one over a backing file) for training, QUANT for inference. The others are named so
+    that TorchRec plans parse; a plan that uses one is refused with an error naming the kernel.
+    """
 
     DENSE = "dense"
     FUSED = "fused"
     FUSED_UVM = "fused_uvm"
     FUSED_UVM_CACHING = "fused_uvm_caching"
     QUANT = "quant"
+    QUANT_UVM = "quant_uvm"
+    QUANT_UVM_CACHING = "quant_uvm_caching"
+    KEY_VALUE = "key_value"  # SSD key-value store backing a fully materialized table
+    CUSTOMIZED_KERNEL = "customized_kernel"
+    SSD_VIRTUAL_TABLE = "ssd_virtual_table"
+    DRAM_VIRTUAL_TABLE = "dram_virtual_table"
+    DRAM_SSD_VIRTUAL_TABLE = "dram_ssd_virtual_table"
+    FUSED_TRITON = "fused_triton"
 
     def __str__(self) -> str:
         return self.value
@@ -139,8 +155,30 @@ class ParameterSharding:
         )
 
 
-class EmbeddingModuleShardingPlan(dict[str, ParameterSharding]):
-    """``{table name: ParameterSharding}`` for one module; prints as two tables."""
+class ModuleShardingPlan:
+    """The plan of one module (TorchRec's base class of module plans)."""
+
+    def _serialize(self) -> dict[str, Any]:
+        raise TypeError(f"{type(self).__name__} does not define _serialize()")
+
+
+class EmbeddingModuleShardingPlan(ModuleShardingPlan, dict[str, ParameterSharding]):
+    """``{table name: ParameterSharding}`` for one module; prints as two tables (TorchRec's
+    layout: each table after a blank line)."""
+
+    def _serialize(self) -> dict[str, Any]:
+        """TorchRec's plain-dict form: type, kernel, ranks and (if sharded) the shards."""
+        out: dict[str, Any] = {}
+        for name, ps in self.items():
+            entry: dict[str, Any] = {
+                "sharding_type": ps.sharding_type.value,
+                "compute_kernel": ps.compute_kernel.value,
+                "ranks": list(ps.ranks),
+            }
+            if ps.sharding_spec is not None:
+                entry["shards"] = [s.to_dict() for s in ps.shards]
+            out[name] = entry
+        return out
 
     def __str__(self) -> str:
         params = [
@@ -153,9 +191,9 @@ class EmbeddingModuleShardingPlan(dict[str, ParameterSharding]):
             for s in ps.shards
         ]
         return (
-            "\n"
+            "\n\n"
             + _tabulate(params, ["param", "sharding type", "compute kernel", "ranks"])
-            + "\n"
+            + "\n\n"
             + _tabulate(shards, ["param", "shard offsets", "shard sizes", "placement"])
         )
 
@@ -182,7 +220,12 @@ class ShardingPlan:
         return iter(self.plan)
 
     def __str__(self) -> str:
-        return "\n".join(f"module: {path}{module_plan}" for path, module_plan in self.plan.items())
+        return "\n\n".join(
+            f"module: {path}{module_plan}" for path, module_plan in self.plan.items()
+        )
+
+    def _serialize(self) -> dict[str, Any]:
+        return {"plan": {path: mp._serialize() for path, mp in self.plan.items()}}
 
     def to_json(self) -> str:
         return json.dumps(

@@ -15,19 +15,15 @@ import torch
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from recsys_core.plan.kernels import TRAINING_KERNELS as TRAINING_KERNELS
+from recsys_core.plan.kernels import check_runnable_kernel
 from recsys_core.plan.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingType,
+    ShardMetadata,
 )
-
-# Kernels a training plan may use: each one fuses the optimizer into the backward pass.
-TRAINING_KERNELS = frozenset({
-    EmbeddingComputeKernel.FUSED,
-    EmbeddingComputeKernel.FUSED_UVM,
-    EmbeddingComputeKernel.FUSED_UVM_CACHING,
-})
 
 EmbeddingModule = EmbeddingBagCollection | EmbeddingCollection | FusedEmbeddingBagCollection
 
@@ -35,15 +31,18 @@ EmbeddingModule = EmbeddingBagCollection | EmbeddingCollection | FusedEmbeddingB
 def table_configs(
     module_or_configs: EmbeddingModule | Sequence[BaseEmbeddingConfig],
 ) -> list[BaseEmbeddingConfig]:
-    if isinstance(module_or_configs, EmbeddingBagCollection | FusedEmbeddingBagCollection):
-        return list(module_or_configs.embedding_bag_configs())
-    if isinstance(module_or_configs, EmbeddingCollection):
-        return list(module_or_configs.embedding_configs())
+    """The table configs of an embedding collection (any module with TorchRec's
+    ``embedding_bag_configs()`` or ``embedding_configs()``), or the given list."""
     if isinstance(module_or_configs, torch.nn.Module):
+        for getter in ("embedding_bag_configs", "embedding_configs"):
+            configs = getattr(module_or_configs, getter, None)
+            if callable(configs):
+                return list(configs())
         raise TypeError(
-            f"sharding plans cover EmbeddingBagCollection, FusedEmbeddingBagCollection and "
-            f"EmbeddingCollection, got a {type(module_or_configs).__name__}; pass one of those "
-            "(or its list of table configs)"
+            f"sharding plans cover embedding collections (EmbeddingBagCollection, "
+            f"EmbeddingCollection and their fused and quantized forms), got a "
+            f"{type(module_or_configs).__name__}; pass one of those (or its list of table "
+            "configs)"
         )
     return list(module_or_configs)
 
@@ -69,16 +68,21 @@ def validate_module_sharding_plan(
     local_size: int,
     *,
     inference: bool = False,
+    placements: bool = True,
 ) -> None:
     """Raise ValueError, naming the table, for any plan entry a sharder could not execute.
 
     Checked, before any communication: the table exists; every rank (in ``ranks`` and in each
-    placement) is in ``[0, world_size)``; ``ranks`` lists the shard placements in order; the
+    placement) is in ``[0, world_size)``; ``ranks`` lists the shard placements in order
+    (``placements=False`` skips this one: TorchRec's explicit-device generators place every
+    host shard on ``rank:0/cpu``, a plan for one process); the
     shards tile the ``[rows, dim]`` table exactly, in order (row-wise: row ranges back to back
     over ``[0, rows)`` at full width, on ranks ``0..world_size-1``; table-row-wise: the same over
     all ranks of one host; column-wise: column ranges back to back over ``[0, dim)`` at full
     height; table-wise: one full shard; data-parallel: no spec, all ranks); table-row/column-wise
-    shards stay on one host; training plans use fused kernels, inference plans QUANT.
+    shards stay on one host; grid shards are equal column blocks, each row-split over one host;
+    training plans use kernels that train here (DENSE or fused), inference plans QUANT
+    (:func:`recsys_core.plan.kernels.check_runnable_kernel`).
     """
     local_size = resolve_local_size(world_size, local_size)
     configs = {c.name: c for c in table_configs(module_or_configs)}
@@ -91,31 +95,22 @@ def validate_module_sharding_plan(
             )
         where = f"table {name!r} ({sharding.sharding_type})"
         _check_kernel(where, sharding.compute_kernel, inference)
-        _check_ranks(where, sharding, world_size)
+        if inference and not placements and sharding.sharding_type in _TILINGS:
+            # TorchRec's inference plans for one process number shards by device (a host shard
+            # and two GPUs are "ranks" 0-2 of a world of 2): only the geometry is checked here
+            _check_tiling(where, config, sharding, axis=_TILINGS[sharding.sharding_type])
+            continue
+        _check_ranks(where, sharding, world_size, placements)
         _CHECKS[sharding.sharding_type](where, config, sharding, world_size, local_size)
 
 
 def _check_kernel(where: str, kernel: EmbeddingComputeKernel, inference: bool) -> None:
-    if inference:
-        if kernel is not EmbeddingComputeKernel.QUANT:
-            raise ValueError(
-                f"{where}: compute kernel {kernel} in an inference plan; quantized inference "
-                "shards use EmbeddingComputeKernel.QUANT"
-            )
-        return
-    if kernel is EmbeddingComputeKernel.QUANT:
-        raise ValueError(
-            f"{where}: compute kernel quant is for inference (quantized tables cannot train); "
-            "use EmbeddingComputeKernel.FUSED for training"
-        )
-    if kernel not in TRAINING_KERNELS:
-        raise ValueError(
-            f"{where}: compute kernel {kernel} is not supported; only fused kernels are supported "
-            "for training: use EmbeddingComputeKernel.FUSED (or FUSED_UVM / FUSED_UVM_CACHING)"
-        )
+    check_runnable_kernel(where, kernel, inference=inference)
 
 
-def _check_ranks(where: str, sharding: ParameterSharding, world_size: int) -> None:
+def _check_ranks(
+    where: str, sharding: ParameterSharding, world_size: int, placements: bool = True
+) -> None:
     for rank in sharding.ranks:
         if not 0 <= rank < world_size:
             raise ValueError(
@@ -139,7 +134,7 @@ def _check_ranks(where: str, sharding: ParameterSharding, world_size: int) -> No
                 f"[0, {world_size}); place shards on ranks 0..{world_size - 1}"
             )
         placed.append(rank)
-    if placed != sharding.ranks:
+    if placements and placed != sharding.ranks:
         raise ValueError(
             f"{where}: ranks {sharding.ranks} do not match the shard placements {placed}; "
             "ranks must list each shard's rank in shard order"
@@ -218,6 +213,38 @@ def _check_table_column_wise(
     _check_tiling(where, config, sharding, axis=1)
 
 
+def _check_grid_shard(
+    where: str, config: BaseEmbeddingConfig, sharding: ParameterSharding, _: int, local_size: int
+) -> None:
+    """Column blocks of equal width, each split into row blocks over the ranks of one host."""
+    shards = sharding.shards
+    if not shards:
+        raise ValueError(f"{where}: the plan has no shards; build it with grid_shard(host_indexes)")
+    widths = sorted({s.shard_sizes[1] for s in shards})
+    starts = sorted({s.shard_offsets[1] for s in shards})
+    width = widths[0]
+    if len(widths) != 1 or starts != list(range(0, config.embedding_dim, width)):
+        raise ValueError(
+            f"{where}: column blocks start at {starts} with widths {widths}; a grid shard splits "
+            f"the {config.embedding_dim} columns into equal blocks; build it with "
+            "grid_shard(host_indexes)"
+        )
+    for start in starts:
+        block = [s for s in shards if s.shard_offsets[1] == start]
+        rows = ParameterSharding(
+            sharding_type=ShardingType.TABLE_ROW_WISE,
+            compute_kernel=sharding.compute_kernel,
+            ranks=[s.rank for s in block],
+            sharding_spec=[
+                ShardMetadata([s.shard_offsets[0], 0], [s.shard_sizes[0], config.embedding_dim],
+                              s.placement)
+                for s in block
+            ],
+        )
+        _check_one_host(f"{where}, column block at {start}", rows, local_size)
+        _check_tiling(f"{where}, column block at {start}", config, rows, axis=0)
+
+
 def _check_tiling(
     where: str, config: BaseEmbeddingConfig, sharding: ParameterSharding, axis: int
 ) -> None:
@@ -285,4 +312,7 @@ _CHECKS: dict[ShardingType, _Check] = {
     ShardingType.COLUMN_WISE: _check_column_wise,
     ShardingType.TABLE_ROW_WISE: _check_table_row_wise,
     ShardingType.TABLE_COLUMN_WISE: _check_table_column_wise,
+    ShardingType.GRID_SHARD: _check_grid_shard,
 }
+
+_TILINGS = {ShardingType.ROW_WISE: 0, ShardingType.COLUMN_WISE: 1}

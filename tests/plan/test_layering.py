@@ -42,25 +42,49 @@ def test_distributed_paths_re_export_the_plan_layer_objects() -> None:
 
 
 def test_default_sharders_at_torchrec_path() -> None:
-    """TorchRec's ``sharding_plan.get_default_sharders()``: one sharder per shardable module
-    type, the same list DistributedModelParallel uses without ``sharders``."""
+    """TorchRec's ``sharding_plan.get_default_sharders()``: one sharder per module type, in
+    TorchRec's order; DistributedModelParallel's default leaves out the managed-collision ones
+    (which this library does not execute)."""
     from recsys_core import EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection
     from recsys_core.distributed import (
         EmbeddingBagCollectionSharder,
         EmbeddingCollectionSharder,
         FusedEmbeddingBagCollectionSharder,
     )
+    from recsys_core.distributed.fp_embeddingbag import (
+        FeatureProcessedEmbeddingBagCollectionSharder,
+    )
+    from recsys_core.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+    from recsys_core.distributed.mc_embeddingbag import (
+        ManagedCollisionEmbeddingBagCollectionSharder,
+    )
+    from recsys_core.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
     from recsys_core.distributed.sharding_plan import (
         get_default_sharders,
+        get_executable_default_sharders,
         get_module_to_default_sharders,
     )
+    from recsys_core.inference import QuantEmbeddingBagCollection
+    from recsys_core.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from recsys_core.modules.mc_embedding_modules import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
 
-    assert [type(s) for s in get_default_sharders()] == [
-        EmbeddingBagCollectionSharder, FusedEmbeddingBagCollectionSharder,
-        EmbeddingCollectionSharder]
+    executable = [
+        EmbeddingBagCollectionSharder, FeatureProcessedEmbeddingBagCollectionSharder,
+        EmbeddingCollectionSharder, FusedEmbeddingBagCollectionSharder,
+        QuantEmbeddingBagCollectionSharder]
+    assert [type(s) for s in get_executable_default_sharders()] == executable
+    assert [type(s) for s in get_default_sharders()] == executable + [
+        ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder]
     by_type = get_module_to_default_sharders()
     assert {t: type(s) for t, s in by_type.items()} == {
         EmbeddingBagCollection: EmbeddingBagCollectionSharder,
-        FusedEmbeddingBagCollection: FusedEmbeddingBagCollectionSharder,
+        FeatureProcessedEmbeddingBagCollection: FeatureProcessedEmbeddingBagCollectionSharder,
         EmbeddingCollection: EmbeddingCollectionSharder,
+        FusedEmbeddingBagCollection: FusedEmbeddingBagCollectionSharder,
+        QuantEmbeddingBagCollection: QuantEmbeddingBagCollectionSharder,
+        ManagedCollisionEmbeddingBagCollection: ManagedCollisionEmbeddingBagCollectionSharder,
+        ManagedCollisionEmbeddingCollection: ManagedCollisionEmbeddingCollectionSharder,
     }

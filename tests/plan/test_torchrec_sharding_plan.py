@@ -1,6 +1,6 @@
-"""TorchRec 1.8's sharding-plan helpers: exact shard offsets, sizes and placements (the values of
-TorchRec's test_sharding_plan.py, with this library's default kernel, FUSED), torch's
-EnumerableShardingSpec, and the helpers' TorchRec arguments."""
+"""TorchRec 1.8's sharding-plan helpers: exact shard offsets, sizes, placements and default
+kernels (the values of TorchRec's test_sharding_plan.py: DENSE unless an optimizer is applied in
+backward), torch's EnumerableShardingSpec, and the helpers' TorchRec arguments."""
 
 from __future__ import annotations
 
@@ -58,15 +58,15 @@ def test_construct_module_sharding_plan_values_of_torchrec() -> None:
         device_type="cuda",
     )
     expected = {
-        "table_0": ParameterSharding("data_parallel", "fused", list(range(32)), None),
+        "table_0": ParameterSharding("data_parallel", "dense", list(range(32)), None),
         "table_1": ParameterSharding(
-            "table_wise", "fused", [1], spec(([0, 0], [1024, 256], "rank:1/cuda:1"))),
-        "table_2": ParameterSharding("row_wise", "fused", list(range(32)), spec(*[
+            "table_wise", "dense", [1], spec(([0, 0], [1024, 256], "rank:1/cuda:1"))),
+        "table_2": ParameterSharding("row_wise", "dense", list(range(32)), spec(*[
             ([32 * r, 0], [32, 256], f"rank:{r}/cuda:{r % 8}") for r in range(32)
         ])),
-        "table_3": ParameterSharding("column_wise", "fused", [8, 9], spec(
+        "table_3": ParameterSharding("column_wise", "dense", [8, 9], spec(
             ([0, 0], [1024, 128], "rank:8/cuda:0"), ([0, 128], [1024, 128], "rank:9/cuda:1"))),
-        "table_4": ParameterSharding("table_row_wise", "fused", list(range(24, 32)), spec(*[
+        "table_4": ParameterSharding("table_row_wise", "dense", list(range(24, 32)), spec(*[
             ([128 * i, 0], [128, 256], f"rank:{24 + i}/cuda:{i}") for i in range(8)
         ])),
     }
@@ -94,7 +94,8 @@ def test_table_wise_device_overrides_the_plans_device_type() -> None:
     for rank, name in enumerate(("table_0", "table_1")):
         placement = plan[name].shards[0].placement
         assert placement.device().type == "cpu"
-        assert placement.rank() == rank  # TorchRec writes rank:0 for every CPU shard
+        assert placement.rank() == 0  # TorchRec's: every host shard is "rank:0/cpu"
+        assert plan[name].ranks == [rank]
 
 
 def test_column_wise_size_per_rank() -> None:
@@ -104,7 +105,7 @@ def test_column_wise_size_per_rank() -> None:
     plan = construct_module_sharding_plan(
         model, {"table_0": column_wise(size_per_rank=[30, 40, 30])},
         local_size=3, world_size=3, device_type="cuda")
-    assert plan["table_0"] == ParameterSharding("column_wise", "fused", [0, 1, 2], spec(
+    assert plan["table_0"] == ParameterSharding("column_wise", "dense", [0, 1, 2], spec(
         ([0, 0], [1024, 30], "rank:0/cuda:0"), ([0, 30], [1024, 40], "rank:1/cuda:1"),
         ([0, 70], [1024, 30], "rank:2/cuda:2")))
     with pytest.raises(ValueError, match=r"table 'table_0': column sizes \[20, 30, 40\] cover 90 of its 100"):
@@ -116,8 +117,16 @@ def test_column_wise_device_types_and_uneven_division() -> None:
     plan = construct_module_sharding_plan(
         ebc(1024, 64, 1), {"table_0": column_wise(ranks=[0, 1], device_types=["cpu", "cuda"])},
         local_size=2, world_size=2, device_type="cuda")
-    assert [str(s.placement) for s in plan["table_0"].shards] == ["rank:0/cpu", "rank:1/cuda:1"]
-    with pytest.raises(ValueError, match="embedding_dim 64 does not split into 3 equal column blocks"):
+    # TorchRec's: host shards on rank:0/cpu, device shards numbered in order of appearance
+    assert [str(s.placement) for s in plan["table_0"].shards] == ["rank:0/cpu", "rank:0/cuda:0"]
+    four = construct_module_sharding_plan(
+        ebc(1024, 64, 1),
+        {"table_0": column_wise(ranks=[0, 1, 2, 3], device_types=["cpu", "cuda", "cpu", "cuda"])},
+        local_size=4, world_size=4, device_type="cuda")
+    assert [str(s.placement) for s in four["table_0"].shards] == [
+        "rank:0/cpu", "rank:0/cuda:0", "rank:0/cpu", "rank:1/cuda:1"]
+    with pytest.raises(ValueError, match=r"column dim of 64 cannot be evenly divided across "
+                                         r"\[0, 1, 2\]: .*embedding_dim 64 does not split"):
         construct_module_sharding_plan(ebc(1024, 64, 1), {"table_0": column_wise(ranks=[0, 1, 2])},
                                        local_size=3, world_size=3, device_type="cpu")
 
@@ -128,9 +137,10 @@ def test_row_wise_sizes_placement_is_uneven_and_quantized() -> None:
                         "table_1": row_wise(sizes_placement=([8, 8], ["cpu", "cuda"]))},
         local_size=2, world_size=2, device_type="cpu")
     assert plan["table_0"] == ParameterSharding("row_wise", "quant", [0, 1], spec(
-        ([0, 0], [6, 8], "rank:0/cpu"), ([6, 0], [4, 8], "rank:1/cpu")))
+        ([0, 0], [6, 8], "rank:0/cpu"), ([6, 0], [4, 8], "rank:0/cpu")))
+    # cut at 10 rows; TorchRec's placements: rank:0/cpu, then rank:<position>/cuda:<n-th device>
     assert plan["table_1"] == ParameterSharding("row_wise", "quant", [0, 1], spec(
-        ([0, 0], [8, 8], "rank:0/cpu"), ([8, 0], [2, 8], "rank:1/cuda:1")))  # cut at 10 rows
+        ([0, 0], [8, 8], "rank:0/cpu"), ([8, 0], [2, 8], "rank:1/cuda:0")))
     with pytest.raises(ValueError, match=r"row sizes \[3, 3\] cover 6 of its 10"):
         construct_module_sharding_plan(ebc(10, 8, 1), {"table_0": row_wise(sizes_placement=([3, 3], "cpu"))},
                                        local_size=2, world_size=2, device_type="cpu")
