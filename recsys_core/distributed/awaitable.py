@@ -94,12 +94,55 @@ for _name in (
 LazyAwaitable.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 
+class NoWait(Awaitable[W]):
+    """An Awaitable over a value that is already there (TorchRec's ``NoWait``)."""
+
+    def __init__(self, obj: W) -> None:
+        super().__init__()
+        self._obj = obj
+
+    def _wait_impl(self) -> W:
+        return self._obj
+
+
+KT = TypeVar("KT")
+VT_co = TypeVar("VT_co")
+ParentW = TypeVar("ParentW")
+
+
+class LazyGetItemMixin(Generic[KT, VT_co]):
+    """Makes ``awaitable[key]`` another awaitable instead of waiting (TorchRec's mixin for
+    awaitables of keyed results: a KeyedTensor, a dict). List it BEFORE LazyAwaitable among the
+    bases so that its ``__getitem__`` wins::
+
+        class DictAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[dict[str, Tensor]]): ...
+        a = DictAwaitable(...)
+        a["f1"]          # a GetItemLazyAwaitable: nothing waited yet
+        a["f1"] + 1      # waits for a, takes ["f1"], adds 1
+    """
+
+    def __getitem__(self, key: KT) -> LazyAwaitable[VT_co]:
+        return GetItemLazyAwaitable(self, key)  # type: ignore[arg-type]
+
+
+class GetItemLazyAwaitable(LazyAwaitable[W], Generic[W, ParentW, KT]):
+    """``parent[key]`` once ``parent`` is waited for."""
+
+    def __init__(self, parent: LazyAwaitable[ParentW], key: KT) -> None:
+        super().__init__()
+        self._parent = parent
+        self._key = key
+
+    def _wait_impl(self) -> W:
+        return self._parent.wait()[self._key]  # type: ignore[index]
+
+
 class LazyNoWait(LazyAwaitable[W]):
     """A LazyAwaitable over a value that is already there."""
 
-    def __init__(self, value: W) -> None:
+    def __init__(self, obj: W) -> None:
         super().__init__()
-        self._value = value
+        self._obj = obj
 
     def _wait_impl(self) -> W:
-        return self._value
+        return self._obj

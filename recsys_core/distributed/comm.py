@@ -207,3 +207,92 @@ def all_reduce_sum_(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
+
+
+# ---- TorchRec's topology helpers (``torchrec.distributed.comm``) -----------------------------
+# Ranks per host and process subgroups, read from torchrun's environment (LOCAL_WORLD_SIZE,
+# LOCAL_RANK) or MPI's, else one host. The subgroups are module state, as TorchRec's.
+
+_INTRA_PG: dist.ProcessGroup | None = None  # this rank's host
+_CROSS_PG: dist.ProcessGroup | None = None  # the ranks of this local index on every host
+
+
+def _env2int(names: Sequence[str], default: int = -1) -> int:
+    import os
+
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None:
+            if not value.isdigit():
+                raise ValueError(f"{name}={value!r} is not a non-negative integer")
+            return int(value)
+    return default
+
+
+def get_local_size(world_size: int | None = None) -> int:
+    """Ranks per host: LOCAL_WORLD_SIZE (torchrun) or MPI's local size; the whole world when
+    unset or when it does not divide ``world_size`` (default: the default group's size)."""
+    if world_size is None:
+        world_size = dist.get_world_size()
+    local_size = _env2int(
+        ["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+         "MV2_COMM_WORLD_LOCAL_SIZE"],
+    )
+    if local_size <= 0 or world_size % local_size:
+        return world_size
+    return local_size
+
+
+def get_local_rank(world_size: int | None = None, rank: int | None = None) -> int:
+    """This rank's index on its host: LOCAL_RANK (torchrun) or MPI's, else ``rank %
+    get_local_size()``."""
+    local_rank = _env2int(
+        ["LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "MV2_COMM_WORLD_LOCAL_RANK"],
+    )
+    local_size = get_local_size(world_size)
+    if local_rank < 0 or local_rank >= local_size:
+        local_rank = (dist.get_rank() if rank is None else rank) % local_size
+    return local_rank
+
+
+def get_group_rank(world_size: int | None = None, rank: int | None = None) -> int:
+    """The host index of ``rank`` (default: this process's rank)."""
+    return (dist.get_rank() if rank is None else rank) // get_local_size(world_size)
+
+
+def get_num_groups(world_size: int | None = None) -> int:
+    """The number of hosts."""
+    if world_size is None:
+        world_size = dist.get_world_size()
+    return world_size // get_local_size(world_size)
+
+
+def intra_and_cross_node_pg(
+    device: torch.device | None = None, backend: str | None = None
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's host group and cross-host group (created once, on every rank in the same
+    order; ``dist.new_group`` is collective). World 4 with 2 ranks per host: rank 3's host
+    group is ranks [2, 3], its cross group [1, 3]. ``(None, None)`` on the meta device."""
+    global _INTRA_PG, _CROSS_PG
+    if device is not None and device.type == "meta":
+        return None, None
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    local_size = get_local_size(world_size)
+    hosts = world_size // local_size
+    backend = backend or dist.get_backend()
+    if _INTRA_PG is None:
+        for host in range(hosts):
+            group = dist.new_group(ranks=[host * local_size + r for r in range(local_size)],
+                                   backend=backend)
+            if rank // local_size == host:
+                _INTRA_PG = group
+        dist.barrier()
+    if _CROSS_PG is None:
+        for local in range(local_size):
+            group = dist.new_group(ranks=[local + h * local_size for h in range(hosts)],
+                                   backend=backend)
+            if rank % local_size == local:
+                _CROSS_PG = group
+        dist.barrier()
+    return _INTRA_PG, _CROSS_PG

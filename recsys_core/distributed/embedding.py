@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
+from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
@@ -119,8 +120,9 @@ class ShardedEmbeddingCollection(nn.Module):
         super().__init__()
         configs = module.embedding_configs()
         source = None
-        if not any(p.is_meta for p in module.parameters()):
-            source = {c.name: module.embeddings[c.name].weight.detach() for c in configs}
+        state = module.state_dict()  # EC or FusedEC: the same keys
+        if not any(t.is_meta for t in state.values()):
+            source = {c.name: state[f"embeddings.{c.name}.weight"].detach() for c in configs}
         ctx = KernelContext(
             device=device, optimizer=optimizer, backend=backend, is_weighted=False,
             source=source, table_init=table_init, qcomm_codecs_registry=qcomm_codecs_registry,
@@ -180,7 +182,7 @@ class ShardedEmbeddingCollection(nn.Module):
         return self.compute_and_output_dist(features, self._core.take_input_dist(features))
 
 
-class EmbeddingCollectionSharder:
+class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
     """Shards EmbeddingCollections (TABLE_WISE, COLUMN_WISE and ROW_WISE tables).
 
     ``fused_params`` is TorchRec's dict (``{"optimizer": EmbOptimType..., "learning_rate":
@@ -196,7 +198,7 @@ class EmbeddingCollectionSharder:
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
     ) -> None:
-        self.qcomm_codecs_registry = qcomm_codecs_registry
+        super().__init__(fused_params, qcomm_codecs_registry)
         self._fused = (
             None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
         )
@@ -224,6 +226,7 @@ class EmbeddingCollectionSharder:
         params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
         env: ShardingEnv,
         device: torch.device | None = None,
+        module_fqn: str | None = None,
     ) -> ShardedEmbeddingCollection:
         return ShardedEmbeddingCollection(
             module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),

@@ -1,8 +1,143 @@
-"""TorchRec's ``torchrec.distributed.embedding_types`` path: the names sharders and planners share.
+"""TorchRec's ``torchrec.distributed.embedding_types`` path: the names sharders and planners share,
+and the base classes of embedding sharders.
 
-The definitions live in :mod:`recsys_core.plan` (the layer below the planner and the runtime).
+:class:`BaseEmbeddingSharder` is what TorchRec's training sharders derive from: it keeps
+``fused_params`` and the qcomm codecs, lists TorchRec's sharding types and kernels, counts a
+shard's memory (UVM kernels in DDR) and names each table's weight as a shardable parameter.
+:class:`BaseQuantEmbeddingSharder` is the same for quantized (inference) collections.
 """
 
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from recsys_core.distributed.types import (
+    ModuleSharder,
+    QuantizedCommCodecs,
+    StorageUsageType,
+    compute_storage_usage,
+)
+from recsys_core.modules.embedding_configs import EmbeddingTableConfig
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 
-__all__ = ["EmbeddingComputeKernel", "ShardingType"]
+M = TypeVar("M", bound=nn.Module)
+
+
+def table_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{table name: weight}`` of an embedding collection: every ``<...>.<table>.weight`` of
+    its state dict (the tensors themselves, so attributes such as in-backward optimizers show)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if name.endswith(".weight") and name.count(".") >= 2:
+            out[name.split(".")[-2]] = tensor
+    return out
+
+
+class BaseEmbeddingSharder(ModuleSharder[M]):
+    """Common part of the training sharders (TorchRec's arguments).
+
+    ``fused_params``: TorchRec's dict of the fused optimizer (``{"optimizer": ...,
+    "learning_rate": ...}``), read by the sharder; ``qcomm_codecs_registry``: the precision of
+    the embedding collectives (``fbgemm_qcomm_codec.get_qcomm_codecs_registry``).
+    """
+
+    def __init__(
+        self,
+        fused_params: Mapping[str, Any] | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry=qcomm_codecs_registry)
+        self._fused_params = None if fused_params is None else dict(fused_params)
+
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        return self._fused_params
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        """Every sharding type this library executes, on CPU as on CUDA (TorchRec lists
+        row-wise types only on CUDA). GRID_SHARD plans are TorchRec's; not executed here."""
+        return [t.value for t in ShardingType if t is not ShardingType.GRID_SHARD]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """FUSED (and FUSED_UVM_CACHING, the cached kernel) for split tables, FUSED for
+        data-parallel ones (this library's fused replicas; TorchRec offers DENSE there). A plan
+        may still name DENSE for any table: the sharders run it."""
+        if ShardingType(sharding_type) is ShardingType.DATA_PARALLEL:
+            return [EmbeddingComputeKernel.FUSED.value]
+        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+
+    def shardable_parameters(self, module: M) -> dict[str, nn.Parameter]:
+        """``{table name: weight}`` (TorchRec's keys: the table names)."""
+        return table_weights(module)  # type: ignore[return-value]
+
+    def storage_usage(
+        self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
+    ) -> dict[str, int]:
+        return compute_storage_usage(
+            tensor, compute_device_type, compute_kernel, StorageUsageType.BASE
+        )
+
+
+class BaseQuantEmbeddingSharder(ModuleSharder[M]):
+    """Common part of the quantized (inference) sharders: QUANT kernel; table-wise, row-wise
+    and column-wise types; 4 bytes per row more than the weights (scale and bias).
+    ``shardable_params``: shard only these tables (all or none of a module's)."""
+
+    def __init__(
+        self,
+        fused_params: Mapping[str, Any] | None = None,
+        shardable_params: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self._fused_params = None if fused_params is None else copy.deepcopy(dict(fused_params))
+        self._shardable_params = list(shardable_params or [])
+
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        return self._fused_params
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return [
+            ShardingType.TABLE_WISE.value,
+            ShardingType.ROW_WISE.value,
+            ShardingType.COLUMN_WISE.value,
+        ]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.QUANT.value]
+
+    def shardable_parameters(self, module: M) -> dict[str, nn.Parameter]:
+        params = table_weights(module)
+        if self._shardable_params:
+            chosen = [name in self._shardable_params for name in params]
+            if any(chosen) and not all(chosen):
+                raise ValueError(
+                    f"Cannot partially shard {type(module).__name__}: shardable_params "
+                    f"{self._shardable_params} names some of its tables {list(params)}; name "
+                    "all of them or none"
+                )
+            params = {n: p for n, p in params.items() if n in self._shardable_params}
+        return params  # type: ignore[return-value]
+
+    def storage_usage(
+        self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
+    ) -> dict[str, int]:
+        return compute_storage_usage(
+            tensor, compute_device_type, compute_kernel, StorageUsageType.BASE_QUANT
+        )
+
+
+__all__ = [
+    "BaseEmbeddingSharder",
+    "BaseQuantEmbeddingSharder",
+    "EmbeddingComputeKernel",
+    "EmbeddingTableConfig",
+    "ModuleSharder",
+    "ShardingType",
+    "table_weights",
+]

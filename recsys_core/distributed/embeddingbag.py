@@ -7,6 +7,7 @@ KeyedTensor in the unsharded module's key order. ``forward`` returns a LazyAwait
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
+from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
@@ -32,6 +34,7 @@ from recsys_core.distributed.sharding.common import (
     select_columns,
 )
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
+from recsys_core.distributed.sharding.dense_data_parallel import DpDenseSharding
 from recsys_core.distributed.sharding.row_wise import RwPooledSharding
 from recsys_core.distributed.sharding.table_wise import TwPooledSharding
 from recsys_core.distributed.table_init import TableInitializer
@@ -47,6 +50,9 @@ from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.optim.optimizers import recorded_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
+from recsys_core.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
+
+logger = logging.getLogger(__name__)
 
 
 class _HostGroups:
@@ -86,6 +92,8 @@ def pooled_strategy_factory(env: ShardingEnv) -> StrategyFactory:
                 tables, env, ctx, domain_size=env.local_world_size, domain_group=groups.host,
                 cross_group=groups.cross,
             )
+        if ctx.dense:
+            return DpDenseSharding(tables, env, ctx)
         return DpPooledSharding(tables, env, ctx)
 
     return build
@@ -156,7 +164,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
         spec = CollectionSpec(
             name="ShardedEmbeddingBagCollection", state_prefix="embedding_bags",
-            configs=tuple(configs), supported=tuple(ShardingType), families=_FAMILIES,
+            configs=tuple(configs), supported=tuple(t for f in _FAMILIES for t in f),
+            families=_FAMILIES,
             variable_batch=True,
         )
         self._core = ShardedCollectionCore(spec, plan, env, ctx, pooled_strategy_factory(env))
@@ -173,6 +182,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             [start[f] + d for f in self._embedding_names for d in range(dims[f])]
         )
         self._core.register_state_hooks(self)
+        self._configs = list(configs)
+        self._validated_input = False
 
     def table_shards(self) -> dict[str, list[LocalShard]]:
         """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
@@ -194,8 +205,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """The per-sharding-type strategies, in output order (for benchmarks and debugging)."""
         return list(self._core.strategies)  # type: ignore[arg-type]
 
+    def _validate_first_input(self, features: KeyedJaggedTensor) -> None:
+        """TorchRec's check of the first input: a consistent KJT with unique keys (ids are
+        checked on every batch by the input dist)."""
+        if not self._validated_input:
+            logger.info("Validating input features...")
+            validate_keyed_jagged_tensor(features, self._configs)
+            self._validated_input = True
+
     def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
         """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
+        self._validate_first_input(features)
         return self._core.input_dist(features)
 
     def compute_and_output_dist(
@@ -212,6 +232,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Start the input dist of ``features`` now (see ``ShardedCollectionCore.prefetch``)."""
+        self._validate_first_input(features)
         self._core.prefetch(features)
 
     def drop_prefetched(self) -> None:
@@ -219,10 +240,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._core.drop_prefetched()
 
     def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
+        self._validate_first_input(features)
         return self.compute_and_output_dist(features, self._core.take_input_dist(features))
 
 
-class EmbeddingBagCollectionSharder:
+class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
     """Shards EmbeddingBagCollections.
 
     ``fused_params`` is TorchRec's dict (``{"optimizer": EmbOptimType..., "learning_rate":
@@ -243,8 +265,8 @@ class EmbeddingBagCollectionSharder:
         table_init: TableInitializer | None = None,
         offload_dir: str | None = None,
     ) -> None:
+        super().__init__(fused_params, qcomm_codecs_registry)
         self._offload_dir = offload_dir
-        self.qcomm_codecs_registry = qcomm_codecs_registry
         self._fused = None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
         self._backend = backend
         self._table_init = table_init
@@ -252,9 +274,6 @@ class EmbeddingBagCollectionSharder:
     @property
     def module_type(self) -> type[nn.Module]:
         return EmbeddingBagCollection
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        return [t.value for t in ShardingType]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return cached_or_fused(sharding_type)
@@ -270,6 +289,7 @@ class EmbeddingBagCollectionSharder:
         params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
         env: ShardingEnv,
         device: torch.device | None = None,
+        module_fqn: str | None = None,
     ) -> ShardedEmbeddingBagCollection:
         return ShardedEmbeddingBagCollection(
             module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
@@ -283,3 +303,26 @@ def cached_or_fused(sharding_type: str) -> list[str]:
     if ShardingType(sharding_type) is ShardingType.DATA_PARALLEL:
         return [EmbeddingComputeKernel.FUSED.value]
     return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+
+
+class EmbeddingBagSharder(BaseEmbeddingSharder[nn.EmbeddingBag]):
+    """TorchRec's sharder of a single ``nn.EmbeddingBag``. This library shards collections
+    only: :meth:`shard` refuses, naming the fix."""
+
+    @property
+    def module_type(self) -> type[nn.EmbeddingBag]:
+        return nn.EmbeddingBag
+
+    def shard(
+        self,
+        module: nn.EmbeddingBag,
+        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> nn.Module:
+        raise ValueError(
+            "EmbeddingBagSharder: sharding a single nn.EmbeddingBag is not supported by "
+            "recsys_core; put its table in an EmbeddingBagCollection (EmbeddingBagConfig) and "
+            "shard that with EmbeddingBagCollectionSharder"
+        )

@@ -20,16 +20,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recsys_core.distributed.batched_embedding_kernel import data_parallel_parameters
 from recsys_core.distributed.embedding import (
-    EmbeddingCollectionSharder,
     ShardedEmbeddingCollection,
 )
 from recsys_core.distributed.embeddingbag import (
-    EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
-from recsys_core.distributed.fused_embeddingbag import FusedEmbeddingBagCollectionSharder
-from recsys_core.distributed.types import ShardingEnv, ShardingPlan
+from recsys_core.distributed.sharding_plan import (
+    get_default_sharders as get_default_sharders,
+)
+from recsys_core.distributed.sharding_plan import get_executable_default_sharders
+from recsys_core.distributed.sharding_plan import (
+    get_module_to_default_sharders as get_module_to_default_sharders,
+)
+from recsys_core.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from recsys_core.optim.keyed import CombinedOptimizer
@@ -37,24 +42,7 @@ from recsys_core.planner.planner import plan_for_env
 
 _SHARDABLE = (EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection)
 _SHARDED = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
-Sharder = (
-    EmbeddingBagCollectionSharder | EmbeddingCollectionSharder | FusedEmbeddingBagCollectionSharder
-)
-
-
-def get_default_sharders() -> list[Sharder]:
-    """TorchRec's default sharders: EmbeddingBagCollection, FusedEmbeddingBagCollection,
-    EmbeddingCollection (each with its default optimizer settings)."""
-    return [
-        EmbeddingBagCollectionSharder(),
-        FusedEmbeddingBagCollectionSharder(),
-        EmbeddingCollectionSharder(),
-    ]
-
-
-def get_module_to_default_sharders() -> dict[type[nn.Module], Sharder]:
-    """``{module type: its default sharder}`` (TorchRec's helper of the same name)."""
-    return {sharder.module_type: sharder for sharder in get_default_sharders()}
+Sharder = ModuleSharder[nn.Module]
 
 
 class DistributedModelParallel(nn.Module):
@@ -68,7 +56,8 @@ class DistributedModelParallel(nn.Module):
         device: where shards and dense parameters live.
         plan: a ShardingPlan keyed by module path; default: the planner's plan for ``env`` and
             the memory this machine has free (``recsys_core.planner.plan_for_env``).
-        sharders: default :func:`get_default_sharders` (EBC, FusedEBC and EC sharders).
+        sharders: default :func:`~recsys_core.distributed.sharding_plan.get_default_sharders`
+            without the managed-collision ones, which this library does not execute.
         init_data_parallel: wrap the dense parameters in DistributedDataParallel.
     """
 
@@ -90,7 +79,7 @@ class DistributedModelParallel(nn.Module):
             )
         self._env = env
         self._device = torch.device(device or "cpu")
-        self._sharders = list(sharders or get_default_sharders())
+        self._sharders = list(sharders or get_executable_default_sharders())
         if plan is None:
             plan = plan_for_env(module, env, self._sharders, self._device)
         self._plan = plan
@@ -114,9 +103,12 @@ class DistributedModelParallel(nn.Module):
         return None
 
     def _shard(self, module: nn.Module) -> nn.Module:
+        planned = list(self._plan.plan)
         unplanned = [
             path for path, sub in module.named_modules()
-            if isinstance(sub, _SHARDABLE) and path not in self._plan.plan
+            if isinstance(sub, _SHARDABLE)
+            # a collection inside a planned module (e.g. a feature-processed EBC's) is covered
+            and not any(path == p or not p or path.startswith(p + ".") for p in planned)
         ]
         if unplanned:
             raise ValueError(
@@ -153,9 +145,12 @@ class DistributedModelParallel(nn.Module):
                 sub._apply(lambda t: t.to(self._device), recurse=False)
 
     def _wrap_ddp(self, module: nn.Module) -> nn.Module:
+        # replicas of data-parallel DENSE tables train like the dense part: DDP averages them
+        replicas = {id(p) for p in data_parallel_parameters(module)}
         ignore = [
-            name for name, _ in list(module.named_parameters()) + list(module.named_buffers())
+            name for name, t in list(module.named_parameters()) + list(module.named_buffers())
             if any(name == p or name.startswith(p + ".") or not p for p in self._sharded_paths)
+            and id(t) not in replicas
         ]
         dense = [
             p for name, p in module.named_parameters() if name not in set(ignore) and p.requires_grad
@@ -216,3 +211,15 @@ class DistributedModelParallel(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+
+class DMPCollection(DistributedModelParallel):
+    """TorchRec's 2D parallelism (each table sharded within a group of ranks, the groups
+    replicating one another). Not implemented by this library: constructing one raises an
+    error saying so; DistributedModelParallel shards every table over all ranks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107
+        raise ValueError(
+            "DMPCollection (2D parallelism: sharding groups that replicate each other) is not "
+            "implemented by recsys_core; use DistributedModelParallel, which shards over all ranks"
+        )

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.distributed.batched_embedding_kernel import DenseTableBatchedEmbedding
 from recsys_core.distributed.sharded_state import (
     LocalShard,
     ShardedFusedOptimizer,
@@ -42,6 +43,7 @@ from recsys_core.distributed.sharding.common import (
     resolve_shards,
 )
 from recsys_core.distributed.types import (
+    EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingEnv,
@@ -133,8 +135,13 @@ class ShardedCollectionCore:
         self.strategies: list[Strategy] = []
         for family in spec.families:
             group = [t for t in self.tables if t.sharding.sharding_type in family]
-            if group:
-                self.strategies.append(factory(family[0], group, ctx))
+            # DENSE tables get their own strategy of the family, with parameter kernels
+            fused = [t for t in group if t.sharding.compute_kernel is not EmbeddingComputeKernel.DENSE]
+            dense = [t for t in group if t.sharding.compute_kernel is EmbeddingComputeKernel.DENSE]
+            if fused:
+                self.strategies.append(factory(family[0], fused, ctx))
+            if dense:
+                self.strategies.append(factory(family[0], dense, replace(ctx, dense=True)))
         self.lookups = nn.ModuleList([s.local for s in self.strategies])
         self.embedding_names = [n for names in names_by_table for n in names]
         # a feature shared by several tables feeds several outputs (``f@t1``, ``f@t2``)
@@ -157,6 +164,8 @@ class ShardedCollectionCore:
         optims, kernels = [], []
         for local in self.lookups:
             for kernel, shards in zip(local.kernels, local.kernel_shards, strict=True):
+                if isinstance(kernel, DenseTableBatchedEmbedding):
+                    continue  # stepped by an optimizer outside the module
                 params: dict[str, nn.Parameter] = {}
                 for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
                     # Not registered on the module: the kernel owns the storage and updates it
@@ -233,6 +242,12 @@ class ShardedCollectionCore:
     def _orders(self, keys: tuple[str, ...]) -> list[list[int] | None]:
         orders = self._input_orders.get(keys)
         if orders is None:
+            if len(set(keys)) != len(keys):  # checked once per key order (cached below)
+                repeated = sorted({k for k in keys if keys.count(k) > 1})
+                raise ValueError(
+                    f"{self.spec.name}: keys must be unique, but {repeated} appear more than "
+                    "once in the input KeyedJaggedTensor; give each feature once"
+                )
             index = {k: i for i, k in enumerate(keys)}
             orders = []
             for s in self.strategies:

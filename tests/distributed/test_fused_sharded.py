@@ -37,10 +37,10 @@ TABLES = [
     EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=5, feature_names=["fb"], pooling=PoolingType.MEAN),
 ]
 PLANS = {
-    "table_wise": {"a": table_wise(rank=1), "b": table_wise(rank=0)},
-    "column_wise": {"a": column_wise(ranks=[1, 0]), "b": table_wise(rank=1)},
-    "row_wise": {"a": row_wise(), "b": row_wise()},
-    "data_parallel": {"a": data_parallel(), "b": data_parallel()},
+    "table_wise": {"a": table_wise(rank=1, compute_kernel="fused"), "b": table_wise(rank=0, compute_kernel="fused")},
+    "column_wise": {"a": column_wise(ranks=[1, 0], compute_kernel="fused"), "b": table_wise(rank=1, compute_kernel="fused")},
+    "row_wise": {"a": row_wise(compute_kernel="fused"), "b": row_wise(compute_kernel="fused")},
+    "data_parallel": {"a": data_parallel(compute_kernel="fused"), "b": data_parallel(compute_kernel="fused")},
 }
 OPTIMIZERS = {
     "adagrad": (EmbOptimType.EXACT_ADAGRAD, {"learning_rate": 0.1, "eps": 1e-3}, 0.1),

@@ -54,10 +54,12 @@ def tutorial_kjt() -> KeyedJaggedTensor:
 
 TUTORIAL_PLAN = "\n".join([
     "module: ",
+    "",
     "    param     | sharding type | compute kernel | ranks",
     "------------- | ------------- | -------------- | -----",
     "product_table | table_wise    | fused          | [0]  ",
     "user_table    | table_wise    | fused          | [0]  ",
+    "",
     "    param     | shard offsets | shard sizes | placement ",
     "------------- | ------------- | ----------- | ----------",
     "product_table | [0, 0]        | [4096, 64]  | rank:0/cpu",
@@ -71,7 +73,7 @@ def tutorial_worker(rank: int, world: int) -> dict:
     kjt = tutorial_kjt()
     expected = ebc(kjt).values().detach()
     pg = dist.GroupMember.WORLD
-    plan = construct_module_sharding_plan(ebc, {"product_table": table_wise(rank=0), "user_table": table_wise(rank=0)}, world)
+    plan = construct_module_sharding_plan(ebc, {"product_table": table_wise(rank=0, compute_kernel="fused"), "user_table": table_wise(rank=0, compute_kernel="fused")}, world)
     out: dict = {"plan": str(ShardingPlan({"": plan}))}
     env = ShardingEnv.from_process_group(pg)
     sharder = EmbeddingBagCollectionSharder()
@@ -152,7 +154,7 @@ def dmp_worker(rank: int, world: int) -> None:
     model = TinyModel()
     reference = copy.deepcopy(model)
     plan = ShardingPlan({"sparse": construct_module_sharding_plan(
-        model.sparse, {"a": row_wise(), "b": data_parallel()}, world)})
+        model.sparse, {"a": row_wise(compute_kernel="fused"), "b": data_parallel(compute_kernel="fused")}, world)})
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
     dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
     assert sorted(dict(in_backward_optimizer_filter(dmp.named_parameters()))) == ["over.bias", "over.weight"]
@@ -193,7 +195,7 @@ def meta_worker(rank: int, world: int) -> dict:
     torch.manual_seed(rank)  # different seeds: DDP must make the dense part equal
     model = TinyModel(device="meta")
     plan = ShardingPlan({"sparse": construct_module_sharding_plan(
-        model.sparse, {"a": table_wise(rank=1), "b": table_wise(rank=0)}, world)})
+        model.sparse, {"a": table_wise(rank=1, compute_kernel="fused"), "b": table_wise(rank=0, compute_kernel="fused")}, world)})
     dmp = DistributedModelParallel(model, plan=plan)
     kjts, _ = batches(world, 0)
     out = dmp(kjts[rank])
@@ -228,7 +230,7 @@ def _full_tables(sharded) -> dict:
 def save_worker(rank: int, world: int, path: str) -> dict:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(CKPT_TABLES)
-    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": row_wise()}, world)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(compute_kernel="fused"), "y": row_wise(compute_kernel="fused")}, world)
     env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
     sharded = EmbeddingBagCollectionSharder(fused_params=CKPT_FUSED).shard(ebc, plan, env)
     for step in range(2):
@@ -243,7 +245,7 @@ def save_worker(rank: int, world: int, path: str) -> dict:
 def load_worker(rank: int, world: int, path: str) -> dict:
     torch.manual_seed(123)  # different init: everything must come from the checkpoint
     ebc = EmbeddingBagCollection(CKPT_TABLES)
-    plan = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1), "y": table_wise(rank=0)}, world)
+    plan = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1, compute_kernel="fused"), "y": table_wise(rank=0, compute_kernel="fused")}, world)
     env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
     sharded = EmbeddingBagCollectionSharder(fused_params=CKPT_FUSED).shard(ebc, plan, env)
     extra = checkpoint.load(path, model=sharded, optimizer=sharded.fused_optimizer, extra={"step": 0})
@@ -273,7 +275,7 @@ def unsharded_load_worker(rank: int, world: int) -> None:
     source = EmbeddingBagCollection(CKPT_TABLES)
     torch.manual_seed(1)
     ebc = EmbeddingBagCollection(CKPT_TABLES)
-    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": table_wise(rank=1)}, world)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(compute_kernel="fused"), "y": table_wise(rank=1, compute_kernel="fused")}, world)
     sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
     sharded.load_state_dict(source.state_dict())
     kjt = KeyedJaggedTensor(keys=["fx", "fy"], values=torch.tensor([9, 0, 5]), lengths=torch.tensor([1, 1, 1, 0]))
@@ -287,12 +289,12 @@ def test_sharded_module_loads_an_unsharded_state_dict() -> None:
 def test_bad_plan_is_rejected_before_communication() -> None:
     ebc = EmbeddingBagCollection(CKPT_TABLES, device="meta")
     env = ShardingEnv.from_local(2, 0)  # no process group: any communication would fail
-    bad = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1), "y": table_wise(rank=0)}, 2)
+    bad = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1, compute_kernel="fused"), "y": table_wise(rank=0, compute_kernel="fused")}, 2)
     bad["x"].ranks = [5]
     bad["x"].sharding_spec.shards[0].placement = torch.distributed._remote_device("rank:5/cpu")
     with pytest.raises(ValueError, match="'x'.*rank 5"):
         DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": bad}))
-    good = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1)}, 2)
+    good = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1, compute_kernel="fused")}, 2)
     with pytest.raises(ValueError, match=r"no entry for table\(s\) \['y'\]"):
         DistributedModelParallel(ebc, env=env, plan=ShardingPlan({"": good}))
 
@@ -304,21 +306,21 @@ def test_kernel_placement_checks() -> None:
     ebc = EmbeddingBagCollection(CKPT_TABLES, device="meta")
     cached = construct_module_sharding_plan(
         ebc, {"x": table_wise(rank=0, compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING),
-              "y": table_wise(rank=0)}, 1,
+              "y": table_wise(rank=0, compute_kernel="fused")}, 1,
     )
     # the cached kernel runs on both devices
     check_kernel_placement(cached, torch.device("cpu"))
     check_kernel_placement(cached, torch.device("cuda"))
     uvm = construct_module_sharding_plan(
         ebc, {"x": table_wise(rank=0, compute_kernel=EmbeddingComputeKernel.FUSED_UVM),
-              "y": table_wise(rank=0)}, 1,
+              "y": table_wise(rank=0, compute_kernel="fused")}, 1,
     )
     check_kernel_placement(uvm, torch.device("cpu"))  # host memory either way: accepted
     with pytest.raises(ValueError, match="'x'.*fused_uvm .*use fused_uvm_caching or fused"):
         check_kernel_placement(uvm, torch.device("cuda"))
     dp = construct_module_sharding_plan(
         ebc, {"x": data_parallel(compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING),
-              "y": table_wise(rank=0)}, 1,
+              "y": table_wise(rank=0, compute_kernel="fused")}, 1,
     )
     with pytest.raises(ValueError, match="'x': a data-parallel table cannot be cached"):
         check_kernel_placement(dp, torch.device("cpu"))
@@ -326,14 +328,14 @@ def test_kernel_placement_checks() -> None:
 
 def test_sharding_over_several_ranks_without_process_group_is_refused() -> None:
     ebc = EmbeddingBagCollection(CKPT_TABLES)
-    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": table_wise(rank=1)}, 2)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(compute_kernel="fused"), "y": table_wise(rank=1, compute_kernel="fused")}, 2)
     with pytest.raises(ValueError, match="sharding over 2 ranks needs a process group"):
         EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(2, 0))
 
 
 def bad_id_worker(rank: int, world: int) -> str:
     ebc = EmbeddingBagCollection(CKPT_TABLES)
-    plan = construct_module_sharding_plan(ebc, {"x": row_wise(), "y": table_wise(rank=1)}, world)
+    plan = construct_module_sharding_plan(ebc, {"x": row_wise(compute_kernel="fused"), "y": table_wise(rank=1, compute_kernel="fused")}, world)
     sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
     bad = 10 if rank == 0 else -1
     kjt = KeyedJaggedTensor(keys=["fx", "fy"], values=torch.tensor([bad, 0]), lengths=torch.tensor([1, 1]))

@@ -95,11 +95,11 @@ LR, BATCH = 0.5, 3
 def _plan(kind: str, ebc: EmbeddingBagCollection, world: int, local: int) -> dict:
     last = world - 1
     generators = {
-        "table_wise": {"t_sum": table_wise(rank=last), "t_mean": table_wise(rank=0)},
-        "column_wise": {"t_sum": column_wise(ranks=[0, last]), "t_mean": table_wise(rank=last)},
-        "row_wise": {"t_sum": row_wise(), "t_mean": row_wise()},
-        "table_row_wise": {"t_sum": table_row_wise(host_index=world // local - 1),
-                           "t_mean": table_row_wise(host_index=0)},
+        "table_wise": {"t_sum": table_wise(rank=last, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
+        "column_wise": {"t_sum": column_wise(ranks=[0, last], compute_kernel="fused"), "t_mean": table_wise(rank=last, compute_kernel="fused")},
+        "row_wise": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": row_wise(compute_kernel="fused")},
+        "table_row_wise": {"t_sum": table_row_wise(host_index=world // local - 1, compute_kernel="fused"),
+                           "t_mean": table_row_wise(host_index=0, compute_kernel="fused")},
     }[kind]
     return construct_module_sharding_plan(ebc, generators, world, local)
 

@@ -42,8 +42,8 @@ SEQ_TABLES = [
     EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=6, feature_names=["fb"]),
 ]
 PLANS = {
-    "row_wise": {"a": row_wise(), "b": row_wise()},
-    "column_wise": {"a": column_wise(ranks=[1, 0]), "b": table_wise(rank=1)},
+    "row_wise": {"a": row_wise(compute_kernel="fused"), "b": row_wise(compute_kernel="fused")},
+    "column_wise": {"a": column_wise(ranks=[1, 0], compute_kernel="fused"), "b": table_wise(rank=1, compute_kernel="fused")},
 }
 SGD = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5}
 ADAGRAD = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.5, "eps": 0.01}
@@ -102,7 +102,7 @@ def ec_state_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     ec = EmbeddingCollection(SEQ_TABLES)
     reference = copy.deepcopy(ec)
-    plan = construct_module_sharding_plan(ec, {"a": row_wise(), "b": column_wise(ranks=[1, 0])}, world)
+    plan = construct_module_sharding_plan(ec, {"a": row_wise(compute_kernel="fused"), "b": column_wise(ranks=[1, 0], compute_kernel="fused")}, world)
     sharded = EmbeddingCollectionSharder(fused_params=ADAGRAD).shard(ec, plan, _env())
     for step in range(2):
         out = sharded(_kjt(rank, step)).wait()

@@ -53,13 +53,13 @@ BIG_TABLES = [
 def make_plan(kind: str, ebc: EmbeddingBagCollection, world: int, local: int) -> dict:
     last = world - 1
     generators = {
-        "table_wise": {"t_sum": table_wise(rank=last), "t_mean": table_wise(rank=0)},
-        "row_wise": {"t_sum": row_wise(), "t_mean": row_wise()},
-        "column_wise": {"t_sum": column_wise(ranks=[0, last]), "t_mean": column_wise(ranks=[last])},
-        "table_row_wise": {"t_sum": table_row_wise(host_index=world // local - 1), "t_mean": table_row_wise(host_index=0)},
-        "table_column_wise": {"t_sum": table_column_wise(host_index=world // local - 1), "t_mean": table_wise(rank=0)},
-        "data_parallel": {"t_sum": data_parallel(), "t_mean": data_parallel()},
-        "mixed": {"t_sum": row_wise(), "t_mean": data_parallel()},
+        "table_wise": {"t_sum": table_wise(rank=last, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
+        "row_wise": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": row_wise(compute_kernel="fused")},
+        "column_wise": {"t_sum": column_wise(ranks=[0, last], compute_kernel="fused"), "t_mean": column_wise(ranks=[last], compute_kernel="fused")},
+        "table_row_wise": {"t_sum": table_row_wise(host_index=world // local - 1, compute_kernel="fused"), "t_mean": table_row_wise(host_index=0, compute_kernel="fused")},
+        "table_column_wise": {"t_sum": table_column_wise(host_index=world // local - 1, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
+        "data_parallel": {"t_sum": data_parallel(compute_kernel="fused"), "t_mean": data_parallel(compute_kernel="fused")},
+        "mixed": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": data_parallel(compute_kernel="fused")},
     }[kind]
     return construct_module_sharding_plan(ebc, generators, world, local)
 

@@ -44,13 +44,13 @@ def make_plan(kind: str, ec: EmbeddingCollection, world: int) -> dict:
     last = world - 1
     generators = {
         # ranks 1 and 2 of 4 hold nothing: they still take part in every collective
-        "table_wise": {"t_big": table_wise(rank=last), "t_small": table_wise(rank=0)},
-        "row_wise": {"t_big": row_wise(), "t_small": row_wise()},
+        "table_wise": {"t_big": table_wise(rank=last, compute_kernel="fused"), "t_small": table_wise(rank=0, compute_kernel="fused")},
+        "row_wise": {"t_big": row_wise(compute_kernel="fused"), "t_small": row_wise(compute_kernel="fused")},
         # t_small's column blocks sit on ranks in reverse column order
         "column_wise": {
-            "t_big": column_wise(ranks=[0, last]), "t_small": column_wise(ranks=[last, 0]),
+            "t_big": column_wise(ranks=[0, last], compute_kernel="fused"), "t_small": column_wise(ranks=[last, 0], compute_kernel="fused"),
         },
-        "mixed": {"t_big": row_wise(), "t_small": column_wise(ranks=[last, 0])},
+        "mixed": {"t_big": row_wise(compute_kernel="fused"), "t_small": column_wise(ranks=[last, 0], compute_kernel="fused")},
     }[kind]
     return construct_module_sharding_plan(ec, generators, world)
 
@@ -167,10 +167,10 @@ def errors_worker(rank: int, world: int) -> list[str]:
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     sharder = EmbeddingCollectionSharder(fused_params=dict(FUSED))
     messages = []
-    unsupported = [data_parallel(), table_row_wise(host_index=0), table_column_wise(host_index=0)]
+    unsupported = [data_parallel(compute_kernel="fused"), table_row_wise(host_index=0, compute_kernel="fused"), table_column_wise(host_index=0, compute_kernel="fused")]
     for generator in unsupported:
         plan = construct_module_sharding_plan(
-            ec, {"t_big": row_wise(), "t_small": generator}, world
+            ec, {"t_big": row_wise(compute_kernel="fused"), "t_small": generator}, world
         )
         with pytest.raises(ValueError, match="TABLE_WISE, COLUMN_WISE, ROW_WISE") as info:
             sharder.shard(ec, plan, env)

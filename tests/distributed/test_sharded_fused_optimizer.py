@@ -24,7 +24,7 @@ TABLES = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=6, featur
 def _sharded(optimizer: EmbOptimType, lr: float) -> DistributedModelParallel:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(TABLES)
-    plan = ShardingPlan({"": construct_module_sharding_plan(ebc, {"t": table_wise(rank=0)},
+    plan = ShardingPlan({"": construct_module_sharding_plan(ebc, {"t": table_wise(rank=0, compute_kernel="fused")},
                                                             world_size=1)})
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": optimizer,
                                                           "learning_rate": lr})

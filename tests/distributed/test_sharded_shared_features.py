@@ -47,13 +47,13 @@ SEQ_TABLES = [
     EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=6, feature_names=["f1"]),
 ]
 PLANS = {
-    "table_wise": {"t1": table_wise(rank=1), "t2": table_wise(rank=0)},
-    "column_wise": {"t1": column_wise(ranks=[1, 0]), "t2": column_wise(ranks=[0])},
-    "row_wise": {"t1": row_wise(), "t2": row_wise()},
-    "table_row_wise": {"t1": table_row_wise(host_index=0), "t2": table_row_wise(host_index=0)},
-    "table_column_wise": {"t1": table_column_wise(host_index=0), "t2": table_wise(rank=1)},
-    "data_parallel": {"t1": data_parallel(), "t2": data_parallel()},
-    "mixed": {"t1": row_wise(), "t2": table_wise(rank=1)},
+    "table_wise": {"t1": table_wise(rank=1, compute_kernel="fused"), "t2": table_wise(rank=0, compute_kernel="fused")},
+    "column_wise": {"t1": column_wise(ranks=[1, 0], compute_kernel="fused"), "t2": column_wise(ranks=[0], compute_kernel="fused")},
+    "row_wise": {"t1": row_wise(compute_kernel="fused"), "t2": row_wise(compute_kernel="fused")},
+    "table_row_wise": {"t1": table_row_wise(host_index=0, compute_kernel="fused"), "t2": table_row_wise(host_index=0, compute_kernel="fused")},
+    "table_column_wise": {"t1": table_column_wise(host_index=0, compute_kernel="fused"), "t2": table_wise(rank=1, compute_kernel="fused")},
+    "data_parallel": {"t1": data_parallel(compute_kernel="fused"), "t2": data_parallel(compute_kernel="fused")},
+    "mixed": {"t1": row_wise(compute_kernel="fused"), "t2": table_wise(rank=1, compute_kernel="fused")},
 }
 SEQUENCE_KINDS = ["column_wise", "mixed", "row_wise", "table_wise"]
 BATCH, LR = 2, 0.5

@@ -50,7 +50,8 @@ def test_row_blocks_follow_torchrec_ceil_rule() -> None:
 
 def test_row_wise_10x8_over_4() -> None:
     ps = row_wise()(T10x8, 4, 4, "cpu")
-    assert ps.sharding_type is ShardingType.ROW_WISE and ps.compute_kernel is K.FUSED
+    # TorchRec's default kernel: DENSE unless an optimizer is applied in backward to the weight
+    assert ps.sharding_type is ShardingType.ROW_WISE and ps.compute_kernel is K.DENSE
     assert ps.ranks == [0, 1, 2, 3]
     assert shards(ps) == [
         ([0, 0], [3, 8], "rank:0/cpu"),
@@ -97,7 +98,7 @@ def test_table_wise_and_data_parallel() -> None:
     assert shards(tw) == [([0, 0], [10, 8], "rank:2/cpu")]
     dp = data_parallel()(T10x8, 2, 4, "cpu")
     assert dp.sharding_type is ShardingType.DATA_PARALLEL
-    assert dp.ranks == [0, 1, 2, 3] and dp.sharding_spec is None and dp.compute_kernel is K.FUSED
+    assert dp.ranks == [0, 1, 2, 3] and dp.sharding_spec is None and dp.compute_kernel is K.DENSE
 
 
 def test_table_row_wise_on_second_host() -> None:
@@ -159,25 +160,31 @@ def test_default_local_size(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_tutorial_plan_prints_exactly(tutorial_tables: list[EmbeddingBagConfig]) -> None:
     ebc = EmbeddingBagCollection(tutorial_tables, device="meta")
+    fused = K.FUSED  # the tutorial's plan comes from the planner, which picks FUSED
     plan = construct_module_sharding_plan(
         ebc,
-        {"product_table": table_wise(rank=0), "user_table": table_wise(rank=0)},
+        {"product_table": table_wise(rank=0, compute_kernel=fused),
+         "user_table": table_wise(rank=0, compute_kernel=fused)},
         world_size=1,
         local_size=1,
     )
-    # Written by hand: headers centered in the column width, cells left-justified.
-    expected = "\n".join([
-        "module: ",
+    # Written by hand, TorchRec's layout: a blank line before each table, headers centered in
+    # the column width, cells left-justified; modules separated by a blank line.
+    module = [
+        "",
         "    param     | sharding type | compute kernel | ranks",
         "------------- | ------------- | -------------- | -----",
         "product_table | table_wise    | fused          | [0]  ",
         "user_table    | table_wise    | fused          | [0]  ",
+        "",
         "    param     | shard offsets | shard sizes | placement ",
         "------------- | ------------- | ----------- | ----------",
         "product_table | [0, 0]        | [4096, 64]  | rank:0/cpu",
         "user_table    | [0, 0]        | [4096, 64]  | rank:0/cpu",
-    ])
-    assert str(ShardingPlan({"": plan})) == expected
+    ]
+    assert str(ShardingPlan({"": plan})) == "\n".join(["module: ", *module])
+    two = str(ShardingPlan({"a": plan, "b": plan}))
+    assert two == "\n".join(["module: a", *module, "", "module: b", *module])
 
 
 GENERATORS: dict[str, ParameterShardingGenerator] = {
@@ -194,7 +201,8 @@ GENERATORS: dict[str, ParameterShardingGenerator] = {
 def test_json_round_trip_every_sharding_type(device_type: str) -> None:
     ebc = _ebc(*[(name, 11, 8) for name in GENERATORS])
     plan = construct_module_sharding_plan(ebc, GENERATORS, 4, 2, device_type)
-    assert {ps.sharding_type for ps in plan.values()} == set(ShardingType)
+    assert {ps.sharding_type for ps in plan.values()} == set(ShardingType) - {
+        ShardingType.GRID_SHARD}
     full = ShardingPlan({"": plan, "over.arch": {"dp": plan["dp"]}})
     back = ShardingPlan.from_json(full.to_json())
     assert list(back) == ["", "over.arch"]
@@ -287,8 +295,19 @@ BAD_PLANS = {
     "twcw_two_hosts": (
         _ps(TWCW, [([0, 0], [10, 4], 0), ([0, 4], [10, 4], 3)]), r"span hosts \[0, 1\]"),
     "quant_in_training": (_ps(TW, [([0, 0], [10, 8], 0)], K.QUANT), "quant is for inference"),
-    "dense_in_training": (
-        _ps(TW, [([0, 0], [10, 8], 0)], K.DENSE), "only fused kernels are supported"),
+    "key_value_kernel": (
+        _ps(TW, [([0, 0], [10, 8], 0)], K.KEY_VALUE),
+        "compute kernel key_value is not available in recsys_core: .*SSD key-value store"),
+    "triton_kernel": (
+        _ps(TW, [([0, 0], [10, 8], 0)], K.FUSED_TRITON), "fused_triton is not available"),
+    "grid_two_hosts_per_block": (
+        _ps(ShardingType.GRID_SHARD, [([0, 0], [5, 4], 1), ([5, 0], [5, 4], 2),
+                                      ([0, 4], [5, 4], 0), ([5, 4], [5, 4], 1)]),
+        r"column block at 0: .*span hosts \[0, 1\]"),
+    "grid_uneven_columns": (
+        _ps(ShardingType.GRID_SHARD, [([0, 0], [5, 2], 0), ([5, 0], [5, 2], 1),
+                                      ([0, 2], [5, 6], 2), ([5, 2], [5, 6], 3)]),
+        r"column blocks start at \[0, 2\] with widths \[2, 6\]"),
 }
 
 
@@ -325,7 +344,7 @@ def test_inference_plans_need_quant() -> None:
         ebc, {"a": row_wise(K.QUANT)}, world_size=2, inference=True
     )
     assert plan["a"].compute_kernel is K.QUANT
-    with pytest.raises(ValueError, match=r"table 'a'.*fused in an inference plan"):
+    with pytest.raises(ValueError, match=r"table 'a'.*dense in an inference plan"):
         construct_module_sharding_plan(ebc, {"a": row_wise()}, world_size=2, inference=True)
     with pytest.raises(ValueError, match=r"table 'a'.*quant is for inference"):
         construct_module_sharding_plan(ebc, {"a": row_wise(K.QUANT)}, world_size=2, inference=False)
@@ -333,7 +352,7 @@ def test_inference_plans_need_quant() -> None:
     plan = construct_module_sharding_plan(ebc, {"a": row_wise(K.QUANT)}, world_size=2)
     assert plan["a"].compute_kernel is K.QUANT
     two = _ebc(("a", 10, 8), ("b", 10, 8))
-    with pytest.raises(ValueError, match=r"table 'b'.*fused in an inference plan"):
+    with pytest.raises(ValueError, match=r"table 'b'.*dense in an inference plan"):
         construct_module_sharding_plan(two, {"a": row_wise(K.QUANT), "b": row_wise()}, world_size=2)
 
 

@@ -43,12 +43,12 @@ TABLES = [
     EmbeddingBagConfig(name="t_mean", embedding_dim=8, num_embeddings=7, feature_names=["f1"], pooling=PoolingType.MEAN),
 ]
 PLANS = {
-    "table_wise": {"t_sum": table_wise(rank=1), "t_mean": table_wise(rank=0)},
-    "row_wise": {"t_sum": row_wise(), "t_mean": row_wise()},
-    "column_wise": {"t_sum": column_wise(ranks=[0, 1]), "t_mean": column_wise(ranks=[1, 0])},
-    "table_row_wise": {"t_sum": table_row_wise(host_index=0), "t_mean": table_row_wise(host_index=0)},
-    "table_column_wise": {"t_sum": table_column_wise(host_index=0), "t_mean": table_wise(rank=1)},
-    "data_parallel": {"t_sum": data_parallel(), "t_mean": data_parallel()},
+    "table_wise": {"t_sum": table_wise(rank=1, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
+    "row_wise": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": row_wise(compute_kernel="fused")},
+    "column_wise": {"t_sum": column_wise(ranks=[0, 1], compute_kernel="fused"), "t_mean": column_wise(ranks=[1, 0], compute_kernel="fused")},
+    "table_row_wise": {"t_sum": table_row_wise(host_index=0, compute_kernel="fused"), "t_mean": table_row_wise(host_index=0, compute_kernel="fused")},
+    "table_column_wise": {"t_sum": table_column_wise(host_index=0, compute_kernel="fused"), "t_mean": table_wise(rank=1, compute_kernel="fused")},
+    "data_parallel": {"t_sum": data_parallel(compute_kernel="fused"), "t_mean": data_parallel(compute_kernel="fused")},
 }
 BATCH, LR = 3, 0.5
 
@@ -125,7 +125,7 @@ def test_sharded_ebc_takes_variable_batch_kjts(kind: str) -> None:
 def ec_worker(rank: int, world: int) -> str:
     ec = EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=9, feature_names=["f0", "f1"])])
     sharded = EmbeddingCollectionSharder().shard(
-        ec, construct_module_sharding_plan(ec, {"t": row_wise()}, world), ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+        ec, construct_module_sharding_plan(ec, {"t": row_wise(compute_kernel="fused")}, world), ShardingEnv.from_process_group(dist.GroupMember.WORLD)
     )
     with pytest.raises(ValueError) as info:
         sharded(vbe_kjt(rank, 0))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.distributed.batched_embedding_kernel import DenseTableBatchedEmbedding
 from recsys_core.distributed.table_init import TableInitializer, TableRegion
 from recsys_core.distributed.types import (
     CommOp,
@@ -122,6 +123,9 @@ class KernelContext:
     qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None
     """Codecs of the output dist's collectives, keyed by ``CommOp.name`` (see
     ``fbgemm_qcomm_codec``); None: float32 payloads."""
+    dense: bool = False
+    """Build DENSE kernels (weights are parameters with gradients, no fused optimizer) instead
+    of fused ones; set per strategy for the tables planned with ``EmbeddingComputeKernel.DENSE``."""
 
     def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
         registry = self.qcomm_codecs_registry
@@ -184,7 +188,17 @@ class LocalKernels(nn.Module):
                 backend=backend or ctx.backend,
                 offload_dir=ctx.offload_dir,
             )
-            kernel = spec.build(ctx.device)
+            kernel = (
+                DenseTableBatchedEmbedding(
+                    rows=[max(t.rows, 1) for t in spec.tables],
+                    dims=[t.dim for t in spec.tables],
+                    feature_table_map=list(spec.feature_table_map),
+                    pooling_mean=spec.pooling_mean,
+                    device=ctx.device,
+                )
+                if ctx.dense
+                else spec.build(ctx.device)
+            )
             if ctx.device.type != "meta":
                 cached = isinstance(kernel, CachedTableBatchedEmbedding)
                 for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):

@@ -1,0 +1,20 @@
+"""TorchRec's ``torchrec.distributed.embedding_lookup`` path: the grouped lookups a sharded
+collection runs on each rank.
+
+In this library one :class:`~recsys_core.distributed.sharding.common.LocalKernels` per sharding
+strategy holds a rank's shards, one table-batched kernel per pooling type: TorchRec's
+``GroupedPooledEmbeddingsLookup`` (pooled) and ``GroupedEmbeddingsLookup`` (sequence, whose ids
+are looked up as bags of one)."""
+
+from __future__ import annotations
+
+from recsys_core.distributed.sharding.common import LocalKernels
+
+GroupedPooledEmbeddingsLookup = LocalKernels
+"""A rank's pooled lookups of one strategy (the same class: see the module docstring)."""
+
+GroupedEmbeddingsLookup = LocalKernels
+"""A rank's sequence lookups of one strategy (the same class: see the module docstring)."""
+
+
+__all__ = ["GroupedEmbeddingsLookup", "GroupedPooledEmbeddingsLookup"]
