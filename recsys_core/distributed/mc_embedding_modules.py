@@ -5,16 +5,13 @@ Sharding itself is refused (see :mod:`recsys_core.distributed.mc_modules`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
 
 from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
-from recsys_core.distributed.mc_modules import (
-    ManagedCollisionCollectionSharder,
-    refuse_managed_collision,
-)
+from recsys_core.distributed.mc_modules import ManagedCollisionCollectionSharder
 from recsys_core.distributed.types import (
     EmbeddingModuleShardingPlan,
     QuantizedCommCodecs,
@@ -22,6 +19,14 @@ from recsys_core.distributed.types import (
 )
 
 M = TypeVar("M", bound=nn.Module)
+
+
+def refuse_managed_collision(kind: str) -> NoReturn:
+    raise ValueError(
+        f"sharding a {kind} (managed collisions / zero-collision hashing) is not implemented "
+        "by recsys_core; leave it out of the plan (it then trains data-parallel, each rank "
+        "remapping its own ids) or use a plain EmbeddingBagCollection/EmbeddingCollection"
+    )
 
 
 class BaseManagedCollisionEmbeddingCollectionSharder(BaseEmbeddingSharder[M]):
@@ -64,4 +69,4 @@ class BaseManagedCollisionEmbeddingCollectionSharder(BaseEmbeddingSharder[M]):
         refuse_managed_collision(type(module).__name__)
 
 
-__all__ = ["BaseManagedCollisionEmbeddingCollectionSharder"]
+__all__ = ["BaseManagedCollisionEmbeddingCollectionSharder", "refuse_managed_collision"]

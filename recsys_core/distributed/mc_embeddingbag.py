@@ -11,11 +11,9 @@ from torch import nn
 from recsys_core.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from recsys_core.distributed.mc_embedding_modules import (
     BaseManagedCollisionEmbeddingCollectionSharder,
-)
-from recsys_core.distributed.mc_modules import (
-    ManagedCollisionCollectionSharder,
     refuse_managed_collision,
 )
+from recsys_core.distributed.mc_modules import ManagedCollisionCollectionSharder
 from recsys_core.distributed.types import QuantizedCommCodecs
 from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 

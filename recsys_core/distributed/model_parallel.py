@@ -58,7 +58,11 @@ class DistributedModelParallel(nn.Module):
             the memory this machine has free (``recsys_core.planner.plan_for_env``).
         sharders: default :func:`~recsys_core.distributed.sharding_plan.get_default_sharders`
             without the managed-collision ones, which this library does not execute.
-        init_data_parallel: wrap the dense parameters in DistributedDataParallel.
+        init_data_parallel: wrap the dense parameters in DistributedDataParallel now; with
+            False, call :meth:`init_data_parallel` later (e.g. after a first forward on a meta
+            module, as TorchRec's tests do).
+        init_parameters: accepted for TorchRec's signature; parameters on the meta device are
+            always materialized on ``device``.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class DistributedModelParallel(nn.Module):
         plan: ShardingPlan | None = None,
         sharders: Sequence[Sharder] | None = None,
         init_data_parallel: bool = True,
+        init_parameters: bool = True,
     ) -> None:
         super().__init__()
         if env is None:
@@ -92,8 +97,17 @@ class DistributedModelParallel(nn.Module):
             if isinstance(sub, _SHARDED)
         ])
         self._dmp_wrapped_module: nn.Module = module
-        if init_data_parallel and env.pg is not None and env.world_size > 1:
-            self._dmp_wrapped_module = self._wrap_ddp(module)
+        self._ddp_initialized = False
+        if init_data_parallel:
+            self.init_data_parallel()
+
+    def init_data_parallel(self) -> None:
+        """Wrap the dense part in DistributedDataParallel (once; nothing on a single rank)."""
+        if self._ddp_initialized:
+            return
+        self._ddp_initialized = True
+        if self._env.pg is not None and self._env.world_size > 1:
+            self._dmp_wrapped_module = self._wrap_ddp(self._dmp_wrapped_module)
 
     # ---- construction ------------------------------------------------------------------------
     def _sharder_for(self, sub: nn.Module) -> Sharder | None:
