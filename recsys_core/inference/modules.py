@@ -180,8 +180,9 @@ def quantize_inference_model(
     (``quantization_dtype``, ``per_table_weight_dtype`` per table; ``torch.quint4x2`` is INT4).
 
     Collections on the meta device (a model built to be loaded later) become zero tables on the
-    host, to be filled by ``load_state_dict``. A ``FeatureProcessedEmbeddingBagCollection`` is
-    refused (its quantized form is not provided). ``output_dtype`` must be float32.
+    host, to be filled by ``load_state_dict``. A ``FeatureProcessedEmbeddingBagCollection``
+    keeps its (float) feature processors and gets a quantized inner collection; its processor
+    weights stay float (``fp_weight_dtype`` is not applied). ``output_dtype`` must be float32.
     """
     if quantization_mapping not in (None, DEFAULT_QUANT_MAPPING):
         raise ValueError(
@@ -193,12 +194,6 @@ def quantize_inference_model(
             f"quantize_inference_model: output_dtype {output_dtype} is not supported (the "
             "quantized lookups return float32)"
         )
-    for path, module in model.named_modules():
-        if isinstance(module, FeatureProcessedEmbeddingBagCollection):
-            raise ValueError(
-                f"quantize_inference_model: {path or 'the model'} is a "
-                "FeatureProcessedEmbeddingBagCollection, which has no quantized form here"
-            )
     model = quantize_meta_collections(model, quantization_dtype, per_table_weight_dtype)
     remaining = {
         c.name

@@ -371,6 +371,12 @@ class QuantEmbeddingBagCollection(nn.Module):
         """The tensor-level kernel (what an exporter scripts); features in declaration order."""
         return self._tbe
 
+    @property
+    def tbes(self) -> list[QuantTBEBag]:
+        """The kernel modules (TorchRec's ``tbes``): one here, whatever the tables' pooling and
+        types (TorchRec groups tables into one FBGEMM module per pooling type)."""
+        return [self._tbe]
+
     def kernel_backend(self) -> KernelBackend:
         return KernelBackend.FBGEMM if self._tbe.use_fbgemm else KernelBackend.TORCH
 

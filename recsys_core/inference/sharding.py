@@ -143,6 +143,11 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    @property
+    def tbes(self) -> list[QuantTBEBag]:
+        """The kernel modules, one per rank that holds tables (TorchRec's ``tbes``)."""
+        return list(self.shards)
+
     def tables_per_rank(self) -> dict[int, list[str]]:
         return {r: [s.name for s in bag.specs] for r, bag in zip(self.ranks, self.shards, strict=True)}
 

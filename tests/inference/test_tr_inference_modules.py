@@ -102,3 +102,29 @@ def test_dlrm_predict_factory_serves_probabilities() -> None:
         "id_list_features.values": batch.sparse_features.values(),
     })["default"]
     assert out.shape == (3,) and ((out > 0) & (out < 1)).all()
+
+
+def test_feature_processed_collection_keeps_processors_and_quantizes_tables() -> None:
+    from recsys_core.modules.feature_processor_ import PositionWeightedModuleCollection
+    from recsys_core.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="w", embedding_dim=8, num_embeddings=20, feature_names=["f0"])]
+    processors = PositionWeightedModuleCollection({"f0": 3})
+    with torch.no_grad():
+        processors.position_weights["f0"].copy_(torch.tensor([1.0, 0.5, 0.25]))
+    fp = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=tables, is_weighted=True), processors
+    )
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([1, 2, 3, 4]), torch.tensor([3, 1]))
+    expected = fp(kjt).values()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fp = fp
+
+    quantized = quantize_inference_model(Wrap())
+    assert isinstance(quantized.fp._embedding_bag_collection, QuantEBC)
+    assert len(quantized.fp._embedding_bag_collection.tbes) == 1
+    torch.testing.assert_close(quantized.fp(kjt).values(), expected, atol=0.05, rtol=0)
