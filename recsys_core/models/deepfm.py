@@ -118,4 +118,20 @@ class SimpleDeepFMNN(nn.Module):
         return self.over_arch(interacted)
 
 
-__all__ = ["DenseArch", "FMInteractionArch", "OverArch", "SimpleDeepFMNN", "SparseArch"]
+class SimpleDeepFMNNWrapper(SimpleDeepFMNN):
+    """SimpleDeepFMNN over a ``ModelInput``-like batch (``float_features``,
+    ``idlist_features``, ``label``): training returns ``(loss, pred)``, eval ``pred``. As in
+    TorchRec the loss is BCE-with-logits applied to the model's (already sigmoid) output."""
+
+    def forward(self, model_input) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        pred = super().forward(model_input.float_features, model_input.idlist_features)
+        if self.training:
+            loss = nn.functional.binary_cross_entropy_with_logits(pred.squeeze(), model_input.label)
+            return loss, pred
+        return pred
+
+
+__all__ = ["DenseArch", "FMInteractionArch", "OverArch", "SimpleDeepFMNN",
+    "SimpleDeepFMNNWrapper",
+    "SparseArch",
+]

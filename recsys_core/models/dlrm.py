@@ -314,9 +314,22 @@ class DLRMTrain(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels.detach())
 
 
+class DLRMWrapper(DLRM):
+    """DLRM over a ``ModelInput``-like batch (``float_features``, ``idlist_features``,
+    ``label``): training returns ``(BCE-with-logits loss, logits)``, eval the logits."""
+
+    def forward(self, model_input) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        pred = super().forward(model_input.float_features, model_input.idlist_features)
+        if self.training:
+            loss = nn.functional.binary_cross_entropy_with_logits(pred.squeeze(), model_input.label)
+            return loss, pred
+        return pred
+
+
 __all__ = [
     "DLRM",
     "DLRMTrain",
+    "DLRMWrapper",
     "DLRM_DCN",
     "DLRM_Projection",
     "DenseArch",
