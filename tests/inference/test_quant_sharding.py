@@ -126,7 +126,7 @@ def _plan(quant: QuantEmbeddingBagCollection, generators: dict, world_size: int 
         (lambda q: _plan(q, {"t_shared": table_wise(0, QUANT)}, inference=True),
          r"places no shard of tables \['t_mean', 't_wide', 't_small'\]"),
         (lambda q: _plan(q, {n: table_wise(0) for n in DTYPES}),
-         r"table 't_shared' \(table_wise\): compute kernel fused in an inference plan"),
+         r"table 't_shared' \(table_wise\): compute kernel dense in an inference plan"),
         (lambda q: _plan(q, {n: table_wise(3, QUANT) for n in DTYPES}, world_size=4, inference=True),
          r"rank 3 in ranks \[3\] is outside \[0, 2\)"),
         (lambda q: _plan(q, {n: table_wise(1, QUANT) for n in DTYPES}, inference=True,
