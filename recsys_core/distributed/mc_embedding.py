@@ -1,33 +1,76 @@
-"""TorchRec's ``torchrec.distributed.mc_embedding`` path: sharding a
-ManagedCollisionEmbeddingCollection (refused: see :mod:`recsys_core.distributed.mc_modules`)."""
+"""TorchRec's ``torchrec.distributed.mc_embedding`` path: a ManagedCollisionEmbeddingCollection
+sharded row-wise (see :mod:`recsys_core.distributed.mc_embedding_modules`); its forward returns
+``(LazyAwaitable[dict[str, JaggedTensor]], LazyAwaitable[remapped KJT] | None)``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-from recsys_core.distributed.embedding import EmbeddingCollectionSharder
+from recsys_core.distributed.embedding import (
+    EmbeddingCollectionSharder,
+    ShardedEmbeddingCollection,
+)
+from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.mc_embedding_modules import (
     BaseManagedCollisionEmbeddingCollectionSharder,
-    refuse_managed_collision,
+    BaseShardedManagedCollisionEmbeddingCollection,
 )
-from recsys_core.distributed.mc_modules import ManagedCollisionCollectionSharder
-from recsys_core.distributed.types import QuantizedCommCodecs
+from recsys_core.distributed.mc_modules import (
+    EmbeddingCollectionContext,
+    KJTList,
+    ManagedCollisionCollectionSharder,
+)
+from recsys_core.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+)
 from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
 
 
-class ShardedManagedCollisionEmbeddingCollection(nn.Module):
-    """TorchRec's sharded managed-collision EC; constructing one raises (not implemented)."""
+@dataclass
+class ManagedCollisionEmbeddingCollectionContext(EmbeddingCollectionContext):
+    """TorchRec's forward context, with the remapped KJTs."""
 
-    def __init__(self, module: ManagedCollisionEmbeddingCollection, *args: Any, **kwargs: Any) -> None:
-        refuse_managed_collision(type(module).__name__)
+    evictions_per_table: dict[str, torch.Tensor | None] | None = None
+    remapped_kjt: KJTList | None = None
+
+
+class ShardedManagedCollisionEmbeddingCollection(BaseShardedManagedCollisionEmbeddingCollection):
+    """A ManagedCollisionEmbeddingCollection sharded row-wise."""
+
+    def __init__(
+        self,
+        module: ManagedCollisionEmbeddingCollection,
+        table_name_to_parameter_sharding: Mapping[str, ParameterSharding],
+        ec_sharder: BaseEmbeddingSharder[Any],
+        mc_sharder: ManagedCollisionCollectionSharder,
+        env: ShardingEnv,
+        device: torch.device,
+    ) -> None:
+        super().__init__(
+            module, table_name_to_parameter_sharding, ec_sharder, mc_sharder, env, device
+        )
+
+    @property
+    def _embedding_collection(self) -> ShardedEmbeddingCollection:
+        return self._embedding_module  # type: ignore[return-value]
+
+    def create_context(self) -> ManagedCollisionEmbeddingCollectionContext:
+        return ManagedCollisionEmbeddingCollectionContext(sharding_contexts=[])
 
 
 class ManagedCollisionEmbeddingCollectionSharder(
     BaseManagedCollisionEmbeddingCollectionSharder[ManagedCollisionEmbeddingCollection]
 ):
+    """Shards ManagedCollisionEmbeddingCollections row-wise."""
+
     def __init__(
         self,
         ec_sharder: EmbeddingCollectionSharder | None = None,
@@ -40,12 +83,30 @@ class ManagedCollisionEmbeddingCollectionSharder(
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
+    def shard(
+        self,
+        module: ManagedCollisionEmbeddingCollection,
+        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedManagedCollisionEmbeddingCollection:
+        return ShardedManagedCollisionEmbeddingCollection(
+            module, params, self._e_sharder, self._mc_sharder, env, torch.device(device or "cpu")
+        )
+
     @property
     def module_type(self) -> type[ManagedCollisionEmbeddingCollection]:
         return ManagedCollisionEmbeddingCollection
 
+    @property
+    def sharded_module_type(self) -> type[nn.Module]:
+        return ShardedManagedCollisionEmbeddingCollection
+
 
 __all__ = [
+    "KJTList",
+    "ManagedCollisionEmbeddingCollectionContext",
     "ManagedCollisionEmbeddingCollectionSharder",
     "ShardedManagedCollisionEmbeddingCollection",
 ]
