@@ -248,9 +248,9 @@ def _geometries(
 
 
 def __getattr__(name: str) -> object:
-    # TorchRec's EmbeddingEnumerator lives in sharding_option.py, which imports this module.
+    # TorchRec's EmbeddingEnumerator (embedding_enumerator.py) imports this module.
     if name == "EmbeddingEnumerator":
-        from recsys_core.planner.sharding_option import EmbeddingEnumerator
+        from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
 
         return EmbeddingEnumerator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

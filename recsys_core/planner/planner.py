@@ -227,6 +227,7 @@ class EmbeddingShardingPlanner:
     # ---- TorchRec's search ----------------------------------------------------------------------
     def _components(self, topology: Topology) -> None:
         """TorchRec's default components where none were given (they need the topology)."""
+        from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
         from recsys_core.planner.embedding_stats import EmbeddingStats
         from recsys_core.planner.perf_models import NoopPerfModel
         from recsys_core.planner.perf_partitioners import GreedyPerfPartitioner
@@ -235,7 +236,6 @@ class EmbeddingShardingPlanner:
             GridSearchProposer,
             UniformProposer,
         )
-        from recsys_core.planner.sharding_option import EmbeddingEnumerator
 
         if self._enumerator is None:
             self._enumerator = EmbeddingEnumerator(topology, self._batch_size, self._constraints)

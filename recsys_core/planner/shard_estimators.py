@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from recsys_core.plan.params import KeyValueParams
+from recsys_core.plan.params import CacheStatistics, KeyValueParams
 from recsys_core.plan.types import ShardingType
 from recsys_core.planner.constants import (
     BIGINT_DTYPE,
@@ -377,13 +377,13 @@ class EmbeddingPerfEstimator(ShardEstimator):
         from recsys_core.planner.sharding_option import estimate_perf
 
         for so in sharding_options:
-            estimate_perf(so, self._topology)
+            estimate_perf(so, self._topology, self._constraints)
             for shard in so.shards:
                 if shard.perf is not None:
                     _validate_perf(shard.perf, so.name, so.sharding_type)
 
 
-class EmbeddingOffloadStats:
+class EmbeddingOffloadStats(CacheStatistics):
     """Cache statistics of a FUSED_UVM_CACHING table (TorchRec's ``CacheStatistics``):
     ``cacheability`` (area under the miss-ratio curve), ``expected_lookups`` (distinct ids per
     global batch) and an LRU miss-ratio-curve histogram over ``height`` rows: bin i of n counts

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,16 +24,12 @@ from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import DataType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.plan.params import BoundsCheckMode, CacheParams, KeyValueParams
-from recsys_core.plan.sharder import Sharder
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.planner.constraints import ParameterConstraints
-from recsys_core.planner.enumerators import enumerate_options
 from recsys_core.planner.estimators import DEFAULT_CACHE_LOAD_FACTOR, estimate_option
-from recsys_core.planner.plan_builder import collections_of
 from recsys_core.planner.storage import Perf, Shard, Storage
-from recsys_core.planner.table_specs import table_specs
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import Candidate, Placement
+from recsys_core.planner.types import Placement, TableSpec
 
 DEFAULT_BATCH_SIZE = 512  # TorchRec's BATCH_SIZE
 _PARTITION_BY = {Placement.ANY_RANKS: "device", Placement.ANY_HOST: "host",
@@ -171,116 +166,22 @@ class ShardingOption:
         return "\n".join(lines + [f"\t{s}" for s in self.shards])
 
 
-class EmbeddingEnumerator:
-    """Every layout the planner considers for each table, as TorchRec's ShardingOptions.
+def estimate_perf(so: ShardingOption, topology: Topology,
+                  constraints: Mapping[str, ParameterConstraints] | None = None) -> None:
+    """Sets each shard's ``perf`` with this planner's cost model (``estimators.py``), at the
+    option's current kernel and cache load factor (a FUSED_UVM_CACHING option's expected misses
+    included), split into TorchRec's phases.
 
-    The layouts are this planner's (``enumerators.py``). Estimates come from ``estimator``
-    (one ShardEstimator or a list; default: this library's ``EmbeddingPerfEstimator`` then
-    TorchRec's storage rule, ``EmbeddingStorageEstimator``); :meth:`populate_estimates`
-    re-runs them on changed options (a proposer that changes a kernel or load factor).
-    ``last_stored_search_space`` holds the last ``enumerate`` result (for context hashes).
-    """
-
-    def __init__(
-        self,
-        topology: Topology,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        constraints: Mapping[str, ParameterConstraints] | None = None,
-        estimator: Any = None,
-        use_exact_enumerate_order: bool | None = False,
-    ) -> None:
-        from recsys_core.planner.shard_estimators import (
-            EmbeddingPerfEstimator,
-            EmbeddingStorageEstimator,
-        )
-
-        self._topology = topology
-        self._batch_size = batch_size
-        self._constraints = dict(constraints or {})
-        if estimator is None:
-            estimator = [EmbeddingPerfEstimator(topology, self._constraints),
-                         EmbeddingStorageEstimator(topology, self._constraints)]
-        self._estimators = list(estimator) if isinstance(estimator, list | tuple) else [estimator]
-        self._use_exact_enumerate_order = bool(use_exact_enumerate_order)
-        self._sharder_map: dict[str, Any] = {}
-        self.last_stored_search_space: list[ShardingOption] | None = None
-
-    def enumerate(self, module: nn.Module, sharders: Sequence[Sharder]) -> list[ShardingOption]:
-        from recsys_core.planner.utils import sharder_name
-
-        collections = collections_of(module, sharders)
-        self._sharder_map = {sharder_name(s.module_type): s for s in sharders}
-        options = []
-        for spec in table_specs(collections, self._constraints, self._batch_size, self._topology):
-            sub = collections[spec.path][0]
-            sharder = collections[spec.path][1]
-            self._sharder_map[sharder_name(type(sub))] = sharder
-            for candidate in enumerate_options(spec, sharder, self._topology, with_perf=True):
-                options.append(self._option(candidate, spec.path, sub))
-        self.populate_estimates(options)
-        self.last_stored_search_space = options
-        return options
-
-    def populate_estimates(self, sharding_options: list[ShardingOption]) -> None:
-        """Runs every estimator on ``sharding_options`` (in place)."""
-        from recsys_core.planner.utils import build_sharder_data_map
-
-        data = build_sharder_data_map(self._sharder_map)
-        for estimator in self._estimators:
-            estimator.estimate(sharding_options, data)
-
-    def _option(self, c: Candidate, path: str, sub: nn.Module) -> ShardingOption:
-        spec, config, constraints = c.table, c.table.config, c.table.constraints
-        features = constraints.feature_names or list(config.feature_names)
-        lf = c.load_factor if c.load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
-        cache = constraints.cache_params
-        if c.is_caching:
-            cache = CacheParams(load_factor=lf) if cache is None else cache
-        rows, cols = c.shard_rows.tolist(), c.shard_cols.tolist()
-        row_split = c.sharding_type.value in ("row_wise", "table_row_wise")
-        col_split = c.sharding_type.value in ("column_wise", "table_column_wise")
-        shards = [
-            Shard(size=[rows[i], cols[i]],
-                  offset=[sum(rows[:i]) if row_split else 0, sum(cols[:i]) if col_split else 0])
-            for i in range(c.num_shards)
-        ]
-        option = ShardingOption(
-            name=config.name,
-            tensor=torch.empty(config.num_embeddings, config.embedding_dim, device="meta",
-                               dtype=_TORCH_DTYPE.get(config.data_type, torch.uint8)),
-            module=(path, sub),
-            input_lengths=_per_feature(constraints.pooling_factors, len(features)),
-            batch_size=self._batch_size,
-            sharding_type=c.sharding_type.value,
-            partition_by=_PARTITION_BY[c.placement],
-            compute_kernel=c.compute_kernel.value,
-            shards=shards,
-            cache_params=cache,
-            enforce_hbm=constraints.enforce_hbm,
-            stochastic_rounding=constraints.stochastic_rounding,
-            bounds_check_mode=constraints.bounds_check_mode,
-            is_pooled=spec.pooled,
-            feature_names=list(features),
-            output_dtype=constraints.output_dtype,
-            num_poolings=None if constraints.num_poolings is None
-            else _per_feature(constraints.num_poolings, len(features)),
-        )
-        option._table_spec = spec  # what this library's perf model needs (estimate_perf)
-        option._placement = c.placement
-        return option
-
-
-def estimate_perf(so: ShardingOption, topology: Topology) -> None:
-    """Sets each shard's ``perf`` of an option listed by :class:`EmbeddingEnumerator` with
-    this planner's cost model, at the option's current kernel and cache load factor (a
-    FUSED_UVM_CACHING option's expected misses included). Options of other enumerators are
-    left as they are."""
-    spec = getattr(so, "_table_spec", None)
-    if spec is None:
-        return
+    The table is read from the option: its weight's shape and dtype, ``input_lengths`` (pooling
+    factors), ``num_poolings`` and per-feature ``batch_sizes`` from ``constraints``, the
+    default optimizer's state. Kernels the model does not have are costed as the one with the
+    same memory: HBM-resident ones (dense, quant, ...) as fused, UVM ones as fused_uvm, cached
+    and key-value ones as fused_uvm_caching."""
+    spec = _table_spec_of(so, constraints)
+    placement = _PLACEMENT.get(so.partition_by, Placement.ANY_HOST)
     c = estimate_option(
-        spec, ShardingType(so.sharding_type), EmbeddingComputeKernel(so.compute_kernel),
-        so._placement, np.array([s.size[0] for s in so.shards]),
+        spec, ShardingType(so.sharding_type), _model_kernel(so.compute_kernel),
+        placement, np.array([s.size[0] for s in so.shards]),
         np.array([s.size[1] for s in so.shards]), topology, with_perf=True,
     )
     lf = so.cache_load_factor if so.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
@@ -290,6 +191,53 @@ def estimate_perf(so: ShardingOption, topology: Topology) -> None:
         fwd_compute, fwd_comms, bwd_compute, bwd_comms = (float(v) for v in c.perf[:, i])
         shard.perf = Perf(fwd_compute=fwd_compute + miss_fwd, fwd_comms=fwd_comms,
                           bwd_compute=bwd_compute + miss - miss_fwd, bwd_comms=bwd_comms)
+
+
+_PLACEMENT = {"device": Placement.ANY_RANKS, "host": Placement.ANY_HOST,
+              "uniform": Placement.ALL_RANKS, "multi_host": Placement.ANY_HOST}
+_DATA_TYPE = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
+              torch.bfloat16: DataType.BF16, torch.uint8: DataType.INT8,
+              torch.int8: DataType.INT8}
+
+
+def _model_kernel(kernel: str) -> EmbeddingComputeKernel:
+    if kernel in ("fused_uvm", "quant_uvm"):
+        return EmbeddingComputeKernel.FUSED_UVM
+    if "caching" in kernel or "key_value" in kernel or "virtual" in kernel:
+        return EmbeddingComputeKernel.FUSED_UVM_CACHING
+    return EmbeddingComputeKernel.FUSED
+
+
+def _table_spec_of(so: ShardingOption,
+                   constraints: Mapping[str, ParameterConstraints] | None) -> TableSpec:
+    from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, EmbeddingBagConfig
+    from recsys_core.planner.estimators import DEFAULT_OPTIMIZER
+
+    spec = getattr(so, "_table_spec", None)
+    if spec is not None:
+        return spec
+    given = (constraints or {}).get(so.name)
+    n = max(1, len(so.input_lengths))
+    rows, cols = so.tensor.shape
+    config = EmbeddingBagConfig(
+        name=so.name, num_embeddings=int(rows), embedding_dim=int(cols),
+        feature_names=list(so.feature_names or [f"{so.name}_f{i}" for i in range(n)]),
+        data_type=_DATA_TYPE.get(so.tensor.dtype, DataType.FP32))
+    lengths = [float(v) for v in so.input_lengths] or [1.0]
+    poolings = list(so.num_poolings or (given.num_poolings if given is not None and
+                                        given.num_poolings else [1.0] * n))
+    batches = list(given.batch_sizes) if given is not None and given.batch_sizes \
+        else [so.batch_size] * n
+    poolings = _per_feature(poolings, n)
+    batches = _per_feature(batches, n)
+    bags = [b * p for b, p in zip(batches, poolings, strict=False)]
+    return TableSpec(
+        path=so.path, config=config, pooled=so.is_pooled, optimizer=DEFAULT_OPTIMIZER,
+        constraints=ParameterConstraints(), is_weighted=bool(so.is_weighted),
+        ids_per_batch=sum(b * v for b, v in zip(bags, lengths, strict=False)),
+        bags_per_batch=sum(bags),
+        output_bytes=DATA_TYPE_BITS[so.output_dtype or DataType.FP32] / 8,
+    )
 
 
 def _per_feature(values: Sequence[float], count: int) -> list[float]:

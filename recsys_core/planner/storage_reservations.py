@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from recsys_core.plan.sharder import Sharder
+from recsys_core.planner.constants import BIGINT_DTYPE, POOLING_FACTOR
 from recsys_core.planner.constraints import ParameterConstraints
+from recsys_core.planner.errors import PlannerError, PlannerErrorType
+from recsys_core.planner.storage import Storage
 from recsys_core.planner.topology import Topology
 
 DEFAULT_STORAGE_RESERVATION = 0.15  # of each rank's memory: dense parameters, activations
@@ -39,19 +44,35 @@ class StorageReservation(Protocol):
 
 
 class HeuristicalStorageReservation:
-    """Keeps ``percentage`` of every rank's HBM and host memory free.
+    """Keeps ``percentage`` of every rank's HBM and host memory free, then TorchRec's estimates
+    of what the model needs besides its tables on the compute device (HBM on CUDA/MTIA, host
+    memory on CPU):
 
-    TorchRec's version also subtracts its own estimates of the dense parameters' and the input
-    KJTs' memory; here the percentage is meant to cover them (dense parameters, activations,
-    allocator slack)."""
+    - dense tensors (``_dense_storage``): ``parameter_multiplier`` x the bytes of every
+      parameter outside the sharded collections, plus their buffers (weights, gradients,
+      optimizer state, activations: TorchRec's 6x); ``dense_tensor_estimate`` replaces it;
+    - input KJTs (``_kjt_storage``): ``ceil(sum over features of batch x pooling factor x 8)
+      x 20`` bytes.
 
-    def __init__(self, percentage: float = DEFAULT_STORAGE_RESERVATION) -> None:
-        if isinstance(percentage, bool) or not 0.0 <= percentage < 1.0:
+    TorchRec's version keeps the percentage of HBM only; this one keeps it of host memory too
+    (the host holds the loader, pinned buffers and the OS). A rank left with negative HBM is a
+    ``PlannerError`` (INSUFFICIENT_STORAGE), as TorchRec; short host memory is reported by the
+    planner's search, with each table's needs."""
+
+    def __init__(self, percentage: float = DEFAULT_STORAGE_RESERVATION,
+                 parameter_multiplier: float = 6.0,
+                 dense_tensor_estimate: int | None = None) -> None:
+        if isinstance(percentage, bool) or not 0.0 <= percentage <= 1.0:
             raise ValueError(
-                f"HeuristicalStorageReservation: percentage {percentage!r} must be in [0, 1) (the "
+                f"HeuristicalStorageReservation: percentage {percentage!r} must be in [0, 1] (the "
                 "fraction of memory kept for dense parameters and activations)"
             )
         self.percentage = float(percentage)
+        self._percentage = self.percentage
+        self._parameter_multiplier = float(parameter_multiplier)
+        self._dense_tensor_estimate = dense_tensor_estimate
+        self._dense_storage: Storage | None = None
+        self._kjt_storage: Storage | None = None
         self._last: Topology | None = None
 
     def reserve(
@@ -62,17 +83,111 @@ class HeuristicalStorageReservation:
         sharders: Sequence[Sharder],
         constraints: Mapping[str, ParameterConstraints] | None = None,
     ) -> Topology:
-        """``topology`` with ``1 - percentage`` of its HBM and host memory."""
+        """``topology`` with ``1 - percentage`` of its HBM and host memory, less the dense and
+        KJT estimates on its compute device."""
+        batch_inputs, shardable = _get_batch_inputs_and_shardable_parameters(
+            module, sharders, batch_size, constraints)
+        dense = (self._dense_tensor_estimate if self._dense_tensor_estimate
+                 else _get_dense_tensor_size(module, shardable, self._parameter_multiplier))
+        self._dense_storage = _on_compute_device(topology, dense)
+        self._kjt_storage = _get_kjt_storage(topology, batch_inputs, BIGINT_DTYPE, 20)
+        taken = self._dense_storage + self._kjt_storage
         keep = 1.0 - self.percentage
-        self._last = dataclasses.replace(
-            topology, hbm_cap=int(topology.hbm_per_rank * keep),
-            ddr_cap=int(topology.ddr_per_rank * keep),
+        reserved = dataclasses.replace(
+            topology, hbm_cap=max(0, int(topology.hbm_per_rank * keep) - taken.hbm),
+            ddr_cap=max(0, int(topology.ddr_per_rank * keep) - taken.ddr),
         )
-        return self._last
+        for device, original in zip(reserved.devices, topology.devices, strict=True):
+            device.storage.hbm = int(original.storage.hbm * keep) - taken.hbm
+            device.storage.ddr = int(original.storage.ddr * keep) - taken.ddr
+        first = reserved.devices[0].storage
+        if first.hbm < 0:  # TorchRec's check (host memory short: the planner's own report)
+            from recsys_core.planner.utils import storage_repr_in_gb
+
+            raise PlannerError(
+                f"HeuristicalStorageReservation: after keeping {self.percentage:.0%} of each "
+                f"rank's memory ({storage_repr_in_gb(topology.devices[0].storage)} per rank), "
+                f"the dense tensors ({storage_repr_in_gb(self._dense_storage)}, "
+                f"{self._parameter_multiplier}x their parameters) and the input KJTs "
+                f"({storage_repr_in_gb(self._kjt_storage)} at batch size {batch_size}) leave "
+                f"{storage_repr_in_gb(first)}: no plan can fit. Lower the percentage or the "
+                "batch size, pass dense_tensor_estimate if the dense estimate is too high "
+                "(e.g. under FSDP), or use ranks with more memory",
+                PlannerErrorType.INSUFFICIENT_STORAGE,
+            )
+        self._last = reserved
+        return reserved
 
     @property
     def last_reserved_topology(self) -> Topology | None:
         return self._last
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _get_module_size(module: nn.Module, multiplier: float) -> int:
+    """``multiplier`` x the bytes of ``module``'s parameters plus its buffers' bytes, rounded
+    (meta tensors count by shape)."""
+    params = sum(multiplier * _tensor_bytes(p) for p in module.parameters())
+    return round(params + sum(_tensor_bytes(b) for b in module.buffers()))
+
+
+def _get_dense_tensor_size(module: nn.Module, shardable_modules: set[nn.Module],
+                           multiplier: float = 6.0) -> int:
+    """:func:`_get_module_size` of ``module`` less that of its sharded collections."""
+    return _get_module_size(module, multiplier) - sum(
+        _get_module_size(m, multiplier) for m in shardable_modules)
+
+
+def _on_compute_device(topology: Topology, size: int) -> Storage:
+    accelerator = topology.compute_device in ("cuda", "mtia")
+    return Storage(hbm=size if accelerator else 0,
+                   ddr=size if topology.compute_device == "cpu" else 0, ssd=0)
+
+
+def _get_kjt_storage(topology: Topology, batch_inputs: list[float], input_data_type_size: int,
+                     multiplier: int) -> Storage:
+    """TorchRec's input-KJT estimate on the compute device: ``ceil(sum(batch_inputs) x
+    input_data_type_size) x multiplier`` bytes."""
+    size = math.ceil(sum(batch_inputs) * float(input_data_type_size)) * multiplier
+    return _on_compute_device(topology, size)
+
+
+def _get_batch_inputs_and_shardable_parameters(
+    module: nn.Module, sharders: Sequence[Sharder], batch_size: int,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+) -> tuple[list[float], set[nn.Module]]:
+    """(ids per batch of each feature of every sharded table, the sharded modules).
+
+    A module with a sharder is not descended into; per table, the constraint's
+    ``pooling_factors`` (default one feature of 1.0) times its ``batch_sizes`` (default
+    ``batch_size``)."""
+    from recsys_core.planner.utils import shardable_parameters, sharder_name
+
+    by_name = {sharder_name(s.module_type): s for s in sharders}
+    lengths: list[float] = []
+    batches: list[float] = []
+    modules: set[nn.Module] = set()
+
+    def visit(m: nn.Module) -> None:
+        sharder = by_name.get(sharder_name(type(m)))
+        if sharder is None:
+            for child in m.children():
+                visit(child)
+            return
+        modules.add(m)
+        for name in shardable_parameters(sharder, m):
+            c = (constraints or {}).get(name)
+            factors = list(c.pooling_factors) if c is not None and c.pooling_factors else [
+                POOLING_FACTOR]
+            lengths.extend(factors)
+            batches.extend(c.batch_sizes if c is not None and c.batch_sizes
+                           else [batch_size] * len(factors))
+
+    visit(module)
+    return [x * b for x, b in zip(lengths, batches, strict=False)], modules
 
 
 def _reserved(topology: Topology, hbm_left: Callable[[int], int]) -> Topology:
@@ -94,6 +209,7 @@ class FixedPercentageStorageReservation:
             )
         self._percentage = float(percentage)
         self._last_reserved_topology: Topology | None = None
+        self._kjt_storage: Storage | None = None
 
     def reserve(
         self,
@@ -105,6 +221,10 @@ class FixedPercentageStorageReservation:
     ) -> Topology:
         self._last_reserved_topology = _reserved(
             topology, lambda hbm: int((1 - self._percentage) * hbm))
+        # Computed for stats (as TorchRec), not taken from the topology: the percentage covers it.
+        batch_inputs, _ = _get_batch_inputs_and_shardable_parameters(
+            module, sharders, batch_size, constraints)
+        self._kjt_storage = _get_kjt_storage(topology, batch_inputs, BIGINT_DTYPE, 20)
         return self._last_reserved_topology
 
     @property
@@ -136,6 +256,7 @@ class FixedAbsoluteStorageReservation(FixedPercentageStorageReservation):
         sharders: Sequence[Sharder],
         constraints: Mapping[str, ParameterConstraints] | None = None,
     ) -> Topology:
+        super().reserve(topology, batch_size, module, sharders, constraints)
         self._last_reserved_topology = _reserved(
             topology, lambda hbm: max(0, hbm - self._hbm_reserved_bytes))
         return self._last_reserved_topology

@@ -10,7 +10,11 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
-from recsys_core.planner.constants import HBM_TO_DDR_MEM_BW, WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER
+from recsys_core.planner.constants import (
+    HBM_TO_DDR_MEM_BW,
+    SSD_MEM_BW,
+    WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER,
+)
 from recsys_core.planner.interfaces import (
     BasicCommsBandwidths,
     CustomTopologyData,
@@ -72,8 +76,9 @@ class Topology:
     """Host memory bytes per rank (None: 128 GiB, TorchRec's DDR_CAP)."""
     ssd_cap: int | None = None
     """Local disk bytes per rank for the backing files of cached tables (TorchRec's SSD tier).
-    CPU only (None: 0, no disk tier: every table must fit in ddr_cap); on CUDA the cached
-    kernel's slower tier is host memory (ddr_cap), so only None or 0."""
+    On CPU (None: 0, no disk tier: every table must fit in ddr_cap). On CUDA the cached
+    kernel's slower tier is host memory (ddr_cap): a value there is only reported in
+    ``devices`` (TorchRec's key-value tables), this planner's search uses no disk."""
     local_world_size: int | None = None
     """Ranks per host (None: all ranks on one host). As TorchRec, any int >= 1 is accepted;
     this planner's own search needs it to divide world_size (or to be at least world_size: one
@@ -86,8 +91,8 @@ class Topology:
     ddr_mem_bw: float = DEFAULT_DDR_MEM_BW
     """Bytes per ms a rank's lookups read from host memory (CPU kernels and UVM)."""
     ssd_mem_bw: float | None = None
-    """Bytes per ms a rank moves between its cache and the disk tier (CPU only; None: 1 GB/s,
-    ``DEFAULT_SSD_MEM_BW``). On CUDA only None."""
+    """Bytes per ms a rank moves between its cache and the disk tier (None: on CPU 0.16 GB/s,
+    ``DEFAULT_SSD_MEM_BW``; on CUDA TorchRec's SSD_MEM_BW, read by its estimators only)."""
     hbm_to_ddr_mem_bw: float | None = None
     """TorchRec's HBM <-> host copy bandwidth, bytes/ms (None: its HBM_TO_DDR_MEM_BW); read by
     TorchRec's estimators (UVM kernels), not by this planner's own search."""
@@ -143,14 +148,10 @@ class Topology:
         if self.generalized_comms_bandwidths is not None:
             object.__setattr__(self, "intra_host_bw", self.generalized_comms_bandwidths.intra_host_bw)
             object.__setattr__(self, "inter_host_bw", self.generalized_comms_bandwidths.inter_host_bw)
-        if device != "cpu":
-            for name, value in (("ssd_cap", self.ssd_cap or None), ("ssd_mem_bw", self.ssd_mem_bw)):
-                if value is not None:
-                    raise ValueError(
-                        f"Topology: {name}={value!r} is not supported on a CUDA topology (its "
-                        "cached tables live in host memory, sized by ddr_cap; a disk tier "
-                        f"exists on CPU topologies only); leave {name} as None"
-                    )
+        if device != "cpu" and self.ssd_mem_bw is None:
+            # Read by TorchRec's key-value estimators only: on CUDA this planner's cached tables
+            # live in host memory (ddr_cap), so its own search ignores the disk tier there.
+            object.__setattr__(self, "ssd_mem_bw", SSD_MEM_BW)
         ssd = 0 if self.ssd_cap is None else self.ssd_cap
         if isinstance(ssd, bool) or not isinstance(ssd, int | float) or not ssd >= 0:
             raise ValueError(
@@ -223,7 +224,12 @@ class Topology:
 
     @property
     def ssd_per_rank(self) -> int:
-        return int(self.ssd_cap or 0)
+        """Disk bytes per rank this planner's search may use: ``ssd_cap`` on CPU, 0 on CUDA."""
+        return int(self.ssd_cap or 0) if self.compute_device == "cpu" else 0
+
+    @property
+    def _created_by_factory(self) -> bool:
+        return self.created_by_factory
 
     @property
     def cache_tier(self) -> Tier:
@@ -250,7 +256,7 @@ class Topology:
         devices = self.__dict__.get("_devices")
         if devices is None:
             caps = {"hbm_cap": self.hbm_per_rank, "ddr_cap": self.ddr_per_rank,
-                    "ssd_cap": self.ssd_per_rank}
+                    "ssd_cap": int(self.ssd_cap or 0)}
             per_rank = {k: [v] * self.world_size for k, v in caps.items()}
             custom = self.custom_topology_data
             for key in per_rank:

@@ -13,6 +13,7 @@ Units, as TorchRec's: bytes for memory, bytes per ms for bandwidths, ms for esti
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from enum import Enum, unique
 
@@ -32,6 +33,8 @@ from recsys_core.planner.topology import (
     GIB,
     Topology,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DeviceHardware",
@@ -247,3 +250,15 @@ def __getattr__(name: str) -> object:
 
         return ShardingOption
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+from recsys_core.planner.topology_factory import (  # noqa: E402
+    HardwareConfig,
+    KernelConfig,
+    TopologyConfigBase,
+    TopologyFactory,
+    TrainerConfig,
+)
+
+__all__ += ["HardwareConfig", "KernelConfig", "TopologyConfigBase", "TopologyFactory",
+            "TrainerConfig"]

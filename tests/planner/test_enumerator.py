@@ -34,7 +34,8 @@ def test_table_wise_option_by_hand() -> None:
     tw = next(o for o in options() if o.sharding_type == "table_wise")
     assert (tw.name, tw.path, tw.fqn, tw.partition_by, tw.compute_kernel) == (
         "t", "", ".t", "device", "fused")
-    assert (tw.input_lengths, tw.batch_size, tw.is_pooled, tw.feature_names) == ([1.0], 4, True, ["f"])
+    # feature_names come from constraints only (TorchRec's enumerator)
+    assert (tw.input_lengths, tw.batch_size, tw.is_pooled, tw.feature_names) == ([1.0], 4, True, None)
     assert tw.tensor.shape == (100, 8) and tw.tensor.device.type == "meta"
     # 2 ranks x 4 samples: 8 ids (8 B each) and 8 lengths (8 B) in; 8 pooled rows of 8 fp32 out
     weights, ids, lengths, outputs = 100 * 8 * 4, 8 * 8, 8 * 8, 8 * 8 * 4
@@ -64,7 +65,11 @@ def test_row_wise_shards_and_totals() -> None:
 
 def test_constraints_narrow_the_options() -> None:
     only = options({"t": ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[3.0])})
-    assert [o.sharding_type for o in only] == ["row_wise"]
+    # every kernel the sharder runs row-wise on CPU, as TorchRec's enumerator lists them
+    sharder = EmbeddingBagCollectionSharder()
+    kernels = set(sharder.compute_kernels("row_wise", "cpu")) - {"dense"}  # dense: fused wins
+    assert {o.sharding_type for o in only} == {"row_wise"}
+    assert {o.compute_kernel for o in only} == kernels
     assert only[0].input_lengths == [3.0]
 
 

@@ -51,7 +51,7 @@ def test_cache_params_round_trip_through_json() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"load_factor": 0.0}, "load_factor"),
+        ({"load_factor": -0.1}, "load_factor"),  # 0 is accepted, as TorchRec
         ({"load_factor": 1.5}, "load_factor"),
         ({"reserved_memory": -1.0}, "reserved_memory"),
         ({"precision": DataType.INT8}, "precision"),

@@ -12,6 +12,7 @@ from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
 from recsys_core.distributed import EmbeddingBagCollectionSharder
 from recsys_core.planner import EmbeddingShardingPlanner, Topology
 from recsys_core.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW, kernel_bw_lookup
+from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.perf_models import NoopPerfModel, NoopStorageModel
 from recsys_core.planner.perf_partitioners import GreedyPerfPartitioner
@@ -20,7 +21,7 @@ from recsys_core.planner.planners import (
     validate_modules_inclusion_in_sharding_plan,
 )
 from recsys_core.planner.proposers import GreedyProposer, UniformProposer
-from recsys_core.planner.sharding_option import EmbeddingEnumerator, ShardingOption
+from recsys_core.planner.sharding_option import ShardingOption
 from recsys_core.planner.stats import _kl_divergence, _total_variation
 from recsys_core.planner.storage import Perf, Shard, Storage
 from recsys_core.planner.storage_reservations import FixedPercentageStorageReservation

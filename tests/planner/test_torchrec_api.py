@@ -49,10 +49,12 @@ def test_topology_positional_order_is_torchrecs() -> None:
     assert t.bwd_compute_multiplier == 2.0
 
 
-@pytest.mark.parametrize("name", ["ssd_cap", "ssd_mem_bw"])
-def test_topology_rejects_what_it_does_not_model(name: str) -> None:
-    with pytest.raises(ValueError, match=f"{name}=.*not supported.*leave {name} as None"):
-        Topology(2, "cuda", **{name: 1})
+def test_cuda_topology_reports_disk_but_plans_without_it() -> None:
+    # TorchRec accepts a disk tier on CUDA (its key-value tables); this planner's cached tables
+    # live in host memory there, so its own search sees no disk.
+    t = Topology(2, "cuda", ssd_cap=5 * GIB, ssd_mem_bw=7.0)
+    assert (t.devices[1].storage.ssd, t.ssd_mem_bw, t.ssd_per_rank) == (5 * GIB, 7.0, 0)
+    assert Topology(2, "cuda").ssd_mem_bw == 100 * 1024**2 / 1000  # TorchRec's SSD_MEM_BW
 
 
 def test_topology_devices_are_per_rank_storage() -> None:
@@ -147,20 +149,44 @@ def test_bwd_compute_multiplier_scales_the_backward_lookup_traffic() -> None:
 
 
 def test_heuristical_storage_reservation_sets_the_budgets() -> None:
-    # CPU, 2 ranks of 4 GiB each: 25% kept back -> 3 GiB usable each
+    # CPU, 2 ranks of 4 GiB each: 25% kept back -> 3 GiB, less TorchRec's input-KJT estimate
+    # (2 features x batch 64 x 8-byte ids x 20 = 20,480 bytes); the EBC is the whole model, so
+    # no dense tensors
     topology = Topology(2, "cpu", ddr_cap=4 * GIB)
     reservation = HeuristicalStorageReservation(percentage=0.25)
     planner = EmbeddingShardingPlanner(topology, 64, None, reservation)  # TorchRec's order
     planner.plan(ebc(100, 64, 2), [EmbeddingBagCollectionSharder()])
     assert planner.stats is not None
-    assert (planner.stats.ddr_budget, planner.stats.hbm_budget) == (3 * GIB, 0)
-    assert reservation.last_reserved_topology == Topology(2, "cpu", ddr_cap=3 * GIB)
-    # a float is the same reservation
+    assert (planner.stats.ddr_budget, planner.stats.hbm_budget) == (3 * GIB - 20_480, 0)
+    assert reservation.last_reserved_topology == Topology(2, "cpu", ddr_cap=3 * GIB - 20_480)
+    assert (reservation._dense_storage, reservation._kjt_storage) == (
+        Storage(0, 0, 0), Storage(0, 20_480, 0))
+    # a float is the same reservation (batch 512: 163,840 bytes of KJTs)
     floats = EmbeddingShardingPlanner(topology, storage_reservation=0.25)
     floats.plan(ebc(100, 64, 2), [EmbeddingBagCollectionSharder()])
-    assert floats.stats is not None and floats.stats.ddr_budget == 3 * GIB
-    with pytest.raises(ValueError, match="percentage 1.0 must be in"):
-        HeuristicalStorageReservation(1.0)
+    assert floats.stats is not None and floats.stats.ddr_budget == 3 * GIB - 163_840
+    with pytest.raises(ValueError, match="percentage 1.5 must be in"):
+        HeuristicalStorageReservation(1.5)
+
+
+def test_heuristical_storage_reservation_counts_dense_tensors_on_the_compute_device() -> None:
+    # a 10 x 10 Linear (110 fp32 parameters, 440 bytes) next to the EBC: TorchRec's 6x
+    # multiplier -> 2,640 bytes of HBM; KJTs: 1 feature x batch 8 x 8 x 20 = 1,280 bytes
+    model = torch.nn.Sequential(ebc(100, 16), torch.nn.Linear(10, 10, device="meta"))
+    reservation = HeuristicalStorageReservation(percentage=0.5)
+    reserved = reservation.reserve(Topology(2, "cuda", hbm_cap=GIB), 8, model,
+                                   [EmbeddingBagCollectionSharder()])
+    assert (reservation._dense_storage, reservation._kjt_storage) == (
+        Storage(2_640, 0, 0), Storage(1_280, 0, 0))
+    assert reserved.hbm_cap == GIB // 2 - 3_920
+    assert reserved.devices[1].storage.hbm == GIB // 2 - 3_920
+    fixed = HeuristicalStorageReservation(0.5, dense_tensor_estimate=100)
+    fixed.reserve(Topology(2, "cuda", hbm_cap=GIB), 8, model, [EmbeddingBagCollectionSharder()])
+    assert fixed._dense_storage == Storage(100, 0, 0)
+    with pytest.raises(PlannerError) as info:  # nothing left: TorchRec's INSUFFICIENT_STORAGE
+        HeuristicalStorageReservation(1.0).reserve(Topology(1, "cuda"), 8, model,
+                                                   [EmbeddingBagCollectionSharder()])
+    assert info.value.error_type is PlannerErrorType.INSUFFICIENT_STORAGE
 
 
 def test_default_batch_size_is_torchrecs_and_timeout_is_checked() -> None:
