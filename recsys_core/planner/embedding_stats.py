@@ -92,11 +92,35 @@ IMBALANCE_STAT_MEASURE = {
 
 
 class EmbeddingStats(Stats):
-    """Logs (and with ``debug`` prints) a per-rank table of the chosen plan: HBM and DDR in GB,
-    estimated ms per step, and shards by sharding type; then the plan's imbalance measures."""
+    """Logs (and with ``debug`` prints) TorchRec's framed summary of the chosen plan in
+    ``_stats_table``: per rank HBM and DDR in GB, estimated ms per step and shards by sharding
+    type; the top HBM usage ("Top HBM Memory Usage Estimation: <GB> GB"), the perf imbalance
+    measures and how many tables had their compute kernel fixed by constraints ("Compute Kernel
+    Constraints:" / "Hardcoded: n, Auto-selected: m").
+
+    This planner's own search hands it its plan through :meth:`defer`: the table is built the
+    first time ``_stats_table`` is read, so planning pays nothing for statistics nobody reads.
+    """
 
     def __init__(self) -> None:
-        self._stats_table: list[str] = []
+        self._table: list[str] = []
+        self._pending: Any = None
+        self._width = 80
+
+    @property
+    def _stats_table(self) -> list[str]:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.log(**pending(), debug=False)
+        return self._table
+
+    @_stats_table.setter
+    def _stats_table(self, value: list[str]) -> None:
+        self._table = value
+
+    def defer(self, inputs: Any) -> None:
+        """Logs ``log(**inputs())`` when ``_stats_table`` is next read."""
+        self._pending = inputs
 
     def log(
         self,
@@ -114,6 +138,7 @@ class EmbeddingStats(Stats):
         debug: bool = True,
         debug_stats: Any = None,
     ) -> None:
+        self._pending = None
         world = topology.world_size
         hbm, ddr, perf = [0] * world, [0] * world, [0.0] * world
         types: list[dict[str, int]] = [{} for _ in range(world)]
@@ -128,20 +153,29 @@ class EmbeddingStats(Stats):
                     perf[shard.rank] += shard.perf.total
                 kind = "".join(w[0].upper() for w in str(so.sharding_type).split("_"))
                 types[shard.rank][kind] = types[shard.rank].get(kind, 0) + 1
-        lines = [
-            f"--- Planner statistics: {num_proposals} proposals, {num_plans} plans, "
-            f"{run_time:.3f} s, batch size {batch_size} ---",
-            f"{'Rank':>4} | {'HBM (GB)':>9} | {'DDR (GB)':>9} | {'Perf (ms)':>10} | Shards",
-        ]
+        rows = [f"{'Rank':>4} | {'HBM (GB)':>9} | {'DDR (GB)':>9} | {'Perf (ms)':>10} | Shards"]
         for rank in range(world):
             shards = ", ".join(f"{k}: {v}" for k, v in sorted(types[rank].items()))
-            lines.append(f"{rank:>4} | {bytes_to_gb(hbm[rank]):>9.3f} | "
-                         f"{bytes_to_gb(ddr[rank]):>9.3f} | {perf[rank]:>10.3f} | {shards}")
+            rows.append(f"{rank:>4} | {bytes_to_gb(hbm[rank]):>9.3f} | "
+                        f"{bytes_to_gb(ddr[rank]):>9.3f} | {perf[rank]:>10.3f} | {shards}")
+        rows.append("")
+        rows.append(f"Top HBM Memory Usage Estimation: {round(bytes_to_gb(max(hbm)), 3)} GB")
         if sum(perf) > 0:
             p = _normalize_float(perf)
-            lines.append("Perf imbalance: " + ", ".join(
+            rows.append("Perf imbalance: " + ", ".join(
                 f"{name} {fn(p, **kw):.3f}" for name, (fn, kw) in IMBALANCE_STAT_MEASURE.items()))
-        self._stats_table = lines
+        fixed = [so for so in best_plan
+                 if constraints and constraints.get(so.name) is not None
+                 and constraints[so.name].compute_kernels]
+        rows += ["", "Compute Kernel Constraints:",
+                 f"   Hardcoded: {len(fixed)}, Auto-selected: {len(best_plan) - len(fixed)}"]
+        width = max(self._width, max(len(r) for r in rows) + 4)
+        title = (f"--- Planner Statistics: {num_proposals} proposals, {num_plans} plans, "
+                 f"{run_time:.3f} s, batch size {batch_size} ---")
+        lines = ["#" * width, f"#{title: ^{width - 2}}#"]
+        lines += [f"# {row: <{width - 3}}#" for row in rows]
+        lines.append("#" * width)
+        self._table = lines
         for line in lines:
             logger.info(line)
         if debug:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,16 @@ from recsys_core.planner.storage_reservations import (
 from recsys_core.planner.table_specs import table_specs
 from recsys_core.planner.topology import Topology
 
+if TYPE_CHECKING:
+    from recsys_core.planner.sharding_option import ShardingOption
+
 DEFAULT_BATCH_SIZE = 512  # TorchRec's BATCH_SIZE: samples per rank per step
+
+
+def _default_stats() -> object:
+    from recsys_core.planner.embedding_stats import EmbeddingStats
+
+    return EmbeddingStats()
 
 class EmbeddingShardingPlanner:
     """Plans how every embedding collection of a model is sharded.
@@ -90,11 +100,13 @@ class EmbeddingShardingPlanner:
             proposer = [proposer]
         if stats is not None and not isinstance(stats, list | tuple):
             stats = [stats]
-        self._enumerator = enumerator
+        self._given_enumerator = enumerator
+        self._given_best_plan: list[ShardingOption] | None = None
         self._proposers = list(proposer) if proposer is not None else None
         self._partitioner = partitioner
         self._perf_model = performance_model
-        self._stats_loggers = list(stats) if stats is not None else None
+        self._stats_given = stats is not None
+        self._stats: list[object] = list(stats) if stats is not None else [_default_stats()]
         self._callbacks = list(callbacks or [])
         self.plan_loader = plan_loader
         # Any TorchRec component selects TorchRec's search with it (planners.search_plan).
@@ -121,7 +133,11 @@ class EmbeddingShardingPlanner:
         self._storage_reservation = storage_reservation
         self._debug = debug
         self._timeout_seconds = timeout_seconds
-        self._stats: PlanStats | None = None
+        self._plan_stats: PlanStats | None = None
+        # What this library's own search last planned, for TorchRec's views of it (built only
+        # when read: _enumerator, _best_plan, the stats loggers' tables).
+        self._own_search: tuple[nn.Module, list[Sharder], Topology, ShardingPlan] | None = None
+        self._own_views: dict[str, object] = {}
 
     # ---- API ------------------------------------------------------------------------------------
     def plan(self, module: nn.Module, sharders: Sequence[Sharder]) -> ShardingPlan:
@@ -153,7 +169,7 @@ class EmbeddingShardingPlanner:
         if dist.get_rank(pg) == 0:
             try:
                 plan = self._plan(module, sharders, topology)
-                payload = [("ok", plan.to_json(), self._stats)]
+                payload = [("ok", plan.to_json(), self._plan_stats)]
             except Exception as exc:  # every rank must leave the broadcast, then raise
                 failure = exc
                 extra = (exc.error_type, exc.shortfall) if isinstance(exc, PlannerError) else None
@@ -165,18 +181,78 @@ class EmbeddingShardingPlanner:
         if status == "error":
             error_type, shortfall = extra or (PlannerErrorType.OTHER, None)
             raise PlannerError(text, error_type, shortfall)
-        self._stats = extra
+        self._plan_stats = extra
         return ShardingPlan.from_json(text)
 
     @property
     def stats(self) -> PlanStats | None:
         """Per-rank estimates of the last plan (None before the first)."""
-        return self._stats
+        return self._plan_stats
 
     def stats_str(self) -> str:
-        if self._stats is None:
+        if self._plan_stats is None:
             return "EmbeddingShardingPlanner: no plan yet (call plan() or collective_plan())"
-        return str(self._stats)
+        return str(self._plan_stats)
+
+    # ---- TorchRec's views of a plan made by this library's search -------------------------------
+    @property
+    def _enumerator(self) -> object | None:
+        """The enumerator (TorchRec's attribute): the one given or TorchRec's default; after this
+        library's own search, a TorchRec :class:`EmbeddingEnumerator` that has enumerated the
+        last planned module (built on first read)."""
+        if self._given_enumerator is not None or self._own_search is None:
+            return self._given_enumerator
+        if "enumerator" not in self._own_views:
+            from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
+
+            module, sharders, topology, _ = self._own_search
+            enumerator = EmbeddingEnumerator(topology, self._batch_size, self._constraints)
+            enumerator.enumerate(module, sharders)
+            self._own_views["enumerator"] = enumerator
+        return self._own_views["enumerator"]
+
+    @_enumerator.setter
+    def _enumerator(self, value: object | None) -> None:
+        self._given_enumerator = value
+
+    @property
+    def _best_plan(self) -> list[ShardingOption] | None:
+        """The chosen plan as TorchRec's sharding options with their ranks (TorchRec's
+        attribute); after this library's own search, its plan matched to the enumerator's
+        options (built on first read)."""
+        if self._given_best_plan is not None or self._own_search is None:
+            return self._given_best_plan
+        if "best_plan" not in self._own_views:
+            from recsys_core.planner.planners import plan_as_sharding_options
+
+            enumerator = self._enumerator
+            space = enumerator.last_stored_search_space  # type: ignore[union-attr]
+            best = plan_as_sharding_options(self._own_search[3], space or [])
+            enumerator.populate_estimates(best)  # type: ignore[union-attr]
+            self._own_views["best_plan"] = best
+        return self._own_views["best_plan"]  # type: ignore[return-value]
+
+    @_best_plan.setter
+    def _best_plan(self, value: list[ShardingOption] | None) -> None:
+        self._given_best_plan = value
+
+    def _own_search_done(self, module: nn.Module, sharders: Sequence[Sharder], topology: Topology,
+                         plan: ShardingPlan, run_time: float) -> None:
+        self._own_search = (module, list(sharders), topology, plan)
+        self._own_views = {}
+        self._num_proposals, self._num_plans = 1, 1
+
+        def inputs() -> dict[str, object]:
+            return dict(sharding_plan=plan, topology=topology, batch_size=self._batch_size,
+                        storage_reservation=self._storage_reservation, num_proposals=1,
+                        num_plans=1, run_time=run_time, best_plan=self._best_plan or [],
+                        constraints=self._constraints, sharders=list(sharders),
+                        enumerator=self._enumerator)
+
+        for stats in self._stats:
+            defer = getattr(stats, "defer", None)
+            if callable(defer):
+                defer(inputs)
 
     def __str__(self) -> str:
         return self.stats_str()
@@ -214,13 +290,14 @@ class EmbeddingShardingPlanner:
                 ssd_budget=ssd_budget,
             )
         plan = build_plan(collections, partition, topology)
-        self._stats = PlanStats.from_partition(
+        self._plan_stats = PlanStats.from_partition(
             partition, topology, hbm_budget, ddr_budget, self._batch_size,
             time.perf_counter() - start, ssd_budget=ssd_budget,
         )
         if self._debug:
             print(plan)
-            print(self._stats)
+            print(self._plan_stats)
+        self._own_search_done(module, sharders, topology, plan, time.perf_counter() - start)
         return plan
 
 
@@ -228,7 +305,6 @@ class EmbeddingShardingPlanner:
     def _components(self, topology: Topology) -> None:
         """TorchRec's default components where none were given (they need the topology)."""
         from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
-        from recsys_core.planner.embedding_stats import EmbeddingStats
         from recsys_core.planner.perf_models import NoopPerfModel
         from recsys_core.planner.perf_partitioners import GreedyPerfPartitioner
         from recsys_core.planner.proposers import (
@@ -246,8 +322,6 @@ class EmbeddingShardingPlanner:
             self._partitioner = GreedyPerfPartitioner()
         if self._perf_model is None:
             self._perf_model = NoopPerfModel(topology)
-        if self._stats_loggers is None:
-            self._stats_loggers = [EmbeddingStats()]
 
     def _search(self, module: nn.Module, sharders: Sequence[Sharder], topology: Topology) -> ShardingPlan:
         from recsys_core.planner.planners import search_plan
@@ -262,7 +336,7 @@ class EmbeddingShardingPlanner:
 
     @property
     def _stats_logger(self) -> object:
-        loggers = self._stats_loggers or []
+        loggers = self._stats
 
         class _All:
             @staticmethod

@@ -75,6 +75,52 @@ def to_sharding_plan(sharding_options: list[ShardingOption], topology: Topology)
     return ShardingPlan(plan)
 
 
+def plan_as_sharding_options(plan: ShardingPlan,
+                             search_space: list[ShardingOption]) -> list[ShardingOption]:
+    """``plan`` as TorchRec's partitioned sharding options, in ``search_space`` order: for each
+    planned table, a copy of its option of the same sharding type, kernel and shard sizes (or,
+    when the enumerator has no such geometry, of the same type and kernel) with the plan's
+    shards, ranks and cache parameters. Estimates are those of the copied option (run the
+    enumerator's ``populate_estimates`` after a geometry change)."""
+    from recsys_core.planner.storage import Shard
+
+    chosen: dict[tuple[str, str], ShardingOption] = {}
+    for so in search_space:
+        ps = plan.plan.get(so.path, {}).get(so.name) if so.path in plan.plan else None
+        if ps is None or (so.path, so.name) in chosen:
+            continue
+        kind = getattr(ps.sharding_type, "value", ps.sharding_type)
+        kernel = getattr(ps.compute_kernel, "value", ps.compute_kernel)
+        if (so.sharding_type, so.compute_kernel) != (kind, kernel):
+            continue
+        ranks = list(ps.ranks or [])
+        if ps.sharding_spec is not None:
+            shards = [Shard(size=list(m.shard_sizes), offset=list(m.shard_offsets), rank=r)
+                      for m, r in zip(ps.sharding_spec.shards, ranks, strict=True)]
+        else:
+            shards = [Shard(size=list(so.tensor.shape), offset=[0, 0], rank=r) for r in ranks]
+        same = [s.size for s in so.shards] == [s.size for s in shards]
+        picked = chosen.get((so.path, so.name + "?"))
+        if not same and picked is not None:
+            continue
+        option = copy.deepcopy(so)
+        if same:
+            for shard, planned in zip(option.shards, shards, strict=True):
+                shard.rank = planned.rank
+        else:
+            option.shards = shards
+        if ps.cache_params is not None:
+            option.cache_params = ps.cache_params
+        chosen[(so.path, so.name + ("" if same else "?"))] = option
+    result = []
+    for so in search_space:
+        exact = chosen.pop((so.path, so.name), None)
+        near = chosen.pop((so.path, so.name + "?"), None)
+        if exact is not None or near is not None:
+            result.append(exact if exact is not None else near)
+    return result
+
+
 def validate_modules_inclusion_in_sharding_plan(
     sharding_plan: ShardingPlan,
     module: nn.Module,
