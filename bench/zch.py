@@ -14,8 +14,9 @@ larger than a table (new ids keep arriving, tables stay full and evict). One JSO
                    every i batches, remap)
   remap_eval       the ManagedCollisionCollection in eval mode (lookups only)
 
-``ms_per_batch`` is the median over ``--repeats`` runs of ``--steps`` batches; ``vs_in_range_ms``
-the difference to ``ebc_in_range``. Every line names the CPU (``lscpu`` model name, AVX-512 /
+``ms_per_batch`` is the median over ``--repeats`` rounds (the cases take turns) of ``--steps``
+batches (at least ``eviction_interval``); ``vs_in_range_ms`` (full steps only) the difference
+to ``ebc_in_range``. Every line names the CPU (``lscpu`` model name, AVX-512 /
 AVX2) and the thread count.
 
 Usage: python bench/zch.py [--zch-size 1000000] [--dim 64] [--eviction-intervals 1,100]
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from recsys_core import EmbeddingBagConfig, KeyedJaggedTensor
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
@@ -103,21 +105,28 @@ def build(args: argparse.Namespace, interval: int, fused: FusedEmbeddingBagColle
     return fused, ManagedCollisionEmbeddingBagCollection(fused, mcc)
 
 
-def timed(args: argparse.Namespace, step: Callable[[int], None], interval: int = 1) -> float:
-    """Median ms per batch over ``repeats`` runs of ``steps`` batches (after warm-up). With
-    table updates every ``interval`` batches, the warm-up lasts at least one update (the tables
-    are full) and each run at least ``interval`` batches (it holds an update)."""
-    warmup, steps = max(args.warmup, interval), max(args.steps, interval)
-    for i in range(warmup):
-        step(i)
-    runs, i = [], warmup
+def timed_rounds(
+    args: argparse.Namespace, cases: dict[str, tuple[Callable[[int], None], int]]
+) -> dict[str, float]:
+    """Median ms per batch of each case over ``repeats`` rounds; the cases take turns within
+    a round, so a busy machine's drift hits them alike. A case whose tables update every
+    ``interval`` batches warms up for at least one update (the tables are full) and runs at
+    least ``interval`` batches per round (each round holds an update)."""
+    counters = dict.fromkeys(cases, 0)
+    for name, (step, interval) in cases.items():
+        for _ in range(max(args.warmup, interval)):
+            step(counters[name])
+            counters[name] += 1
+    runs: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step(i)
-            i += 1
-        runs.append((time.perf_counter() - start) * 1000 / steps)
-    return statistics.median(runs)
+        for name, (step, interval) in cases.items():
+            steps = max(args.steps, interval)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(counters[name])
+                counters[name] += 1
+            runs[name].append((time.perf_counter() - start) * 1000 / steps)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def main() -> None:
@@ -146,13 +155,6 @@ def main() -> None:
         "threads": torch.get_num_threads(), **cpu_info(),
     }
     data = batches(args, 16)
-
-    def emit(case: str, ms: float, **extra: object) -> None:
-        line = {**common, "case": case, "ms_per_batch": round(ms, 3), **extra}
-        if case != "ebc_in_range":
-            line["vs_in_range_ms"] = round(ms - in_range, 3)
-        print(json.dumps(line), flush=True)
-
     fused, _ = build(args, intervals[0], None)
     in_range_data = [
         KeyedJaggedTensor(keys=b.keys(), values=b.values() % args.zch_size, lengths=b.lengths())
@@ -162,32 +164,38 @@ def main() -> None:
     def plain(i: int) -> None:
         fused(in_range_data[i % len(data)]).values().sum().backward()
 
-    in_range = timed(args, plain)
-    emit("ebc_in_range", in_range)
-
     def modulo(i: int) -> None:
         b = data[i % len(data)]
         kjt = KeyedJaggedTensor(keys=b.keys(), values=b.values() % args.zch_size, lengths=b.lengths())
         fused(kjt).values().sum().backward()
 
-    emit("ebc_modulo", timed(args, modulo))
-
+    cases: dict[str, tuple[Callable[[int], None], int]] = {
+        "ebc_in_range": (plain, 1), "ebc_modulo": (modulo, 1),
+    }
     for interval in intervals:
-        _, mc = build(args, interval, fused)
+        mc = build(args, interval, fused)[1]  # the same tables behind a fresh remapping
+        mcc = mc._managed_collision_collection
 
-        def mc_step(i: int, mc: ManagedCollisionEmbeddingBagCollection = mc) -> None:
+        def mc_step(i: int, mc: nn.Module = mc) -> None:
             mc(data[i % len(data)])[0].values().sum().backward()
 
-        emit("mc_ebc", timed(args, mc_step, interval), eviction_interval=interval)
-        mcc = build(args, interval, fused)[1]._managed_collision_collection
-
-        def remap(i: int, mcc: ManagedCollisionCollection = mcc) -> None:
+        def remap(i: int, mcc: nn.Module = mcc) -> None:
             mcc(data[i % len(data)])
 
-        emit("remap", timed(args, remap, interval), eviction_interval=interval)
-        if interval == intervals[-1]:
-            mcc.eval()
-            emit("remap_eval", timed(args, remap), eviction_interval=interval)
+        cases[f"mc_ebc/{interval}"] = (mc_step, interval)
+        cases[f"remap/{interval}"] = (remap, interval)
+    results = timed_rounds(args, cases)
+    mcc.eval()  # the last interval's collection, its tables full: lookups only
+    results[f"remap_eval/{intervals[-1]}"] = timed_rounds(args, {"eval": (remap, 1)})["eval"]
+    in_range = results["ebc_in_range"]
+    for name, ms in results.items():
+        case, _, interval = name.partition("/")
+        line = {**common, "case": case, "ms_per_batch": round(ms, 3)}
+        if interval:
+            line["eviction_interval"] = int(interval)
+        if case in ("ebc_modulo", "mc_ebc"):
+            line["vs_in_range_ms"] = round(ms - in_range, 3)
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
