@@ -11,6 +11,7 @@ import abc
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+import torch.fx
 from torch.utils._pytree import tree_map
 
 W = TypeVar("W")
@@ -53,7 +54,13 @@ class FunctionAwaitable(Awaitable[W]):
         return self._fn()
 
 
-class LazyAwaitable(Awaitable[W]):
+class _LazyAwaitableMeta(abc.ABCMeta, torch.fx._symbolic_trace.ProxyableClassMeta):
+    """ABCMeta (Awaitable's) with fx's ProxyableClassMeta: under ``torch.fx.symbolic_trace``, a
+    LazyAwaitable built from traced values becomes a node of the graph (TorchRec's behaviour),
+    so operators that mix it with proxies trace, and the graph builds and waits for it when run."""
+
+
+class LazyAwaitable(Awaitable[W], metaclass=_LazyAwaitableMeta):
     """An awaitable that waits by itself when used as its result."""
 
     def __getattr__(self, name: str) -> Any:
