@@ -11,7 +11,8 @@ Rules, as TorchRec's:
   ``named_children`` order); a module with a sharder is not descended into.
 - Sharding types: the sharder's, minus ``grid_shard`` unless a constraint names it, minus
   row-wise / table-row-wise / grid for feature-processed bag collections; with constraints
-  naming types, the intersection (a warning when empty).
+  naming types, the intersection (a warning when empty), in the sharder's order (TorchRec's
+  comes from a set, so it changes from run to run).
 - Kernels: the sharder's for that type intersected with the constraint's (default: every
   kernel but the key-value / virtual-table ones); ``key_value`` only with disk on some rank;
   ``dense`` dropped where ``fused`` is offered.
@@ -227,7 +228,7 @@ class EmbeddingEnumerator(Enumerator):
                 filtered = [t for t in filtered if t not in GUARDED_SHARDING_TYPES_FOR_FP_MODULES]
             return filtered
         constrained = [_value(t) for t in c.sharding_types]
-        filtered = list(set(constrained) & set(allowed))
+        filtered = [t for t in allowed if t in constrained]  # the sharder's order (TorchRec: a set's)
         if not filtered:
             logger.warning(
                 f"No available sharding types after applying user provided constraints for "
@@ -247,7 +248,7 @@ class EmbeddingEnumerator(Enumerator):
         else:
             constrained = [k.value for k in EmbeddingComputeKernel
                            if k not in GUARDED_COMPUTE_KERNELS]
-        filtered = list(set(constrained) & set(allowed))
+        filtered = [k for k in allowed if k in constrained]  # the sharder's order (TorchRec: a set's)
         if not self._has_ssd and "key_value" in filtered:
             filtered.remove("key_value")
         if "dense" in filtered and "fused" in filtered:

@@ -53,6 +53,12 @@ def collections_of(
                 "embedding_bag_configs() nor embedding_configs()); plan embedding (bag) "
                 "collections"
             )
+        listed = getattr(sharder, "shardable_parameters", None)
+        if callable(listed):  # TorchRec: a sharder may shard only some tables (shardable_params)
+            names = set(listed(sub))
+            configs = [c for c in configs if c.name in names]
+            if not configs:
+                continue
         found[path] = (sub, sharder, configs)
     return found
 

@@ -276,7 +276,7 @@ class EmbeddingShardingPlanner:
         hbm_budget, ddr_budget = float(reserved.hbm_per_rank), float(reserved.ddr_per_rank)
         # disk is not reserved: dense parameters and activations live in memory
         ssd_budget = float(reserved.ssd_per_rank)
-        reservation = _reserved_fraction(topology, reserved)
+        reservation = _reserved_fraction(topology, reserved, self._storage_reservation)
         specs = {spec.key: spec for spec in tables}
         check_total(specs, options, topology, hbm_budget, ddr_budget, reservation,
                     ssd_budget=ssd_budget)
@@ -366,8 +366,9 @@ class EmbeddingShardingPlanner:
         """A loaded plan must be for these inputs (PLANNER_INPUT_CONTEXT_MISMATCH otherwise)."""
         if loaded_plan_hash is not None and current_planner_hash != loaded_plan_hash:
             raise PlannerError(
-                "Planner input context mismatch: the stored plan was planned for other inputs "
-                f"(hash {loaded_plan_hash}) than this planner's ({current_planner_hash}); "
+                "Planner input context mismatch (planner input mismatch): the stored plan was "
+                f"planned for other inputs (hash {loaded_plan_hash}) than this planner's "
+                f"({current_planner_hash}); "
                 "re-plan, or load a plan made for this model, topology and constraints",
                 PlannerErrorType.PLANNER_INPUT_CONTEXT_MISMATCH)
 
@@ -412,11 +413,18 @@ def plan_for_env(
     return planner.plan(module, sharders)
 
 
-def _reserved_fraction(topology: Topology, reserved: Topology) -> float:
+def _reserved_fraction(topology: Topology, reserved: Topology, reservation: object = None) -> float:
     """The fraction of memory a reservation kept back (for messages): of HBM on CUDA, of host
-    memory on CPU."""
+    memory on CPU; a fixed absolute reservation says its GB per device."""
+    from recsys_core.planner.shortfall import ReservedFraction
+
     full, left = (
         (topology.hbm_per_rank, reserved.hbm_per_rank) if topology.is_cuda
         else (topology.ddr_per_rank, reserved.ddr_per_rank)
     )
-    return 1.0 - left / full if full > 0 else 0.0
+    fraction = 1.0 - left / full if full > 0 else 0.0
+    absolute = getattr(reservation, "_hbm_reserved_bytes", None)
+    if absolute is None:
+        return fraction
+    return ReservedFraction(fraction, f"the storage_reservation of {round(absolute / 1024**3, 3)} "
+                            "GB per device (FixedAbsoluteStorageReservation)")

@@ -247,6 +247,21 @@ def _memory(topology: Topology, hbm: float, ddr: float) -> str:
     return f"HBM {_gib(hbm)} + host {_gib(ddr)}"
 
 
+class ReservedFraction(float):
+    """The fraction of memory a storage reservation kept, with how to describe it (a fixed
+    absolute reservation is stated in GB per device, as TorchRec's message)."""
+
+    text: str = ""
+
+    def __new__(cls, value: float, text: str = "") -> ReservedFraction:
+        self = super().__new__(cls, value)
+        self.text = text
+        return self
+
+    def __reduce__(self) -> tuple[object, tuple[float, str]]:
+        return (ReservedFraction, (float(self), self.text))
+
+
 def _per_rank(kind: str, topology: Topology, reservation: float) -> str:
     """``"3.50 GiB of host memory per rank (...) less the 15% storage_reservation ..."``."""
     hbm, ddr = topology.hbm_per_rank, topology.ddr_per_rank
@@ -254,7 +269,8 @@ def _per_rank(kind: str, topology: Topology, reservation: float) -> str:
     if topology.local_size > 1:
         host = _gib((topology.ddr_cap or 0) * topology.local_size)
         shared = f" ({host} on a host, shared by {topology.local_size} ranks)"
-    reserved = f"the {reservation:.0%} storage_reservation kept for dense parameters and activations"
+    reserved = getattr(reservation, "text", "") or (
+        f"the {reservation:.0%} storage_reservation kept for dense parameters and activations")
     if kind == "disk":
         return f"{_gib(topology.ssd_per_rank)} of disk per rank (no storage_reservation on disk)"
     if kind == "memory (host + disk)":
