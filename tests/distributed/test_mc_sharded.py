@@ -412,3 +412,35 @@ def test_sharder_lists_row_wise_fused_only() -> None:
     assert sharder.compute_kernels("row_wise", "cpu") == ["fused"]
     mc = build_mc({"t0": 8, "t1": 12})
     assert sorted(sharder.shardable_parameters(mc)) == ["t0", "t1"]
+
+
+def unsharded_state_worker(rank: int, world: int) -> None:
+    mc = build_mc({"t0": 32, "t1": 32})
+    for step in range(2):  # the unsharded module hands out rows regardless of input blocks
+        mc(global_batch(world, step))[0].values().sum().backward()
+    sharded = ManagedCollisionEmbeddingBagCollectionSharder().shard(
+        build_mc({"t0": 32, "t1": 32}, seed=5), plan_for(mc, world), env())
+    sharded.load_state_dict(mc.state_dict())
+    mods = mc._managed_collision_collection._managed_collision_modules
+    live = {t: sorted(int(i) for i in m._mch_sorted_raw_ids if i != MAX) for t, m in mods.items()}
+    got = _probe(sharded, live)
+    mc.eval()
+    want = _probe_unsharded(mc, live)
+    _same(got, want, "unsharded state")
+
+
+def _probe_unsharded(mc: nn.Module, live: dict[str, list[int]]) -> dict:
+    n = max(len(v) for v in live.values())
+    f0 = (live["t0"] + [0] * n)[:n]
+    f1 = ([h * 143 % INPUT for h in live["t1"]] + [0] * n)[:n]
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor(f0 + f1),
+                            lengths=torch.tensor([1] * (2 * n) + [0] * n))
+    pooled = mc(kjt)[0]
+    emb = {("t0", i): pooled["f0"][j].detach() for j, i in enumerate(live["t0"])}
+    emb.update({("t1", i): pooled["f1"][j].detach() for j, i in enumerate(live["t1"])})
+    return emb
+
+
+def test_sharded_module_loads_an_unsharded_state_dict() -> None:
+    # each id goes to its input block's rank with its row (15 usable rows a rank: room for all)
+    run_gloo(2, unsharded_state_worker)
