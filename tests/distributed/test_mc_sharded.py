@@ -111,8 +111,19 @@ def hand_worker(rank: int, world: int) -> dict:
             "weight": weight}
 
 
-def test_ids_are_routed_by_input_block_and_remapped_on_their_rank() -> None:
-    r0, r1 = run_gloo(2, hand_worker)
+def small_cases_worker(rank: int, world: int) -> dict:
+    """The small cases share one launch of 2 ranks (each launch costs seconds)."""
+    return {"bag": hand_worker(rank, world), "seq": ec_worker(rank, world),
+            "errors": bad_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def small_cases() -> list[dict]:
+    return run_gloo(2, small_cases_worker)
+
+
+def test_ids_are_routed_by_input_block_and_remapped_on_their_rank(small_cases) -> None:
+    r0, r1 = (r["bag"] for r in small_cases)
     # Rows 0-3 on rank 0 (ids < 500), 4-7 on rank 1; each block is an unsharded zch_size-4
     # module fed the global batch's ids of its block: 10 x2, 20, 30, 40, 50 -> rows 0, 1, 2
     # (ties: smaller id first), 40 and 50 miss (row 3); likewise 510 x2, 520, 530 -> 4, 5, 6.
@@ -279,8 +290,8 @@ def ec_worker(rank: int, world: int) -> dict:
     return rows.tolist()
 
 
-def test_sharded_mc_ec_looks_up_the_remapped_rows() -> None:
-    assert run_gloo(2, ec_worker) == [[0, 5, 0, 2, 7], [4, 1, 4, 6, 3, 3, 7]]
+def test_sharded_mc_ec_looks_up_the_remapped_rows(small_cases) -> None:
+    assert [r["seq"] for r in small_cases] == [[0, 5, 0, 2, 7], [4, 1, 4, 6, 3, 3, 7]]
 
 
 # ---- checkpoints across world sizes ----------------------------------------------------------------
@@ -400,8 +411,8 @@ def bad_worker(rank: int, world: int) -> list[str]:
     return errors
 
 
-def test_bad_plans_and_ids_are_clear_errors() -> None:
-    errors = run_gloo(2, bad_worker)[0]
+def test_bad_plans_and_ids_are_clear_errors(small_cases) -> None:
+    errors = small_cases[0]["errors"]
     assert "'t0' is planned table_wise" in errors[0] and "row_wise only" in errors[0]
     assert "dtype torch.float32" in errors[1] and "'t0'" in errors[1]
 
