@@ -9,6 +9,7 @@ are looked up as bags of one)."""
 from __future__ import annotations
 
 from recsys_core.distributed.sharding.common import LocalKernels
+from recsys_core.plan.types import EmbeddingComputeKernel
 
 GroupedPooledEmbeddingsLookup = LocalKernels
 """A rank's pooled lookups of one strategy (the same class: see the module docstring)."""
@@ -17,4 +18,4 @@ GroupedEmbeddingsLookup = LocalKernels
 """A rank's sequence lookups of one strategy (the same class: see the module docstring)."""
 
 
-__all__ = ["GroupedEmbeddingsLookup", "GroupedPooledEmbeddingsLookup"]
+__all__ = ["EmbeddingComputeKernel", "GroupedEmbeddingsLookup", "GroupedPooledEmbeddingsLookup"]
