@@ -4,6 +4,7 @@ themselves and their configuration are in ``fbgemm_qcomm_codec``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum, unique
 
@@ -39,6 +40,21 @@ class QuantizedCommCodec:
     def create_context(self) -> object | None:
         return None
 
+    def padded_size(
+        self, input_tensor: torch.Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: object
+    ) -> tuple[int, int]:
+        """(padded feature dim, padding) of this rank's (batch, dim) payload; no padding here."""
+        if input_tensor.ndim == 1:
+            return input_tensor.shape[0], 0
+        return input_tensor.shape[1], 0
+
+    @property
+    def collective_support(self) -> str | None:
+        """None when this codec can travel through this library's sharded collectives (which
+        call ``encode`` / ``decode`` without a context and split payloads by element count);
+        otherwise why not."""
+        return None
+
     def is_identity(self) -> bool:
         return type(self) is QuantizedCommCodec
 
@@ -55,3 +71,16 @@ class QuantizedCommCodecs:
 
     def is_identity(self) -> bool:
         return self.forward.is_identity() and self.backward.is_identity()
+
+
+def check_collective_support(registry: Mapping[str, QuantizedCommCodecs] | None) -> None:
+    """Raise (at sharder construction) if a codec of ``registry`` cannot run in the sharded
+    collectives, naming the collective, the direction and the reason."""
+    for op, codecs in (registry or {}).items():
+        for direction in ("forward", "backward"):
+            reason = getattr(getattr(codecs, direction), "collective_support", None)
+            if reason is not None:
+                raise ValueError(
+                    f"qcomm_codecs_registry[{op!r}].{direction}: {reason} Use FP32, FP16 or BF16 "
+                    f"for the sharded collectives."
+                )

@@ -30,9 +30,11 @@ from recsys_core.distributed.fbgemm_qcomm_codec import (
     CastCommCodec,
     CommType,
     QCommsConfig,
+    get_qcomm_codecs,
     get_qcomm_codecs_registry,
 )
 from recsys_core.distributed.types import CommOp, QuantizedCommCodecs
+from recsys_core.kernels import quant_comm
 from recsys_core.testing import run_gloo
 from tests.distributed.test_sharded_ebc import concat, global_batch
 
@@ -73,14 +75,120 @@ def test_registry_keys_defaults_and_validation() -> None:
     assert only["POOLED_EMBEDDINGS_ALL_TO_ALL"].backward.quantized_dtype == torch.float32
     assert QuantizedCommCodecs().is_identity()
     assert str(CommType.BF16) == "bf16"
-    with pytest.raises(NotImplementedError, match="fp8"):
-        QCommsConfig(forward_precision=CommType.FP8)
+    assert QCommsConfig(backward_precision=CommType.FP8, fp8_quantize_dim=8).fp8_quantize_dim_bwd == 8
+    with pytest.raises(ValueError, match="positive int"):
+        QCommsConfig(forward_precision=CommType.FP8, fp8_quantize_dim=0)
     with pytest.raises(ValueError, match="fp8_quantize_dim"):
         QCommsConfig(forward_precision=CommType.BF16, fp8_quantize_dim=4)
     with pytest.raises(ValueError, match="not one of"):
         QCommsConfig(backward_precision="bf17")
     with pytest.raises(ValueError, match="positive"):
         QCommsConfig(forward_precision=CommType.FP16, forward_loss_scale=0.0)
+
+
+def test_int8_rowwise_hand_computed_on_fbgemm_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0],      # range 3: inverse 255 / (3 + 1e-8) = 85 in fp32
+                      [-1.0, 0.5, 1.0, 2.0],     # (0.5 + 1) * 85 = 127.5: a tie, to even 128
+                      [0.0, 2.5, 3.5, 255.0]])   # inverse 1: 2.5 -> 2, 3.5 -> 4 (ties to even)
+    want_codes = [[0, 85, 170, 255], [0, 128, 170, 255], [0, 2, 4, 255]]
+    want_scale = torch.tensor([3.0, 3.0, 255.0]) / 255.0
+    want_bias = [0.0, -1.0, 0.0]
+    codec = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.INT8)).forward
+    for fbgemm in (True, False):
+        if not fbgemm:
+            monkeypatch.setattr(quant_comm, "fbgemm_available", lambda: False)
+        ctx = codec.create_context()
+        assert ctx.row_dim == 32  # FBGEMM's default block
+        ctx.row_dim = 4
+        q = codec.encode(x, ctx).view(3, 12)
+        assert ctx.row_dim_quant == 12 and q.dtype == torch.uint8
+        assert q[:, :4].tolist() == want_codes
+        floats = q[:, 4:].contiguous().view(torch.float32)
+        assert torch.equal(floats[:, 0], want_scale) and floats[:, 1].tolist() == want_bias
+        got = codec.decode(q.view(-1), ctx).view(3, 4)
+        want = torch.tensor(want_codes).float() * want_scale[:, None] + torch.tensor(want_bias)[:, None]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_hfp8_values_and_fallback_parity(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.FP8)).forward
+    assert codec.create_context().row_dim == -1  # no row dim: hfp8, one byte per element
+    x = torch.tensor([[0.5, 1.0, -3.0, 2.0**-17, 2.0**-18, 2.0**-14, float("nan"), -0.0]])
+    # 1-4-3, bias 15: max 0.9375 (clamped, NaN too), smallest subnormal 2^-17 (2^-18 ties to 0)
+    want = [0.5, 0.9375, -0.9375, 2.0**-17, 0.0, 2.0**-14, 0.9375, -0.0]
+    q = codec.encode(x)
+    assert q.dtype == torch.uint8 and q.shape == x.shape
+    assert codec.decode(q).tolist() == [want]
+    assert q[0, 1].item() == 0b0_1110_111 and q[0, 7].item() == 0b1000_0000
+    # the pure-torch encoder and decoder equal FBGEMM's on every code and every midpoint
+    codes = torch.arange(256, dtype=torch.uint8)
+    for ebits, bias, max_pos in (quant_comm.HFP8_FWD, quant_comm.HFP8_BWD):
+        grid = quant_comm._hfp8_decode_torch(codes, ebits, bias)
+        probe = torch.cat([grid, (grid[:-1] + grid[1:]) / 2, torch.randn(4000) * 0.1])
+        assert torch.equal(quant_comm.hfp8_decode(codes, ebits, bias), grid)
+        assert torch.equal(quant_comm.hfp8_encode(probe, ebits, bias, max_pos),
+                           quant_comm._hfp8_encode_torch(probe, ebits, bias, max_pos))
+
+
+@pytest.mark.parametrize("precision, row_dim", [(CommType.FP8, None), (CommType.FP8, 8),
+                                                (CommType.FP8, 6), (CommType.INT8, None)])
+def test_fp8_int8_round_trips_and_sizes(precision: CommType, row_dim: int | None) -> None:
+    torch.manual_seed(0)
+    x = torch.rand(12, 16)
+    codecs = get_qcomm_codecs(QCommsConfig(forward_precision=precision, backward_precision=precision,
+                                           fp8_quantize_dim=row_dim))
+    for codec, tol in ((codecs.forward, 0.05), (codecs.backward, 0.1)):
+        ctx = codec.create_context()
+        q = codec.encode(x, ctx)
+        assert q.numel() == codec.calc_quantized_size(x.numel(), ctx)
+        got = codec.decode(q, ctx).view(x.shape)
+        # TorchRec's FP8 tolerance; backward FP8 row-wise is 1-5-2 (one mantissa bit fewer)
+        torch.testing.assert_close(got, x, atol=tol, rtol=tol)
+    if row_dim == 6:
+        assert codecs.forward.calc_quantized_size(12, codecs.forward.create_context()) == 2 * 16
+        with pytest.raises(RuntimeError, match="multiple of row dim 6"):
+            codecs.forward.calc_quantized_size(13, codecs.forward.create_context())
+
+
+def test_fp8_rowwise_scale_and_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.FP8, fp8_quantize_dim=4)).forward
+    x = torch.tensor([1.0, -2.0, 0.5, 0.25])  # scale = 0.9375 / 2: every value exact in 1-4-3
+    ctx = codec.create_context()
+    q = codec.encode(x, ctx)
+    assert q.numel() == 12 and q[4:8].view(torch.float32).item() == 0.9375 / 2
+    assert torch.equal(codec.decode(q, ctx), x)
+    payload = torch.zeros(3, 10)
+    monkeypatch.setenv("TORCHREC_ENABLE_FP8_ROWWISE_PADDING", "1")
+    assert codec.padded_size(payload, [10, 3], 0, ctx) == (12, 2)
+    assert ctx.padded_dim_sum_per_rank == [12, 4]
+    monkeypatch.setenv("TORCHREC_ENABLE_FP8_ROWWISE_PADDING", "0")
+    assert codec.padded_size(payload, [10, 3], 0, codec.create_context()) == (10, 0)
+
+
+def test_mx4_round_trip_and_size() -> None:
+    if not quant_comm.fbgemm_available():
+        pytest.skip("MX4 uses fbgemm_gpu's reference implementation")
+    codec = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.MX4)).forward
+    ctx = codec.create_context()
+    x = torch.rand(4, 64) * 2 - 1
+    q = codec.encode(x, ctx)
+    assert q.numel() == codec.calc_quantized_size(x.numel(), ctx) == 4 * 64 // 2 + 4 * 64 // 32
+    torch.testing.assert_close(codec.decode(q, ctx).view(4, 64), x, atol=0.15, rtol=0.1)
+
+
+def test_sharders_refuse_byte_codecs_and_reduce_scatter_falls_back() -> None:
+    registry = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType.FP8, backward_precision=CommType.FP8))
+    assert registry is not None
+    rs = registry["POOLED_EMBEDDINGS_REDUCE_SCATTER"]  # TorchRec's fallback for a reduction
+    assert (rs.forward.quantized_dtype, rs.backward.quantized_dtype) == (torch.float16, torch.bfloat16)
+    with pytest.raises(ValueError, match="POOLED_EMBEDDINGS_ALL_TO_ALL.*fp8 payloads"):
+        EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)
+    sharder = EmbeddingBagCollectionSharder()
+    with pytest.raises(ValueError, match="int8"):
+        sharder.qcomm_codecs_registry = get_qcomm_codecs_registry(
+            QCommsConfig(backward_precision=CommType.INT8))
+    assert sharder.qcomm_codecs_registry is None
 
 
 # -- sharded, over gloo ------------------------------------------------------------------------
