@@ -27,6 +27,7 @@ from recsys_core.distributed.qcomm_types import (
     NoOpQuantizedCommCodec,
     QuantizedCommCodec,
     QuantizedCommCodecs,
+    check_collective_support,
 )
 from recsys_core.plan.env import ShardingEnv
 from recsys_core.plan.params import BoundsCheckMode, CacheAlgorithm, CacheParams, KeyValueParams
@@ -169,6 +170,7 @@ class ModuleSharder(abc.ABC, Generic[M]):
     ``DistributedModelParallel`` calls ``shard``."""
 
     def __init__(self, qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None) -> None:
+        check_collective_support(qcomm_codecs_registry)
         self._qcomm_codecs_registry = qcomm_codecs_registry
 
     @abc.abstractmethod
@@ -191,6 +193,7 @@ class ModuleSharder(abc.ABC, Generic[M]):
 
     @qcomm_codecs_registry.setter
     def qcomm_codecs_registry(self, value: Mapping[str, QuantizedCommCodecs] | None) -> None:
+        check_collective_support(value)
         self._qcomm_codecs_registry = value
 
     def shardable_parameters(self, module: M) -> dict[str, nn.Parameter]:
