@@ -59,23 +59,30 @@ _DTYPE_BITS = {"FP32": 32, "FP16": 16, "BF16": 16, "INT8": 8, "UINT8": 8, "INT4"
 
 def _validate_io_sizes(input_sizes: Sequence[float], output_sizes: Sequence[float],
                        sharding_type: str) -> None:
+    """AssertionError naming the first NaN ("NaN detected in input_sizes[i]") or negative
+    ("Negative value detected in output_sizes[i]=v") size, as TorchRec's."""
     for what, sizes in (("input_sizes", input_sizes), ("output_sizes", output_sizes)):
         for i, size in enumerate(sizes):
-            if math.isnan(size) or size < 0:
+            problem = (f"NaN detected in {what}[{i}]" if math.isnan(size) else
+                       f"Negative value detected in {what}[{i}]={size}" if size < 0 else None)
+            if problem is not None:
                 raise AssertionError(
-                    f"[TorchRec Planner] NaN or negative value in {what}[{i}]={size} for "
-                    f"sharding_type={sharding_type}. input_sizes={input_sizes}, "
-                    f"output_sizes={output_sizes}")
+                    f"[TorchRec Planner] {problem} for sharding_type={sharding_type}. "
+                    f"input_sizes={input_sizes}, output_sizes={output_sizes}")
 
 
 def _validate_perf(perf: Perf, table_name: str, sharding_type: str) -> None:
+    """AssertionError naming the first NaN or negative field of ``perf``, in TorchRec's order
+    and words."""
     for name in ("fwd_compute", "fwd_comms", "bwd_compute", "bwd_comms", "input_dist_comms",
                  "prefetch_compute"):
         value = getattr(perf, name)
-        if math.isnan(value) or value < 0:
+        problem = (f"NaN detected in Perf.{name}" if math.isnan(value) else
+                   f"Negative value detected in Perf.{name}={value}" if value < 0 else None)
+        if problem is not None:
             raise AssertionError(
-                f"[TorchRec Planner] NaN or negative value in Perf.{name}={value} for "
-                f"table={table_name}, sharding_type={sharding_type}. perf={perf}")
+                f"[TorchRec Planner] {problem} for table={table_name}, "
+                f"sharding_type={sharding_type}. perf={perf}")
 
 
 def _batch_io(batch_sizes: list[int], input_lengths: list[float], num_poolings: list[float],
