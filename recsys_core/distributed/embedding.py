@@ -132,6 +132,7 @@ class ShardedEmbeddingCollection(nn.Module):
             supported=SUPPORTED_SHARDING_TYPES, families=(_TW_FAMILY, (ShardingType.ROW_WISE,)),
         )
         self._core = ShardedCollectionCore(spec, plan, env, ctx, sequence_strategy_factory(env))
+        self.embeddings = self._core.table_parameters()  # before lookups: names as TorchRec
         self.lookups = self._core.lookups
         self._need_indices = module.need_indices()
         self._core.register_state_hooks(self)

@@ -169,6 +169,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             variable_batch=True,
         )
         self._core = ShardedCollectionCore(spec, plan, env, ctx, pooled_strategy_factory(env))
+        self.embedding_bags = self._core.table_parameters()  # before lookups: names as TorchRec
         self.lookups = self._core.lookups
         self._embedding_names = self._core.embedding_names
         self._dims = [t.config.embedding_dim for t in self._core.tables for _ in t.embedding_names]

@@ -162,7 +162,9 @@ class DistributedModelParallel(nn.Module):
         # replicas of data-parallel DENSE tables train like the dense part: DDP averages them
         replicas = {id(p) for p in data_parallel_parameters(module)}
         ignore = [
-            name for name, t in list(module.named_parameters()) + list(module.named_buffers())
+            # every alias (a table weight is registered under its table name and its kernel)
+            name for name, t in list(module.named_parameters(remove_duplicate=False))
+            + list(module.named_buffers(remove_duplicate=False))
             if any(name == p or name.startswith(p + ".") or not p for p in self._sharded_paths)
             and id(t) not in replicas
         ]
@@ -212,8 +214,18 @@ class DistributedModelParallel(nn.Module):
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(  # type: ignore[override]
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str | bool = "",
+        strict: bool = True,
+        assign: bool = False,
     ) -> Any:
+        """Load a state dict whose keys start with ``prefix`` (TorchRec's second argument, as
+        written by ``state_dict(prefix=...)``); a bool there is read as torch's ``strict``."""
+        if isinstance(prefix, bool):
+            prefix, strict = "", prefix
+        if prefix:
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         return self.module.load_state_dict(dict(state_dict), strict=strict, assign=assign)
 
     def named_parameters(  # type: ignore[override]

@@ -162,17 +162,24 @@ class ShardedCollectionCore:
     # ---- optimizer and state -----------------------------------------------------------------
     def _build_optimizer(self) -> ShardedFusedOptimizer:
         optims, kernels = [], []
+        self.shard_parameters: dict[str, list[nn.Parameter]] = {}
+        """Each table's local shard weights as parameters (see :func:`table_parameters`)."""
         for local in self.lookups:
             for kernel, shards in zip(local.kernels, local.kernel_shards, strict=True):
                 if isinstance(kernel, DenseTableBatchedEmbedding):
-                    continue  # stepped by an optimizer outside the module
+                    # stepped by an optimizer outside the module
+                    for sh, weight in zip(shards, kernel.weights, strict=True):
+                        self.shard_parameters.setdefault(sh.table, []).append(weight)
+                    continue
                 params: dict[str, nn.Parameter] = {}
                 for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
-                    # Not registered on the module: the kernel owns the storage and updates it
-                    # in backward, so DDP (or a dense optimizer) must never see these weights;
-                    # the state dict exposes whole tables instead.
+                    # The kernel owns the storage and updates it in backward: tagged with their
+                    # in-backward optimizer, DDP and dense optimizers leave these weights alone
+                    # (TorchRec's in_backward_optimizer_filter); the state dict exposes whole
+                    # tables instead.
                     name = f"{self.spec.state_prefix}.{sh.table}.weight[{sh.row_offset}:,{sh.col_offset}:]"
                     params[name] = nn.Parameter(view[: sh.rows])
+                    self.shard_parameters.setdefault(sh.table, []).append(params[name])
                 optim = EmbeddingFusedOptimizer(kernel, params, [sh.table for sh in shards])
                 for weight in params.values():
                     weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
@@ -182,6 +189,17 @@ class ShardedCollectionCore:
             CombinedOptimizer(optims), self.tables, self.table_shards, self.env,
             self.ctx.optimizer, kernels, self.spec.state_prefix,
         )
+
+    def table_parameters(self) -> nn.ModuleDict:
+        """``<table>.weight`` for each table with one shard on this rank (TorchRec's parameter
+        names: a sharded module registers this as ``embedding_bags`` / ``embeddings``, so
+        ``named_parameters()`` and ``state_dict()`` name a table alike). Fused shards carry
+        their in-backward optimizer; DENSE shards are the kernel's parameters. Saving and
+        loading go through the whole-table state dict entries, not through these."""
+        return nn.ModuleDict({
+            name: _TableWeight(params[0])
+            for name, params in self.shard_parameters.items() if len(params) == 1
+        })
 
     def table_shards(self) -> dict[str, list[LocalShard]]:
         """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
@@ -291,6 +309,20 @@ class ShardedCollectionCore:
         """Every strategy's received input (after the id check's verdict)."""
         inputs.id_check.result()
         return [a.wait() for a in inputs]
+
+
+class _TableWeight(nn.Module):
+    """Holds one table's local weight as ``weight`` (its state is saved by the collection)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        return None
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def _check_plan(

@@ -143,14 +143,11 @@ def test_default_sharders_and_refusals() -> None:
     assert list(ebc_sharder.shardable_parameters(_ebc(2))) == ["t0", "t1"]
     with pytest.raises(ValueError, match="DMPCollection .* is not implemented"):
         DMPCollection(nn.Linear(1, 1))
-    from recsys_core.distributed.mc_embeddingbag import (
-        ManagedCollisionEmbeddingBagCollectionSharder,
-    )
+    from recsys_core.distributed.embedding_tower_sharding import EmbeddingTowerSharder
 
-    mc = ManagedCollisionEmbeddingBagCollectionSharder()
-    assert mc.sharding_types("cpu") == ["row_wise"]
-    with pytest.raises(ValueError, match="managed collisions .* is not implemented"):
-        mc.shard(nn.Linear(1, 1), EmbeddingModuleShardingPlan(), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sharding an EmbeddingTower .* is not implemented"):
+        EmbeddingTowerSharder().shard(
+            nn.Linear(1, 1), EmbeddingModuleShardingPlan(), None)  # type: ignore[arg-type]
 
 
 def _fp_model(device: str = "cpu") -> FeatureProcessedEmbeddingBagCollection:
