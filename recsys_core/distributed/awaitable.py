@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch.fx
-from torch.utils._pytree import tree_map
+from torch.fx import _symbolic_trace
+from torch.utils._pytree import tree_leaves, tree_map
 
 W = TypeVar("W")
 R = TypeVar("R")
@@ -54,10 +55,18 @@ class FunctionAwaitable(Awaitable[W]):
         return self._fn()
 
 
-class _LazyAwaitableMeta(abc.ABCMeta, torch.fx._symbolic_trace.ProxyableClassMeta):
-    """ABCMeta (Awaitable's) with fx's ProxyableClassMeta: under ``torch.fx.symbolic_trace``, a
-    LazyAwaitable built from traced values becomes a node of the graph (TorchRec's behaviour),
-    so operators that mix it with proxies trace, and the graph builds and waits for it when run."""
+class _LazyAwaitableMeta(abc.ABCMeta):
+    """Under ``torch.fx.symbolic_trace``, a LazyAwaitable built from traced values becomes a node
+    of the graph (what fx's ProxyableClassMeta does for TorchRec's), so operators that mix it with
+    proxies trace, and the graph builds and waits for it when run. Outside tracing: a plain
+    construction (no check beyond one flag, and none of fx's is_fx_tracing warning)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if _symbolic_trace.is_fx_symbolic_tracing():
+            proxies = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.fx.Proxy)]
+            if proxies:
+                return proxies[0].tracer.create_proxy("call_function", cls, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
 
 class LazyAwaitable(Awaitable[W], metaclass=_LazyAwaitableMeta):

@@ -69,15 +69,16 @@ def get_default_sharders() -> list[ModuleSharder[nn.Module]]:
 
 
 def get_executable_default_sharders() -> list[ModuleSharder[nn.Module]]:
-    """The default sharders this library executes (``DistributedModelParallel``'s default):
-    :func:`get_default_sharders` without the managed-collision ones, so that a model's
-    managed-collision modules stay unsharded (data-parallel) instead of failing."""
+    """The default sharders this library executes (``DistributedModelParallel``'s default),
+    managed-collision collections included (row-wise, the fused kernel)."""
     return [
         EmbeddingBagCollectionSharder(),
         FeatureProcessedEmbeddingBagCollectionSharder(),
         EmbeddingCollectionSharder(),
         FusedEmbeddingBagCollectionSharder(),
         QuantEmbeddingBagCollectionSharder(),
+        ManagedCollisionEmbeddingBagCollectionSharder(),
+        ManagedCollisionEmbeddingCollectionSharder(),
     ]
 
 

@@ -174,6 +174,10 @@ class ManagedCollisionEmbeddingCollection(BaseManagedCollisionEmbeddingCollectio
     def _embedding_collection(self) -> nn.Module:
         return self._embedding_module
 
+    def embedding_configs(self) -> list[BaseEmbeddingConfig]:
+        """The tables of the collection behind the remapping (what plans and planners read)."""
+        return list(self._embedding_module.embedding_configs())
+
 
 class ManagedCollisionEmbeddingBagCollection(BaseManagedCollisionEmbeddingCollection):
     """Managed collisions in front of an EmbeddingBagCollection (pooled)."""
@@ -195,3 +199,7 @@ class ManagedCollisionEmbeddingBagCollection(BaseManagedCollisionEmbeddingCollec
     @property
     def _embedding_bag_collection(self) -> nn.Module:
         return self._embedding_module
+
+    def embedding_bag_configs(self) -> list[BaseEmbeddingConfig]:
+        """The tables of the collection behind the remapping (what plans and planners read)."""
+        return list(self._embedding_module.embedding_bag_configs())

@@ -455,3 +455,30 @@ def _probe_unsharded(mc: nn.Module, live: dict[str, list[int]]) -> dict:
 def test_sharded_module_loads_an_unsharded_state_dict() -> None:
     # each id goes to its input block's rank with its row (15 usable rows a rank: room for all)
     run_gloo(2, unsharded_state_worker)
+
+
+# ---- DistributedModelParallel's defaults ----------------------------------------------------------
+def dmp_default_worker(rank: int, world: int) -> list[float]:
+    cfg = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=8, feature_names=["f0"])]
+    torch.manual_seed(0)
+    mc = ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=cfg),
+        ManagedCollisionCollection({"t0": MCHManagedCollisionModule(
+            zch_size=8, device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
+            eviction_interval=1, input_hash_size=INPUT)}, cfg))
+    explicit = ManagedCollisionEmbeddingBagCollectionSharder()
+    dmp = DistributedModelParallel(nn.ModuleDict({"mc": mc}))  # default sharders and planner
+    sharded = dmp.module["mc"]
+    assert isinstance(sharded, ShardedManagedCollisionEmbeddingBagCollection)
+    (ps,) = dmp.plan.plan["mc"].values()
+    assert ps.sharding_type == "row_wise" and ps.ranks == [0, 1]
+    assert "row_wise" in explicit.sharding_types("cpu")
+    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([10, 520, 10]), lengths=torch.tensor([2, 1]))
+    pooled, _ = sharded(kjt)
+    return pooled.wait().values().sum(dim=1).tolist()
+
+
+def test_dmp_default_sharders_plan_and_shard_mc_collections() -> None:
+    # both ranks feed the same ids: id 10 twice and 520 once, the same rows on both
+    first, second = run_gloo(2, dmp_default_worker)
+    assert first == second
