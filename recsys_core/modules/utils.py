@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from recsys_core.modules.hash_mc_modules import make_hash_zch_buckets_non_persistent
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
 ModuleOrTensorFn = nn.Module | Callable[[torch.Tensor], torch.Tensor]
@@ -230,4 +231,5 @@ __all__ = [
     "extract_module_or_tensor_callable",
     "get_module_output_dimension",
     "init_mlp_weights_xavier_uniform",
+    "make_hash_zch_buckets_non_persistent",
 ]
