@@ -366,9 +366,49 @@ class EmbeddingStorageEstimator(ShardEstimator):
 
 
 class EmbeddingPerfEstimator(ShardEstimator):
-    """Sets each shard's ``perf`` with this library's cost model (module docstring). Works on
-    sharding options listed by this library's :class:`EmbeddingEnumerator` (they carry the
-    table's traffic); others are left as they are."""
+    """Sets each shard's ``perf`` by TorchRec's formulas (``torchrec_perf.py``), with a
+    ``HardwarePerfConfig`` (default: TorchRec's OSS coefficients). ``sharder_data_map`` is
+    keyed by the options' ``module_type_key``."""
+
+    def __init__(
+        self, topology: Topology, constraints: dict[str, Any] | None = None,
+        is_inference: bool = False, config: Any = None,
+    ) -> None:
+        from recsys_core.planner.torchrec_perf import HardwarePerfConfig
+
+        self._topology = topology
+        self._constraints = constraints
+        self._is_inference = is_inference
+        self._config = config if config is not None else HardwarePerfConfig()
+
+    @property
+    def config(self) -> Any:
+        return self._config
+
+    @property
+    def is_inference(self) -> bool:
+        return self._is_inference
+
+    def estimate(
+        self, sharding_options: list[ShardingOption], sharder_data_map: SharderDataMap | None = None
+    ) -> None:
+        from recsys_core.planner.interfaces import SharderData
+        from recsys_core.planner.torchrec_perf import shard_perfs
+
+        plain = SharderData(fused_params={}, qcomm_dtype_sizes={}, storage_usage_type=None)
+        for so in sharding_options:
+            data = (sharder_data_map or {}).get(so.module_type_key, plain)
+            perfs = shard_perfs(so, self._topology, self._constraints, data, self._config,
+                                self._is_inference)
+            for shard, perf in zip(so.shards, perfs, strict=True):
+                _validate_perf(perf, so.name, so.sharding_type)
+                shard.perf = perf
+
+
+class CalibratedPerfEstimator(ShardEstimator):
+    """Sets each shard's ``perf`` with this library's calibrated cost model (what its own
+    search ranks layouts by: ``estimators.py``), split into TorchRec's phases. Registered with
+    ``EmbeddingPerfEstimatorFactory`` as ``"recsys_core"``."""
 
     def __init__(
         self, topology: Topology, constraints: dict[str, Any] | None = None,

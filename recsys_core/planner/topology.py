@@ -11,7 +11,11 @@ from dataclasses import KW_ONLY, dataclass, field
 import torch
 
 from recsys_core.planner.constants import (
+    CROSS_NODE_BANDWIDTH,
+    DDR_MEM_BW,
+    HBM_MEM_BW,
     HBM_TO_DDR_MEM_BW,
+    INTRA_NODE_BANDWIDTH,
     SSD_MEM_BW,
     WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER,
 )
@@ -86,10 +90,11 @@ class Topology:
     pod_size: int | None = None
     """TorchRec's hosts per NVLink domain (at most world_size): sets ``intra_group_size`` for
     TorchRec's estimators and partitioners; this planner's own search models hosts only."""
-    hbm_mem_bw: float = DEFAULT_HBM_MEM_BW
-    """Bytes per ms a rank's lookups read from HBM."""
-    ddr_mem_bw: float = DEFAULT_DDR_MEM_BW
-    """Bytes per ms a rank's lookups read from host memory (CPU kernels and UVM)."""
+    hbm_mem_bw: float = None  # type: ignore[assignment]
+    """Bytes per ms a rank's lookups read from HBM (None: 897 GB/s)."""
+    ddr_mem_bw: float = None  # type: ignore[assignment]
+    """Bytes per ms a rank's lookups read from host memory, CPU kernels and UVM (None: 51 GB/s).
+    """
     ssd_mem_bw: float | None = None
     """Bytes per ms a rank moves between its cache and the disk tier (None: on CPU 0.16 GB/s,
     ``DEFAULT_SSD_MEM_BW``; on CUDA TorchRec's SSD_MEM_BW, read by its estimators only)."""
@@ -99,8 +104,8 @@ class Topology:
     intra_host_bw: float | None = None
     """Bytes per ms a rank sends to ranks of its host (None: 600 GB/s NVLink on CUDA, 1 GB/s
     over gloo on CPU)."""
-    inter_host_bw: float = DEFAULT_INTER_HOST_BW
-    """Bytes per ms a rank sends to other hosts."""
+    inter_host_bw: float = None  # type: ignore[assignment]
+    """Bytes per ms a rank sends to other hosts (None: 12.5 GB/s)."""
     bwd_compute_multiplier: float = DEFAULT_BWD_COMPUTE_MULTIPLIER
     """Backward lookup traffic as a multiple of the forward's (TorchRec's default 2)."""
     custom_topology_data: CustomTopologyData | None = field(default=None, compare=False)
@@ -143,11 +148,30 @@ class Topology:
                 f"Topology: pod_size={self.pod_size} cannot be greater than world_size="
                 f"{self.world_size}"
             )
+        # TorchRec's estimators read TorchRec's constants where a bandwidth was left out (they
+        # are in GiB/s, this planner's calibrated defaults in GB/s, and gloo's 1 GB/s on CPU).
+        # A value equal to this planner's default counts as left out (dataclasses.replace
+        # passes the resolved defaults back in).
+        torchrec_bw = {
+            "hbm_mem_bw": HBM_MEM_BW, "ddr_mem_bw": DDR_MEM_BW,
+            "intra_host_bw": INTRA_NODE_BANDWIDTH, "inter_host_bw": CROSS_NODE_BANDWIDTH,
+        }
+        for name, ours in (("hbm_mem_bw", DEFAULT_HBM_MEM_BW), ("ddr_mem_bw", DEFAULT_DDR_MEM_BW),
+                           ("inter_host_bw", DEFAULT_INTER_HOST_BW)):
+            if getattr(self, name) is None or getattr(self, name) == ours:
+                object.__setattr__(self, name, ours)
+            else:
+                torchrec_bw[name] = getattr(self, name)
+        if self.intra_host_bw not in (None, DEFAULT_CUDA_INTRA_HOST_BW, DEFAULT_CPU_INTRA_HOST_BW):
+            torchrec_bw["intra_host_bw"] = self.intra_host_bw
+        object.__setattr__(self, "_torchrec_bw", torchrec_bw)
         if self.hbm_to_ddr_mem_bw is None:
             object.__setattr__(self, "hbm_to_ddr_mem_bw", HBM_TO_DDR_MEM_BW)
         if self.generalized_comms_bandwidths is not None:
             object.__setattr__(self, "intra_host_bw", self.generalized_comms_bandwidths.intra_host_bw)
             object.__setattr__(self, "inter_host_bw", self.generalized_comms_bandwidths.inter_host_bw)
+            self._torchrec_bw.update(intra_host_bw=self.intra_host_bw,
+                                     inter_host_bw=self.inter_host_bw)
         if device != "cpu" and self.ssd_mem_bw is None:
             # Read by TorchRec's key-value estimators only: on CUDA this planner's cached tables
             # live in host memory (ddr_cap), so its own search ignores the disk tier there.
@@ -205,6 +229,20 @@ class Topology:
             return self.generalized_comms_bandwidths
         return BasicCommsBandwidths(inter_host_bw=self.inter_host_bw,
                                     intra_host_bw=float(self.intra_host_bw or 0))
+
+    def torchrec_bw(self, name: str) -> float:
+        """The bandwidth ``name`` (hbm_mem_bw, ddr_mem_bw, intra_host_bw, inter_host_bw) that
+        TorchRec's estimators read: the value given, else TorchRec's constant."""
+        return float(self._torchrec_bw[name])  # type: ignore[attr-defined]
+
+    @property
+    def torchrec_comms_bandwidths(self) -> GeneralizedCommsBandwidth:
+        """The collective bandwidth model of TorchRec's estimators (TorchRec's constants for
+        the bandwidths left out)."""
+        if self.generalized_comms_bandwidths is not None:
+            return self.generalized_comms_bandwidths
+        return BasicCommsBandwidths(inter_host_bw=self.torchrec_bw("inter_host_bw"),
+                                    intra_host_bw=self.torchrec_bw("intra_host_bw"))
 
     @property
     def num_hosts(self) -> int:

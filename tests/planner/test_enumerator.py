@@ -17,9 +17,6 @@ from recsys_core.planner import (
     Topology,
 )
 
-GB_PER_MS = 1e9 / 1000  # the CPU topology's 1 GB/s gloo link, in bytes per ms
-DDR_PER_MS = 51e9 / 1000
-
 
 def options(constraints: dict | None = None) -> list[ShardingOption]:
     model = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
@@ -37,19 +34,23 @@ def test_table_wise_option_by_hand() -> None:
     # feature_names come from constraints only (TorchRec's enumerator)
     assert (tw.input_lengths, tw.batch_size, tw.is_pooled, tw.feature_names) == ([1.0], 4, True, None)
     assert tw.tensor.shape == (100, 8) and tw.tensor.device.type == "meta"
-    # 2 ranks x 4 samples: 8 ids (8 B each) and 8 lengths (8 B) in; 8 pooled rows of 8 fp32 out
-    weights, ids, lengths, outputs = 100 * 8 * 4, 8 * 8, 8 * 8, 8 * 8 * 4
+    # 2 ranks x 4 samples: 8 ids (8 B each) in; 8 pooled rows of 8 fp32 out
+    weights, ids, outputs = 100 * 8 * 4, 8 * 8, 8 * 8 * 4
     (shard,) = tw.shards
     assert (shard.size, shard.offset, shard.rank) == ([100, 8], [0, 0], None)
     # TorchRec's storage rule: weights (no optimizer class on the weight: no state), ids
     # received and rows sent, once each (no lengths, no output gradients)
     assert shard.storage == Storage(hbm=0, ddr=weights + ids + outputs)
-    # half the ids come from the other rank over the 1 GB/s link; 256 B read, 256 B written
+    # TorchRec's perf formulas with TorchRec's bandwidths (the topology gives none): ids read
+    # (8 ids x 8 B), rows looked up at >= 32 columns (8 x 32 x 4 B), rows written (8 x 8 x 4 B),
+    # x 1.75 for an 8-wide block, over DDR; the output all-to-all over the intra-host link
     perf = shard.perf
     assert perf is not None
-    assert perf.fwd_comms == pytest.approx((ids + lengths + outputs) / 2 / GB_PER_MS)
-    assert perf.bwd_comms == pytest.approx(outputs / 2 / GB_PER_MS)
-    assert perf.fwd_compute == pytest.approx((256 + 256) / DDR_PER_MS + 0.005)
+    ddr, link = 51 * 1024**3 / 1000, 600 * 1024**3 / 1000
+    assert perf.fwd_compute == pytest.approx((64 + 1024 + 256) * 1.75 / ddr)
+    assert perf.bwd_compute == pytest.approx(2 * perf.fwd_compute)
+    assert (perf.fwd_comms, perf.bwd_comms) == (pytest.approx(outputs / link),) * 2
+    assert perf.input_dist_comms == pytest.approx(ids / link)
     assert tw.total_perf == pytest.approx(perf.total)
     assert tw.total_storage == shard.storage
 
