@@ -4,6 +4,7 @@ TorchRec's views of this library's own search, static_logger), against hand-deri
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -191,3 +192,33 @@ def test_own_search_plans_only_the_tables_a_sharder_lists() -> None:
     plan = EmbeddingShardingPlanner(Topology(2, "cuda")).plan(ebc(), [OnlyTables(["t1"])])
     assert list(plan.plan[""]) == ["t1"]
     assert EmbeddingShardingPlanner(Topology(2, "cuda")).plan(ebc(), [OnlyTables([])]).plan == {}
+
+
+# ---- TorchRec's perf formulas -------------------------------------------------------------------
+def test_torchrec_perf_of_row_wise_data_parallel_and_table_row_wise_by_hand() -> None:
+    # 4 CUDA ranks on 2 hosts, a 100 x 128 fp32 table, batch 8, one id per sample; the
+    # topology gives no bandwidths, so TorchRec's constants apply
+    hbm, intra, inter = 897 * GIB / 1000, 600 * GIB / 1000, 12.5 * GIB / 1000
+    options = EmbeddingEnumerator(Topology(4, "cuda", local_world_size=2), 8).enumerate(
+        ebc((100,), 128), [EmbeddingBagCollectionSharder()])
+
+    def perf(kind: str) -> Any:
+        return next(o for o in options if o.sharding_type == kind and o.compute_kernel == "fused"
+                    ).shards[0].perf
+
+    rw = perf("row_wise")  # each rank gets 1/4 of the 32 ids; pooled rows reduce-scattered
+    assert rw.fwd_compute == pytest.approx((64 + 8 / 4 * 4 * 128 * 4 + 16384) / hbm)
+    assert rw.bwd_compute == pytest.approx(2 * rw.fwd_compute)
+    assert rw.fwd_comms == pytest.approx(16384 / inter)  # 4 ranks span 2 hosts
+    assert rw.bwd_comms == pytest.approx(16384 / inter + 16384 * 2.455 / hbm)
+    assert rw.input_dist_comms == pytest.approx(256 / inter)
+    # data-parallel: own batch only; the gradient all-reduced, the update elementwise (dense
+    # reads at half the HBM bandwidth, TorchRec's kernel table)
+    dp_option = next(o for o in options if o.sharding_type == "data_parallel")
+    dp, bw = dp_option.shards[0].perf, hbm if dp_option.compute_kernel == "fused" else hbm / 2
+    table = 100 * 128 * 4
+    assert dp.fwd_compute == pytest.approx((64 + 4096 + 4096) / bw) and dp.fwd_comms == 0
+    assert dp.bwd_comms == pytest.approx(table * 3 / 2 / (2 * inter) + table * 9.22 / bw)
+    twrw = perf("table_row_wise")  # reduce-scatter in the host, all-to-all between the 2 hosts
+    assert twrw.fwd_compute == pytest.approx((128 + 8192 + 16384) / hbm)
+    assert twrw.fwd_comms == pytest.approx(16384 / intra + 8 * 2 * 128 * 4 / inter)
