@@ -24,6 +24,10 @@ DP        B x 8 / B d                    0                            all-reduce
 column-wise also take the FBGEMM block penalty 1.15 below 128 columns, 1.75 below 64.) A cached
 table with :class:`CacheStatistics` adds ``prefetch_compute``: expected misses x row bytes /
 the HBM<->DDR bandwidth. Bandwidths a Topology was not given are TorchRec's constants.
+
+Differences from TorchRec: a data-parallel all-reduce counts at least one host (TorchRec's
+estimate turns negative when ``local_world_size > world_size``); this library's CPU
+FUSED_UVM_CACHING reads its RAM cache at the DDR bandwidth (TorchRec has no such kernel).
 """
 
 from __future__ import annotations
@@ -394,7 +398,9 @@ class _DataParallel(_Evaluator):
 
     def bwd_comms(self, ctx: ShardPerfContext) -> float:
         table = ctx.hash_size * ctx.emb_dim * ctx.table_data_type_size
-        nodes = min(ctx.world_size / ctx.local_world_size, 2)
+        # TorchRec's min(W / local, 2) goes below 1 (and the estimate negative) when the
+        # topology's local_world_size exceeds its world size: one host then, as it is
+        nodes = min(max(ctx.world_size / ctx.local_world_size, 1.0), 2)
         bw = ctx.comms_bandwidths.get_bw(local_world_size=ctx.local_world_size,
                                          world_size=ctx.world_size,
                                          collective_type=CollectiveType.ALL_REDUCE)

@@ -222,3 +222,15 @@ def test_torchrec_perf_of_row_wise_data_parallel_and_table_row_wise_by_hand() ->
     twrw = perf("table_row_wise")  # reduce-scatter in the host, all-to-all between the 2 hosts
     assert twrw.fwd_compute == pytest.approx((128 + 8192 + 16384) / hbm)
     assert twrw.fwd_comms == pytest.approx(16384 / intra + 8 * 2 * 128 * 4 / inter)
+
+
+def test_data_parallel_all_reduce_counts_at_least_one_host() -> None:
+    # local_world_size 8 > world_size 2 (TorchRec accepts it): TorchRec's formula would give
+    # min(2 / 8, 2) = 0.25 hosts and a negative time; one host: table / (8 NICs x inter)
+    inter, hbm = 12.5 * GIB / 1000, 897 * GIB / 1000
+    options = EmbeddingEnumerator(Topology(2, "cuda", local_world_size=8), 8).enumerate(
+        ebc((100,), 128), [EmbeddingBagCollectionSharder()])
+    dp = next(o for o in options if o.sharding_type == "data_parallel")
+    bw = hbm if dp.compute_kernel == "fused" else hbm / 2
+    table = 100 * 128 * 4
+    assert dp.shards[0].perf.bwd_comms == pytest.approx(table / (8 * inter) + table * 9.22 / bw)
