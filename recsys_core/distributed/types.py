@@ -29,8 +29,15 @@ from recsys_core.distributed.qcomm_types import (
     QuantizedCommCodecs,
     check_collective_support,
 )
+from recsys_core.modules.embedding_configs import DataType
 from recsys_core.plan.env import ShardingEnv
-from recsys_core.plan.params import BoundsCheckMode, CacheAlgorithm, CacheParams, KeyValueParams
+from recsys_core.plan.params import (
+    BoundsCheckMode,
+    CacheAlgorithm,
+    CacheParams,
+    CacheStatistics,
+    KeyValueParams,
+)
 from recsys_core.plan.spec import EnumerableShardingSpec
 from recsys_core.plan.types import (
     EmbeddingComputeKernel,
@@ -238,6 +245,8 @@ def rank_device(device_type: str, rank: int) -> torch.device:
 
 
 __all__ = [
+    "CacheStatistics",
+    "DataType",
     "Awaitable",
     "BoundsCheckMode",
     "CacheAlgorithm",
