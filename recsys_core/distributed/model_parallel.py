@@ -174,7 +174,12 @@ class DistributedModelParallel(nn.Module):
         if not dense:
             return module
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
-        return DistributedDataParallel(module, process_group=self._env.pg, gradient_as_bucket_view=True)
+        # TorchRec's settings: a static graph lets dense parameters that no forward uses (and
+        # their buckets) be reduced correctly; buffers are not broadcast each step
+        return DistributedDataParallel(
+            module, process_group=self._env.pg, gradient_as_bucket_view=True,
+            broadcast_buffers=False, static_graph=True,
+        )
 
     # ---- API ----------------------------------------------------------------------------------
     @property

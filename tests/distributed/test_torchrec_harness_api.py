@@ -195,3 +195,34 @@ def _fp_worker(rank: int, world: int) -> None:
 
 def test_feature_processed_ebc_with_frozen_processors_shards_like_the_unsharded_module() -> None:
     run_gloo(2, _fp_worker)
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = _ebc(1)
+        self.over = nn.Linear(4, 1)
+        self.unused = nn.Parameter(torch.zeros(3))  # TorchRec's test models carry such params
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.over(self.sparse(kjt).values()).sum()
+
+
+def _unused_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = _WithUnused()
+    reference = copy.deepcopy(model)
+    plan = construct_module_sharding_plan(
+        model.sparse, {"t0": table_wise(rank=0, compute_kernel="fused")}, world_size=world)
+    dmp = DistributedModelParallel(model, plan=ShardingPlan({"sparse": plan}))
+    batches = [KeyedJaggedTensor(keys=["f0"], values=torch.tensor(v), lengths=torch.tensor(n))
+               for v, n in (([1, 2, 3], [2, 1]), ([4, 5, 6, 7], [1, 3]))]
+    dmp(batches[rank]).backward()
+    # the dense gradient is the mean over ranks even with a parameter no forward uses
+    expected = torch.autograd.grad(
+        sum(reference(b) for b in batches) / world, reference.over.weight)[0]
+    torch.testing.assert_close(dmp.module.over.weight.grad, expected)
+
+
+def test_dense_gradients_are_averaged_with_unused_parameters() -> None:
+    run_gloo(2, _unused_worker)
