@@ -112,12 +112,12 @@ def plan_generators(
         by_rows = sorted(configs, key=lambda c: -c.num_embeddings)
         snake = [p % (2 * world) for p in range(len(by_rows))]
         ranks = [p if p < world else 2 * world - 1 - p for p in snake]
-        return {c.name: table_wise(rank=r) for c, r in zip(by_rows, ranks, strict=True)}
+        return {c.name: table_wise(rank=r, compute_kernel="fused") for c, r in zip(by_rows, ranks, strict=True)}
     if kind == "rw":
-        return {c.name: row_wise() for c in configs}
+        return {c.name: row_wise(compute_kernel="fused") for c in configs}
     if kind == "cw":
-        return {c.name: column_wise(ranks=list(range(world))) for c in configs}
-    return {c.name: data_parallel() for c in configs}
+        return {c.name: column_wise(ranks=list(range(world)), compute_kernel="fused") for c in configs}
+    return {c.name: data_parallel(compute_kernel="fused") for c in configs}
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ def test_distributed_paths_re_export_the_plan_layer_objects() -> None:
 
 def test_default_sharders_at_torchrec_path() -> None:
     """TorchRec's ``sharding_plan.get_default_sharders()``: one sharder per module type, in
-    TorchRec's order; DistributedModelParallel's default leaves out the managed-collision ones
-    (which this library does not execute)."""
+    TorchRec's order; DistributedModelParallel's default is the same list (managed-collision
+    collections shard row-wise)."""
     from recsys_core import EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection
     from recsys_core.distributed import (
         EmbeddingBagCollectionSharder,
@@ -74,10 +74,10 @@ def test_default_sharders_at_torchrec_path() -> None:
     executable = [
         EmbeddingBagCollectionSharder, FeatureProcessedEmbeddingBagCollectionSharder,
         EmbeddingCollectionSharder, FusedEmbeddingBagCollectionSharder,
-        QuantEmbeddingBagCollectionSharder]
+        QuantEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingBagCollectionSharder,
+        ManagedCollisionEmbeddingCollectionSharder]
     assert [type(s) for s in get_executable_default_sharders()] == executable
-    assert [type(s) for s in get_default_sharders()] == executable + [
-        ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder]
+    assert [type(s) for s in get_default_sharders()] == executable
     by_type = get_module_to_default_sharders()
     assert {t: type(s) for t, s in by_type.items()} == {
         EmbeddingBagCollection: EmbeddingBagCollectionSharder,
