@@ -59,18 +59,8 @@ def get_default_sharders() -> list[ModuleSharder[nn.Module]]:
     """TorchRec's default sharders, in its order: EmbeddingBagCollection,
     FeatureProcessedEmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection
     (training), the quantized EmbeddingBagCollection (inference), and the managed-collision
-    EmbeddingBagCollection and EmbeddingCollection, whose sharders refuse to shard (see
-    :func:`get_executable_default_sharders`)."""
-    return [
-        *get_executable_default_sharders(),
-        ManagedCollisionEmbeddingBagCollectionSharder(),
-        ManagedCollisionEmbeddingCollectionSharder(),
-    ]
-
-
-def get_executable_default_sharders() -> list[ModuleSharder[nn.Module]]:
-    """The default sharders this library executes (``DistributedModelParallel``'s default),
-    managed-collision collections included (row-wise, the fused kernel)."""
+    EmbeddingBagCollection and EmbeddingCollection (row-wise, the fused kernel). All of them
+    execute here: this is also ``DistributedModelParallel``'s default."""
     return [
         EmbeddingBagCollectionSharder(),
         FeatureProcessedEmbeddingBagCollectionSharder(),
@@ -80,6 +70,12 @@ def get_executable_default_sharders() -> list[ModuleSharder[nn.Module]]:
         ManagedCollisionEmbeddingBagCollectionSharder(),
         ManagedCollisionEmbeddingCollectionSharder(),
     ]
+
+
+def get_executable_default_sharders() -> list[ModuleSharder[nn.Module]]:
+    """DistributedModelParallel's default sharders: every default one executes here (the same
+    list as :func:`get_default_sharders`)."""
+    return get_default_sharders()
 
 
 def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder[nn.Module]]:
