@@ -11,8 +11,8 @@ read or write outside their buffers. So every such entry point first calls
 * every length lies in ``[0, len(values)]`` (one pass: read as unsigned, a negative length is
   larger than any count of values), so no sum can overflow;
 * each key's values lie inside ``values`` and a given ``length_per_key`` matches the lengths;
-* weights hold (at least) one entry per value: kernels read weight ``i`` for value ``i``; extra
-  trailing weights are never read (TorchRec accepts them; ``validate()`` still reports them);
+* weights hold one entry per value (extra trailing weights are refused too: TorchRec accepts
+  them in some operations, but the modules' kernels would not all agree on ignoring them);
 * given offsets start at 0, end inside ``values`` and, if lengths were given too, agree with them.
 
 The result is cached on the KJT; KJTs derived from a checked one (``permute``, ``split``) are
@@ -99,7 +99,7 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
         )
     check_values_cover(keys, sums, offset_per_key, num_values)
     weights = kjt.weights_or_none()
-    if weights is not None and weights.size(0) < num_values:
+    if weights is not None and weights.size(0) != num_values:
         raise ValueError(
             f"{_OWNER}: weights size must equal to values size, but weights has "
             f"{weights.size(0)} entries and values has {num_values}; pass one weight per value."
@@ -145,7 +145,7 @@ def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
     values = kjt._values
     weights = kjt._weights
     num_values = values.size(0)
-    if (weights is not None and weights.size(0) < num_values) or values.is_meta:
+    if (weights is not None and weights.size(0) != num_values) or values.is_meta:
         return None
     out = fn(lengths.data_ptr(), lengths.element_size(), num_keys, stride, num_values)
     if out is None:
