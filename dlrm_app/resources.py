@@ -133,18 +133,20 @@ def _fixes(s: MemoryShortfall, offload: bool = True) -> list[str]:
     if s.memory == "disk":
         fixes.append("more nodes: `torchrun --nnodes M`; each holds a share of the tables")
         return fixes
-    per_rank = s.usable_bytes / topology.world_size / (1.0 - s.reservation)
+    # the reservation (a share plus the dense parameters' estimate) can take a tiny budget whole
+    kept = max(1.0 - s.reservation, 1e-9)
+    per_rank = s.usable_bytes / topology.world_size / kept
+    than = f"the {_gib(per_rank)} above" if s.reservation < 1.0 else "the budget above"
     memory = ("`dlrm-app train ... --memory-per-rank GIB` if each rank really has more free "
-              f"memory than the {_gib(per_rank)} above (e.g. memory other jobs are about to "
-              "release)")
-    if short and s.memory != "memory (HBM + host)":
-        need = s.needed_bytes / topology.world_size / (1.0 - s.reservation)
+              f"memory than {than} (e.g. memory other jobs are about to release)")
+    if short and s.memory != "memory (HBM + host)" and s.reservation < 1.0:
+        need = s.needed_bytes / topology.world_size / kept
         memory += f"; this model needs about {need / GIB:.1f} GiB per rank"
     fixes.append(memory + ". If the memory is not there, the run fails with out-of-memory")
 
     if topology.is_cuda and s.memory == "HBM":
         ranks = ""
-        if short:
+        if short and s.usable_bytes > 0:
             per = s.usable_bytes / topology.world_size
             ranks = f" (about {math.ceil(s.needed_bytes / per)} GPUs in all)"
         fixes.append(f"more GPUs{ranks}: `torchrun --nproc-per-node G` on each node, or more "
@@ -153,7 +155,7 @@ def _fixes(s: MemoryShortfall, offload: bool = True) -> list[str]:
         fixes.append("more GPUs or nodes: `torchrun --nproc-per-node G`, `torchrun --nnodes M`")
     else:
         hosts = ""
-        if short:
+        if short and s.usable_bytes > 0:
             per_host = s.usable_bytes / topology.num_hosts
             hosts = f" (about {math.ceil(s.needed_bytes / per_host)} in all)"
         fixes.append(f"more nodes{hosts}: `torchrun --nnodes M --nproc-per-node "
