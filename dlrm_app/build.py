@@ -25,6 +25,7 @@ from recsys_core.distributed import (
     ShardingEnv,
     ShardingPlan,
 )
+from recsys_core.distributed.comm_ops import set_gradient_division
 from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recsys_core.distributed.fbgemm_qcomm_codec import (
     CommType,
@@ -134,6 +135,10 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
     for module in dmp.module.modules():
         if not isinstance(module, ShardedEmbeddingBagCollection) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
+    # Each rank's loss is its rows' summed loss over the GLOBAL batch (train.py), so gradients
+    # are summed over ranks, not averaged: the embedding collectives without TorchRec's gradient
+    # division, the dense part through a summing DDP hook.
+    set_gradient_division(False)
     ddp = dmp.data_parallel
     if ddp is not None:
         ddp.register_comm_hook(dmp.env.pg, _sum_allreduce_hook)

@@ -9,8 +9,10 @@ MEAN of the ranks' losses, the same step the dense parameters take under DDP:
     rank 0 loss l0, rank 1 loss l1  ->  every table steps on  d((l0 + l1) / 2) / dW
 
 With ``set_gradient_division(False)`` the embedding collectives pass gradients through
-undivided: the tables step on ``d(l0 + l1)/dW`` (data-parallel tables still average, as under
-DDP). The switch is read when the backward runs, so it can be flipped between steps.
+undivided: the tables step on ``d(l0 + l1)/dW``, this library's fused data-parallel replicas
+included (they are not in DDP; TorchRec's DENSE data-parallel tables follow DDP's comm hook,
+which averages unless another hook is registered). The switch is read when the backward runs,
+so it can be flipped between steps.
 """
 
 from __future__ import annotations

@@ -194,8 +194,10 @@ def test_sgd_steps_on_mean_loss(kind: str, world: int) -> None:
     assert sum(checked) >= len(TABLES)
 
 
-# set_gradient_division(False): the model-parallel tables step on the SUM of the ranks' losses.
-@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise"])
+# set_gradient_division(False): the tables step on the SUM of the ranks' losses (the fused
+# data-parallel replicas too).
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise",
+                                  "data_parallel"])
 def test_sgd_steps_on_summed_loss_without_gradient_division(kind: str) -> None:
     checked = run_gloo(2, parity_worker, kind, False, "sgd", False, False)
     assert sum(checked) >= len(TABLES)

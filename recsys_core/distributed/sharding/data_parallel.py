@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from recsys_core.distributed.awaitable import Awaitable, LazyNoWait
 from recsys_core.distributed.comm import all_reduce_sum_
+from recsys_core.distributed.comm_ops import get_gradient_division
 from recsys_core.distributed.sharding.common import (
     KernelContext,
     LocalKernels,
@@ -87,16 +88,18 @@ class DpPooledSharding:
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
             most_rows = int(most.item())  # same value on every rank: same path everywhere
             # The replicas step on the MEAN of the ranks' gradients, as DistributedDataParallel
-            # averages the dense part's (and TorchRec's data-parallel tables, which DDP wraps).
+            # averages the dense part's (and TorchRec's data-parallel tables, which DDP wraps);
+            # on the sum with gradient division off (comm_ops).
+            scale = 1.0 / world if get_gradient_division() else 1.0
             if world * most_rows < num_rows:
                 touched, summed = _sparse_sum(rows, grads, most_rows, world, group)
-                return touched, summed.div_(world)
+                return touched, summed.mul_(scale)
             dense = grads.new_zeros(num_rows, dim + 1)
             dense[rows, :dim] = grads
             dense[rows, dim] = 1.0  # touched on this rank
             all_reduce_sum_(dense, group)
             touched = dense[:, dim].nonzero().squeeze(1)
-            return touched, dense.index_select(0, touched)[:, :dim].div_(world)
+            return touched, dense.index_select(0, touched)[:, :dim].mul_(scale)
 
         return reduce
 
