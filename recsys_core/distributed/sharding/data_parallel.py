@@ -33,6 +33,39 @@ from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
 
+class ReplicaLayout:
+    """Where a collection's data-parallel features sit in a rank's replica kernels: the slots
+    (SUM tables first, then MEAN: one kernel per pooling type), the input permutation into
+    slot order and the column permutation back to the collection's feature order. Shared by
+    the fused (:class:`DpPooledSharding`) and DENSE (``DpDenseSharding``) replicas."""
+
+    def __init__(self, tables: Sequence[ShardedTable], rank: int) -> None:
+        self.output_features = [f for t in tables for f in t.embedding_names]
+        by_table = {sh.table: sh for t in tables for sh in t.shards if sh.rank == rank}
+        self.slots = [
+            Slot(f, by_table[t.config.name], pooling)
+            for pooling in (PoolingType.SUM, PoolingType.MEAN)
+            for t in tables if t.config.pooling is pooling
+            for f in t.embedding_names
+        ]
+        self._input_order = [self.output_features.index(s.feature) for s in self.slots]
+        dims = [s.shard.cols for s in self.slots]
+        starts = [sum(dims[:i]) for i in range(len(dims))]
+        position = {s.feature: i for i, s in enumerate(self.slots)}
+        self._columns = column_permutation([
+            c for f in self.output_features
+            for c in range(starts[position[f]], starts[position[f]] + dims[position[f]])
+        ])
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
+        if self._input_order == list(range(len(self._input_order))):
+            return LazyNoWait(features)
+        return LazyNoWait(features.permute(self._input_order))
+
+    def output_dist(self, pooled: torch.Tensor) -> Awaitable[torch.Tensor]:
+        return LazyNoWait(select_columns(pooled, self._columns))
+
+
 class DpPooledSharding:
     """DATA_PARALLEL tables of one collection (always on the torch kernel, whose backward can
     sum gradients across ranks before updating)."""
@@ -44,33 +77,15 @@ class DpPooledSharding:
         ctx: KernelContext,
     ) -> None:
         self._env, self._is_weighted = env, ctx.is_weighted
-        self.output_features = [f for t in tables for f in t.embedding_names]
-        mine = [sh for t in tables for sh in t.shards if sh.rank == env.rank]
-        by_table = {sh.table: sh for sh in mine}
-        slots = [
-            Slot(f, by_table[t.config.name], pooling)
-            for pooling in (PoolingType.SUM, PoolingType.MEAN)
-            for t in tables if t.config.pooling is pooling
-            for f in t.embedding_names
-        ]
+        self._layout = ReplicaLayout(tables, env.rank)
+        self.output_features = self._layout.output_features
         configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(slots, ctx, configs, backend=KernelBackend.TORCH)
+        self.local = LocalKernels(self._layout.slots, ctx, configs, backend=KernelBackend.TORCH)
         for kernel in self.local.kernels:
             assert isinstance(kernel, TorchTableBatchedEmbedding)
             kernel.gradient_reducer = self._make_reducer(kernel)
             if env.pg is not None and env.world_size > 1 and ctx.device.type != "meta":
                 dist.broadcast(kernel.weights, src=0, group=env.pg)
-        slot_index = {s.feature: i for i, s in enumerate(slots)}
-        self._input_order = [
-            self.output_features.index(s.feature) for s in slots
-        ]
-        dims = [s.shard.cols for s in slots]
-        starts = [sum(dims[:i]) for i in range(len(dims))]
-        columns: list[int] = []
-        for f in self.output_features:
-            i = slot_index[f]
-            columns.extend(range(starts[i], starts[i] + dims[i]))
-        self._columns = column_permutation(columns)
 
     def _make_reducer(
         self, kernel: TorchTableBatchedEmbedding
@@ -104,9 +119,7 @@ class DpPooledSharding:
         return reduce
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
-        if self._input_order == list(range(len(self._input_order))):
-            return LazyNoWait(features)
-        return LazyNoWait(features.permute(self._input_order))
+        return self._layout.input_dist(features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return self.local.lookup(features, self._is_weighted)
@@ -114,7 +127,7 @@ class DpPooledSharding:
     def output_dist(
         self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
     ) -> Awaitable[torch.Tensor]:
-        return LazyNoWait(select_columns(pooled, self._columns))
+        return self._layout.output_dist(pooled)
 
 
 def _sparse_sum(

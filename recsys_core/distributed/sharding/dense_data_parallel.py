@@ -13,17 +13,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from recsys_core.distributed.awaitable import Awaitable, LazyNoWait
-from recsys_core.distributed.sharding.common import (
-    KernelContext,
-    LocalKernels,
-    ShardedTable,
-    Slot,
-    column_permutation,
-    select_columns,
-)
+from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.distributed.sharding.common import KernelContext, LocalKernels, ShardedTable
+from recsys_core.distributed.sharding.data_parallel import ReplicaLayout
 from recsys_core.distributed.types import ShardingEnv
-from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
 
@@ -34,34 +27,19 @@ class DpDenseSharding:
 
     def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         self._is_weighted = ctx.is_weighted
-        self.output_features = [f for t in tables for f in t.embedding_names]
-        by_table = {sh.table: sh for t in tables for sh in t.shards if sh.rank == env.rank}
-        slots = [
-            Slot(f, by_table[t.config.name], pooling)
-            for pooling in (PoolingType.SUM, PoolingType.MEAN)
-            for t in tables if t.config.pooling is pooling
-            for f in t.embedding_names
-        ]
-        self.local = LocalKernels(slots, ctx, {t.config.name: t.config for t in tables})
+        self._layout = ReplicaLayout(tables, env.rank)
+        self.output_features = self._layout.output_features
+        configs = {t.config.name: t.config for t in tables}
+        self.local = LocalKernels(self._layout.slots, ctx, configs)
         for kernel in self.local.kernels:
             kernel.replicated = True
         if env.pg is not None and env.world_size > 1 and ctx.device.type != "meta":
             for kernel in self.local.kernels:
                 for w in kernel.split_embedding_weights():
                     dist.broadcast(w, src=0, group=env.pg)
-        self._input_order = [self.output_features.index(s.feature) for s in slots]
-        dims = [s.shard.cols for s in slots]
-        starts = [sum(dims[:i]) for i in range(len(dims))]
-        position = {s.feature: i for i, s in enumerate(slots)}
-        self._columns = column_permutation([
-            c for f in self.output_features
-            for c in range(starts[position[f]], starts[position[f]] + dims[position[f]])
-        ])
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
-        if self._input_order == list(range(len(self._input_order))):
-            return LazyNoWait(features)
-        return LazyNoWait(features.permute(self._input_order))
+        return self._layout.input_dist(features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return self.local.lookup(features, self._is_weighted)
@@ -69,4 +47,4 @@ class DpDenseSharding:
     def output_dist(
         self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
     ) -> Awaitable[torch.Tensor]:
-        return LazyNoWait(select_columns(pooled, self._columns))
+        return self._layout.output_dist(pooled)
