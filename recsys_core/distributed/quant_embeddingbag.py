@@ -16,8 +16,15 @@ from recsys_core.distributed.types import (
     ShardingType,
     rank_device,
 )
-from recsys_core.inference.quant_embedding import QuantEmbeddingBagCollection
-from recsys_core.inference.sharding import ShardedQuantEmbeddingBagCollection
+from recsys_core.inference.quant_embedding import (
+    QuantEmbeddingBagCollection,
+    QuantFeatureProcessedEmbeddingBagCollection,
+)
+from recsys_core.inference.sharding import (
+    ShardedQuantEmbeddingBagCollection,
+    ShardedQuantFeatureProcessedEmbeddingBagCollection,
+    sharded_quant_module,
+)
 
 
 class QuantEmbeddingBagCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddingBagCollection]):
@@ -39,11 +46,31 @@ class QuantEmbeddingBagCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddin
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedQuantEmbeddingBagCollection:
-        kind = torch.device(device or "cpu").type
-        devices = [rank_device(kind, r) for r in range(env.world_size)]
-        return ShardedQuantEmbeddingBagCollection(
-            module, EmbeddingModuleShardingPlan(params), devices
+        return sharded_quant_module(  # type: ignore[return-value]
+            module, EmbeddingModuleShardingPlan(params), process_devices(env, device)
         )
 
 
-__all__ = ["QuantEmbeddingBagCollectionSharder"]
+class QuantFeatureProcessedEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder):
+    """Places a quantized feature-processed collection's tables table-wise on the devices of one
+    process; the processors run on the input's device."""
+
+    @property
+    def module_type(self) -> type[QuantFeatureProcessedEmbeddingBagCollection]:  # type: ignore[override]
+        return QuantFeatureProcessedEmbeddingBagCollection
+
+
+def process_devices(env: ShardingEnv, device: torch.device | None) -> list[torch.device]:
+    """The device of each rank when one process drives all of them (inference sharding)."""
+    kind = torch.device(device or "cpu").type
+    return [rank_device(kind, r) for r in range(env.world_size)]
+
+
+__all__ = [
+    "QuantEmbeddingBagCollection",
+    "QuantEmbeddingBagCollectionSharder",
+    "QuantFeatureProcessedEmbeddingBagCollectionSharder",
+    "ShardedQuantEmbeddingBagCollection",
+    "ShardedQuantFeatureProcessedEmbeddingBagCollection",
+    "process_devices",
+]

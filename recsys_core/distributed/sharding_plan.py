@@ -20,6 +20,10 @@ from recsys_core.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBag
 from recsys_core.distributed.fused_embeddingbag import FusedEmbeddingBagCollectionSharder
 from recsys_core.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from recsys_core.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from recsys_core.distributed.quant_embedding import (
+    QuantEmbeddingCollectionSharder,
+    QuantManagedCollisionEmbeddingCollectionSharder,
+)
 from recsys_core.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 from recsys_core.distributed.types import ModuleSharder
 from recsys_core.plan.generators import (
@@ -58,17 +62,20 @@ from recsys_core.plan.validation import (
 def get_default_sharders() -> list[ModuleSharder[nn.Module]]:
     """TorchRec's default sharders, in its order: EmbeddingBagCollection,
     FeatureProcessedEmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection
-    (training), the quantized EmbeddingBagCollection (inference), and the managed-collision
-    EmbeddingBagCollection and EmbeddingCollection (row-wise, the fused kernel). All of them
-    execute here: this is also ``DistributedModelParallel``'s default."""
+    (training), the quantized EmbeddingBagCollection and EmbeddingCollection (inference), the
+    managed-collision EmbeddingBagCollection and EmbeddingCollection (row-wise, the fused
+    kernel) and the quantized managed-collision EmbeddingCollection. All of them execute here:
+    this is also ``DistributedModelParallel``'s default."""
     return [
         EmbeddingBagCollectionSharder(),
         FeatureProcessedEmbeddingBagCollectionSharder(),
         EmbeddingCollectionSharder(),
         FusedEmbeddingBagCollectionSharder(),
         QuantEmbeddingBagCollectionSharder(),
+        QuantEmbeddingCollectionSharder(),
         ManagedCollisionEmbeddingBagCollectionSharder(),
         ManagedCollisionEmbeddingCollectionSharder(),
+        QuantManagedCollisionEmbeddingCollectionSharder(QuantEmbeddingCollectionSharder()),
     ]
 
 
@@ -95,6 +102,8 @@ __all__ = [
     "ManagedCollisionEmbeddingCollectionSharder",
     "ParameterShardingGenerator",
     "QuantEmbeddingBagCollectionSharder",
+    "QuantEmbeddingCollectionSharder",
+    "QuantManagedCollisionEmbeddingCollectionSharder",
     "_calculate_cw_shard_sizes_and_offsets",
     "_calculate_grid_shard_sizes_and_offsets",
     "_calculate_rw_shard_sizes_and_offsets",

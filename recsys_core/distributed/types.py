@@ -37,6 +37,7 @@ from recsys_core.plan.params import (
     CacheParams,
     CacheStatistics,
     KeyValueParams,
+    MultiPassPrefetchConfig,
 )
 from recsys_core.plan.spec import EnumerableShardingSpec
 from recsys_core.plan.types import (
@@ -251,6 +252,7 @@ __all__ = [
     "BoundsCheckMode",
     "CacheAlgorithm",
     "CacheParams",
+    "MultiPassPrefetchConfig",
     "CommOp",
     "ComputeDevice",
     "ComputeKernel",

@@ -9,7 +9,8 @@ table placement (:mod:`recsys_core.inference.sharding`). Differences from TorchR
   bias included) and ``assign_weights_to_tbe`` copies them back;
 - ``shard_quant_model`` copies the quantized rows onto their devices (TorchRec leaves them
   uninitialized on ``sharding_device`` for a later ``assign_weights_to_tbe``);
-- quantized EmbeddingCollections (sequence embeddings) are not provided.
+- a quantized collection holds all its tables in one kernel module (TorchRec groups tables
+  into one FBGEMM module per data type and pooling).
 """
 
 import abc
@@ -27,15 +28,22 @@ from recsys_core.distributed.fused_params import (
     FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS,
     FUSED_PARAM_REGISTER_TBE_BOOL,
 )
-from recsys_core.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from recsys_core.distributed.quant_embedding import QuantEmbeddingCollectionSharder
+from recsys_core.distributed.quant_embeddingbag import (
+    QuantEmbeddingBagCollectionSharder,
+    QuantFeatureProcessedEmbeddingBagCollectionSharder,
+)
 from recsys_core.distributed.types import ModuleSharder
 from recsys_core.inference import quantize as _quantize
 from recsys_core.inference.quant_embedding import QuantEmbeddingBagCollection
+from recsys_core.inference.quant_sequence import QuantEmbeddingCollection
 from recsys_core.inference.sharding import (
     ShardedQuantEmbeddingBagCollection,
+    ShardedQuantEmbeddingCollection,
     quant_table_wise_plan,
 )
 from recsys_core.inference.sharding import shard_quant_model as _shard_quant_model
+from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from recsys_core.plan.params import BoundsCheckMode
@@ -55,10 +63,15 @@ DEFAULT_FUSED_PARAMS: dict[str, Any] = {
 # Each sharder copies the dict, so editing one sharder's fused_params changes no other.
 DEFAULT_SHARDERS: list[ModuleSharder[nn.Module]] = [
     QuantEmbeddingBagCollectionSharder(fused_params=DEFAULT_FUSED_PARAMS),  # type: ignore[list-item]
+    QuantEmbeddingCollectionSharder(fused_params=DEFAULT_FUSED_PARAMS),  # type: ignore[list-item]
+    QuantFeatureProcessedEmbeddingBagCollectionSharder(  # type: ignore[list-item]
+        fused_params=DEFAULT_FUSED_PARAMS
+    ),
 ]
 
 DEFAULT_QUANT_MAPPING: dict[str, type[nn.Module]] = {
     torch.typename(EmbeddingBagCollection): QuantEmbeddingBagCollection,
+    torch.typename(EmbeddingCollection): QuantEmbeddingCollection,
 }
 
 DEFAULT_QUANTIZATION_DTYPE: torch.dtype = torch.int8
@@ -198,8 +211,11 @@ def quantize_inference_model(
     remaining = {
         c.name
         for m in model.modules()
-        if isinstance(m, EmbeddingBagCollection)
-        for c in m.embedding_bag_configs()
+        if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)
+        for c in (
+            m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection)
+            else m.embedding_configs()
+        )
     }
     per_table = {k: v for k, v in (per_table_weight_dtype or {}).items() if k in remaining}
     return _quantize.quantize_inference_model(model, quantization_dtype, table_dtypes=per_table)
@@ -233,10 +249,14 @@ def shard_quant_model(
                 "pass sharding_plan to choose the placement"
             )
     for sharder in sharders or []:
-        if not isinstance(sharder, QuantEmbeddingBagCollectionSharder):
+        if not isinstance(
+            sharder, QuantEmbeddingBagCollectionSharder | QuantEmbeddingCollectionSharder
+        ):
             raise ValueError(
                 f"shard_quant_model: sharder {type(sharder).__name__} is not supported; only "
-                "QuantEmbeddingBagCollectionSharder"
+                "the quantized collections' sharders (QuantEmbeddingBagCollectionSharder, "
+                "QuantEmbeddingCollectionSharder and their feature-processed / managed-collision "
+                "forms)"
             )
     kind = torch.device(compute_device).type
     devices = [
@@ -247,46 +267,44 @@ def shard_quant_model(
             {
                 path: quant_table_wise_plan(module, world_size, kind)
                 for path, module in model.named_modules()
-                if isinstance(module, QuantEmbeddingBagCollection)
+                if isinstance(module, QuantEmbeddingBagCollection | QuantEmbeddingCollection)
             }
         )
     sharded = _shard_quant_model(model, devices, plan=sharding_plan)
     return sharded, sharding_plan
 
 
-def _quant_collections(model: nn.Module) -> list[nn.Module]:
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, QuantEmbeddingBagCollection | ShardedQuantEmbeddingBagCollection)
-    ]
+def _quant_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(table name, module holding its .weight)`` of every quantized collection's table."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, QuantEmbeddingBagCollection | ShardedQuantEmbeddingBagCollection):
+            out.extend(m.embedding_bags.items())
+        elif isinstance(m, QuantEmbeddingCollection | ShardedQuantEmbeddingCollection):
+            out.extend(m.embeddings.items())
+    return out
 
 
 def get_table_to_weights_from_tbe(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{table: a copy of its quantized rows}`` from every quantized collection of ``model``
     (uint8 ``[rows, row bytes]``, scale and bias included; TorchRec returns per-TBE
     ``(weights, scale_shift)`` pairs)."""
-    out: dict[str, torch.Tensor] = {}
-    for module in _quant_collections(model):
-        for name, bag in module.embedding_bags.items():
-            out[name] = bag.weight.detach().clone()
-    return out
+    return {name: table.weight.detach().clone() for name, table in _quant_tables(model)}
 
 
 def assign_weights_to_tbe(model: nn.Module, table_to_weight: Mapping[str, torch.Tensor]) -> None:
     """Copy rows from :func:`get_table_to_weights_from_tbe` into the tables of ``model``."""
-    for module in _quant_collections(model):
-        for name, bag in module.embedding_bags.items():
-            if name not in table_to_weight:
-                raise KeyError(f"assign_weights_to_tbe: {name} not in table_to_weight")
-            rows = table_to_weight[name]
-            if rows.shape != bag.weight.shape:
-                raise ValueError(
-                    f"assign_weights_to_tbe: table {name!r} has rows {list(bag.weight.shape)}, "
-                    f"got {list(rows.shape)}"
-                )
-            with torch.no_grad():
-                bag.weight.copy_(rows)
+    for name, table in _quant_tables(model):
+        if name not in table_to_weight:
+            raise KeyError(f"assign_weights_to_tbe: {name} not in table_to_weight")
+        rows = table_to_weight[name]
+        if rows.shape != table.weight.shape:
+            raise ValueError(
+                f"assign_weights_to_tbe: table {name!r} has rows {list(table.weight.shape)}, "
+                f"got {list(rows.shape)}"
+            )
+        with torch.no_grad():
+            table.weight.copy_(rows)
 
 
 __all__ = [

@@ -60,6 +60,10 @@ QUANT_DATA_TYPES: dict[DataType, WeightType] = {
     DataType.INT2: WeightType.INT2,
 }
 
+# The output dtypes a quantized lookup can return (computed in float32, then rounded once, as
+# FBGEMM does for its fp16 / bf16 outputs).
+OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 class QuantTBEBag(nn.Module):
     """Pooled lookups over quantized tables: ``forward(indices, offsets, per_sample_weights=None)
@@ -262,6 +266,7 @@ class QuantEmbeddingBagCollection(nn.Module):
         row_alignment: row padding in bytes (default FBGEMM's for the device).
         backend: AUTO uses FBGEMM where it has a kernel for the device; TORCH forces the torch
             kernel; FBGEMM refuses to build without FBGEMM.
+        output_dtype: float32, float16 or bfloat16 output (computed in float32, rounded once).
     """
 
     def __init__(
@@ -273,11 +278,18 @@ class QuantEmbeddingBagCollection(nn.Module):
         *,
         row_alignment: int | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
+        output_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         check_unique_tables(tables, "QuantEmbeddingBagCollection")
         if not tables:
             raise ValueError("QuantEmbeddingBagCollection needs at least one table")
+        if output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(
+                f"QuantEmbeddingBagCollection: output_dtype {output_dtype} is not supported; use "
+                f"one of {[str(d) for d in OUTPUT_DTYPES]}"
+            )
+        self._output_dtype = output_dtype
         self._configs = list(tables)
         self._is_weighted = is_weighted
         self._device = torch.device(device) if device is not None else torch.device("cpu")
@@ -304,7 +316,7 @@ class QuantEmbeddingBagCollection(nn.Module):
         self.embedding_bags = nn.ModuleDict()
         for config, view in zip(self._configs, self._tbe.table_weights(), strict=True):
             if config.name in given:
-                _copy_rows(config.name, view, given[config.name])
+                copy_quant_rows(config.name, view, given[config.name])
             self.embedding_bags[config.name] = QuantTableWeight(view)
         self._input_permutations: dict[tuple[str, ...], list[int] | None] = {}
 
@@ -312,19 +324,34 @@ class QuantEmbeddingBagCollection(nn.Module):
     def from_float(
         cls,
         module: EmbeddingBagCollection | FusedEmbeddingBagCollection,
-        dtype: DataType | Mapping[str, DataType] = DataType.INT8,
+        dtype: DataType | Mapping[str, DataType] | None = None,
         *,
         backend: KernelBackend = KernelBackend.AUTO,
         rows_post_pruning: Mapping[str, int] | None = None,
+        output_dtype: torch.dtype | None = None,
+        use_precomputed_fake_quant: bool = False,
     ) -> QuantEmbeddingBagCollection:
         """Quantize an EmbeddingBagCollection or FusedEmbeddingBagCollection (same device).
 
         ``dtype`` is one type for every table or ``{table name: type}`` covering every table.
-        ``rows_post_pruning``: per table, keep only its first N rows (TorchRec's pruning: ids
-        must already be remapped into ``[0, N)``); the config records N in
-        ``num_embeddings_post_pruning``.
+        Without it the module's ``qconfig`` decides, as in TorchRec's
+        ``torch.ao.quantization.quantize_dynamic`` recipe (weight observer dtype, a
+        QuantConfig's ``per_table_weight_dtype``, activation dtype = output dtype); with
+        neither, INT8. ``rows_post_pruning``: per table, keep only its first N rows (TorchRec's
+        pruning: ids must already be remapped into ``[0, N)``); the config records N in
+        ``num_embeddings_post_pruning``. Default: the module's ``set_pruning_data`` mark.
         """
-        pruned = dict(rows_post_pruning or {})
+        del use_precomputed_fake_quant  # torch's quantize_dynamic passes it; nothing to precompute
+        configs = module.embedding_bag_configs()
+        per_table, qconfig_output = qconfig_dtypes(module, [c.name for c in configs], dtype)
+        if rows_post_pruning is None:
+            from recsys_core.inference.quantize import (
+                MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT as PRUNING,
+            )
+
+            marked = getattr(module, PRUNING, None) or {}
+            rows_post_pruning = {k: v for k, v in marked.items() if k in per_table}
+        pruned = dict(rows_post_pruning)
         known = {c.name: c.num_embeddings for c in module.embedding_bag_configs()}
         for name, n in pruned.items():
             if name not in known:
@@ -334,18 +361,14 @@ class QuantEmbeddingBagCollection(nn.Module):
                     f"from_float: table {name!r} keeps {n} rows after pruning; it must be in "
                     f"[1, {known[name]}]"
                 )
-        configs = module.embedding_bag_configs()
         device = module.device
         if device.type == "meta":
             raise ValueError("from_float: the collection is on the meta device (no weights yet)")
         quant_configs, tables = [], {}
         for config in configs:
-            data_type = dtype.get(config.name) if isinstance(dtype, Mapping) else dtype
-            if data_type is None:
-                raise ValueError(f"from_float: dtype mapping has no entry for table {config.name!r}")
             quant = dataclasses.replace(
                 config,
-                data_type=data_type,
+                data_type=per_table[config.name],
                 num_embeddings_post_pruning=pruned.get(
                     config.name, config.num_embeddings_post_pruning
                 ),
@@ -353,7 +376,10 @@ class QuantEmbeddingBagCollection(nn.Module):
             weight = module.embedding_bags[config.name].weight[: stored_rows(quant)]
             tables[config.name] = quantize_rows(weight.cpu(), quant_weight_type(quant), config.name)
             quant_configs.append(quant)
-        return cls(quant_configs, module.is_weighted(), device, tables, backend=backend)
+        return cls(
+            quant_configs, module.is_weighted(), device, tables, backend=backend,
+            output_dtype=output_dtype or qconfig_output or torch.float32,
+        )
 
     # ---- public API ---------------------------------------------------------------------------
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -377,6 +403,9 @@ class QuantEmbeddingBagCollection(nn.Module):
         types (TorchRec groups tables into one FBGEMM module per pooling type)."""
         return [self._tbe]
 
+    def output_dtype(self) -> torch.dtype:
+        return self._output_dtype
+
     def kernel_backend(self) -> KernelBackend:
         return KernelBackend.FBGEMM if self._tbe.use_fbgemm else KernelBackend.TORCH
 
@@ -396,6 +425,8 @@ class QuantEmbeddingBagCollection(nn.Module):
             self._tbe, self._in_kernel_order(features), self._is_weighted,
             "QuantEmbeddingBagCollection",
         )
+        if self._output_dtype != torch.float32:
+            pooled = pooled.to(self._output_dtype)
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
 
     # ---- internals ----------------------------------------------------------------------------
@@ -418,7 +449,120 @@ class QuantEmbeddingBagCollection(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def _copy_rows(name: str, view: Tensor, rows: Tensor) -> None:
+class QuantFeatureProcessedEmbeddingBagCollection(QuantEmbeddingBagCollection):
+    """A quantized EmbeddingBagCollection behind feature processors (TorchRec's
+    ``quant.FeatureProcessedEmbeddingBagCollection``): ``forward`` runs the (float) processors
+    on the KJT, which sets the per-id weights, then the weighted quantized lookup.
+
+    Build it with :meth:`from_float` from a ``FeatureProcessedEmbeddingBagCollection``; the
+    processors are shared with it, not copied. Other arguments as
+    :class:`QuantEmbeddingBagCollection`; ``feature_processor`` (a
+    ``FeatureProcessorsCollection``) is required.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        is_weighted: bool = True,
+        device: torch.device | str | None = None,
+        table_name_to_quantized_weights: Mapping[str, Tensor] | None = None,
+        *,
+        feature_processor: nn.Module | None = None,
+        row_alignment: int | None = None,
+        backend: KernelBackend = KernelBackend.AUTO,
+        output_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if feature_processor is None:
+            raise ValueError(
+                "QuantFeatureProcessedEmbeddingBagCollection needs feature_processor (without "
+                "one, use QuantEmbeddingBagCollection)"
+            )
+        super().__init__(
+            tables, is_weighted, device, table_name_to_quantized_weights,
+            row_alignment=row_alignment, backend=backend, output_dtype=output_dtype,
+        )
+        self.feature_processor = feature_processor
+
+    @classmethod
+    def from_float(  # type: ignore[override]
+        cls,
+        module: nn.Module,
+        dtype: DataType | Mapping[str, DataType] | None = None,
+        *,
+        backend: KernelBackend = KernelBackend.AUTO,
+        rows_post_pruning: Mapping[str, int] | None = None,
+        output_dtype: torch.dtype | None = None,
+        use_precomputed_fake_quant: bool = False,
+    ) -> QuantFeatureProcessedEmbeddingBagCollection:
+        """Quantize a ``FeatureProcessedEmbeddingBagCollection``: its collection's tables as
+        :meth:`QuantEmbeddingBagCollection.from_float` (the FP module's ``qconfig`` and pruning
+        mark decide unless given), its processors kept as they are."""
+        processors, ebc = module.split()
+        names = [c.name for c in ebc.embedding_bag_configs()]
+        per_table, qconfig_output = qconfig_dtypes(module, names, dtype)
+        if rows_post_pruning is None:
+            from recsys_core.inference.quantize import (
+                MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT as PRUNING,
+            )
+
+            marked = getattr(module, PRUNING, None) or getattr(ebc, PRUNING, None) or {}
+            rows_post_pruning = {k: v for k, v in marked.items() if k in per_table}
+        inner = QuantEmbeddingBagCollection.from_float(
+            ebc, per_table, backend=backend, rows_post_pruning=rows_post_pruning,
+            output_dtype=output_dtype or qconfig_output,
+        )
+        return cls(
+            inner.embedding_bag_configs(), inner.is_weighted(), inner.device,
+            inner.quantized_weights(), feature_processor=processors, backend=backend,
+            output_dtype=inner.output_dtype(),
+        )
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return super().forward(self.feature_processor(features))
+
+
+def qconfig_dtypes(
+    module: nn.Module,
+    table_names: Sequence[str],
+    dtype: DataType | Mapping[str, DataType] | None,
+) -> tuple[dict[str, DataType], torch.dtype | None]:
+    """Per table, its quantized DataType, and the output dtype a qconfig asks for (or None).
+
+    ``dtype`` wins when given; otherwise the module's ``qconfig`` (TorchRec's recipe: the weight
+    observer's dtype, a QuantConfig's ``per_table_weight_dtype`` per table); otherwise INT8.
+    """
+    from recsys_core.inference.quantize import resolve_quant_dtype
+
+    output = None
+    if dtype is None:
+        qconfig = getattr(module, "qconfig", None)
+        default: DataType = DataType.INT8
+        per_table_torch: Mapping[str, torch.dtype] = {}
+        if qconfig is not None:
+            default = resolve_quant_dtype(qconfig.weight().dtype)
+            output = qconfig.activation().dtype
+            per_table_torch = getattr(qconfig, "per_table_weight_dtype", None) or {}
+        chosen = {
+            name: resolve_quant_dtype(per_table_torch[name]) if name in per_table_torch
+            else default
+            for name in table_names
+        }
+    elif isinstance(dtype, Mapping):
+        missing = [n for n in table_names if n not in dtype]
+        if missing:
+            raise ValueError(f"from_float: dtype mapping has no entry for tables {missing}")
+        chosen = {n: dtype[n] for n in table_names}
+    else:
+        chosen = dict.fromkeys(table_names, dtype)
+    if output is not None and output not in OUTPUT_DTYPES:
+        raise ValueError(
+            f"from_float: qconfig activation dtype {output} is not an output dtype this "
+            f"module supports ({[str(d) for d in OUTPUT_DTYPES]})"
+        )
+    return chosen, output
+
+
+def copy_quant_rows(name: str, view: Tensor, rows: Tensor) -> None:
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != view.shape[0] or (
         rows.shape[1] < view.shape[1]
     ):

@@ -64,7 +64,10 @@ def quantize_inference_model(
     backend: KernelBackend = KernelBackend.AUTO,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection / FusedEmbeddingBagCollection with a
-    :class:`QuantEmbeddingBagCollection` holding the same tables quantized.
+    :class:`QuantEmbeddingBagCollection` holding the same tables quantized, every
+    EmbeddingCollection with a ``QuantEmbeddingCollection`` and every
+    ManagedCollisionEmbeddingCollection with a ``QuantManagedCollisionEmbeddingCollection``
+    (its remapping kept, frozen).
 
     Modified in place and returned; if ``model`` itself is a collection the new module is
     returned. Each quantized collection stays on its collection's device.
@@ -80,15 +83,38 @@ def quantize_inference_model(
             per batch; CPU only).
         backend: kernel choice for the quantized collections (AUTO: FBGEMM where available).
     """
+    from recsys_core.inference.quant_sequence import (
+        QuantEmbeddingCollection,
+        QuantManagedCollisionEmbeddingCollection,
+    )
+    from recsys_core.modules.embedding_collection import EmbeddingCollection
+    from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+
     default = resolve_quant_dtype(dtype)
     overrides = {name: resolve_quant_dtype(d) for name, d in (table_dtypes or {}).items()}
+    kinds = (
+        EmbeddingBagCollection, FusedEmbeddingBagCollection, EmbeddingCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
+    # The EmbeddingCollection inside a managed-collision one is quantized with its parent.
+    inner = {
+        id(m._embedding_module)
+        for m in model.modules()
+        if isinstance(m, ManagedCollisionEmbeddingCollection)
+    }
     collections = [
         (path, module)
         for path, module in model.named_modules()
-        if isinstance(module, EmbeddingBagCollection | FusedEmbeddingBagCollection)
+        if isinstance(module, kinds) and id(module) not in inner
     ]
     _refuse_sharded(model)
-    seen = {c.name for _, m in collections for c in m.embedding_bag_configs()}
+
+    def configs_of(module: nn.Module) -> list:
+        if hasattr(module, "embedding_bag_configs"):
+            return list(module.embedding_bag_configs())
+        return list(module.embedding_configs())
+
+    seen = {c.name for _, m in collections for c in configs_of(m)}
     unknown = sorted(set(overrides) - seen)
     if unknown:
         raise ValueError(
@@ -98,7 +124,19 @@ def quantize_inference_model(
     # All quantized first: a bad table leaves the model as it was.
     replacements = []
     for path, module in collections:
-        per_table = {c.name: overrides.get(c.name, default) for c in module.embedding_bag_configs()}
+        per_table = {c.name: overrides.get(c.name, default) for c in configs_of(module)}
+        if isinstance(module, ManagedCollisionEmbeddingCollection):
+            quantized = QuantManagedCollisionEmbeddingCollection.from_float(
+                module, dtype=per_table, backend=backend
+            )
+            replacements.append((path, quantized))
+            continue
+        if isinstance(module, EmbeddingCollection):
+            quantized = QuantEmbeddingCollection.from_float(
+                module, dtype=per_table, backend=backend
+            )
+            replacements.append((path, quantized))
+            continue
         pruning = getattr(module, MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT, None)
         pruning = {k: v for k, v in (pruning or {}).items() if k in per_table}
         replacements.append(

@@ -31,9 +31,20 @@ from recsys_core.inference.quant_embedding import (
     quant_weight_type,
     stored_rows,
 )
+from recsys_core.inference.quant_sequence import (
+    QuantEmbeddingCollection,
+    QuantTBESequence,
+    cast_values,
+    sequence_lookup,
+)
 from recsys_core.kernels.config import KernelBackend
 from recsys_core.kernels.quant_tbe import QuantTableSpec, default_row_alignment, table_offsets
-from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from recsys_core.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+)
 from recsys_core.modules.embedding_modules import check_features
 from recsys_core.plan.generators import construct_module_sharding_plan, table_wise
 from recsys_core.plan.types import (
@@ -43,7 +54,7 @@ from recsys_core.plan.types import (
     ShardingType,
 )
 from recsys_core.plan.validation import validate_module_sharding_plan
-from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
+from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 _NAME = "ShardedQuantEmbeddingBagCollection"
 
@@ -59,10 +70,12 @@ def quant_table_bytes(configs: Sequence[EmbeddingBagConfig], device_type: str) -
 
 
 def quant_table_wise_plan(
-    module: QuantEmbeddingBagCollection, world_size: int, device_type: str = "cpu"
+    module: QuantEmbeddingBagCollection | QuantEmbeddingCollection,
+    world_size: int,
+    device_type: str = "cpu",
 ) -> EmbeddingModuleShardingPlan:
     """Every table whole on one rank, balanced by bytes (largest first onto the lightest rank)."""
-    configs = module.embedding_bag_configs()
+    configs = _configs(module)
     sizes = quant_table_bytes(configs, device_type)
     load = [0] * world_size
     generators = {}
@@ -190,6 +203,117 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         return features if permutation is None else features.permute(permutation)
 
 
+class ShardedQuantEmbeddingCollection(nn.Module):
+    """A QuantEmbeddingCollection with its tables spread over devices; same forward contract
+    (KeyedJaggedTensor in, ``{embedding name: JaggedTensor}`` out on the input's device).
+
+    ``state_dict`` has the unsharded keys (``embeddings.<table>.weight``, each on its device).
+    Arguments as :class:`ShardedQuantEmbeddingBagCollection`.
+    """
+
+    def __init__(
+        self,
+        module: QuantEmbeddingCollection,
+        plan: EmbeddingModuleShardingPlan,
+        devices: Sequence[torch.device],
+    ) -> None:
+        super().__init__()
+        configs = module.embedding_configs()
+        _check_plan(configs, plan, devices, "ShardedQuantEmbeddingCollection")
+        self.plan = plan
+        self._configs = configs
+        self._need_indices = module.need_indices()
+        self._output_dtype = module.output_dtype()
+        self._embedding_dim = module.embedding_dim()
+        self._embedding_names_by_table = module.embedding_names_by_table()
+        self._feature_names = [f for c in configs for f in c.feature_names]
+        names_of = {c.name: n for c, n in zip(configs, self._embedding_names_by_table, strict=True)}
+        rows = module.quantized_weights()
+        by_rank: dict[int, list[EmbeddingConfig]] = {}
+        for c in configs:
+            by_rank.setdefault(plan[c.name].ranks[0], []).append(c)
+        self.ranks = sorted(by_rank)
+        self.shards = nn.ModuleList()
+        views: dict[str, torch.Tensor] = {}
+        use_fbgemm = None if module.kernel_backend() is KernelBackend.FBGEMM else False
+        for rank in self.ranks:
+            tables = by_rank[rank]
+            lookup = QuantTBESequence(
+                [QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
+                 for c in tables],
+                [t for t, c in enumerate(tables) for _ in c.feature_names],
+                [n for c in tables for n in names_of[c.name]],
+                device=devices[rank],
+                tables=[rows[c.name].cpu() for c in tables],
+                use_fbgemm=use_fbgemm,
+            )
+            self.shards.append(lookup)
+            views.update(zip((c.name for c in tables), lookup.table_weights(), strict=True))
+        self.embeddings = nn.ModuleDict({c.name: QuantTableWeight(views[c.name]) for c in configs})
+        # Kernel inputs: per rank, its tables' features (a feature in several tables repeats).
+        self._kernel_features = [
+            [f for c in by_rank[r] for f in c.feature_names] for r in self.ranks
+        ]
+        self._input_permutations: dict[tuple[str, ...], list[int]] = {}
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return list(self._configs)
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [list(n) for n in self._embedding_names_by_table]
+
+    def embedding_dim(self) -> int:
+        return self._embedding_dim
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def output_dtype(self) -> torch.dtype:
+        return self._output_dtype
+
+    @property
+    def tbes(self) -> list[QuantTBESequence]:
+        """The kernel modules, one per rank that holds tables."""
+        return list(self.shards)
+
+    def tables_per_rank(self) -> dict[int, list[str]]:
+        return {r: [s.name for s in m.specs] for r, m in zip(self.ranks, self.shards, strict=True)}
+
+    def devices_per_rank(self) -> dict[int, torch.device]:
+        return {r: m.weights.device for r, m in zip(self.ranks, self.shards, strict=True)}
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        name = "ShardedQuantEmbeddingCollection"
+        check_features(features, self._feature_names, name, False)
+        kjt = features.permute(self._permutation(features))
+        parts = kjt.split([len(f) for f in self._kernel_features])
+        out_device = features.device()
+        out: dict[str, JaggedTensor] = {}
+        for lookup, part in zip(self.shards, parts, strict=True):
+            out.update(sequence_lookup(lookup, part, self._need_indices, name, out_device))
+        if self._output_dtype != torch.float32:
+            out = {k: cast_values(jt, self._output_dtype) for k, jt in out.items()}
+        return {n: out[n] for names in self._embedding_names_by_table for n in names}
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardedQuantEmbeddingCollection:
+        for device in self.devices_per_rank().values():
+            if fn(torch.zeros(1, device=device)).device != device:
+                raise ValueError(
+                    "ShardedQuantEmbeddingCollection cannot be moved (each shard's rows are laid "
+                    "out for its device); place the tables with shard_quant_model instead"
+                )
+        return super()._apply(fn, recurse)
+
+    def _permutation(self, features: KeyedJaggedTensor) -> list[int]:
+        keys = tuple(features.keys())
+        if keys not in self._input_permutations:
+            index = {k: i for i, k in enumerate(keys)}
+            self._input_permutations[keys] = [
+                index[f] for per_rank in self._kernel_features for f in per_rank
+            ]
+        return self._input_permutations[keys]
+
+
 def shard_quant_model(
     model: nn.Module,
     devices: Sequence[torch.device | str] | None = None,
@@ -210,11 +334,15 @@ def shard_quant_model(
             when the model has one collection; default :func:`quant_table_wise_plan`.
     """
     placed = _resolve_devices(devices, world_size)
-    found = [(p, m) for p, m in model.named_modules() if isinstance(m, QuantEmbeddingBagCollection)]
+    found = [
+        (p, m)
+        for p, m in model.named_modules()
+        if isinstance(m, QuantEmbeddingBagCollection | QuantEmbeddingCollection)
+    ]
     if not found:
         raise ValueError(
-            "shard_quant_model: the model has no QuantEmbeddingBagCollection; call "
-            "quantize_inference_model(model, ...) first"
+            "shard_quant_model: the model has no QuantEmbeddingBagCollection or "
+            "QuantEmbeddingCollection; call quantize_inference_model(model, ...) first"
         )
     if isinstance(plan, EmbeddingModuleShardingPlan):
         if len(found) != 1:
@@ -238,12 +366,73 @@ def shard_quant_model(
                     "by bytes on one device type, so pass an explicit plan"
                 )
             module_plan = quant_table_wise_plan(module, len(placed), placed[0].type)
-        sharded = ShardedQuantEmbeddingBagCollection(module, module_plan, placed)
+        sharded = sharded_quant_module(module, module_plan, placed)
         if not path:
             return sharded
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, sharded)
     return model
+
+
+def sharded_quant_module(
+    module: nn.Module, plan: EmbeddingModuleShardingPlan, devices: Sequence[torch.device]
+) -> nn.Module:
+    """The sharded form of a quantized collection (EBC, FP-EBC, EC or managed-collision EC)."""
+    from recsys_core.inference.quant_embedding import QuantFeatureProcessedEmbeddingBagCollection
+    from recsys_core.inference.quant_sequence import QuantManagedCollisionEmbeddingCollection
+
+    if isinstance(module, QuantManagedCollisionEmbeddingCollection):
+        return ShardedQuantManagedCollisionEmbeddingCollection(module, plan, devices)
+    if isinstance(module, QuantEmbeddingCollection):
+        return ShardedQuantEmbeddingCollection(module, plan, devices)
+    if isinstance(module, QuantFeatureProcessedEmbeddingBagCollection):
+        return ShardedQuantFeatureProcessedEmbeddingBagCollection(module, plan, devices)
+    return ShardedQuantEmbeddingBagCollection(module, plan, devices)
+
+
+class ShardedQuantFeatureProcessedEmbeddingBagCollection(ShardedQuantEmbeddingBagCollection):
+    """A quantized feature-processed collection spread over devices: the (float) processors run
+    on the input's device, then the sharded lookup."""
+
+    def __init__(
+        self,
+        module: QuantEmbeddingBagCollection,
+        plan: EmbeddingModuleShardingPlan,
+        devices: Sequence[torch.device],
+    ) -> None:
+        super().__init__(module, plan, devices)
+        self.feature_processor = module.feature_processor
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return super().forward(self.feature_processor(features))
+
+
+class ShardedQuantManagedCollisionEmbeddingCollection(ShardedQuantEmbeddingCollection):
+    """A quantized managed-collision collection with its tables spread over devices: ids are
+    remapped by the (frozen) managed collision collection on the input's device, then looked up.
+    ``forward`` returns ``(embeddings, remapped KJT)`` as the unsharded module."""
+
+    def __init__(
+        self,
+        module: QuantEmbeddingCollection,
+        plan: EmbeddingModuleShardingPlan,
+        devices: Sequence[torch.device],
+    ) -> None:
+        super().__init__(module, plan, devices)
+        self._managed_collision_collection = module._managed_collision_collection
+        self._return_remapped_features = module._return_remapped_features
+
+    def forward(  # type: ignore[override]
+        self, features: KeyedJaggedTensor
+    ) -> tuple[dict[str, JaggedTensor], KeyedJaggedTensor]:
+        remapped = self._managed_collision_collection(features)
+        return super().forward(remapped), remapped
+
+
+def _configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
+    if hasattr(module, "embedding_bag_configs"):
+        return list(module.embedding_bag_configs())
+    return list(module.embedding_configs())
 
 
 def _resolve_devices(
@@ -264,29 +453,30 @@ def _resolve_devices(
 
 
 def _check_plan(
-    configs: Sequence[EmbeddingBagConfig],
+    configs: Sequence[BaseEmbeddingConfig],
     plan: EmbeddingModuleShardingPlan,
     devices: Sequence[torch.device],
+    module_name: str = _NAME,
 ) -> None:
     world_size = len(devices)
     missing = [c.name for c in configs if c.name not in plan]
     if missing:
         raise ValueError(
-            f"{_NAME}: the plan places no shard of tables {missing}; every table of an inference "
+            f"{module_name}: the plan places no shard of tables {missing}; every table of an inference "
             "collection must be placed (use table_wise(rank, EmbeddingComputeKernel.QUANT))"
         )
     validate_module_sharding_plan(configs, plan, world_size, world_size, inference=True)  # type: ignore[arg-type]
     for name, sharding in plan.items():
         if sharding.sharding_type is not ShardingType.TABLE_WISE:
             raise ValueError(
-                f"{_NAME}: table {name!r} is {sharding.sharding_type}; quantized inference "
+                f"{module_name}: table {name!r} is {sharding.sharding_type}; quantized inference "
                 "places whole tables: use table_wise(rank, EmbeddingComputeKernel.QUANT)"
             )
         shard = sharding.shards[0]
         wanted = torch.device(shard.device).type
         if wanted != devices[shard.rank].type:
             raise ValueError(
-                f"{_NAME}: table {name!r} is planned on {shard.placement!r} but rank "
+                f"{module_name}: table {name!r} is planned on {shard.placement!r} but rank "
                 f"{shard.rank}'s device is {devices[shard.rank]}; make the plan's device type "
                 "match the devices passed"
             )

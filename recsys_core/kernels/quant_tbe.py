@@ -278,6 +278,45 @@ def torch_quant_pooled(
     return torch.cat(outs, dim=1)
 
 
+def torch_quant_sequence(
+    weights: Tensor,
+    weights_offsets: list[int],
+    row_strides: list[int],
+    dims: list[int],
+    weights_tys: list[int],
+    rows_per_feature: list[int],
+    feature_names: list[str],
+    indices: Tensor,
+    offsets: Tensor,
+) -> Tensor:
+    """Unpooled ``[N, D]``: every id's row dequantized (in float32), in ``indices`` order.
+
+    Every feature has the same dim ``D``; ``offsets`` is feature-major as in
+    :func:`torch_quant_pooled`.
+    """
+    num_features = len(dims)
+    batch = (offsets.numel() - 1) // num_features
+    outs: list[Tensor] = []
+    for f in range(num_features):
+        lo = int(offsets[f * batch])
+        hi = int(offsets[(f + 1) * batch])
+        ids = indices[lo:hi].long()
+        if ids.numel() > 0:
+            bad = (ids < 0) | (ids >= rows_per_feature[f])
+            if bool(bad.any()):
+                first = int(ids[bad.nonzero()[0, 0]])
+                raise IndexError(
+                    "feature '" + feature_names[f] + "': id " + str(first) + " is outside [0, "
+                    + str(rows_per_feature[f]) + ") of its table. Hash or clip ids to the table size."
+                )
+        table = weights.narrow(0, weights_offsets[f], rows_per_feature[f] * row_strides[f])
+        table = table.view(rows_per_feature[f], row_strides[f])
+        outs.append(dequantize_rows(table.index_select(0, ids), dims[f], weights_tys[f]))
+    if not outs:
+        return torch.zeros(0, 0, device=weights.device)
+    return torch.cat(outs, dim=0)
+
+
 def fbgemm_quant_pooled(
     weights: Tensor,
     weights_placements: Tensor,
@@ -291,8 +330,10 @@ def fbgemm_quant_pooled(
     indices: Tensor,
     offsets: Tensor,
     per_sample_weights: Tensor | None,
+    pooling_mode: int = 0,
 ) -> Tensor:
-    """SUM-pooled ``[B, total_D]`` from FBGEMM's int-n-bit kernel, ids bounds-checked (FATAL).
+    """SUM-pooled ``[B, total_D]`` from FBGEMM's int-n-bit kernel, ids bounds-checked (FATAL);
+    with ``pooling_mode=2`` (FBGEMM's NONE, every table one dim) the unpooled rows ``[N, D]``.
 
     ``max_dims`` is ``[total_D, max_int2_D, max_int4_D, max_int8_D, max_float16_D,
     max_float32_D]``.
@@ -322,7 +363,8 @@ def fbgemm_quant_pooled(
         max_float32_D=max_dims[5],
         indices=indices,
         offsets=offsets,
-        pooling_mode=0,  # SUM; MEAN is applied by the caller, identically for both kernels
+        pooling_mode=pooling_mode,  # SUM or NONE; MEAN is applied by the caller, identically
+        # for both kernels
         indice_weights=per_sample_weights,
         output_dtype=0,  # FP32
         lxu_cache_weights=weights.new_empty(0, 0),

@@ -8,7 +8,7 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum, unique
-from typing import Any
+from typing import Any, NamedTuple
 
 from recsys_core.modules.embedding_configs import DataType
 
@@ -65,6 +65,16 @@ class CacheStatistics(abc.ABC):
         """How hard the ids are to cache whatever the cache size: 0 easy, 1 hard."""
 
 
+class MultiPassPrefetchConfig(NamedTuple):
+    """FBGEMM's multi-pass cache prefetch (TorchRec's ``distributed.types`` name): a prefetch
+    splits its ids into up to ``num_passes`` passes (tensors shorter than
+    ``min_splitable_pass_size`` are not split), so its extra memory shrinks with the passes. The
+    planner's storage estimate reads ``num_passes``; this library's caches prefetch in one pass."""
+
+    num_passes: int = 12
+    min_splitable_pass_size: int = 6 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class CacheParams:
     """Settings of a FUSED_UVM_CACHING table: the HBM cache in front of rows kept in host memory.
@@ -90,6 +100,9 @@ class CacheParams:
     stats: CacheStatistics | None = field(default=None, compare=False)
     """Statistics of the table's ids for the planner (not stored in a plan; TorchRec leaves
     them out of the hash too)."""
+    multipass_prefetch_config: MultiPassPrefetchConfig | None = None
+    """Multi-pass prefetch settings; the planner sizes the prefetch memory with ``num_passes``
+    (not stored in a plan)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.algorithm, CacheAlgorithm):

@@ -1,12 +1,16 @@
 """TorchRec's ``torchrec.quant.embedding_modules``: quantized embedding bag collections.
 
 ``EmbeddingBagCollection`` here IS :class:`recsys_core.inference.QuantEmbeddingBagCollection`
-(one int-n-bit buffer for all tables, FBGEMM's layout; see that class). The ``MODULE_ATTR_*``
+(one int-n-bit buffer for all tables, FBGEMM's layout; see that class); ``EmbeddingCollection``
+is the quantized sequence collection (:class:`recsys_core.inference.quant_sequence.
+QuantEmbeddingCollection`), ``FeatureProcessedEmbeddingBagCollection`` and
+``QuantManagedCollisionEmbeddingCollection`` the quantized forms of those modules. Each has
+``from_float`` reading the float module's ``qconfig``, so TorchRec's
+``torch.ao.quantization.quantize_dynamic(model, qconfig_spec, mapping)`` recipe works. The ``MODULE_ATTR_*``
 names and ``quant_prep_*`` helpers mark float modules before quantization exactly as TorchRec
 does; of those marks, this library's quantization reads only the pruning dict
 (``MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT``): the others switch TorchRec's
 FBGEMM-module registration and state-dict layouts, which this implementation does not have.
-A quantized (sequence) ``EmbeddingCollection`` is not provided.
 """
 
 import dataclasses
@@ -15,7 +19,14 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from recsys_core.inference.quant_embedding import QuantEmbeddingBagCollection
+from recsys_core.inference.quant_embedding import (
+    QuantEmbeddingBagCollection,
+    QuantFeatureProcessedEmbeddingBagCollection,
+)
+from recsys_core.inference.quant_sequence import (
+    QuantEmbeddingCollection,
+    QuantManagedCollisionEmbeddingCollection,
+)
 from recsys_core.inference.quantize import (
     MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT,
     resolve_quant_dtype,
@@ -23,6 +34,8 @@ from recsys_core.inference.quantize import (
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection as _FloatEBC
 
 EmbeddingBagCollection = QuantEmbeddingBagCollection
+EmbeddingCollection = QuantEmbeddingCollection
+FeatureProcessedEmbeddingBagCollection = QuantFeatureProcessedEmbeddingBagCollection
 
 MODULE_ATTR_REGISTER_TBES_BOOL: str = "__register_tbes_in_named_modules"
 MODULE_ATTR_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: str = "__register_quant_state_dict_split_scale_bias"
@@ -119,6 +132,9 @@ __all__ = [
     "MODULE_ATTR_USE_BATCHING_HINTED_OUTPUT",
     "MODULE_ATTR_USE_UNFLATTENED_LENGTHS_FOR_BATCHING",
     "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "FeatureProcessedEmbeddingBagCollection",
+    "QuantManagedCollisionEmbeddingCollection",
     "for_each_module_of_type_do",
     "quant_prep_customize_row_alignment",
     "quant_prep_enable_cache_features_order",

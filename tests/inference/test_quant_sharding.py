@@ -168,7 +168,7 @@ def test_model_with_two_collections(mixed_tables, make_kjt: MakeKJT) -> None:
 
 
 def test_bad_arguments(mixed_tables) -> None:
-    with pytest.raises(ValueError, match="no QuantEmbeddingBagCollection; call quantize_inference_model"):
+    with pytest.raises(ValueError, match="no QuantEmbeddingBagCollection or QuantEmbeddingCollection; call quantize_inference_model"):
         shard_quant_model(EmbeddingBagCollection(mixed_tables), world_size=2)
     quant = quantized(mixed_tables)
     with pytest.raises(ValueError, match=r"pass devices=\[...\] or world_size=N"):

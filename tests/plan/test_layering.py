@@ -58,6 +58,10 @@ def test_default_sharders_at_torchrec_path() -> None:
     from recsys_core.distributed.mc_embeddingbag import (
         ManagedCollisionEmbeddingBagCollectionSharder,
     )
+    from recsys_core.distributed.quant_embedding import (
+        QuantEmbeddingCollectionSharder,
+        QuantManagedCollisionEmbeddingCollectionSharder,
+    )
     from recsys_core.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
     from recsys_core.distributed.sharding_plan import (
         get_default_sharders,
@@ -65,6 +69,10 @@ def test_default_sharders_at_torchrec_path() -> None:
         get_module_to_default_sharders,
     )
     from recsys_core.inference import QuantEmbeddingBagCollection
+    from recsys_core.inference.quant_sequence import (
+        QuantEmbeddingCollection,
+        QuantManagedCollisionEmbeddingCollection,
+    )
     from recsys_core.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
     from recsys_core.modules.mc_embedding_modules import (
         ManagedCollisionEmbeddingBagCollection,
@@ -74,8 +82,9 @@ def test_default_sharders_at_torchrec_path() -> None:
     executable = [
         EmbeddingBagCollectionSharder, FeatureProcessedEmbeddingBagCollectionSharder,
         EmbeddingCollectionSharder, FusedEmbeddingBagCollectionSharder,
-        QuantEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingBagCollectionSharder,
-        ManagedCollisionEmbeddingCollectionSharder]
+        QuantEmbeddingBagCollectionSharder, QuantEmbeddingCollectionSharder,
+        ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder,
+        QuantManagedCollisionEmbeddingCollectionSharder]
     assert [type(s) for s in get_executable_default_sharders()] == executable
     assert [type(s) for s in get_default_sharders()] == executable
     by_type = get_module_to_default_sharders()
@@ -87,4 +96,6 @@ def test_default_sharders_at_torchrec_path() -> None:
         QuantEmbeddingBagCollection: QuantEmbeddingBagCollectionSharder,
         ManagedCollisionEmbeddingBagCollection: ManagedCollisionEmbeddingBagCollectionSharder,
         ManagedCollisionEmbeddingCollection: ManagedCollisionEmbeddingCollectionSharder,
+        QuantEmbeddingCollection: QuantEmbeddingCollectionSharder,
+        QuantManagedCollisionEmbeddingCollection: QuantManagedCollisionEmbeddingCollectionSharder,
     }
