@@ -4,6 +4,9 @@ Every subcommand is defined here; each parses its flags into typed arguments and
 functions (``recsys_core`` never sees argparse). The flags of ``train`` and ``serve`` are
 generated from ``TrainConfig`` and ``ServeConfig`` (``dlrm_app.flags``): a new config field is
 one edit, with its docstring as the help line and its default shown.
+
+Parsing imports nothing heavy (the configs and flags are plain Python): ``--help`` and argument
+errors answer at once, and each command imports torch, pyarrow and ``recsys_core`` in its body.
 """
 
 from __future__ import annotations
@@ -17,29 +20,32 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from dlrm_app.config import TrainConfig, resume_config
-from dlrm_app.data.criteo import (
+from dlrm_app.config import (
     DEFAULT_FREQUENCY_THRESHOLD,
     DEFAULT_MAX_EMBEDDINGS_PER_FEATURE,
-    preprocess_criteo,
+    DEMO_ROWS,
+    ServeConfig,
+    TrainConfig,
+    resume_config,
 )
-from dlrm_app.data.movielens import preprocess_movielens
-from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.data.synthetic import generate
-from dlrm_app.data.tables import format_table_summary
-from dlrm_app.demo import DEMO_ROWS
 from dlrm_app.flags import HelpFormatter, add_config_flags, config_values
-from dlrm_app.serve import ServeConfig
-from recsys_core.kernels import fbgemm_status, fbgemm_version
-from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
-from recsys_core.kernels.tbe import fbgemm_missing, select_backend
+
+if TYPE_CHECKING:
+    import torch
+
+    from dlrm_app.data.schema import DatasetSpec
 
 
 def environment_report(device: torch.device) -> dict[str, object]:
     """What this machine offers: versions, FBGEMM status, the kernel each optimizer gets."""
+    import torch
+
+    from recsys_core.kernels import fbgemm_status, fbgemm_version
+    from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
+    from recsys_core.kernels.tbe import fbgemm_missing, select_backend
+
     kernels = {}
     for opt in EmbOptimType:
         if opt is EmbOptimType.SGD:
@@ -60,6 +66,8 @@ def environment_report(device: torch.device) -> dict[str, object]:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
     report = environment_report(torch.device(args.device))
     if args.json:
         print(json.dumps(report))
@@ -91,6 +99,8 @@ def _per_feature(text: str, count: int, kind: type, flag: str,
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from dlrm_app.data.synthetic import generate
+
     cardinalities = _per_feature(args.cardinalities, args.num_sparse, int, "--cardinalities")
     pooling = _per_feature(args.pooling_factors, args.num_sparse, float, "--pooling-factors")
     start = time.perf_counter()
@@ -113,10 +123,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _tables_report(spec: DatasetSpec) -> None:
     """The table sizes and the memory they need, for a person (stderr; stdout stays JSON)."""
+    from dlrm_app.data.tables import format_table_summary
+
     print(format_table_summary(spec.parameters["tables"]), file=sys.stderr)
 
 
 def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
+    from dlrm_app.data.criteo import preprocess_criteo
+
     hashed = caps = None
     if args.num_embeddings_per_feature is not None:
         hashed = _per_feature(args.num_embeddings_per_feature, 26, int,
@@ -146,6 +160,8 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
 
 
 def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
+    from dlrm_app.data.movielens import preprocess_movielens
+
     start = time.perf_counter()
     spec = preprocess_movielens(
         args.src, args.out, positive_rating=args.positive_rating, split=args.split_method,
@@ -231,7 +247,7 @@ CHECKPOINT_HELP = ("best (the best validation AUC; the newest checkpoint where n
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from dlrm_app.serve import ServeConfig, serve_forever
+    from dlrm_app.serve import serve_forever
 
     config = ServeConfig(**config_values(args, ServeConfig))
     return serve_forever(args.model, config)

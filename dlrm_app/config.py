@@ -1,4 +1,8 @@
-"""Typed training configuration (the CLI's flags become one ``TrainConfig``).
+"""Typed configuration of the commands: the CLI's flags become one ``TrainConfig`` (with its
+``ModelConfig``) or ``ServeConfig``, and the defaults of preprocessing and the demo live here.
+
+This module imports nothing heavy (no torch, numpy or pyarrow): the command line builds its
+parser from it, so ``--help`` and argument errors answer at once.
 
 A run directory holds ``config.json`` (this config), ``metrics.jsonl``, ``plan.json`` and
 ``checkpoints/``. ``TrainConfig.from_json`` is strict: unknown keys are errors.
@@ -13,7 +17,68 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dlrm_app.model import Interaction, ModelConfig
+DEFAULT_FREQUENCY_THRESHOLD = 1
+"""Criteo: train occurrences a raw id needs for a row of its own (1: every id seen in train)."""
+DEFAULT_MAX_EMBEDDINGS_PER_FEATURE = 10_000_000
+"""Criteo: rows per table at most (the out-of-vocabulary row included)."""
+DEMO_ROWS = 500_000
+"""Synthetic rows ``dlrm-app demo`` generates."""
+
+
+class Interaction(enum.Enum):
+    DOT = "dot"
+    DCN = "dcn"
+
+
+DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)
+"""Hidden layers of the default bottom MLP, before its output layer of the embedding dim."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Layer sizes of a DLRM (defaults: the reference DLRM's Criteo Kaggle configuration: dim 16,
+    bottom 512-256-64-16, top 512-256-1; its Criteo 1TB one is dim 128, bottom 512-256-128, top
+    1024-1024-512-256-1)."""
+
+    embedding_dim: int = 16
+    """Width of every embedding table (and of the bottom MLP's output)."""
+    dense_arch_layer_sizes: tuple[int, ...] | None = None
+    """Bottom MLP; the last size must equal the embedding dim. None: 512-256-64 and then the
+    embedding dim."""
+    over_arch_layer_sizes: tuple[int, ...] = (512, 256, 1)
+    """Top MLP; the last size must be 1 (one logit)."""
+    interaction: Interaction = Interaction.DOT
+    """``dot``: pairwise dot products (DLRM paper); ``dcn``: DCN-v2 low-rank cross network."""
+    dcn_num_layers: int = 3
+    """Cross layers (``dcn`` only)."""
+    dcn_low_rank_dim: int = 512
+    """Rank of each cross layer's weight (``dcn`` only)."""
+
+    def __post_init__(self) -> None:
+        if self.dense_arch_layer_sizes is None:
+            object.__setattr__(self, "dense_arch_layer_sizes",
+                               (*DEFAULT_BOTTOM_HIDDEN, self.embedding_dim))
+        for name in ("embedding_dim", "dcn_num_layers", "dcn_low_rank_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("dense_arch_layer_sizes", "over_arch_layer_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                for s in sizes):
+                raise ValueError(f"ModelConfig.{name} must be a non-empty tuple of positive "
+                                 f"ints, got {sizes!r}")
+        if self.dense_arch_layer_sizes[-1] != self.embedding_dim:
+            raise ValueError(
+                f"the bottom MLP's last layer ({self.dense_arch_layer_sizes[-1]}) must equal "
+                f"the embedding dim ({self.embedding_dim}): its output is interacted with the "
+                "embeddings; change --dense-arch-layer-sizes or --embedding-dim")
+        if self.over_arch_layer_sizes[-1] != 1:
+            raise ValueError(f"the top MLP's last layer must be 1 (one logit), got "
+                             f"{self.over_arch_layer_sizes!r}")
+        if not isinstance(self.interaction, Interaction):
+            raise ValueError(f"ModelConfig.interaction must be an Interaction, got "
+                             f"{self.interaction!r}")
 
 
 class EmbeddingOptimizer(enum.Enum):
@@ -285,3 +350,46 @@ def lr_scale(step: int, warmup: int, decay_start: int, decay_steps: int) -> floa
 
 
 MIN_LR_SCALE = 1e-7
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """How ``PredictionServer`` binds, batches and bounds requests."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; the default answers this machine only."""
+    port: int = 8080
+    """TCP port; 0 picks a free one (``PredictionServer.start`` returns it)."""
+    max_batch_rows: int = 512
+    """Rows merged into one model call (a single larger request runs alone)."""
+    max_wait_ms: float = 2.0
+    """How long the worker waits after a request for more to batch with it (only while
+    other requests are being read or parsed)."""
+    max_body_bytes: int = 1 << 20
+    """Larger request bodies are refused (413) from their Content-Length."""
+    max_rows: int = 4096
+    """Requests with more rows are refused (413)."""
+    threads: int | None = None
+    """torch intra-op threads for the model (process-wide); None keeps torch's default."""
+    request_timeout_s: float = 30.0
+    """A connection idle (or a body unsent) this long is closed."""
+    latency_window: int = 10_000
+    """``/metrics`` latency percentiles cover this many most recent predictions."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM (or ``stop()``): stop accepting, then answer the requests already received
+    for at most this long before exiting."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_rows", "max_body_bytes", "max_rows", "latency_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"ServeConfig.drain_timeout_s must be >= 0, got "
+                             f"{self.drain_timeout_s}")
+        if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
+            raise ValueError(f"ServeConfig: max_wait_ms must be >= 0 and request_timeout_s > 0, "
+                             f"got {self.max_wait_ms}, {self.request_timeout_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"ServeConfig.threads must be >= 1 or None, got {self.threads}")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dlrm_app.config import TrainConfig
+from dlrm_app.config import DEMO_ROWS, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.evaluate import evaluate_checkpoint
@@ -27,7 +27,6 @@ from dlrm_app.report import human_summary
 from dlrm_app.train import train
 
 DEMO_CARDINALITY = 1_000
-DEMO_ROWS = 500_000
 
 
 def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,

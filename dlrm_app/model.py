@@ -20,74 +20,17 @@ same seed gives the same weights under any plan and world size.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from typing import Any
 
 import torch
 from torch import nn
 
+from dlrm_app.config import Interaction, ModelConfig
 from dlrm_app.data.schema import DatasetSpec
 from recsys_core.distributed.table_init import SeededUniformInit, TableRegion
 from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.sparse import KeyedJaggedTensor
-
-
-class Interaction(enum.Enum):
-    DOT = "dot"
-    DCN = "dcn"
-
-
-DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)
-"""Hidden layers of the default bottom MLP, before its output layer of the embedding dim."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Layer sizes of a DLRM (defaults: the reference DLRM's Criteo Kaggle configuration: dim 16,
-    bottom 512-256-64-16, top 512-256-1; its Criteo 1TB one is dim 128, bottom 512-256-128, top
-    1024-1024-512-256-1)."""
-
-    embedding_dim: int = 16
-    """Width of every embedding table (and of the bottom MLP's output)."""
-    dense_arch_layer_sizes: tuple[int, ...] | None = None
-    """Bottom MLP; the last size must equal the embedding dim. None: 512-256-64 and then the
-    embedding dim."""
-    over_arch_layer_sizes: tuple[int, ...] = (512, 256, 1)
-    """Top MLP; the last size must be 1 (one logit)."""
-    interaction: Interaction = Interaction.DOT
-    """``dot``: pairwise dot products (DLRM paper); ``dcn``: DCN-v2 low-rank cross network."""
-    dcn_num_layers: int = 3
-    """Cross layers (``dcn`` only)."""
-    dcn_low_rank_dim: int = 512
-    """Rank of each cross layer's weight (``dcn`` only)."""
-
-    def __post_init__(self) -> None:
-        if self.dense_arch_layer_sizes is None:
-            object.__setattr__(self, "dense_arch_layer_sizes",
-                               (*DEFAULT_BOTTOM_HIDDEN, self.embedding_dim))
-        for name in ("embedding_dim", "dcn_num_layers", "dcn_low_rank_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        for name in ("dense_arch_layer_sizes", "over_arch_layer_sizes"):
-            sizes = getattr(self, name)
-            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
-                                for s in sizes):
-                raise ValueError(f"ModelConfig.{name} must be a non-empty tuple of positive "
-                                 f"ints, got {sizes!r}")
-        if self.dense_arch_layer_sizes[-1] != self.embedding_dim:
-            raise ValueError(
-                f"the bottom MLP's last layer ({self.dense_arch_layer_sizes[-1]}) must equal "
-                f"the embedding dim ({self.embedding_dim}): its output is interacted with the "
-                "embeddings; change --dense-arch-layer-sizes or --embedding-dim")
-        if self.over_arch_layer_sizes[-1] != 1:
-            raise ValueError(f"the top MLP's last layer must be 1 (one logit), got "
-                             f"{self.over_arch_layer_sizes!r}")
-        if not isinstance(self.interaction, Interaction):
-            raise ValueError(f"ModelConfig.interaction must be an Interaction, got "
-                             f"{self.interaction!r}")
 
 
 def _mlp(in_features: int, sizes: tuple[int, ...], device: torch.device | str | None,

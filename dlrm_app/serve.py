@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from dlrm_app.artifact import load_artifact
+from dlrm_app.config import ServeConfig
 from dlrm_app.serve_request import (
     EncodedRows,
     Inputs,
@@ -65,49 +66,6 @@ from dlrm_app.serve_request import (
     RequestError,
     RequestParser,
 )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServeConfig:
-    """How ``PredictionServer`` binds, batches and bounds requests."""
-
-    host: str = "127.0.0.1"
-    """Address to bind; the default answers this machine only."""
-    port: int = 8080
-    """TCP port; 0 picks a free one (``PredictionServer.start`` returns it)."""
-    max_batch_rows: int = 512
-    """Rows merged into one model call (a single larger request runs alone)."""
-    max_wait_ms: float = 2.0
-    """How long the worker waits after a request for more to batch with it (only while
-    other requests are being read or parsed)."""
-    max_body_bytes: int = 1 << 20
-    """Larger request bodies are refused (413) from their Content-Length."""
-    max_rows: int = 4096
-    """Requests with more rows are refused (413)."""
-    threads: int | None = None
-    """torch intra-op threads for the model (process-wide); None keeps torch's default."""
-    request_timeout_s: float = 30.0
-    """A connection idle (or a body unsent) this long is closed."""
-    latency_window: int = 10_000
-    """``/metrics`` latency percentiles cover this many most recent predictions."""
-    drain_timeout_s: float = 10.0
-    """On SIGTERM (or ``stop()``): stop accepting, then answer the requests already received
-    for at most this long before exiting."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_rows", "max_body_bytes", "max_rows", "latency_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"ServeConfig.drain_timeout_s must be >= 0, got "
-                             f"{self.drain_timeout_s}")
-        if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
-            raise ValueError(f"ServeConfig: max_wait_ms must be >= 0 and request_timeout_s > 0, "
-                             f"got {self.max_wait_ms}, {self.request_timeout_s}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"ServeConfig.threads must be >= 1 or None, got {self.threads}")
 
 
 # ---- batching -------------------------------------------------------------------------------

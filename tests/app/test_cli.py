@@ -1,10 +1,15 @@
-"""The console script runs as installed and reports what the kernels layer decides."""
+"""The console script runs as installed, reports what the kernels layer decides, and answers
+``--help`` and argument errors without importing torch."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from recsys_core.kernels import fbgemm_available
 
@@ -25,8 +30,6 @@ def test_info_json_reports_kernel_choices() -> None:
 
 
 def test_info_with_fbgemm_disabled_uses_torch_everywhere() -> None:
-    import os
-
     env = {**os.environ, "RECSYS_CORE_DISABLE_FBGEMM": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "dlrm_app", "info", "--json"],
@@ -61,3 +64,69 @@ def test_worker_processes_reimport_the_entry_point_without_torch(tmp_path) -> No
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
     assert out.strip() == "[]"
+
+
+# ---- a CLI that answers at once: parsing imports nothing heavy -------------------------------
+HEAVY = ("torch", "numpy", "pyarrow", "recsys_core", "matplotlib")
+"""What ``--help`` and argument errors must not import (torch alone takes 1.5 s)."""
+COMMANDS = ("info", "generate", "preprocess", "preprocess criteo", "preprocess movielens",
+            "train", "evaluate", "export", "serve", "report", "demo")
+
+
+def _run_imports(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``python -X importtime -m dlrm_app ARGV``: the process, and the top-level packages it
+    imported (from the interpreter's own import log on stderr)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "dlrm_app", *argv],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"})
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0]
+                for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "dlrm_app" in imported, proc.stderr[-2000:]  # the log was read
+    return proc, imported
+
+
+def _subparser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
+    for word in words:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return parser
+
+
+def test_top_level_help_imports_nothing_heavy() -> None:
+    proc, imported = _run_imports("--help")
+    assert proc.returncode == 0
+    for command in ("info", "generate", "preprocess", "train", "evaluate", "export", "serve",
+                    "report", "demo"):
+        assert command in proc.stdout
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help_lists_its_flags_without_importing_torch(command: str) -> None:
+    from dlrm_app.cli import build_parser
+
+    words = command.split()
+    proc, imported = _run_imports(*words, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: dlrm-app {command} ")
+    flags = [s for a in _subparser(build_parser(), words)._actions for s in a.option_strings]
+    assert "--help" in flags
+    missing = [f for f in flags if f not in proc.stdout]
+    assert not missing, missing
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--out", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--out", "x", "--epochs", "three"], "argument --epochs: invalid int value"),
+    (["train", "--out", "x", "--embedding-optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["train", "--data", "d"], "the following arguments are required: --out"),
+    (["export"], "the following arguments are required: run, --out"),
+    (["preprocess", "criteo", "--format", "parquet", "f.tsv", "--out", "o"], "invalid choice"),
+    (["fly"], "invalid choice: 'fly'"),
+    ([], "the following arguments are required: command"),
+])
+def test_argument_errors_answer_without_importing_torch(argv: list[str], message: str) -> None:
+    proc, imported = _run_imports(*argv)
+    assert proc.returncode == 2
+    assert message in proc.stderr and proc.stdout == ""
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dlrm_app import cli
 from dlrm_app.cli import describe_error, main
+from dlrm_app.data import synthetic
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 
@@ -63,7 +63,7 @@ def test_no_write_permission(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     if os.geteuid() == 0:  # root writes anywhere: simulate what the OS tells other users
         def refuse(*args: object, **kwargs: object) -> None:
             raise PermissionError(errno.EACCES, "Permission denied", str(target / "data"))
-        monkeypatch.setattr(cli, "generate", refuse)
+        monkeypatch.setattr(synthetic, "generate", refuse)
     else:
         target.chmod(0o555)
     message = _error(["generate", "--out", str(target / "data"), "--rows", "100"])
@@ -77,7 +77,7 @@ def test_disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(shard))
 
-    monkeypatch.setattr(cli, "generate", full)
+    monkeypatch.setattr(synthetic, "generate", full)
     message = _error(["generate", "--out", str(tmp_path / "out"), "--rows", "100"])
     assert message == (f"dlrm-app generate: the disk is full ({shard}) (No space left on "
                        f"device): free space, or choose an --out on another disk; finished "

@@ -18,6 +18,7 @@ Modules, in the order data flows through them:
 =================  =========================================================================
 """
 
+from dlrm_app.config import DEFAULT_FREQUENCY_THRESHOLD, DEFAULT_MAX_EMBEDDINGS_PER_FEATURE
 from dlrm_app.data.criteo.encoding import EncodingRequest
 from dlrm_app.data.criteo.format import (
     DENSE_NAMES,
@@ -32,8 +33,6 @@ from dlrm_app.data.criteo.parse import count_lines
 from dlrm_app.data.criteo.preprocess import preprocess_criteo
 from dlrm_app.data.criteo.staging import STAGING_DIR
 from dlrm_app.data.criteo.vocabulary import (
-    DEFAULT_FREQUENCY_THRESHOLD,
-    DEFAULT_MAX_EMBEDDINGS_PER_FEATURE,
     DEFAULT_VOCABULARY_MEMORY_BYTES,
     RARE_ID,
     VOCABULARY_FILE,

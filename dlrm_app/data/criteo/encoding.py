@@ -35,12 +35,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dlrm_app.config import DEFAULT_FREQUENCY_THRESHOLD, DEFAULT_MAX_EMBEDDINGS_PER_FEATURE
 from dlrm_app.data.criteo.format import NUM_DENSE, NUM_SPARSE, OUTPUT_SCHEMA, SplitRule
 from dlrm_app.data.criteo.lines import LineIndex
 from dlrm_app.data.criteo.parse import Rows
 from dlrm_app.data.criteo.vocabulary import (
-    DEFAULT_FREQUENCY_THRESHOLD,
-    DEFAULT_MAX_EMBEDDINGS_PER_FEATURE,
     DEFAULT_VOCABULARY_MEMORY_BYTES,
     RARE_ID,
     VOCABULARY_FILE,

@@ -47,10 +47,6 @@ from dlrm_app.data.schema import sha256_file
 VOCABULARY_FILE = "vocabulary.parquet"
 RARE_ID = 0
 """The out-of-vocabulary row: every raw id without a row of its own maps here."""
-DEFAULT_FREQUENCY_THRESHOLD = 1
-"""Train occurrences a raw id needs for a row of its own (1: every id seen in train)."""
-DEFAULT_MAX_EMBEDDINGS_PER_FEATURE = 10_000_000
-"""Rows per table at most (the out-of-vocabulary row included)."""
 DEFAULT_VOCABULARY_MEMORY_BYTES = 4 << 30
 """Memory the exact count of distinct train ids may use (roughly 100-200 M distinct ids,
 depending on how they spread over the features)."""
