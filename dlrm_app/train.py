@@ -41,6 +41,7 @@ from dlrm_app.build import (
     build_model,
     build_optimizer,
     comm_precision,
+    plan_summary,
     set_learning_rates,
     world_hosts,
 )
@@ -132,8 +133,9 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
     if rank == 0:
         (out / "plan.json").write_text(dmp.plan.to_json() + "\n")
-        if progress:
-            print(dmp.plan, file=sys.stderr)
+        if progress:  # the per-table tables: plan.json and the report's "Sharding plan"
+            print(f"{plan_summary(dmp.plan, world_size)}; per table: {out / 'plan.json'}",
+                  file=sys.stderr)
 
     train_loader = ParquetLoader(config.data, "train", batch_size=config.batch_size, rank=rank,
                                  world_size=world_size, shuffle=config.shuffle, seed=config.seed,

@@ -1,0 +1,63 @@
+"""What the commands print: a one-line plan and a progress bar from ``train`` (the plan's tables
+stay in the run directory), nothing but the result with ``--quiet``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dlrm_app.cli import main
+from dlrm_app.data.synthetic import generate
+from recsys_core.plan.types import ShardingPlan
+
+TINY = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
+        "8-1", "--batch-size", "64", "--max-steps", "3", "--patience", "0"]
+TABLE_HEADERS = ("sharding type", "compute kernel", "shard offsets", "module: ")
+"""Words of the plan's printed tables (``print(plan)``), which stay off the screen."""
+BAR = re.compile(r"\d+%\|")
+"""A tqdm progress bar."""
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("output") / "data"
+    generate(out, rows=2_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
+             zipf_alpha=1.05, seed=0, rows_per_shard=1_000, row_group_size=250)
+    return out
+
+
+def _train(dataset: Path, run: Path, capsys: pytest.CaptureFixture[str], *flags: str
+           ) -> tuple[str, str]:
+    assert main(["train", "--data", str(dataset), "--out", str(run), *TINY, *flags]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def test_train_prints_one_plan_line_and_keeps_the_tables_in_the_run(
+        dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    out, err = _train(dataset, run, capsys)
+    plan_lines = [line for line in err.splitlines() if line.startswith("plan: ")]
+    assert len(plan_lines) == 1, err
+    assert re.fullmatch(r"plan: 2 tables on 1 rank: (\d+ \w+/\w+, )*\d+ \w+/\w+; per table: "
+                        + re.escape(str(run / "plan.json")), plan_lines[0]), plan_lines[0]
+    assert not [h for h in TABLE_HEADERS if h in err], err
+    assert BAR.search(err), err  # the progress bar
+    assert json.loads(out.strip().splitlines()[-1])["event"] == "summary"
+    # the tables are in the run: plan.json (what print(plan) shows) and the report's section
+    plan = ShardingPlan.from_json((run / "plan.json").read_text())
+    assert sorted(t for m in plan.plan.values() for t in m) == ["t_cat_0", "t_cat_1"]
+    report = (run / "report.md").read_text()
+    section = report.split("## Sharding plan", 1)[1]
+    assert "| t_cat_0 |" in section and "| t_cat_1 |" in section
+
+
+def test_quiet_train_prints_only_its_result(dataset: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out, err = _train(dataset, tmp_path / "run", capsys, "--quiet")
+    assert "plan: " not in err and not BAR.search(err) and "step/s" not in err, err
+    assert not [h for h in TABLE_HEADERS if h in err], err
+    assert [json.loads(line)["event"] for line in out.strip().splitlines()] == ["summary"]
