@@ -27,11 +27,13 @@ directory of this run. Loading still unpickles DCP's ``.metadata`` (the extras a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,20 @@ _STEP_NAME = re.compile(r"step_\d{8}")
 
 class CheckpointError(ValueError):
     """A checkpoint that is damaged, incomplete or named wrongly (the message names the file)."""
+
+
+SHARDED_TENSOR_NOTICE = "Please use DTensor instead and we are deprecating ShardedTensor."
+"""torch's FutureWarning on every ShardedTensor operation; DCP performs such operations on the
+sharded tables of a checkpoint (TorchRec's checkpoint format), once per rank and call site."""
+
+
+@contextlib.contextmanager
+def _without_sharded_tensor_notice() -> Iterator[None]:
+    """Hide exactly that notice, only around our DCP calls: it asks nothing of a user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(SHARDED_TENSOR_NOTICE),
+                                category=FutureWarning)
+        yield
 
 
 def _barrier() -> None:
@@ -120,7 +136,8 @@ def save_checkpoint(
         if partial.exists():
             shutil.rmtree(partial)  # left by a crash during an earlier save of this step
     _barrier()
-    dcp_checkpoint.save(str(partial), model=model, optimizer=optimizer, extra=extra)
+    with _without_sharded_tensor_notice():
+        dcp_checkpoint.save(str(partial), model=model, optimizer=optimizer, extra=extra)
     _barrier()
     _write_manifest(partial)
     if _rank() == 0:
@@ -260,7 +277,8 @@ def load_checkpoint(
     path = Path(path)
     if not verified:
         verify_checkpoint(path)
-    return dcp_checkpoint.load(str(path), model=model, optimizer=optimizer, extra=extra)
+    with _without_sharded_tensor_notice():
+        return dcp_checkpoint.load(str(path), model=model, optimizer=optimizer, extra=extra)
 
 
 def resolve_run(run: str | Path, checkpoint: str | Path | None = None) -> tuple[TrainConfig, Path]:
