@@ -222,11 +222,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from dlrm_app.export import export_model
+    from dlrm_app.export import export_model, stage_printer
 
     meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
                         quantize_dense=args.quantize_dense, fmt=args.format,
-                        lookup=args.lookup)
+                        lookup=args.lookup, progress=stage_printer("dlrm-app export"))
     print(json.dumps({k: meta.get(k) for k in ("path", "bytes", "format", "embedding_dtype",
                                                  "dense_dtype", "lookup", "raw_input",
                                                  "needs_fbgemm", "checkpoint")}))

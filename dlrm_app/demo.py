@@ -22,7 +22,7 @@ from dlrm_app.config import DEMO_ROWS, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.evaluate import evaluate_checkpoint
-from dlrm_app.export import export_model
+from dlrm_app.export import export_model, stage_printer
 from dlrm_app.report import human_summary
 from dlrm_app.train import train
 
@@ -41,7 +41,8 @@ def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
                          overwrite=True)
     summary = train(config, progress=progress)
     test = evaluate_checkpoint(run, split="test")
-    artifact = export_model(run, out / "model_int8.pt2", "int8")
+    artifact = export_model(run, out / "model_int8.pt2", "int8",
+                            progress=stage_printer("export") if progress else None)
     print(human_summary(run), file=sys.stderr)
     return {
         "data": str(data),

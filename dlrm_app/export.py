@@ -26,7 +26,10 @@ import dataclasses
 import importlib.metadata
 import json
 import shutil
+import sys
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,15 +183,37 @@ def dataset_preprocessing(spec: DatasetSpec, data_dir: Path) -> Preprocessing:
     return Preprocessing(-torch.tensor(sizes, dtype=torch.int64), None, False, one_hot)
 
 
+Progress = Callable[[str], None]
+"""Told each stage of an export as it starts (a .pt2 takes about a minute, most of it in
+AOTInductor's compiler)."""
+
+
+def _ignore(stage: str) -> None:
+    pass
+
+
+def stage_printer(prefix: str) -> Progress:
+    """A ``Progress`` that prints ``<prefix>: [seconds since the first stage] <stage>`` lines
+    to stderr (stdout stays for the result)."""
+    start = time.perf_counter()
+
+    def show(stage: str) -> None:
+        print(f"{prefix}: [{time.perf_counter() - start:5.1f} s] {stage}", file=sys.stderr,
+              flush=True)
+    return show
+
+
 FORMATS = ("pt2", "torchscript")
 LOOKUP_CHOICES = ("auto",) + LOOKUPS
 
 
 def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
                  checkpoint: str | Path | None = None, quantize_dense: bool = False,
-                 fmt: str = "pt2", lookup: str = "auto") -> dict[str, Any]:
+                 fmt: str = "pt2", lookup: str = "auto",
+                 progress: Progress | None = None) -> dict[str, Any]:
     """Write the artifact for the run's (newest or given) checkpoint; returns its manifest
-    (with ``path`` and ``bytes``)."""
+    (with ``path`` and ``bytes``). ``progress`` is told each stage as it starts."""
+    progress = progress or _ignore
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if fmt not in FORMATS:
@@ -203,7 +228,10 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         if quantize_dense:
             raise ValueError("--quantize-dense (dynamic int8 linears) exists for --format "
                              "torchscript only; drop it for a .pt2 export")
+    progress(f"loading the {checkpoint or 'best'} checkpoint of {run} (unsharded, CPU)")
     model, config, spec, path = load_unsharded(run, checkpoint)
+    progress(f"quantizing the tables of {path.name} to {dtype}"
+             + (" and the linear layers to int8" if quantize_dense else ""))
     quantize_inference_model(model, DTYPES[dtype], quantize_dense=quantize_dense)
     ebc = model.sparse_arch.embedding_bag_collection
     if list(ebc.tbe.feature_names) != [f.name for f in spec.sparse_features]:
@@ -245,10 +273,13 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
     try:
         if fmt == "pt2":
             meta["lookup"] = lookup
-            meta["programs"] = _write_pt2(model, spec, prep, lookup, meta, staging / out.name)
+            meta["programs"] = _write_pt2(model, spec, prep, lookup, meta, staging / out.name,
+                                          progress)
         else:
+            progress("scripting the model (TorchScript)")
             _write_torchscript(model, spec, prep, meta, staging / out.name)
         (staging / out.name).replace(out)
+        progress(f"wrote {out}")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {**meta, "path": str(out), "bytes": out.stat().st_size}
@@ -332,7 +363,7 @@ def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup
 
 
 def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
-               meta: dict[str, Any], out: Path) -> dict[str, Any]:
+               meta: dict[str, Any], out: Path, progress: Progress) -> dict[str, Any]:
     """Export and AOT-compile the programs, package them with the manifest into ``out``."""
     from torch.export.pt2_archive._package import package_pt2
 
@@ -343,10 +374,13 @@ def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
         for name, (module, args, dynamic) in serving_programs(model, spec, prep,
                                                                lookup).items():
             with torch.no_grad():
+                progress(f"torch.export: program {name!r}")
                 program = torch.export.export(module, args, dynamic_shapes=dynamic)
+                progress(f"AOTInductor: compiling {name!r} for CPU")
                 files[name] = torch._inductor.aot_compile(
                     program.module(), args, options=AOTI_OPTIONS)
             described[name] = PROGRAM_SIGNATURES[name]
+        progress("packaging the programs and the manifest")
         package_pt2(str(out), aoti_files=files,
                     extra_files={MANIFEST_FILE: json.dumps({**meta, "lookup": lookup,
                                                             "programs": described})})

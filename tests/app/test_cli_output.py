@@ -1,6 +1,6 @@
 """What the commands print: a one-line plan and a progress bar from ``train`` (the plan's tables
-stay in the run directory), nothing but the result with ``--quiet``, and no ShardedTensor
-deprecation notices from our checkpoints on several ranks."""
+stay in the run directory), nothing but the result with ``--quiet``, a line per stage from
+``export``, and no ShardedTensor deprecation notices from our checkpoints on several ranks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from dlrm_app.checkpoint import (
     SHARDED_TENSOR_NOTICE,
+    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -70,6 +71,23 @@ def test_quiet_train_prints_only_its_result(dataset: Path, tmp_path: Path,
     assert "plan: " not in err and not BAR.search(err) and "step/s" not in err, err
     assert not [h for h in TABLE_HEADERS if h in err], err
     assert [json.loads(line)["event"] for line in out.strip().splitlines()] == ["summary"]
+
+
+def test_export_prints_a_line_per_stage(dataset: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    run, artifact = tmp_path / "run", tmp_path / "model.pt"
+    _train(dataset, run, capsys, "--quiet")
+    assert main(["export", str(run), "--out", str(artifact), "--format", "torchscript"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert all(re.match(r"dlrm-app export: \[ *\d+\.\d s\] ", line) for line in lines), lines
+    stages = [line.split("] ", 1)[1] for line in lines]
+    assert stages == [f"loading the best checkpoint of {run} (unsharded, CPU)",
+                      f"quantizing the tables of {latest_checkpoint(run / 'checkpoints').name} "
+                      "to int8",
+                      "scripting the model (TorchScript)",
+                      f"wrote {artifact}"], stages
+    assert json.loads(captured.out)["path"] == str(artifact)
 
 
 def _checkpoint_warnings(rank: int, world_size: int, data: str, root: str) -> dict[str, list[str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -119,8 +120,14 @@ def synthetic_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(synthetic_run: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Callable[[str, str], Path]:
+def export_stages() -> dict[tuple[str, str], list[str]]:
+    """The stages each ``exported`` .pt2 reported to its ``progress``, by (dtype, lookup)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def exported(synthetic_run: Path, tmp_path_factory: pytest.TempPathFactory,
+             export_stages: dict[tuple[str, str], list[str]]) -> Callable[[str, str], Path]:
     """``exported(dtype, lookup)``: the run's .pt2, compiled once per module."""
     root = tmp_path_factory.mktemp("pt2")
     cache: dict[tuple[str, str], Path] = {}
@@ -128,11 +135,25 @@ def exported(synthetic_run: Path, tmp_path_factory: pytest.TempPathFactory
     def get(dtype: str, lookup: str) -> Path:
         if (dtype, lookup) not in cache:
             path = root / f"{dtype}_{lookup}.pt2"
-            export_model(synthetic_run, path, dtype, lookup=lookup)
+            export_model(synthetic_run, path, dtype, lookup=lookup,
+                         progress=export_stages.setdefault((dtype, lookup), []).append)
             cache[dtype, lookup] = path
         return cache[dtype, lookup]
 
     return get
+
+
+def test_pt2_export_reports_each_stage_as_it_starts(
+        synthetic_run: Path, exported: Callable[[str, str], Path],
+        export_stages: dict[tuple[str, str], list[str]]) -> None:
+    path = exported("int8", "torch")
+    stages = export_stages["int8", "torch"]
+    assert stages[0] == f"loading the best checkpoint of {synthetic_run} (unsharded, CPU)"
+    assert re.fullmatch(r"quantizing the tables of step_\d+ to int8", stages[1]), stages
+    programs = ["model", "encode"][:len(stages[2:-2]) // 2]  # encode: one-hot data only
+    assert programs and stages[2:-2] == [stage for name in programs for stage in (
+        f"torch.export: program {name!r}", f"AOTInductor: compiling {name!r} for CPU")]
+    assert stages[-2:] == ["packaging the programs and the manifest", f"wrote {path}"]
 
 
 def _assert_matches(got: np.ndarray, expected: np.ndarray, labels: np.ndarray,
