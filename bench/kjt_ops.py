@@ -17,6 +17,10 @@ that drift and allocator state hit them equally):
                     lookup reads)                                  vs  the naive dict, same reads
   regroup           KeyedTensor.regroup, 26 keys x dim 128 -> even/odd keys  vs  per-group cat
   regroup_fwd_bwd   the same plus backward of a fixed output gradient
+  *_fresh           length_per_key / permute / split / to_dict on a KJT built fresh each rep
+                    the way TorchRec users and pipelines build them (``built_with``: lengths
+                    only, offsets only, or both lengths and offsets): the first op pays the
+                    one-pass safety proof (lengths in range, offsets agreeing with them)
 
 Reference lines (``impl``): ``fbgemm_forced`` is the FBGEMM kernel where the library picked
 torch (shows why; TorchRec's CPU permute runs this kernel), ``copy_floor`` is one ``clone()`` of
@@ -53,7 +57,12 @@ OPS = [
     "to_dict_offsets",
     "regroup",
     "regroup_fwd_bwd",
+    "length_per_key_fresh",
+    "permute_fresh",
+    "split_fresh",
+    "to_dict_fresh",
 ]
+BUILT_WITH = ("lengths", "both", "offsets")
 
 
 def make_batch(batch: int, seed: int = 0) -> tuple[list[str], torch.Tensor, torch.Tensor]:
@@ -231,6 +240,33 @@ def bench_ops(batch: int, budget_s: float, only: set[str] | None = None) -> list
         },
         shape,
     )
+    offsets = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype)
+    offsets[1:] = torch.cumsum(lengths, 0)
+
+    def build(mode: str) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            keys,
+            values,
+            lengths=None if mode == "offsets" else lengths,
+            offsets=None if mode == "lengths" else offsets,
+        )
+
+    fresh_ops: dict[str, tuple[Callable[[KeyedJaggedTensor], object], Callable[[], object]]] = {
+        "length_per_key_fresh": (lambda k: k.length_per_key(), naive_construct),
+        "permute_fresh": (lambda k: k.permute(reverse), naive_permute),
+        "split_fresh": (lambda k: k.split([half, half]), naive_split),
+        "to_dict_fresh": (lambda k: k.to_dict(), naive_to_dict),
+    }
+    for op, (fn, naive) in fresh_ops.items():
+        for mode in BUILT_WITH:
+            record(
+                op,
+                {
+                    "recsys_core": lambda fn=fn, mode=mode: fn(build(mode)),
+                    "naive_loop": naive,
+                },
+                {**shape, "built_with": mode},
+            )
     if only is None or only & {"regroup", "regroup_fwd_bwd"}:
         # both regroup ops are measured together; keep the lines asked for
         regroup = bench_regroup(batch, budget_s)

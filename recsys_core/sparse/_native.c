@@ -97,6 +97,99 @@ RECSYS_CLONES int64_t recsys_key_sums_i32(const int32_t *lengths, int64_t num_ke
     return (max_length >= 0 && (int64_t)acc <= max_length) ? 0 : 1;
 }
 
+/* recsys_key_sums_offsets_{i64,i32}: a KJT given BOTH lengths and offsets (as TorchRec users and
+ * pipelines build them). The same pass as recsys_key_sums_* also proves the offsets agree with
+ * the lengths: offsets[0] == 0 and offsets[j + 1] - offsets[j] == lengths[j] for every j, by
+ * OR-ing (difference XOR length) into one word that must stay 0 (independent chains, so it
+ * vectorizes like the sums). Returns 0 when every length is in range and the offsets agree,
+ * else 1 (the caller's exact checks then name the problem).
+ *
+ * recsys_key_sums_from_offsets_{i64,i32}: a KJT given only offsets. Each key's sum is the
+ * difference of its two bounding offsets; the pass proves offsets[0] == 0, that they never
+ * decrease (every implied length >= 0) and that the last is at most max_length, so every
+ * implied length lies in [0, max_length] without materializing the lengths. */
+#define RECSYS_SUMS_WITH_OFFSETS(NAME, T, UT)                                                    \
+    RECSYS_CLONES int64_t NAME(const T *lengths, const T *offsets, int64_t num_keys,             \
+                               int64_t stride, int64_t max_length, int64_t *sums) {              \
+        UT acc = 0, mismatch = (UT)offsets[0];                                                   \
+        for (int64_t k = 0; k < num_keys; k++) {                                                 \
+            const T *p = lengths + k * stride;                                                   \
+            const T *o = offsets + k * stride;                                                   \
+            int64_t total = 0;                                                                   \
+            for (int64_t i = 0; i < stride; i++) {                                               \
+                total += p[i];                                                                   \
+                acc |= (UT)p[i];                                                                 \
+                mismatch |= (UT)(o[i + 1] - o[i]) ^ (UT)p[i];                                    \
+            }                                                                                    \
+            sums[k] = total;                                                                     \
+        }                                                                                        \
+        if (mismatch != 0 || max_length < 0) return 1;                                           \
+        if ((UT)acc >> (sizeof(UT) * 8 - 1)) return 1; /* a negative length */                 \
+        return (int64_t)acc <= max_length ? 0 : 1;                                               \
+    }
+#if defined(__GNUC__) || defined(__clang__)
+/* int64: two independent chains of 8-lane vectors for the sums, the OR and the mismatch (the
+ * offsets are read twice, at j and j + 1, both unaligned), then a scalar tail. */
+RECSYS_CLONES int64_t recsys_key_sums_offsets_i64(const int64_t *lengths, const int64_t *offsets,
+                                                  int64_t num_keys, int64_t stride,
+                                                  int64_t max_length, int64_t *sums) {
+    recsys_v8i64 or0 = {0}, or1 = {0}, mm0 = {0}, mm1 = {0};
+    uint64_t acc = 0, mismatch = (uint64_t)offsets[0];
+    for (int64_t k = 0; k < num_keys; k++) {
+        const int64_t *p = lengths + k * stride;
+        const int64_t *o = offsets + k * stride;
+        recsys_v8i64 s0 = {0}, s1 = {0}, a, b, lo_a, hi_a, lo_b, hi_b;
+        int64_t i = 0;
+        for (; i + 16 <= stride; i += 16) {
+            memcpy(&a, p + i, sizeof a);
+            memcpy(&b, p + i + 8, sizeof b);
+            memcpy(&lo_a, o + i, sizeof lo_a);
+            memcpy(&hi_a, o + i + 1, sizeof hi_a);
+            memcpy(&lo_b, o + i + 8, sizeof lo_b);
+            memcpy(&hi_b, o + i + 9, sizeof hi_b);
+            s0 += a; s1 += b;
+            or0 |= a; or1 |= b;
+            mm0 |= (hi_a - lo_a) ^ a; mm1 |= (hi_b - lo_b) ^ b;
+        }
+        s0 += s1;
+        int64_t total = 0;
+        for (int j = 0; j < 8; j++) total += s0[j];
+        for (; i < stride; i++) {
+            total += p[i];
+            acc |= (uint64_t)p[i];
+            mismatch |= (uint64_t)(o[i + 1] - o[i]) ^ (uint64_t)p[i];
+        }
+        sums[k] = total;
+    }
+    or0 |= or1;
+    mm0 |= mm1;
+    for (int j = 0; j < 8; j++) {
+        acc |= (uint64_t)or0[j];
+        mismatch |= (uint64_t)mm0[j];
+    }
+    if (mismatch != 0 || max_length < 0) return 1;
+    return acc <= (uint64_t)max_length ? 0 : 1;
+}
+#else
+RECSYS_SUMS_WITH_OFFSETS(recsys_key_sums_offsets_i64, int64_t, uint64_t)
+#endif
+RECSYS_SUMS_WITH_OFFSETS(recsys_key_sums_offsets_i32, int32_t, uint32_t)
+
+#define RECSYS_SUMS_FROM_OFFSETS(NAME, T, UT)                                                    \
+    RECSYS_CLONES int64_t NAME(const T *offsets, int64_t num_keys, int64_t stride,               \
+                               int64_t max_length, int64_t *sums) {                              \
+        const int64_t n = num_keys * stride;                                                     \
+        UT negative = 0;                                                                         \
+        for (int64_t j = 0; j < n; j++) negative |= (UT)(offsets[j + 1] - offsets[j]);         \
+        if (offsets[0] != 0 || (negative >> (sizeof(UT) * 8 - 1)) || max_length < 0) return 1;  \
+        if ((int64_t)offsets[n] > max_length) return 1;                                          \
+        for (int64_t k = 0; k < num_keys; k++)                                                   \
+            sums[k] = (int64_t)offsets[(k + 1) * stride] - (int64_t)offsets[k * stride];         \
+        return 0;                                                                                \
+    }
+RECSYS_SUMS_FROM_OFFSETS(recsys_key_sums_from_offsets_i64, int64_t, uint64_t)
+RECSYS_SUMS_FROM_OFFSETS(recsys_key_sums_from_offsets_i32, int32_t, uint32_t)
+
 /* KeyedJaggedTensor.permute on the host. A KJT is key-major, so a permute is a gather of one
  * contiguous block per output key from each of lengths, values and (optionally) weights. torch.cat
  * of per-key slices costs a dispatch and a thread-pool hand-off per slice (on 26 keys more than
@@ -149,7 +242,12 @@ int64_t recsys_permute_blocks(const int64_t *meta) {
     return 0;
 }
 
-/* key_sums(address, element_size, num_keys, stride, max_length) -> (sums, offsets) | None
+/* key_sums(address, element_size, num_keys, stride, max_length[, offsets_address])
+ *   -> (sums, offsets) | None
+ *
+ * With offsets_address (a live host tensor of num_keys * stride + 1 entries of the same element
+ * size): address 0 means offsets only (recsys_key_sums_from_offsets_*), else both were given
+ * and must agree (recsys_key_sums_offsets_*).
  *
  * The same pass as recsys_key_sums_{i64,i32} over `num_keys * stride` lengths at `address`
  * (element_size 8 or 4), for callers on Python's side: the per-key sums and their running
@@ -158,8 +256,8 @@ int64_t recsys_permute_blocks(const int64_t *meta) {
  * it). The caller passes the address of a live, contiguous host tensor of that many lengths. */
 static PyObject *py_key_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "key_sums takes 5 integer arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "key_sums takes 5 or 6 integer arguments");
         return NULL;
     }
     const uintptr_t address = (uintptr_t)PyLong_AsUnsignedLongLong(args[0]);
@@ -167,8 +265,10 @@ static PyObject *py_key_sums(PyObject *self, PyObject *const *args, Py_ssize_t n
     const long long num_keys = PyLong_AsLongLong(args[2]);
     const long long stride = PyLong_AsLongLong(args[3]);
     const long long max_length = PyLong_AsLongLong(args[4]);
+    const uintptr_t offsets = nargs == 6 ? (uintptr_t)PyLong_AsUnsignedLongLong(args[5]) : 0;
     if (PyErr_Occurred()) return NULL;
-    if ((element_size != 8 && element_size != 4) || num_keys < 1 || stride < 0 || address == 0) {
+    if ((element_size != 8 && element_size != 4) || num_keys < 1 || stride < 0 ||
+        (address == 0 && offsets == 0)) {
         PyErr_SetString(PyExc_ValueError, "key_sums: bad arguments");
         return NULL;
     }
@@ -177,10 +277,27 @@ static PyObject *py_key_sums(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (sums == NULL) return PyErr_NoMemory();
     int64_t failed;
     Py_BEGIN_ALLOW_THREADS
-    if (element_size == 8)
+    if (offsets != 0 && address == 0) {
+        if (element_size == 8)
+            failed = recsys_key_sums_from_offsets_i64((const int64_t *)offsets, num_keys, stride,
+                                                      max_length, sums);
+        else
+            failed = recsys_key_sums_from_offsets_i32((const int32_t *)offsets, num_keys, stride,
+                                                      max_length, sums);
+    } else if (offsets != 0) {
+        if (element_size == 8)
+            failed = recsys_key_sums_offsets_i64((const int64_t *)address,
+                                                 (const int64_t *)offsets, num_keys, stride,
+                                                 max_length, sums);
+        else
+            failed = recsys_key_sums_offsets_i32((const int32_t *)address,
+                                                 (const int32_t *)offsets, num_keys, stride,
+                                                 max_length, sums);
+    } else if (element_size == 8) {
         failed = recsys_key_sums_i64((const int64_t *)address, num_keys, stride, max_length, sums);
-    else
+    } else {
         failed = recsys_key_sums_i32((const int32_t *)address, num_keys, stride, max_length, sums);
+    }
     Py_END_ALLOW_THREADS
     PyObject *result = NULL, *sum_list = NULL, *offset_list = NULL;
     if (failed) {
@@ -211,7 +328,8 @@ done:
 
 static PyMethodDef native_methods[] = {
     {"key_sums", (PyCFunction)(void (*)(void))py_key_sums, METH_FASTCALL,
-     "key_sums(address, element_size, num_keys, stride, max_length) -> (sums, offsets) | None"},
+     "key_sums(address, element_size, num_keys, stride, max_length[, offsets_address]) -> "
+     "(sums, offsets) | None"},
     {NULL, NULL, 0, NULL},
 };
 

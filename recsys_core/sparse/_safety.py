@@ -111,30 +111,32 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
 
 
 def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
-    """The common case in one C call, or None for the general path below: a fixed batch given
-    as 1-D contiguous host lengths only (no offsets, no cached counts to compare), at least one
-    length, and one weight per value if any. The helper proves every length in
-    ``[0, len(values)]`` while it sums them per key; the last offset must then fit the values.
-    Anything else, a length out of range included, takes the general path, which names it."""
+    """The common cases in one C call, or None for the general path below: a fixed batch given
+    as 1-D contiguous host lengths, offsets, or both (same dtype; no cached counts to compare),
+    at least one length, and one weight per value if any. The helper proves every length in
+    ``[0, len(values)]`` while it sums them per key, and that given offsets start at 0 and
+    agree with the lengths (offsets only: that they never decrease); the last offset must then
+    fit the values. Anything else, a bad entry included, takes the general path, which names it.
+    """
     fn = _native_lib.key_sums_lists()
     lengths = kjt._lengths
+    offsets = kjt._offsets
     if (
         fn is None
-        or type(lengths) is not torch.Tensor
-        or kjt._offsets is not None
         or kjt._stride_per_key_per_rank is not None
         or kjt._length_per_key is not None
         or kjt._offset_per_key is not None
-        or not lengths.is_cpu
-        or lengths.dim() != 1
-        or lengths.dtype not in _NATIVE_DTYPES
-        or not lengths.is_contiguous()
+        or not (_plain_index(lengths) or (lengths is None and _plain_index(offsets)))
+        or (offsets is not None and not _plain_index(offsets))
+        or (lengths is not None and offsets is not None and offsets.dtype != lengths.dtype)
     ):
         return None
     num_keys = len(kjt._keys)
-    numel = lengths.numel()
+    numel = lengths.numel() if lengths is not None else offsets.numel() - 1
+    if offsets is not None and offsets.numel() != numel + 1:
+        return None
     stride = kjt._stride
-    if num_keys == 0 or numel == 0:
+    if num_keys == 0 or numel <= 0:
         return None
     if stride is None:
         stride, rest = divmod(numel, num_keys)
@@ -147,16 +149,32 @@ def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
     num_values = values.size(0)
     if (weights is not None and weights.size(0) != num_values) or values.is_meta:
         return None
-    out = fn(lengths.data_ptr(), lengths.element_size(), num_keys, stride, num_values)
+    element_size = (lengths if lengths is not None else offsets).element_size()
+    if offsets is None:
+        out = fn(lengths.data_ptr(), element_size, num_keys, stride, num_values)
+    else:
+        address = 0 if lengths is None else lengths.data_ptr()
+        out = fn(address, element_size, num_keys, stride, num_values, offsets.data_ptr())
     if out is None:
         return None
-    sums, offsets = out
-    if offsets[-1] > num_values:
+    sums, key_offsets = out
+    if key_offsets[-1] > num_values:
         return None
     kjt._length_per_key = sums
-    kjt._offset_per_key = offsets
+    kjt._offset_per_key = key_offsets
     kjt._checked = True
     return sums
+
+
+def _plain_index(t: torch.Tensor | None) -> bool:
+    """A 1-D contiguous host tensor of int64 / int32 (what the C helper reads)."""
+    return (
+        type(t) is torch.Tensor
+        and t.is_cpu
+        and t.dim() == 1
+        and t.dtype in _NATIVE_DTYPES
+        and t.is_contiguous()
+    )
 
 
 _NATIVE_DTYPES = (torch.int64, torch.int32)

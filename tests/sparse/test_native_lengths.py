@@ -152,3 +152,82 @@ def test_from_lengths_sync_fast_path_equals_the_general_path(case: str) -> None:
         assert fast[0] == sums and fast[1][-1] == num_values and fast[2] == 70
     else:
         assert isinstance(fast, str)
+
+
+def _layout(kjt_args: dict, native: bool) -> tuple[list[int], list[int]] | str:
+    """length_per_key and offset_per_key of a KJT, or the error its safety check raises."""
+    try:
+        with contextlib.nullcontext() if native else _native_lib.torch_path_only():
+            kjt = KeyedJaggedTensor(**kjt_args)
+            return kjt._ensure_safe(), kjt.offset_per_key()
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return offsets
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("seed", range(48))
+@pytest.mark.parametrize("given", ["both", "offsets"])
+def test_lengths_and_offsets_proven_in_one_pass_like_the_torch_checks(
+    dtype: torch.dtype, seed: int, given: str
+) -> None:
+    """KJTs built with lengths AND offsets, or offsets only (as TorchRec users build them): the
+    C pass gives the torch path's sums, or the torch path's error, for agreeing offsets, an
+    offset that disagrees with its length, a nonzero first offset, decreasing offsets (a
+    negative implied length), and a last offset past the values. Strides 1-70 cover the
+    16-wide vector loop and its tail."""
+    if not _safety.native_available():
+        pytest.skip("recsys_core/sparse/_native.c was not built")
+    gen = torch.Generator().manual_seed(seed)
+    stride = int(torch.randint(1, 70, (1,), generator=gen))
+    lengths = torch.randint(0, 6, (3 * stride,), generator=gen, dtype=dtype)
+    offsets = _offsets_of(lengths)
+    num_values = int(lengths.sum())
+    case = seed % 6
+    position = int(torch.randint(1, 3 * stride + 1, (1,), generator=gen))
+    if case == 1:  # one offset off by one: disagrees with two lengths (or decreases)
+        offsets[position] += 1 if position < 3 * stride else -1
+    elif case == 2:  # everything shifted: the first offset is not 0
+        offsets += 1
+    elif case == 3:  # offsets that decrease once, lengths unchanged
+        offsets[position] = -5
+    elif case == 4:  # the last offset past the values
+        offsets[-1] = num_values + 3
+    elif case == 5 and given == "both":  # lengths changed, offsets not
+        lengths[position - 1] += 1
+    args = {"keys": KEYS, "values": torch.arange(num_values + 8)[:num_values], "offsets": offsets}
+    if given == "both":
+        args["lengths"] = lengths
+    native = _layout(args, True)
+    reference = _layout(args, False)
+    assert native == reference
+    implied = offsets[1:] - offsets[:-1]  # what an offsets-only KJT's lengths are
+    valid = case == 0 or (
+        given == "offsets"
+        and int(offsets[0]) == 0 and bool((implied >= 0).all()) and int(offsets[-1]) <= num_values
+    )
+    if valid:
+        sums = (lengths if given == "both" else implied).view(3, stride).sum(1).tolist()
+        assert native == (sums, [0, sums[0], sums[0] + sums[1], sum(sums)])
+    else:
+        assert isinstance(native, str) and native.startswith("ValueError:"), (case, native)
+
+
+def test_lengths_and_offsets_by_hand() -> None:
+    """keys a, b; B = 2; lengths [2, 0, 1, 3]; offsets [0, 2, 2, 3, 6]: key sums 2 and 4."""
+    values = torch.arange(6)
+    lengths = torch.tensor([2, 0, 1, 3])
+    kjt = KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offsets=torch.tensor([0, 2, 2, 3, 6]))
+    assert kjt.length_per_key() == [2, 4] and kjt.offset_per_key() == [0, 2, 6]
+    assert kjt["b"].values().tolist() == [2, 3, 4, 5]
+    bad = KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offsets=torch.tensor([0, 2, 3, 3, 6]))
+    with pytest.raises(ValueError, match="not equal to the cumulative sum of lengths"):
+        bad.permute([1, 0])
+    only = KeyedJaggedTensor(["a", "b"], values, offsets=torch.tensor([0, 2, 2, 1, 6]))
+    with pytest.raises(ValueError, match="negative|-1"):
+        only.split([1, 1])
