@@ -12,6 +12,7 @@ cannot fit fails at planning with a ``PlannerError``, before anything is allocat
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -175,11 +176,17 @@ class DistributedModelParallel(nn.Module):
             return module
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
         # TorchRec's settings: a static graph lets dense parameters that no forward uses (and
-        # their buckets) be reduced correctly; buffers are not broadcast each step
-        return DistributedDataParallel(
-            module, process_group=self._env.pg, gradient_as_bucket_view=True,
-            broadcast_buffers=False, static_graph=True,
-        )
+        # their buckets) be reduced correctly; buffers are not broadcast each step. torch
+        # announces broadcast_buffers' successor, which would still sync buffers at init (and
+        # itself says to keep broadcast_buffers=False until it does not): hide that notice only.
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning
+            )
+            return DistributedDataParallel(
+                module, process_group=self._env.pg, gradient_as_bucket_view=True,
+                broadcast_buffers=False, static_graph=True,
+            )
 
     # ---- API ----------------------------------------------------------------------------------
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -156,7 +157,12 @@ def dmp_worker(rank: int, world: int) -> None:
     plan = ShardingPlan({"sparse": construct_module_sharding_plan(
         model.sparse, {"a": row_wise(compute_kernel="fused"), "b": data_parallel(compute_kernel="fused")}, world)})
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
-    dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder])
+    # the dense part is in DDP with TorchRec's broadcast_buffers=False, and says nothing about it
+    assert dmp.data_parallel is not None and not dmp.data_parallel.broadcast_buffers
+    assert not [w for w in caught if "broadcast_buffers" in str(w.message)]
     assert sorted(dict(in_backward_optimizer_filter(dmp.named_parameters()))) == ["over.bias", "over.weight"]
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: torch.optim.SGD(ps, lr=0.1))
