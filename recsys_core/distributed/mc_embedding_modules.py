@@ -78,6 +78,10 @@ class BaseShardedManagedCollisionEmbeddingCollection(nn.Module):
     the unsharded module's pair.
     """
 
+    remaps_features = True
+    """Its embedding collection looks up remapped ids, not the model's input: training
+    pipelines do not start that collection's input dist early (``prefetching_modules``)."""
+
     def __init__(
         self,
         module: nn.Module,

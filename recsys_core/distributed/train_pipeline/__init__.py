@@ -37,12 +37,25 @@ class Prefetching(Protocol):
 
 
 def prefetching_modules(model: nn.Module) -> list[Prefetching]:
-    """The sharded collections of ``model``: those with ``input_dist``, ``prefetch`` and
-    ``drop_prefetched`` (a cached kernel inside one also prefetches, but rows, not KJTs)."""
-    return [
-        m for m in model.modules()
-        if all(callable(getattr(m, name, None)) for name in ("input_dist", "prefetch", "drop_prefetched"))
-    ]
+    """The sharded collections of ``model`` fed by the model's input: those with ``input_dist``,
+    ``prefetch`` and ``drop_prefetched`` (a cached kernel inside one also prefetches, but rows,
+    not KJTs), except those inside another sharded module with an ``input_dist`` or one that
+    ``remaps_features`` (the embedding collection of a sharded managed-collision collection
+    reads remapped ids, not the input)."""
+    found: list[Prefetching] = []
+    outer: list[str] = []  # modules that take the model's features, parents first
+    for path, m in model.named_modules():
+        takes_features = callable(getattr(m, "input_dist", None))
+        if not (takes_features or getattr(m, "remaps_features", False)):
+            continue
+        if any(path.startswith(p + ".") for p in outer):
+            continue
+        outer.append(path)
+        if not takes_features:
+            continue
+        if all(callable(getattr(m, name, None)) for name in ("prefetch", "drop_prefetched")):
+            found.append(m)  # type: ignore[arg-type]
+    return found
 
 
 def pipelined_batches(
