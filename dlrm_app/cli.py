@@ -417,7 +417,12 @@ def describe_error(exc: BaseException) -> str:
     """One line for a person: what failed, on which path, and what to do."""
     path = getattr(exc, "filename", None)
     where = f" ({path})" if path else ""
-    if isinstance(exc, ValueError):
+    # tables kept on disk: their errors name --offload-dir (loaded only by runs that built them)
+    offload = (sys.modules["dlrm_app.resources"].offload_error_for_user(exc)
+               if "dlrm_app.resources" in sys.modules else None)
+    if offload is not None:
+        text = offload
+    elif isinstance(exc, ValueError):
         text = str(exc)
     elif isinstance(exc, PermissionError):
         text = (f"no permission to write or read{where}: choose another --out, or fix the "

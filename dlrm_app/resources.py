@@ -11,10 +11,13 @@ The planner reads the memory this machine has free (``recsys_core.planner.detect
 library remedies (Topology, storage_reservation); :func:`planning_error_for_user` keeps its
 figures and names this application's flags instead. :func:`table_memory_bytes` is what the
 preprocess command prints: the fp32 weights and optimizer state of a dataset's tables.
+:func:`offload_error_for_user` words the errors of the tables kept on disk (a full
+``--offload-dir``, a damaged backing file) with this application's flags.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Sequence
@@ -23,6 +26,12 @@ import torch
 
 from dlrm_app.config import EmbeddingOptimizer
 from recsys_core import DataType, EmbOptimType
+from recsys_core.kernels.offload_store import FILE_PREFIX as OFFLOAD_FILE_PREFIX
+from recsys_core.kernels.offload_store import (
+    OffloadCorruptionError,
+    OffloadSpaceError,
+    format_bytes,
+)
 from recsys_core.planner import MemoryShortfall, PlannerError, Topology, detect_topology
 from recsys_core.planner.estimators import weights_and_state_bytes
 
@@ -96,6 +105,36 @@ def planning_error_for_user(error: PlannerError, offload: bool = True) -> ValueE
         return ValueError(str(error))
     fixes = "\n".join(f"  - {fix}" for fix in _fixes(shortfall, offload))
     return ValueError(f"{shortfall.summary}\nTo fix, any one of:\n{fixes}")
+
+
+def offload_error_for_user(exc: BaseException) -> str | None:
+    """One line for an error of the files under ``--offload-dir`` (None: not such an error).
+
+    The backing files reserve their space when the model is built, so a disk without room
+    fails there, before the first step; a row that reads back differently from what was
+    written stops the run before it is trained on."""
+    if isinstance(exc, OffloadSpaceError):
+        if exc.free < exc.needed:
+            short = f"its disk has {format_bytes(exc.free)} ({exc.free} bytes) free"
+        else:
+            short = f"reserving them failed ({exc.strerror}: a quota or file size limit?)"
+        return (f"--offload-dir {exc.directory}: the tables kept on disk need "
+                f"{format_bytes(exc.needed)} ({exc.needed} bytes) there, but {short}; free "
+                "space there, or pass --offload-dir DIR on a local disk with more room (the "
+                "default is OUT/offload, on the disk of --out)")
+    if isinstance(exc, OffloadCorruptionError):
+        more = f" (and {exc.rows - 1} more rows)" if exc.rows > 1 else ""
+        return (f"offload file {exc.path} of table {exc.table!r} is corrupt: row {exc.row}"
+                f"{more} read back differently from what was written, so the run stopped "
+                "before training on it; rerun with --resume to go on from the last checkpoint "
+                "(verified when saved and when loaded), and check the disk of --offload-dir")
+    path = getattr(exc, "filename", None) or ""
+    if (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            and os.path.basename(str(path)).startswith(OFFLOAD_FILE_PREFIX)):
+        return (f"the disk of --offload-dir is full ({exc.strerror}; {path}): free space "
+                "there, or pass --offload-dir DIR on a local disk with more room, then rerun "
+                "with --resume")
+    return None
 
 
 def _fixes(s: MemoryShortfall, offload: bool = True) -> list[str]:

@@ -20,6 +20,12 @@ The backing store is authoritative only after :meth:`flush` (write back every tr
 row); ``split_embedding_weights`` / ``split_optimizer_states`` return views of the store, and
 the collections flush before exporting state and :meth:`invalidate` after importing it.
 
+The backing files (``offload_store.py``) have their space reserved when they are made, and
+every row read back from them is checked against a checksum recorded when it was last written
+(:class:`OffloadCorruptionError` on a mismatch; the flush before an export checks every row).
+A move that fails leaves the cache inconsistent: its error is raised again by every later
+lookup, prefetch and flush, and :meth:`drop_prefetched` does not raise it a second time.
+
 Tables without a cache in the same kernel are held by the inner kernel as usual.
 
 On CPU, misses and write-backs move rows with ``pread`` / ``pwrite`` through the package's
@@ -31,10 +37,8 @@ are dropped again (same results; measured 1.8x slower on the bench's 2-core mach
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
+import errno
 import math
-import mmap
 import os
 import tempfile
 from collections import deque
@@ -46,38 +50,33 @@ import torch
 from torch import nn
 
 from recsys_core.kernels.config import FusedOptimizerConfig
+from recsys_core.kernels.offload_store import (
+    ROWIO,
+    BackingStore,
+    OffloadCorruptionError,
+    OffloadSpaceError,
+    free_bytes,
+    row_io_available,
+)
+
+__all__ = [
+    "CacheStats",
+    "CacheTooSmallError",
+    "CachedTableBatchedEmbedding",
+    "OffloadCorruptionError",
+    "OffloadSpaceError",
+    "TableCache",
+    "cache_slots",
+    "row_io_available",
+]
 
 CACHE_ALGORITHMS = ("lru", "lfu")
-# Fast-tier bookkeeping, as the planner counts it: per table row an int32 row -> slot map and an
-# int32 LFU count; per slot an int64 row id, an int64 last-use tick, an int32 lock count and a
-# dirty flag (rounded up to 24 bytes).
-BOOKKEEPING_BYTES_PER_ROW = 8
+# Fast-tier bookkeeping: per table row an int32 row -> slot map, an int32 LFU count and the
+# int32 checksum of the row in its backing file; per slot an int64 row id, an int64 last-use
+# tick, an int32 lock count and a dirty flag (rounded up to 24 bytes).
+BOOKKEEPING_BYTES_PER_ROW = 12
 BOOKKEEPING_BYTES_PER_SLOT = 24
 _NEVER = torch.iinfo(torch.int64).max
-
-
-def _load_rowio() -> ctypes.CDLL | None:
-    """The C helper's row read/write functions, or None when the package was installed without
-    it (no C compiler at install time)."""
-    try:
-        spec = importlib.util.find_spec("recsys_core.kernels._rowio")
-        if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
-            return None
-        lib = ctypes.CDLL(spec.origin)
-    except (ImportError, OSError):
-        return None
-    args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    for fn in (lib.recsys_read_rows, lib.recsys_write_rows):
-        fn.restype, fn.argtypes = ctypes.c_int64, args
-    return lib
-
-
-_ROWIO = _load_rowio()
-
-
-def row_io_available() -> bool:
-    """Whether cached tables on CPU move rows with pread/pwrite (the C helper was built)."""
-    return _ROWIO is not None
 
 
 class CacheTooSmallError(RuntimeError):
@@ -103,124 +102,6 @@ class TableCache:
 def cache_slots(rows: int, load_factor: float) -> int:
     """Slots of a cache holding ``load_factor`` of ``rows`` rows (at least 1, at most rows)."""
     return max(1, min(int(rows), math.ceil(int(rows) * float(load_factor))))
-
-
-class _FileTensor:
-    """A float32 ``[rows, width]`` tensor in a memory-mapped temporary file under ``directory``.
-
-    The file is unlinked as soon as it is mapped: its blocks are freed when the mapping goes,
-    even if the process dies. ``release()`` drops the pages from this process's resident set
-    (their contents stay in the file / page cache)."""
-
-    def __init__(self, rows: int, width: int, directory: str | None) -> None:
-        size = max(rows * width * 4, 4)
-        fd, path = tempfile.mkstemp(prefix="recsys_offload_", suffix=".bin", dir=directory)
-        try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
-        finally:
-            os.unlink(path)
-        self._fd = fd  # for pread / pwrite of rows; closed with the object
-        # Rows are read one by one at random: no read-ahead, and (on Linux) no mapping of the
-        # neighbouring cached pages on each fault, which would pull far more than the rows
-        # asked for into this process's resident memory.
-        self._map.madvise(mmap.MADV_RANDOM)
-        flat = torch.frombuffer(self._map, dtype=torch.float32, count=rows * width)
-        self.tensor = flat.view(rows, width)
-        self._row_bytes = width * 4
-
-    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` (int64) as a new ``[len(rows), width]`` tensor, read with pread."""
-        rows = rows.contiguous()
-        out = torch.empty(rows.numel(), self._row_bytes // 4)
-        self._check(_ROWIO.recsys_read_rows(
-            self._fd, rows.data_ptr(), rows.numel(), self._row_bytes, out.data_ptr()), "read")
-        return out
-
-    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` (``[len(rows), width]`` float32) over rows ``rows`` with pwrite."""
-        rows, values = rows.contiguous(), values.contiguous()
-        assert values.dtype == torch.float32 and values.numel() * 4 == rows.numel() * self._row_bytes
-        self._check(_ROWIO.recsys_write_rows(
-            self._fd, rows.data_ptr(), rows.numel(), self._row_bytes, values.data_ptr()), "write")
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise OSError(-rc, f"cached embedding kernel: cannot {what} rows of its backing file "
-                               f"({os.strerror(-rc)}); check the disk of --offload-dir / offload_dir")
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self) -> None:
-        if getattr(self, "_fd", -1) >= 0:
-            self.close()
-
-    def release(self, first_row: int = 0, last_row: int | None = None) -> None:
-        """Drop the pages of rows ``first_row..last_row`` (default: all). The cost of the call
-        grows with the range (the kernel walks its page tables), not with the pages mapped."""
-        if last_row is None:
-            self._map.madvise(mmap.MADV_DONTNEED)
-            return
-        start = first_row * self._row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
-        end = min((last_row + 1) * self._row_bytes, len(self._map))
-        if end > start:
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-
-class _Store:
-    """The backing rows of one cached table: weights ``[rows, dim]`` and each optimizer state
-    (``[rows, dim]`` per element or ``[rows]`` per row)."""
-
-    def __init__(
-        self, rows: int, dim: int, states: dict[str, bool], device: torch.device,
-        directory: str | None,
-    ) -> None:
-        self._files: list[_FileTensor] = []
-
-        def make(width: int) -> torch.Tensor:
-            if device.type == "cuda":
-                return torch.zeros(rows, width, pin_memory=True)
-            f = _FileTensor(rows, width, directory)
-            self._files.append(f)
-            return f.tensor
-
-        self.weight = make(dim)
-        self.states = {
-            name: (make(1).view(rows) if rowwise else make(dim))
-            for name, rowwise in states.items()
-        }
-        # the files in order: weight, then each state (for pread / pwrite of rows)
-        self.files = list(self._files)
-
-    def read_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Weights ``[n, dim]`` and states (``[n]`` row-wise, ``[n, dim]``) of ``rows``, read
-        without mapping the files (CPU with the C helper)."""
-        weight = self.files[0].read_rows(rows)
-        states = {}
-        for (name, state), f in zip(self.states.items(), self.files[1:], strict=True):
-            states[name] = f.read_rows(rows).view(-1, *state.shape[1:])
-        return weight, states
-
-    def write_rows(self, rows: torch.Tensor, weight: torch.Tensor,
-                   states: dict[str, torch.Tensor]) -> None:
-        self.files[0].write_rows(rows, weight)
-        for (name, _), f in zip(self.states.items(), self.files[1:], strict=True):
-            f.write_rows(rows, states[name])
-
-    def release(self, rows: torch.Tensor | None = None) -> None:
-        """Drop the backing pages of ``rows`` (sorted; default: every row) from memory."""
-        if rows is not None and rows.numel() == 0:
-            return
-        first, last = (0, None) if rows is None else (int(rows[0]), int(rows[-1]))
-        for f in self._files:
-            f.release(first, last)
 
 
 @dataclass
@@ -263,7 +144,7 @@ class CacheStats:
 class _TableState:
     """Bookkeeping of one cached table (on the host)."""
 
-    def __init__(self, rows: int, cache: TableCache, store: _Store, row_bytes: int) -> None:
+    def __init__(self, rows: int, cache: TableCache, store: BackingStore, row_bytes: int) -> None:
         self.rows, self.cache, self.store, self.row_bytes = rows, cache, store, row_bytes
         self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32)
         self.freq = torch.zeros(rows, dtype=torch.int32) if cache.algorithm == "lfu" else None
@@ -271,6 +152,33 @@ class _TableState:
         self.last_used = torch.zeros(cache.slots, dtype=torch.int64)
         self.locks = torch.zeros(cache.slots, dtype=torch.int32)
         self.dirty = torch.zeros(cache.slots, dtype=torch.bool)
+
+
+def _make_stores(
+    row_bytes: dict[int, int], rows: list[int], dims: list[int], states: dict[str, bool],
+    device: torch.device, directory: str | None, names: list[str],
+) -> dict[int, BackingStore]:
+    """The backing stores of the cached tables (``row_bytes``: their bytes per row), their
+    files' space reserved: all or none (:class:`OffloadSpaceError` naming the directory, the
+    bytes needed and free)."""
+    if device.type != "cpu" or not row_bytes:
+        return {t: BackingStore(rows[t], dims[t], states, device, directory, names[t])
+                for t in row_bytes}
+    where = directory or tempfile.gettempdir()
+    needed = sum(rows[t] * b for t, b in row_bytes.items())
+    if needed > (free := free_bytes(where)):
+        raise OffloadSpaceError(where, needed, free)
+    stores: dict[int, BackingStore] = {}
+    try:
+        for t in row_bytes:
+            stores[t] = BackingStore(rows[t], dims[t], states, device, directory, names[t])
+    except OSError as e:
+        for store in stores.values():
+            store.close()
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise OffloadSpaceError(where, needed, free_bytes(where), e.strerror) from None
+        raise
+    return stores
 
 
 def _same_ids(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -283,8 +191,11 @@ class CachedTableBatchedEmbedding(nn.Module):
 
     ``inner_factory(rows)`` builds the fast-tier kernel for the given per-table row counts (the
     caller's FBGEMM-or-torch choice); ``offload_dir`` is where backing files go on CPU (None:
-    the system's temporary directory). Rows move to and from the backing files in blocks of
-    ``move_block_rows`` (see ``_move``).
+    the system's temporary directory); their space is reserved there at once
+    (:class:`OffloadSpaceError` when the disk has too little). ``table_names`` name the tables
+    in the files' names and in errors. Rows move to and from the backing files in blocks of
+    ``move_block_rows`` (see ``_move``), checked against per-row checksums
+    (:class:`OffloadCorruptionError`, see ``offload_store.py``).
     """
 
     def __init__(
@@ -299,6 +210,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         inner_factory,
         offload_dir: str | None = None,
         move_block_rows: int = 256,
+        table_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if len(caches) != len(rows):
@@ -315,14 +227,14 @@ class CachedTableBatchedEmbedding(nn.Module):
         self.inner = inner_factory(inner_rows)
         opt = optimizer.optimizer
         states = {name: opt.state_is_rowwise(name) for name in opt.state_names}
+        names = list(table_names) if table_names is not None else [
+            f"table_{t}" for t in range(len(self.rows))]
+        row_bytes = {t: 4 * (self.dims[t] + sum(1 if rw else self.dims[t] for rw in states.values()))
+                     for t, c in enumerate(self.caches) if c is not None}
         self._tables: dict[int, _TableState] = {}
-        for t, cache in enumerate(self.caches):
-            if cache is None:
-                continue
-            d = self.dims[t]
-            row_bytes = 4 * (d + sum(1 if rw else d for rw in states.values()))
-            store = _Store(self.rows[t], d, states, device, offload_dir)
-            self._tables[t] = _TableState(self.rows[t], cache, store, row_bytes)
+        for t, store in _make_stores(row_bytes, self.rows, self.dims, states, device, offload_dir,
+                                     names).items():
+            self._tables[t] = _TableState(self.rows[t], self.caches[t], store, row_bytes[t])
         self._features_of = {
             t: [f for f, ft in enumerate(self.feature_table_map) if ft == t] for t in self._tables
         }
@@ -336,8 +248,11 @@ class CachedTableBatchedEmbedding(nn.Module):
             thread_name_prefix="embedding-cache-table")
         self.move_block_rows = int(move_block_rows)
         # rows move with pread / pwrite (the C helper) on CPU; False: through the mappings
-        self.row_io = _ROWIO is not None and device.type == "cpu"
+        self.row_io = ROWIO is not None and device.type == "cpu"
         self.stats = CacheStats()
+        # the error that left the cache inconsistent (a failed or corrupt move): raised again
+        # by every later lookup, prefetch or flush
+        self._failure: BaseException | None = None
 
     # ---- the uncached kernel's interface -------------------------------------------------------
     @property
@@ -371,8 +286,10 @@ class CachedTableBatchedEmbedding(nn.Module):
 
     # ---- cache control -------------------------------------------------------------------------
     @torch.no_grad()
-    def flush(self) -> None:
-        """Write every trained resident row (weights and state) back to the backing store."""
+    def flush(self, verify: bool = True) -> None:
+        """Write every trained resident row (weights and state) back to the backing store, then
+        (``verify``) check every row of the backing files against its checksum: the store's
+        views are about to be exported (a checkpoint), and no corrupt row may go with them."""
         self._wait_moves()
         weights = self.inner.split_embedding_weights()
         states = self.inner.split_optimizer_states()
@@ -381,6 +298,8 @@ class CachedTableBatchedEmbedding(nn.Module):
             if slots.numel():
                 self._store_rows(ts, weights[t], states[t], slots, ts.row_of_slot[slots])
                 ts.dirty[slots] = False
+            if verify:
+                ts.store.verify()
         self.release_memory()
 
     @torch.no_grad()
@@ -393,12 +312,21 @@ class CachedTableBatchedEmbedding(nn.Module):
                 "CachedTableBatchedEmbedding.invalidate: a batch is in flight (forward run, "
                 "backward not yet, or prefetched); finish it first"
             )
-        self.flush()
+        self.flush(verify=False)
         for ts in self._tables.values():
+            ts.store.sealed = False  # the files were written from outside: sealed anew, lazily
             ts.slot_of_row.fill_(-1)
             ts.row_of_slot.fill_(-1)
             ts.dirty.fill_(False)
             ts.last_used.zero_()
+
+    def set_row_verification(self, enabled: bool) -> None:
+        """Check rows read from the backing files against their checksums (the default; off:
+        for measuring what the checks cost)."""
+        for ts in self._tables.values():
+            if enabled and not ts.store.check:
+                ts.store.sealed = False  # checksums were not kept meanwhile: record them anew
+            ts.store.check = enabled
 
     def release_memory(self) -> None:
         """Drop the backing files' pages from this process's resident memory."""
@@ -420,6 +348,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         that receives the same ids uses them (prefetched batches are consumed in order; a
         forward of other ids is looked up on its own and leaves them waiting). Rows of batches
         in flight are never evicted."""
+        self._raise_failure()
         batch = self._resolve(indices, offsets, asynchronous=True)
         # None: no room beside the batches in flight; its forward looks it up then instead.
         self._pending.append(batch or _Batch(slots={}, source=indices, indices=indices, deferred=True))
@@ -430,6 +359,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        self._raise_failure()
         self._retire()
         batch = None
         if self._pending and _same_ids(self._pending[0].source, indices):
@@ -456,7 +386,13 @@ class CachedTableBatchedEmbedding(nn.Module):
         while self._pending:
             batch = self._pending.popleft()
             if batch.moved is not None:
-                batch.moved.result()
+                try:
+                    batch.moved.result()
+                except BaseException:
+                    # recorded in _failure: the next lookup, prefetch or flush raises it. Not
+                    # here: this cleanup runs while the loop unwinds from that very error.
+                    if self._failure is None:
+                        raise
             self._release(batch, trained=False)
 
     def _release(self, batch: _Batch, trained: bool) -> None:
@@ -469,7 +405,12 @@ class CachedTableBatchedEmbedding(nn.Module):
             if trained:
                 ts.dirty[slots] = True
 
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
     def _wait_moves(self) -> None:
+        self._raise_failure()
         for b in self._pending:
             if b.moved is not None:
                 b.moved.result()
@@ -588,17 +529,31 @@ class CachedTableBatchedEmbedding(nn.Module):
     def _move(self, moves) -> None:
         """Write evicted trained rows back, then load the missing rows, the tables side by side
         in worker threads (see :meth:`_store_rows` and :meth:`_load_rows`)."""
-        weights = self.inner.split_embedding_weights()
-        states = self.inner.split_optimizer_states()
-        if len(moves) == 1:
-            self._move_table(weights, states, *moves[0])
-            return
-        for done in [self._table_movers.submit(self._move_table, weights, states, *m) for m in moves]:
-            done.result()
+        try:
+            self._raise_failure()  # moves queued behind a failed one do not run
+            weights = self.inner.split_embedding_weights()
+            states = self.inner.split_optimizer_states()
+            if len(moves) == 1:
+                self._move_table(weights, states, *moves[0])
+                return
+            futures = [self._table_movers.submit(self._move_table, weights, states, *m)
+                       for m in moves]
+            errors = [f.exception() for f in futures]  # every table's move ends first
+            for error in errors:
+                if error is not None:
+                    raise error
+        except BaseException as e:
+            # the cache now maps rows to slots whose contents did not arrive (or rows whose
+            # write-back failed): nothing may be looked up or exported from it any more
+            if self._failure is None:
+                self._failure = e
+            raise
 
     def _move_table(self, weights, states, ts, t, write_slots, write_rows, load_slots,
                     load_rows) -> None:
         """One table's part of :meth:`_move`."""
+        if not ts.store.sealed:
+            ts.store.seal()  # the first move since the table was filled: checksum every row
         self._store_rows(ts, weights[t], states[t], write_slots, write_rows)
         self._load_rows(ts, weights[t], states[t], load_slots, load_rows)
 
@@ -625,12 +580,8 @@ class CachedTableBatchedEmbedding(nn.Module):
             on = block_slots.to(dev)
             values = weight[on].cpu()
             state_values = {name: cached[on].cpu() for name, cached in states.items()}
-            if self.row_io and ts.store.files:
-                ts.store.write_rows(block_rows, values, state_values)
-            else:
-                ts.store.weight[block_rows] = values
-                for name, v in state_values.items():
-                    ts.store.states[name][block_rows] = v
+            ts.store.write_rows(block_rows, values, state_values, io=self.row_io)
+            if not (self.row_io and ts.store.files):
                 ts.store.release(block_rows)
 
     def _load_rows(self, ts: _TableState, weight: torch.Tensor, states: dict[str, torch.Tensor],
@@ -642,11 +593,8 @@ class CachedTableBatchedEmbedding(nn.Module):
         dev = weight.device
         for block_slots, block_rows in self._blocks(slots, rows):
             on = block_slots.to(dev)
-            if self.row_io and ts.store.files:
-                values, state_values = ts.store.read_rows(block_rows)
-            else:
-                values = ts.store.weight[block_rows]
-                state_values = {name: s[block_rows] for name, s in ts.store.states.items()}
+            # checked against the rows' checksums before anything reaches the cache
+            values, state_values = ts.store.read_rows(block_rows, io=self.row_io)
             weight.data[on] = values.to(dev, non_blocking=True)
             for name, cached in states.items():
                 cached.data[on] = state_values[name].to(dev, non_blocking=True)

@@ -85,6 +85,7 @@ class PackedKernelSpec:
             weighted=self.weighted,
             caches=[t.cache for t in self.tables],
             offload_dir=self.offload_dir,
+            table_names=[t.name for t in self.tables],
         )
 
 

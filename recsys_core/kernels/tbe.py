@@ -120,6 +120,7 @@ def build_table_batched_embedding(
     weighted: bool = False,
     caches: Sequence[TableCache | None] = (),
     offload_dir: str | None = None,
+    table_names: Sequence[str] | None = None,
 ) -> nn.Module:
     """A kernel module (FBGEMM or torch) holding ``len(rows)`` tables, zero-initialized.
 
@@ -164,6 +165,7 @@ def build_table_batched_embedding(
         device=device,
         inner_factory=build,
         offload_dir=offload_dir,
+        table_names=table_names,
     )
 
 
