@@ -7,12 +7,15 @@ feeding a linear layer, trained on batches of ``--batch`` rows with the pipeline
 
   memory   every table FUSED (in RAM): the baseline, where it fits on a bigger budget
   cached   every table fused_uvm_caching: backing files under --offload-dir, caches sized so
-           that the process stays within --budget-gib
+           that the process stays within --budget-gib; run twice, with every row read back from
+           the files checked against its checksum (``verify``: true, the default) and without
+           (false), to measure what the checks cost
 
 ids are uniform or Zipf-skewed (``--zipf`` exponent, hot ids scattered over the table). Prints
 one JSON line per case: samples/s, the ratio to the in-memory baseline with the same ids, the
 cache hit rate, bytes read from and written to the backing files per step, peak RSS against
-the budget, and the setup time (filling the tables).
+the budget, the setup time (filling the tables), the time of the flush that checks every row
+before an export (``flush_s``), and the CPU (``lscpu``'s model name).
 
 Usage: python bench/offload.py [--tables 8] [--rows 2000000] [--dim 64] [--batch 4096]
                                [--budget-gib 1.0] [--steps 20] [--zipf 1.05] [--offload-dir DIR]
@@ -96,8 +99,19 @@ def load_factor(args: argparse.Namespace) -> float:
     return max(0.001, min(1.0, free / (rows * (row_bytes + BOOKKEEPING_BYTES_PER_SLOT))))
 
 
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "unknown"
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines()
+             if line.startswith("Model name:")]
+    return names[0] if names else "unknown"
+
+
 def run_case(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
+    verify = getattr(args, "verify_rows", "on") == "on"
     cached = args.case == "cached"
     configs = [
         EmbeddingBagConfig(name=f"t{t}", embedding_dim=args.dim, num_embeddings=args.rows,
@@ -123,6 +137,8 @@ def run_case(args: argparse.Namespace) -> dict:
     dense_opt = torch.optim.SGD(head.parameters(), lr=0.01)
     labels = torch.randint(0, 2, (args.batch, 1), generator=torch.Generator().manual_seed(3)).float()
     kernels = [k for lk in sharded.lookups for k in lk.cached_kernels()]
+    for k in kernels:
+        k.set_row_verification(verify)
     # The cached case warms up until its caches are full (steady state: every miss evicts),
     # at most --max-warmup steps; the in-memory case is then measured on the same batches.
     first = 0 if cached else max(args.skip - args.warmup, 0)
@@ -151,10 +167,15 @@ def run_case(args: argparse.Namespace) -> dict:
             steps += 1
     elapsed = time.perf_counter() - start - (data.seconds - made)
     stream.close()
+    flushed = time.perf_counter()
+    for k in kernels:
+        k.flush()  # write back, and (verify) check every row of the files
+    flush_s = time.perf_counter() - flushed
     stats = [k.stats for k in kernels]
     lookups = sum(s.lookups for s in stats)
     return {
         "case": args.case,
+        "verify": verify if cached else None,
         "ids": args.skew,
         "samples_per_s": round(args.batch * steps / elapsed, 1),
         "step_ms": round(1e3 * elapsed / max(steps, 1), 2),
@@ -171,6 +192,8 @@ def run_case(args: argparse.Namespace) -> dict:
         "budget_gib": args.budget_gib,
         "tables_gib": round(args.tables * args.rows * 4 * (args.dim + 1) / GIB, 3),
         "setup_s": round(setup_s, 1),
+        "flush_s": round(flush_s, 3) if cached else None,
+        "cpu": cpu_name(),
     }
 
 
@@ -192,10 +215,14 @@ def main() -> None:
                         help="small tables (8 x 100k rows) and budget, for a smoke run")
     parser.add_argument("--case", choices=["memory", "cached"], help=argparse.SUPPRESS)
     parser.add_argument("--skew", choices=["uniform", "zipf"], help=argparse.SUPPRESS)
+    parser.add_argument("--verify-rows", choices=["on", "off"], default="on",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.rows, args.batch, args.steps, args.warmup = 50_000, 1024, 6, 2
-        args.budget_gib = 0.5 + args.tables * args.rows * 4 * (args.dim + 1) / 4 / GIB
+        # the runtime's allowance, the bookkeeping and caches of a quarter of the rows
+        args.budget_gib = (RUNTIME_BYTES + args.tables * args.rows * (
+            BOOKKEEPING_BYTES_PER_ROW + (4 * (args.dim + 1) + BOOKKEEPING_BYTES_PER_SLOT) / 4)) / GIB
     if args.case:
         print(json.dumps(run_case(args)), flush=True)
         return
@@ -205,23 +232,27 @@ def main() -> None:
             "--budget-gib", str(args.budget_gib), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--zipf", str(args.zipf), "--offload-dir", offload_dir]
     for skew in ("zipf", "uniform"):
-        cached = None
-        for case in ("cached", "memory"):
-            extra = ["--case", case, "--skew", skew, "--max-warmup", str(args.max_warmup)]
-            if cached is not None:
-                extra += ["--skip", str(cached["measured_from_step"])]
+        results = {}
+        for case, verify in (("cached", "on"), ("cached", "off"), ("memory", "on")):
+            extra = ["--case", case, "--skew", skew, "--max-warmup", str(args.max_warmup),
+                     "--verify-rows", verify]
+            if case == "memory":
+                extra += ["--skip", str(results["on"]["measured_from_step"])]
             out = subprocess.run(base + extra, capture_output=True, text=True, check=False)
             if out.returncode:
                 raise SystemExit(f"case {case}/{skew} failed:\n{out.stderr[-3000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            if case == "cached":
-                cached = result
-                continue
-            cached["vs_memory"] = round(cached["samples_per_s"] / result["samples_per_s"], 3)
+            results[verify if case == "cached" else case] = json.loads(
+                out.stdout.strip().splitlines()[-1])
+        memory = results["memory"]
+        print(json.dumps(memory), flush=True)
+        for verify in ("off", "on"):
+            cached = results[verify]
+            cached["vs_memory"] = round(cached["samples_per_s"] / memory["samples_per_s"], 3)
             cached["rss_within_budget"] = cached["peak_rss_gib"] <= args.budget_gib
-            print(json.dumps(result), flush=True)
+            if verify == "on":  # the checksums' cost: same ids, same steps, one run apart
+                cached["vs_unverified"] = round(
+                    cached["samples_per_s"] / results["off"]["samples_per_s"], 3)
             print(json.dumps(cached), flush=True)
-
 
 if __name__ == "__main__":
     main()
