@@ -32,6 +32,7 @@ from recsys_core.distributed.fbgemm_qcomm_codec import (
     QCommsConfig,
     get_qcomm_codecs_registry,
 )
+from recsys_core.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recsys_core.distributed.types import QuantizedCommCodecs
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
@@ -111,6 +112,11 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
     }, qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.num_hosts)),
         table_init=table_initializer(config.seed),
         offload_dir=None if offload_dir is None else str(offload_dir))
+    sharders: list[Any] = [sharder]
+    if any(f.raw_ids for f in spec.sparse_features):
+        # the raw-id tables: row-wise, in memory (--zch-rows sizes them), ids routed to the
+        # rank that owns their rows
+        sharders.append(ManagedCollisionEmbeddingBagCollectionSharder(sharder))
     model = build_dlrm(spec, config.model, device="meta")
     if plan is None:
         # the disk free where the files would go (the directory is made only when needed)
@@ -118,7 +124,7 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         topology = topology_for_run(env.world_size, env.local_world_size, device,
                                     config.memory_per_rank, disk)
         try:
-            plan = plan_for_env(model, env, [sharder], device, topology=topology)
+            plan = plan_for_env(model, env, sharders, device, topology=topology)
         except PlannerError as e:
             raise planning_error_for_user(e, config.offload) from None
     if offload_dir is not None and any(
@@ -130,7 +136,7 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
             raise ValueError(f"--offload-dir {offload_dir}: cannot create the directory for the "
                              f"tables kept on disk ({e.strerror}); pass a writable directory on a "
                              "local disk") from None
-    dmp = DistributedModelParallel(model, device=device, env=env, plan=plan, sharders=[sharder])
+    dmp = DistributedModelParallel(model, device=device, env=env, plan=plan, sharders=sharders)
     torch.manual_seed(config.seed)
     for module in dmp.module.modules():
         if not isinstance(module, ShardedEmbeddingBagCollection) and hasattr(module, "reset_parameters"):

@@ -144,7 +144,7 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
         frequency_threshold=args.frequency_threshold, max_embeddings_per_feature=caps,
         rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
         on_bad_row=args.on_bad_row, like=args.like, one_split=args.one_split,
-        workers=args.workers)
+        workers=args.workers, id_mapping=args.id_mapping)
     _tables_report(spec)
     seconds = time.perf_counter() - start
     rows = sum(s.rows for s in spec.splits)
@@ -166,7 +166,8 @@ def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
     spec = preprocess_movielens(
         args.src, args.out, positive_rating=args.positive_rating, split=args.split_method,
         test_fraction=args.test_fraction, seed=args.seed,
-        rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size)
+        rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
+        id_mapping=args.id_mapping)
     _tables_report(spec)
     seconds = time.perf_counter() - start
     print(json.dumps({
@@ -312,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     crit.add_argument("--max-embeddings-per-feature", default=None,
                       help="cap on vocabulary rows per table, the most frequent ids kept: one "
                            f"int or a comma list of 26 (default: {DEFAULT_MAX_EMBEDDINGS_PER_FEATURE})")
+    crit.add_argument("--id-mapping", choices=("vocabulary", "hash", "zch"), default=None,
+                      help="how raw ids become table rows: vocabulary (default) or hash here, "
+                           "or zch: keep the raw ids and let the model map them at training "
+                           "time with zero-collision hashing (tables sized by train "
+                           "--zch-rows; new ids keep arriving in later files)")
     crit.add_argument("--one-split", choices=("train", "validation", "test"), default=None,
                       help="with --like: every row into this split (a held-out file to score "
                            "whole with `dlrm-app evaluate RUN --data OUT --split test`)")
@@ -340,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "last --test-fraction test and as many before validation")
     ml.add_argument("--test-fraction", type=float, default=0.1,
                     help="fraction of each user's ratings in test (--split fraction)")
+    ml.add_argument("--id-mapping", choices=("vocabulary", "zch"), default="vocabulary",
+                    help="user_id and movie_id: vocabulary (ids 0..n-1 of the ids in the "
+                         "ratings) or zch (the raw ids kept, mapped by the model at training "
+                         "time with zero-collision hashing; tables sized by train --zch-rows)")
     ml.add_argument("--seed", type=int, default=0, help="row order inside each split")
     ml.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
     ml.add_argument("--row-group-size", type=int, default=65_536,

@@ -31,6 +31,12 @@ class Interaction(enum.Enum):
 
 
 DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)
+
+ZCH_MEMORY_BYTES = 256 << 20
+"""Memory the raw-id (zero-collision hashing) tables of a model share when ``--zch-rows`` is
+not given: weights, their optimizer state and the remapping table."""
+ZCH_EVICTION_INTERVAL = 16
+"""Training steps between updates of each raw-id table's remapping (new ids get rows then)."""
 """Hidden layers of the default bottom MLP, before its output layer of the embedding dim."""
 
 
@@ -53,6 +59,10 @@ class ModelConfig:
     """Cross layers (``dcn`` only)."""
     dcn_low_rank_dim: int = 512
     """Rank of each cross layer's weight (``dcn`` only)."""
+    zch_rows: int | None = None
+    """Rows of each table of a raw-id feature (data preprocessed with ``--id-mapping zch``):
+    its ids get rows of their own by zero-collision hashing, the last row is shared by ids
+    without one. None: from memory, ZCH_MEMORY_BYTES (256 MiB) spread over those tables."""
 
     def __post_init__(self) -> None:
         if self.dense_arch_layer_sizes is None:
@@ -62,6 +72,10 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        rows = self.zch_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 2):
+            raise ValueError(f"--zch-rows must be an int >= 2 (one row for ids that have none "
+                             f"of their own, and at least one to give), got {rows!r}")
         for name in ("dense_arch_layer_sizes", "over_arch_layer_sizes"):
             sizes = getattr(self, name)
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
@@ -302,8 +316,10 @@ MIN_AUTO_BATCH, MAX_AUTO_BATCH = 32, 2048
 VALIDATIONS_PER_EPOCH = 4
 MAX_AUTO_VALIDATE_EVERY = 10_000
 
-FIXED_ON_RESUME = ("data", "model", "embedding_optimizer", "dense_optimizer")
-"""What a resumed run cannot change: its data and the shapes of its model and optimizer state."""
+FIXED_ON_RESUME = ("model", "embedding_optimizer", "dense_optimizer")
+"""What a resumed run cannot change: the shapes of its model and optimizer state. ``--data``
+may change: training then continues on the new data if the model reads it the same way
+(``dlrm_app.train.check_continuation``: raw ids, or the same encoding)."""
 
 
 def resume_config(saved: TrainConfig, given: dict[str, Any], where: str) -> TrainConfig:

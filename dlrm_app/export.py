@@ -51,6 +51,7 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
 from dlrm_app.data.integrity import verify_file
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
+from dlrm_app.id_map import FrozenIdMap, freeze_raw_ids
 from dlrm_app.model import DLRM, build_dlrm
 from dlrm_app.serving_program import LOOKUPS, EncodedPredictor, RawEncoder
 from recsys_core.distributed import checkpoint as dcp_checkpoint
@@ -65,8 +66,10 @@ class ExportedDLRM(nn.Module):
     """The scripted serving model (see :mod:`dlrm_app.artifact` for the methods' contract)."""
 
     def __init__(self, model: DLRM, num_dense: int, moduli: Tensor, vocab_values: Tensor,
-                 vocab_offsets: Tensor, use_vocabulary: bool, log_transform: bool) -> None:
+                 vocab_offsets: Tensor, use_vocabulary: bool, log_transform: bool,
+                 id_map: FrozenIdMap) -> None:
         super().__init__()
+        self.id_map = id_map
         ebc = model.sparse_arch.embedding_bag_collection
         if not isinstance(ebc, QuantEmbeddingBagCollection):
             raise TypeError("quantize the model's embedding collection before exporting")
@@ -90,7 +93,7 @@ class ExportedDLRM(nn.Module):
         if offsets.numel() != self.num_sparse * batch + 1:
             raise ValueError(f"offsets must have num_sparse * B + 1 = "
                              f"{self.num_sparse * batch + 1} entries, got {offsets.numel()}")
-        pooled = self.tbe(values, offsets)
+        pooled = self.tbe(self.id_map(values, offsets, batch), offsets)
         sparse = pooled.view(batch, self.num_sparse, self.embedding_dim)
         logits = self.over_arch(self.inter_arch(self.dense_arch(dense), sparse))
         return torch.sigmoid(logits.squeeze(1))
@@ -230,6 +233,8 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
                              "torchscript only; drop it for a .pt2 export")
     progress(f"loading the {checkpoint or 'best'} checkpoint of {run} (unsharded, CPU)")
     model, config, spec, path = load_unsharded(run, checkpoint)
+    # raw ids (--id-mapping zch): a plain model plus the frozen mapping of the trained ids
+    model, id_map = freeze_raw_ids(model, spec, config.model)
     progress(f"quantizing the tables of {path.name} to {dtype}"
              + (" and the linear layers to int8" if quantize_dense else ""))
     quantize_inference_model(model, DTYPES[dtype], quantize_dense=quantize_dense)
@@ -250,7 +255,8 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         "kind": spec.kind.value,
         "dense_features": list(spec.dense_features),
         "sparse_features": [{"name": f.name, "num_embeddings": f.num_embeddings,
-                             "multi_hot": f.multi_hot} for f in spec.sparse_features],
+                             "multi_hot": f.multi_hot, **({"raw_ids": True} if f.raw_ids else {})}
+                            for f in spec.sparse_features],
         "raw_input": prep.raw_input,
         "raw_format": "criteo_tsv" if spec.kind is DatasetKind.CRITEO else None,
         "embedding_dtype": dtype,
@@ -274,10 +280,10 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         if fmt == "pt2":
             meta["lookup"] = lookup
             meta["programs"] = _write_pt2(model, spec, prep, lookup, meta, staging / out.name,
-                                          progress)
+                                          progress, id_map)
         else:
             progress("scripting the model (TorchScript)")
-            _write_torchscript(model, spec, prep, meta, staging / out.name)
+            _write_torchscript(model, spec, prep, meta, staging / out.name, id_map)
         (staging / out.name).replace(out)
         progress(f"wrote {out}")
     finally:
@@ -303,7 +309,8 @@ def _training_summary(run: Path, config: TrainConfig, checkpoint: Path) -> dict[
 
 
 def _write_torchscript(model: DLRM, spec: DatasetSpec, prep: Preprocessing,
-                       meta: dict[str, Any], out: Path) -> None:
+                       meta: dict[str, Any], out: Path, id_map: FrozenIdMap | None = None
+                       ) -> None:
     sizes = len(spec.sparse_features)
     if prep.vocabulary is not None:
         counts = np.cumsum([0] + [v.numel() for v in prep.vocabulary])
@@ -313,7 +320,8 @@ def _write_torchscript(model: DLRM, spec: DatasetSpec, prep: Preprocessing,
         vocab_values = torch.zeros(0, dtype=torch.int64)
         vocab_offsets = torch.zeros(sizes + 1, dtype=torch.int64)
     exported = ExportedDLRM(model, len(spec.dense_features), prep.moduli, vocab_values,
-                            vocab_offsets, prep.vocabulary is not None, prep.log_transform)
+                            vocab_offsets, prep.vocabulary is not None, prep.log_transform,
+                            id_map or FrozenIdMap(sizes, [None] * sizes))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's notice in 2.13
         scripted = torch.jit.script(exported)
@@ -332,7 +340,8 @@ EXAMPLE_BATCH = 3
 would specialize on)."""
 
 
-def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str
+def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
+                     id_map: FrozenIdMap | None = None
                      ) -> dict[str, tuple[nn.Module, tuple, Any]]:
     """The .pt2's programs as eager modules: ``{name: (module, example inputs, dynamic
     shapes)}`` (``model``, and ``encode`` for datasets with raw rows)."""
@@ -347,7 +356,7 @@ def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup
     offsets = torch.zeros(num_sparse * b + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
     programs: dict[str, tuple[nn.Module, tuple, Any]] = {
-        MODEL_PROGRAM: (EncodedPredictor(model, lookup),
+        MODEL_PROGRAM: (EncodedPredictor(model, lookup, id_map),
                         (torch.zeros(b, num_dense), torch.zeros(int(offsets[-1]),
                                                                 dtype=torch.int64), offsets),
                         ({0: batch}, {0: num_values}, {0: num_sparse * batch + 1})),
@@ -363,7 +372,8 @@ def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup
 
 
 def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
-               meta: dict[str, Any], out: Path, progress: Progress) -> dict[str, Any]:
+               meta: dict[str, Any], out: Path, progress: Progress,
+               id_map: FrozenIdMap | None = None) -> dict[str, Any]:
     """Export and AOT-compile the programs, package them with the manifest into ``out``."""
     from torch.export.pt2_archive._package import package_pt2
 
@@ -371,8 +381,8 @@ def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
     described: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (module, args, dynamic) in serving_programs(model, spec, prep,
-                                                               lookup).items():
+        for name, (module, args, dynamic) in serving_programs(model, spec, prep, lookup,
+                                                               id_map).items():
             with torch.no_grad():
                 progress(f"torch.export: program {name!r}")
                 program = torch.export.export(module, args, dynamic_shapes=dynamic)

@@ -25,11 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlrm_app.config import Interaction, ModelConfig
-from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.config import ZCH_EVICTION_INTERVAL, ZCH_MEMORY_BYTES, Interaction, ModelConfig
+from dlrm_app.data.schema import DatasetSpec, SparseFeature
 from recsys_core.distributed.table_init import SeededUniformInit, TableRegion
 from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
+from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from recsys_core.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
 from recsys_core.sparse import KeyedJaggedTensor
 
 
@@ -57,21 +63,47 @@ class DenseArch(nn.Module):
 
 
 class SparseArch(nn.Module):
-    """Pooled embeddings as ``[B, F, D]`` (features in the collection's key order)."""
+    """Pooled embeddings as ``[B, F, D]`` from the EmbeddingBagCollection and the
+    managed-collision one (raw ids mapped to rows by zero-collision hashing); either may be
+    None (not both). Features in ``feature_order`` (default: the first collection's, then the
+    second's)."""
 
-    def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection | None,
+                 managed_collision_collection: ManagedCollisionEmbeddingBagCollection | None = None,
+                 feature_order: list[str] | None = None) -> None:
         super().__init__()
+        if embedding_bag_collection is None and managed_collision_collection is None:
+            raise ValueError("SparseArch needs an embedding bag collection")
         self.embedding_bag_collection = embedding_bag_collection
-        configs = embedding_bag_collection.embedding_bag_configs()
+        self.managed_collision_collection = managed_collision_collection
+        configs = [] if embedding_bag_collection is None else \
+            embedding_bag_collection.embedding_bag_configs()
+        if managed_collision_collection is not None:
+            configs = configs + managed_collision_collection.embedding_bag_configs()
         dims = {c.embedding_dim for c in configs}
         if len(dims) != 1:
             raise ValueError(f"DLRM needs one embedding dim for every table, got {sorted(dims)}")
         self.embedding_dim = dims.pop()
-        self.feature_names = [f for c in configs for f in c.feature_names]
+        produced = [f for c in configs for f in c.feature_names]
+        self.feature_names = list(feature_order or produced)
+        if sorted(self.feature_names) != sorted(produced):
+            raise ValueError(f"feature_order {self.feature_names} must list the collections' "
+                             f"features {produced}")
+        order = [produced.index(f) for f in self.feature_names]
+        self.register_buffer("_order", None if order == list(range(len(order))) else
+                             torch.tensor(order), persistent=False)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features)  # a KeyedTensor (lazily, when sharded)
-        return pooled.values().view(-1, len(self.feature_names), self.embedding_dim)
+        parts = []
+        if self.embedding_bag_collection is not None:
+            # a KeyedTensor (lazily, when sharded)
+            parts.append(self.embedding_bag_collection(features).values())
+        if self.managed_collision_collection is not None:
+            pooled, _ = self.managed_collision_collection(features)
+            parts.append(pooled.values())
+        values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        pooled = values.view(-1, len(self.feature_names), self.embedding_dim)
+        return pooled if self._order is None else pooled.index_select(1, self._order)
 
 
 class _GramPairs(torch.autograd.Function):
@@ -204,7 +236,7 @@ class DLRM(nn.Module):
 
     def __init__(
         self,
-        embedding_bag_collection: EmbeddingBagCollection,
+        embedding_bag_collection: EmbeddingBagCollection | None,
         dense_in_features: int,
         dense_arch_layer_sizes: tuple[int, ...],
         over_arch_layer_sizes: tuple[int, ...],
@@ -212,9 +244,12 @@ class DLRM(nn.Module):
         dcn_num_layers: int = 3,
         dcn_low_rank_dim: int = 512,
         dense_device: torch.device | str | None = None,
+        managed_collision_collection: ManagedCollisionEmbeddingBagCollection | None = None,
+        feature_order: list[str] | None = None,
     ) -> None:
         super().__init__()
-        self.sparse_arch = SparseArch(embedding_bag_collection)
+        self.sparse_arch = SparseArch(embedding_bag_collection, managed_collision_collection,
+                                      feature_order)
         dim = self.sparse_arch.embedding_dim
         if dense_arch_layer_sizes[-1] != dim:
             raise ValueError(f"the bottom MLP's last layer ({dense_arch_layer_sizes[-1]}) must "
@@ -243,17 +278,85 @@ def table_name(feature: str) -> str:
     return f"t_{feature}"
 
 
+ZCH_ROW_STATE_BYTES = 4 * 8
+"""Remapping state per row of a raw-id table: its raw id and row in the sorted table, and the
+eviction policy's count and last access (int64 each)."""
+ZCH_HASH_MULTIPLIER = 0x5BD1E995
+"""Odd, below 2^31: ``id * M mod 2^k`` is a bijection of ``[0, 2^k)`` (no two raw ids share a
+value), which spreads ids over the ranks that own row ranges of a sharded raw-id table."""
+MAX_RAW_ID_SPACE = 1 << 32
+"""Largest raw id space a raw-id feature may declare (the scramble's product stays in int64)."""
+
+
+def raw_id_space(feature: SparseFeature) -> int:
+    """The power of two at or above a raw-id feature's ``num_embeddings``: the range its ids
+    are scrambled in before they are routed and remapped."""
+    if feature.num_embeddings > MAX_RAW_ID_SPACE:
+        raise ValueError(f"feature '{feature.name}': raw ids in [0, {feature.num_embeddings}) "
+                         f"exceed the supported raw id space [0, 2^32); re-preprocess with "
+                         f"--id-mapping hash or vocabulary")
+    return 1 << max(feature.num_embeddings - 1, 1).bit_length()
+
+
+def scramble_ids(ids: torch.Tensor, input_hash_size: int) -> torch.Tensor:
+    """``ids * ZCH_HASH_MULTIPLIER mod input_hash_size`` (a power of two): a bijection, so the
+    remapping stays collision-free; ids outside ``[0, input_hash_size)`` are refused."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= input_hash_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"raw id {bad} is outside [0, {input_hash_size}) of its feature's raw "
+                         f"id space; the data must come from the preprocessing the model was "
+                         f"trained on")
+    return (ids * ZCH_HASH_MULTIPLIER) & (input_hash_size - 1)
+
+
+def zch_table_rows(spec: DatasetSpec, config: ModelConfig) -> int:
+    """Rows of each raw-id table: ``--zch-rows``, else ZCH_MEMORY_BYTES over those tables (fp32
+    weights, row-wise optimizer state and remapping state per row), at most a feature's raw id
+    space plus the shared row."""
+    raw = [f for f in spec.sparse_features if f.raw_ids]
+    if config.zch_rows is not None:
+        return config.zch_rows
+    per_row = config.embedding_dim * 4 + 4 + ZCH_ROW_STATE_BYTES
+    rows = ZCH_MEMORY_BYTES // (max(len(raw), 1) * per_row)
+    return max(2, min(rows, max(f.num_embeddings for f in raw) + 1))
+
+
 def build_dlrm(spec: DatasetSpec, config: ModelConfig,
                device: torch.device | str = "meta") -> DLRM:
-    """A DLRM for the dataset ``spec``: one SUM-pooled table per sparse feature."""
+    """A DLRM for the dataset ``spec``: one SUM-pooled table per sparse feature; features with
+    raw ids (``--id-mapping zch``) in a ManagedCollisionEmbeddingBagCollection whose tables
+    have ``zch_table_rows`` rows each."""
+    device = torch.device(device)
     tables = [
         EmbeddingBagConfig(name=table_name(f.name), embedding_dim=config.embedding_dim,
                            num_embeddings=f.num_embeddings, feature_names=[f.name],
                            pooling=PoolingType.SUM)
-        for f in spec.sparse_features
+        for f in spec.sparse_features if not f.raw_ids
     ]
+    raw = [f for f in spec.sparse_features if f.raw_ids]
+    managed = None
+    if raw:
+        rows = zch_table_rows(spec, config)
+        raw_tables = [
+            EmbeddingBagConfig(name=table_name(f.name), embedding_dim=config.embedding_dim,
+                               num_embeddings=rows, feature_names=[f.name],
+                               pooling=PoolingType.SUM)
+            for f in raw
+        ]
+        modules = {
+            t.name: MCHManagedCollisionModule(
+                zch_size=rows, device=device, eviction_policy=DistanceLFU_EvictionPolicy(),
+                eviction_interval=ZCH_EVICTION_INTERVAL, input_hash_size=raw_id_space(f),
+                input_hash_func=scramble_ids, name=t.name)
+            for t, f in zip(raw_tables, raw, strict=True)
+        }
+        managed = ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(tables=raw_tables, device=device),
+            ManagedCollisionCollection(modules, raw_tables),
+            return_remapped_features=False,
+        )
     return DLRM(
-        EmbeddingBagCollection(tables=tables, device=torch.device(device)),
+        EmbeddingBagCollection(tables=tables, device=device) if tables else None,
         dense_in_features=len(spec.dense_features),
         dense_arch_layer_sizes=config.dense_arch_layer_sizes,
         over_arch_layer_sizes=config.over_arch_layer_sizes,
@@ -261,6 +364,8 @@ def build_dlrm(spec: DatasetSpec, config: ModelConfig,
         dcn_num_layers=config.dcn_num_layers,
         dcn_low_rank_dim=config.dcn_low_rank_dim,
         dense_device=device,
+        managed_collision_collection=managed,
+        feature_order=[f.name for f in spec.sparse_features],
     )
 
 

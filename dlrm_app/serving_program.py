@@ -3,7 +3,9 @@ traces with a dynamic batch and AOTInductor compiles (see :mod:`dlrm_app.export`
 
 ``EncodedPredictor``: ``(dense [B, D] f32, values [N] i64, offsets [F*B + 1] i64) -> [B] f32``
     The DLRM from encoded inputs, bags key-major as a KeyedJaggedTensor's ``values()`` /
-    ``offsets()``. Its quantized tables are looked up by :class:`QuantLookup`.
+    ``offsets()``. Its quantized tables are looked up by :class:`QuantLookup`; raw ids of a
+    model trained with ``--id-mapping zch`` are first mapped to rows by the frozen mapping
+    (:class:`dlrm_app.id_map.FrozenIdMap`).
 ``RawEncoder``: ``(dense_raw [B, D] f32, cat_raw [B, F] i64) -> (dense, values, offsets)``
     The dataset's preprocessing for one-hot raw rows (log transform; hashing or the training
     vocabulary), producing the predictor's inputs.
@@ -107,17 +109,20 @@ class QuantLookup(nn.Module):
 class EncodedPredictor(nn.Module):
     """``(dense, values, offsets) -> probabilities [B]`` of a quantized DLRM."""
 
-    def __init__(self, model: nn.Module, lookup: str) -> None:
+    def __init__(self, model: nn.Module, lookup: str, id_map: nn.Module | None = None) -> None:
         super().__init__()
         ebc = model.sparse_arch.embedding_bag_collection
         if not isinstance(ebc, QuantEmbeddingBagCollection):
             raise TypeError("quantize the model's embedding collection before exporting")
         self.lookup = QuantLookup(ebc, lookup)
+        self.id_map = id_map  # raw ids -> rows (dlrm_app.id_map.FrozenIdMap), or None
         self.dense_arch = model.dense_arch
         self.inter_arch = model.inter_arch
         self.over_arch = model.over_arch
 
     def forward(self, dense: Tensor, values: Tensor, offsets: Tensor) -> Tensor:
+        if self.id_map is not None:
+            values = self.id_map(values, offsets, dense.size(0))
         sparse = self.lookup(values, offsets, dense.size(0))
         logits = self.over_arch(self.inter_arch(self.dense_arch(dense), sparse))
         return torch.sigmoid(logits.squeeze(1))

@@ -155,6 +155,12 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     if config.resume and (path := newest_intact_checkpoint(ckpt_dir)) is not None:
         state, resumed_from = _restore(path, dmp, optimizer, train_loader, config, world_size,
                                        steps_per_epoch), str(path)
+        if new_data:
+            # continue on other data: its epochs from the start, the model, optimizer and step
+            # (learning-rate schedule) as they were; its validation split is another yardstick
+            train_loader.load_state_dict({"epoch": 0, "batches_yielded": 0})
+            state = _State(step=state.step)
+            total_steps += state.step
 
     log = _Log(out / "metrics.jsonl", rank == 0)
     log.write({"event": "start", "world_size": world_size, "device": str(device),
@@ -305,6 +311,46 @@ def _extra(state: _State, world_size: int, config: TrainConfig) -> dict[str, Any
             "world_size": world_size, "batch_size": config.batch_size,
             "best_auc": state.best_auc, "best_step": state.best_step,
             "stale_validations": state.stale_validations, "rng": torch.get_rng_state()}
+
+
+def resumed_data(config: TrainConfig) -> str | None:
+    """The data of the run ``--resume`` continues (its saved config's), or None."""
+    saved = Path(config.out) / "config.json"
+    if not (config.resume and saved.is_file()):
+        return None
+    return TrainConfig.load(saved).data
+
+
+def same_path(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def check_continuation(previous: str, spec: DatasetSpec, data: str) -> None:
+    """``--resume --data NEW`` continues a run on other data only where the model reads it the
+    same way: the same features and table sizes, and ids that mean the same rows (raw ids, whose
+    rows the model's zero-collision hashing assigns, or the same encoding / id map)."""
+    try:
+        before = DatasetSpec.load(previous)
+    except ValueError:
+        before = None  # gone: the checkpoint's shapes are the remaining check
+    if before is None:
+        return
+
+    def shape(s: DatasetSpec) -> list[Any]:
+        return [list(s.dense_features), [(f.name, f.num_embeddings, f.raw_ids, f.multi_hot)
+                                         for f in s.sparse_features]]
+
+    fix = (f"resume with the run's data ({previous}), or preprocess the new files with "
+           f"--id-mapping zch (raw ids) or --like {previous}")
+    if shape(before) != shape(spec):
+        raise ValueError(f"--data {data}: its features or table sizes differ from those of the "
+                         f"run's data {previous}, so the model cannot continue on it; {fix}")
+    encoded = [f.name for f in spec.sparse_features if not f.raw_ids]
+    for key in ("encoding", "id_map_sha256"):
+        if encoded and before.parameters.get(key) != spec.parameters.get(key):
+            raise ValueError(f"--data {data}: the ids of {encoded[:3]}... were encoded with "
+                             f"another {key.replace('_', ' ')} than the run's data {previous}, "
+                             f"so the same id would mean another row; {fix}")
 
 
 def _restore(path: Path, dmp: Any, optimizer: Any, loader: ParquetLoader, config: TrainConfig,

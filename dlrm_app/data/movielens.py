@@ -325,8 +325,13 @@ def preprocess_movielens(
     seed: int = 0,
     rows_per_shard: int = 1_000_000,
     row_group_size: int = 65_536,
+    id_mapping: Literal["vocabulary", "zch"] = "vocabulary",
 ) -> DatasetSpec:
     """Preprocess a MovieLens release folder into ``out_dir``; see the module docstring.
+
+    ``id_mapping="zch"`` keeps the raw ``user_id`` and ``movie_id`` values (in
+    ``[0, 2^31)``; features marked ``raw_ids``) for the model to map at training time with
+    zero-collision hashing; the small vocabularies (genres, user attributes) stay as they are.
 
     ``test_fraction`` (in ``(0, 0.5]``) is used only by ``split="fraction"``; ``seed`` fixes
     the row order inside each split. Raises ValueError for an unknown folder (listing the
@@ -341,6 +346,9 @@ def preprocess_movielens(
                          f"ratings as test), got {test_fraction}")
     if rows_per_shard < 1 or row_group_size < 1:
         raise ValueError("rows_per_shard and row_group_size must be positive")
+    if id_mapping not in ("vocabulary", "zch"):
+        raise ValueError(f"id_mapping (--id-mapping) must be 'vocabulary' or 'zch', got "
+                         f"{id_mapping!r}")
     if not src.is_dir():
         raise ValueError(f"{src}: source folder not found; pass the unpacked MovieLens folder")
     release = detect_release(src)
@@ -385,6 +393,16 @@ def preprocess_movielens(
                       np.log1p(user_count[user_id])], axis=1).astype(np.float32)
 
     columns: dict[str, np.ndarray] = {"user_id": user_id, "movie_id": movie_id}
+    raw_features: set[str] = set()
+    if id_mapping == "zch":
+        for name, values in (("user_id", raw.user), ("movie_id", raw.movie)):
+            values = np.asarray(values).astype(np.int64)
+            if values.min() < 0 or values.max() >= RAW_ID_SPACE:
+                raise ValueError(f"{src / RELEASE_FILES[release][0]}: {name} values must lie "
+                                 f"in [0, 2^31) to be kept raw (--id-mapping zch); use "
+                                 f"--id-mapping vocabulary")
+            columns[name] = values
+            raw_features.add(name)
     if raw.users is not None:
         attrs = [raw.users[int(u)] for u in user_raw]
         per_user = {
@@ -418,8 +436,11 @@ def preprocess_movielens(
         splits.append(_write_split(out, name, pa.table(arrays), rows_per_shard,
                                    row_group_size))
     sparse_names = list(arrays)[2:]
-    features = tuple(SparseFeature(name=n, num_embeddings=max(vocab.sizes[n], 1),
-                                   multi_hot=n == "genres") for n in sparse_names)
+    features = tuple(
+        SparseFeature(name=n, num_embeddings=RAW_ID_SPACE, multi_hot=False, raw_ids=True)
+        if n in raw_features else
+        SparseFeature(name=n, num_embeddings=max(vocab.sizes[n], 1), multi_hot=n == "genres")
+        for n in sparse_names)
     spec = DatasetSpec(
         name=f"movielens-{release if release != 'csv' else src.name}",
         kind=DatasetKind.MOVIELENS,
@@ -441,6 +462,7 @@ def preprocess_movielens(
                            "-> validation if >= 3 ratings" if split == "leave_last_out" else
                            "per user by (timestamp, movie id): last floor(n*test_fraction) "
                            "-> test, as many before -> validation"),
+            "id_mapping": id_mapping,
             "id_order": "user_id, movie_id: raw ids sorted ascending; genres: u.genre order "
                         "(100k) or sorted names; occupation, zip3: sorted strings",
             "id_map": ID_MAP_FILE,
@@ -457,6 +479,10 @@ def preprocess_movielens(
     )
     spec.save(out)
     return spec
+
+
+RAW_ID_SPACE = 1 << 31
+"""With ``--id-mapping zch``: the range raw user and movie ids are kept in."""
 
 
 def load_id_map(directory: str | os.PathLike[str]) -> dict[str, list[str]]:

@@ -96,6 +96,11 @@ class SparseFeature:
     """False: every list has exactly one id. True: lists have any length (jagged)."""
     dtype: str = "int64"
     """Arrow type of the ids inside the list; always int64 in format version 1."""
+    raw_ids: bool = False
+    """True: the ids are raw ids (``preprocess --id-mapping zch``), any value in
+    ``[0, num_embeddings)`` (the raw id space, e.g. 2^32 for Criteo's hex ids), not table rows:
+    the model maps them to the rows of a table sized at training time with zero-collision
+    hashing. Written to dataset.json only when true."""
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -104,6 +109,7 @@ class SparseFeature:
             raise ValueError(f"key 'num_embeddings' of sparse feature '{self.name}' must be "
                              f">= 1, got {self.num_embeddings}")
         _check_type("multi_hot", self.multi_hot, bool)
+        _check_type("raw_ids", self.raw_ids, bool)
         if self.dtype != "int64":
             raise ValueError(f"key 'dtype' of sparse feature '{self.name}' must be 'int64', "
                              f"got {self.dtype!r}")
@@ -242,7 +248,10 @@ class DatasetSpec:
             "label_dtype": self.label_dtype,
             "dense_dtype": self.dense_dtype,
             "dense_features": list(self.dense_features),
-            "sparse_features": [dataclasses.asdict(f) for f in self.sparse_features],
+            "sparse_features": [
+                {k: v for k, v in dataclasses.asdict(f).items() if k != "raw_ids" or v}
+                for f in self.sparse_features
+            ],
             "splits": {
                 s.name: {"label_rate": s.label_rate,
                          "shards": [dataclasses.asdict(sh) for sh in s.shards]}

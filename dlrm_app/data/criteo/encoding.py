@@ -11,10 +11,12 @@ Transforms (the reference DLRM's defaults):
     ``max_embeddings_per_feature`` rows per table, everything else in row 0; or
   - modulo hashing ``id % num_embeddings`` into ``num_embeddings_per_feature`` rows (e.g. the
     reference's 40,000,000 ``max-ind-range`` for Criteo 1TB, whose distinct ids are too many
-    to count exactly in memory).
+    to count exactly in memory); or
+  - ``zch``: the raw ids themselves (``[0, 2^32)``), mapped to table rows by the model at
+    training time with zero-collision hashing (tables sized by ``dlrm-app train --zch-rows``).
 
-The ``encoding`` record of ``dataset.json`` says which: ``mode`` (``vocabulary`` or ``hash``)
-and ``num_embeddings`` (the 26 table sizes); a vocabulary adds ``frequency_threshold``,
+The ``encoding`` record of ``dataset.json`` says which: ``mode`` (``vocabulary``, ``hash`` or
+``zch``) and ``num_embeddings`` (the 26 table sizes; for ``zch`` the raw id space); a vocabulary adds ``frequency_threshold``,
 ``max_embeddings_per_feature``, ``rare_id`` (0), ``vocabulary_sha256``, and per feature
 ``distinct_train_ids``, ``qualified_ids`` (seen at least ``frequency_threshold`` times, before
 the cap) and ``train_coverage`` (the share of train rows whose id has a row of its own). With
@@ -48,6 +50,12 @@ from dlrm_app.data.criteo.vocabulary import (
 )
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.schema import DatasetSpec, sha256_file
+
+ID_MAPPINGS = ("vocabulary", "hash", "zch")
+"""``preprocess criteo --id-mapping`` choices."""
+
+RAW_ID_SPACE = 1 << 32
+"""With ``--id-mapping zch`` the ids stay raw: Criteo's 8-hex-digit values, ``[0, 2^32)``."""
 
 
 class Encoder:
@@ -164,8 +172,33 @@ class EncodingRequest:
     """Reuse this dataset's encoding (and vocabulary)."""
     vocabulary_memory_bytes: int = DEFAULT_VOCABULARY_MEMORY_BYTES
     """Vocabulary: memory the count of distinct train ids may use."""
+    id_mapping: str | None = None
+    """``vocabulary``, ``hash`` or ``zch`` (raw ids kept; the model maps them at training
+    time); None: ``hash`` when ``num_embeddings_per_feature`` is given, else ``vocabulary``."""
 
     def __post_init__(self) -> None:
+        mapping = self.id_mapping
+        if mapping is not None and mapping not in ID_MAPPINGS:
+            raise ValueError(f"id_mapping (--id-mapping) must be one of {list(ID_MAPPINGS)}, "
+                             f"got {mapping!r}")
+        if mapping is not None and self.like is not None:
+            raise ValueError(f"like= reuses {self.like}'s id mapping; drop --id-mapping")
+        if mapping == "hash" and self.num_embeddings_per_feature is None:
+            raise ValueError("--id-mapping hash needs the table sizes: pass "
+                             "--num-embeddings-per-feature N (one int or 26)")
+        if mapping == "zch":
+            given = [flag for flag, value in (
+                ("--num-embeddings-per-feature", self.num_embeddings_per_feature),
+                ("--frequency-threshold", self.frequency_threshold),
+                ("--max-embeddings-per-feature", self.max_embeddings_per_feature))
+                if value is not None]
+            if given:
+                raise ValueError(f"--id-mapping zch keeps raw ids and sizes the tables at "
+                                 f"training time (dlrm-app train --zch-rows); drop "
+                                 f"{', '.join(given)}")
+        if mapping == "vocabulary" and self.num_embeddings_per_feature is not None:
+            raise ValueError("--num-embeddings-per-feature hashes ids; with --id-mapping "
+                             "vocabulary drop it (or pass --id-mapping hash)")
         vocabulary = [n for n, v in (("frequency_threshold", self.frequency_threshold),
                                      ("max_embeddings_per_feature",
                                       self.max_embeddings_per_feature)) if v is not None]
@@ -194,9 +227,11 @@ class EncodingRequest:
 
     @property
     def mode(self) -> str:
-        """``like``, ``hash`` or ``vocabulary``."""
+        """``like``, ``zch``, ``hash`` or ``vocabulary``."""
         if self.like is not None:
             return "like"
+        if self.id_mapping == "zch":
+            return "zch"
         return "hash" if self.num_embeddings_per_feature is not None else "vocabulary"
 
 
@@ -230,6 +265,8 @@ def choose_encoding(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
             os.replace(out / f".{VOCABULARY_FILE}.tmp", out / VOCABULARY_FILE)
         encoding["like"] = str(like)
         return encoding, None
+    if request.mode == "zch":
+        return {"mode": "zch", "num_embeddings": [RAW_ID_SPACE] * NUM_SPARSE}, None
     if request.mode == "hash":
         assert request.num_embeddings_per_feature is not None
         return {"mode": "hash", "num_embeddings": _per_feature(

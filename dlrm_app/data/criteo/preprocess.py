@@ -187,6 +187,7 @@ def preprocess_criteo(
     block_bytes: int = 32 << 20,
     workers: int = 1,
     vocabulary_memory_bytes: int = DEFAULT_VOCABULARY_MEMORY_BYTES,
+    id_mapping: Literal["vocabulary", "hash", "zch"] | None = None,
 ) -> DatasetSpec:
     """Preprocess Criteo TSV files into ``out_dir`` (shards + dataset.json); see the module doc.
 
@@ -200,6 +201,8 @@ def preprocess_criteo(
       ``vocabulary_memory_bytes``; past that it stops with an error naming the hashing option.
     * ``num_embeddings_per_feature`` (one int or 26): modulo hashing into that many rows (e.g.
       40,000,000, the reference's for Criteo 1TB).
+    * ``id_mapping="zch"``: the raw ids kept (``[0, 2^32)``; features marked ``raw_ids``); the
+      model maps them to rows at training time (zero-collision hashing, ``--zch-rows``).
     * ``like``: the encoding (and vocabulary) of an existing dataset, so that its model reads
       this one. With ``one_split`` (``"train"``, ``"validation"`` or ``"test"``), every row
       goes to that split and the others are empty: a held-out file evaluated as a whole.
@@ -227,7 +230,7 @@ def preprocess_criteo(
         num_embeddings_per_feature=num_embeddings_per_feature,
         frequency_threshold=frequency_threshold,
         max_embeddings_per_feature=max_embeddings_per_feature, like=like,
-        vocabulary_memory_bytes=vocabulary_memory_bytes)
+        vocabulary_memory_bytes=vocabulary_memory_bytes, id_mapping=id_mapping)
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if rows_per_shard < 1 or row_group_size < 1 or block_bytes < 1:
@@ -253,7 +256,8 @@ def preprocess_criteo(
     finally:  # after the workers stopped: spilled lines of shards not written (after an error)
         for spilled in (out / STAGING_DIR).glob("*.tsv"):
             spilled.unlink()
-    features = tuple(SparseFeature(name=n, num_embeddings=e, multi_hot=False)
+    raw = encoding["mode"] == "zch"
+    features = tuple(SparseFeature(name=n, num_embeddings=e, multi_hot=False, raw_ids=raw)
                      for n, e in zip(SPARSE_NAMES, encoding["num_embeddings"], strict=True))
     spec = DatasetSpec(
         name=f"criteo-{fmt}",
