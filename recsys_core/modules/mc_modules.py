@@ -424,8 +424,12 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             return features
         out: dict[str, JaggedTensor] = {}
         for name, feature in features.items():
+            try:
+                hashed = self._input_hash_func(feature.values(), self._input_hash_size)
+            except ValueError as e:  # name the feature the hash function refused
+                raise ValueError(f"{self._label(name)}: {e}") from None
             out[name] = JaggedTensor(
-                values=self._input_hash_func(feature.values(), self._input_hash_size),
+                values=hashed,
                 lengths=feature.lengths(),
                 offsets=feature.offsets(),
                 weights=feature.weights_or_none(),

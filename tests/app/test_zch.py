@@ -160,6 +160,10 @@ def test_frozen_mapping_equals_the_trained_remapping_and_falls_back_to_the_last_
         expected = model(dense, kjt)
         frozen = plain(dense, KeyedJaggedTensor(["a", "b"], mapped, offsets=kjt.offsets()))
     assert torch.equal(frozen, expected)
+    negative = KeyedJaggedTensor.from_lengths_sync(
+        ["a", "b"], torch.tensor([1, -3]), torch.ones(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"'t_b'.*raw id -3 is outside \[0, 2147483648\)"):
+        model(dense[:1], negative)
 
 
 def _run(data: Path, out: Path, **kw: object) -> TrainConfig:
