@@ -144,7 +144,8 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
         frequency_threshold=args.frequency_threshold, max_embeddings_per_feature=caps,
         rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
         on_bad_row=args.on_bad_row, like=args.like, one_split=args.one_split,
-        workers=args.workers, id_mapping=args.id_mapping)
+        workers=args.workers, id_mapping=args.id_mapping,
+        max_bad_row_fraction=args.max_bad_row_fraction)
     _tables_report(spec)
     seconds = time.perf_counter() - start
     rows = sum(s.rows for s in spec.splits)
@@ -326,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rows per Parquet row group")
     crit.add_argument("--on-bad-row", choices=("error", "skip"), default="error",
                       help="error: stop at the first bad row; skip: drop and count them")
+    crit.add_argument("--max-bad-row-fraction", type=float, default=0.5,
+                      help="with --on-bad-row skip: refuse the input when more than this "
+                           "fraction of its rows are bad (most likely not Criteo files)")
     crit.add_argument("--like", default=None,
                       help="encode with this existing dataset's hashing or vocabulary (so its "
                            "model reads the output)")

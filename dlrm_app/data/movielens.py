@@ -349,6 +349,9 @@ def preprocess_movielens(
     if id_mapping not in ("vocabulary", "zch"):
         raise ValueError(f"id_mapping (--id-mapping) must be 'vocabulary' or 'zch', got "
                          f"{id_mapping!r}")
+    if src.is_file():
+        raise ValueError(f"{src} is a file; pass the unpacked MovieLens folder that holds it "
+                         f"({src.parent}), with u.data, ratings.dat or ratings.csv inside")
     if not src.is_dir():
         raise ValueError(f"{src}: source folder not found; pass the unpacked MovieLens folder")
     release = detect_release(src)

@@ -150,3 +150,26 @@ def test_workers_die_with_the_main_process(tmp_path: Path, sig: signal.Signals) 
         assert _snapshot(out) == before  # nothing writes into the output any more
     finally:
         kill_tree(proc.pid)
+
+
+@pytest.mark.shared_data(ML100K)
+def test_input_of_mostly_bad_rows_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    """MovieLens' u.data given to the Criteo preprocessor with --on-bad-row skip: 99,728 of its
+    100,000 lines are not Criteo rows. Refused (the first bad line named, the limit flag named),
+    and the output folder it would have made is not left behind; a raised limit keeps the rest."""
+    source = ML100K / "u.data"
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"99,728 of the 100,000 rows \(100%\) are bad rows, more "
+                       r"than --max-bad-row-fraction 0\.5 .*u\.data:1\)"):
+        preprocess_criteo([source], out, on_bad_row="skip")
+    assert not out.exists()
+    spec = preprocess_criteo([source], out, on_bad_row="skip", max_bad_row_fraction=1.0,
+                             num_embeddings_per_feature=100)
+    assert spec.parameters["skipped_rows"] == 99_728
+    assert sum(s.rows for s in spec.splits) == 272
+
+
+@pytest.mark.shared_data(ML100K)
+def test_movielens_given_a_file_says_so(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"u\.data is a file; pass the unpacked MovieLens folder"):
+        preprocess_movielens(ML100K / "u.data", tmp_path / "ml")

@@ -108,7 +108,7 @@ def row_problem(text: str) -> str:
 
 def bad_row_error(path: Path, line: int, problem: str) -> ValueError:
     return ValueError(f"{path}:{line}: {problem}; fix or delete the line, or pass "
-                      f"on_bad_row='skip' (--on-bad-row skip) to drop bad rows")
+                      f"--on-bad-row skip to drop bad rows")
 
 
 def decode_hex_fields(fields: np.ndarray) -> np.ndarray:

@@ -72,7 +72,7 @@ def no_valid_rows_error(paths: list[Path], fmt: str, lines: int) -> ValueError:
     names = ", ".join(map(str, paths)) if len(paths) <= 3 else \
         f"{paths[0]} ... {paths[-1]} ({len(paths)} files)"
     return ValueError(
-        f"{names}: all {lines:,} rows read are bad rows (skipped with on_bad_row='skip'), "
+        f"{names}: all {lines:,} rows read are bad rows (skipped with --on-bad-row skip), "
         f"e.g. {paths[0]}:1 {shown!r}: {row_problem(text)}. These are not Criteo {fmt} rows "
         f"(label, {NUM_DENSE} integer and {NUM_SPARSE} hex categorical fields, "
         f"tab-separated): check that these are the files you meant (not another dataset, a "

@@ -60,7 +60,14 @@ from typing import Literal
 
 from dlrm_app.data.criteo.encoding import EncodeSpec, EncodingRequest, choose_encoding, encoder
 from dlrm_app.data.criteo.finalize import finalize
-from dlrm_app.data.criteo.format import DENSE_NAMES, LABEL, SPARSE_NAMES, SplitRule
+from dlrm_app.data.criteo.format import (
+    DENSE_NAMES,
+    LABEL,
+    NUM_DENSE,
+    NUM_SPARSE,
+    SPARSE_NAMES,
+    SplitRule,
+)
 from dlrm_app.data.criteo.lines import LineIndex, blocks, line_counts, prefetch
 from dlrm_app.data.criteo.parse import check_not_empty, no_valid_rows_error
 from dlrm_app.data.criteo.shard_tasks import Spiller, run_shard_tasks, stage_shards
@@ -96,6 +103,7 @@ class _Job:
     on_bad_row: str
     block_bytes: int
     workers: int
+    max_bad_row_fraction: float = 0.5
 
 
 def _main_pass(run: Runner, job: _Job, spec: EncodeSpec, counts: list[int | None],
@@ -165,10 +173,28 @@ def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, li
                              f"changed during the run, rerun when it is complete")
     if len(skipped) == sum(input_lines):
         raise no_valid_rows_error(paths, rule.fmt, sum(input_lines))
+    if len(skipped) > job.max_bad_row_fraction * sum(input_lines):
+        total = sum(input_lines)
+        raise ValueError(
+            f"{len(skipped):,} of the {total:,} rows ({len(skipped) / total:.0%}) are bad rows, "
+            f"more than --max-bad-row-fraction {job.max_bad_row_fraction} allows (e.g. "
+            f"{_first_skipped(paths, input_lines, skipped)}): check that these are Criteo "
+            f"{rule.fmt} files (label, {NUM_DENSE} integer and {NUM_SPARSE} hex fields, "
+            f"tab-separated); to keep the good rows anyway, raise --max-bad-row-fraction")
     edges = rule.row_edges(input_lines, skipped)
     splits = finalize(run, out, staged, edges, job.rows_per_shard, job.row_group_size,
                       fingerprint)
     return splits, encoding, input_lines, skipped
+
+
+def _first_skipped(paths: list[Path], input_lines: list[int], skipped: Sequence[int]) -> str:
+    """``file:line`` of the first bad row (``skipped`` holds global line numbers)."""
+    first, start = int(min(skipped)), 0
+    for path, lines in zip(paths, input_lines, strict=True):
+        if first < start + lines:
+            return f"{path}:{first - start + 1}"
+        start += lines
+    return str(paths[-1])
 
 
 def preprocess_criteo(
@@ -188,6 +214,7 @@ def preprocess_criteo(
     workers: int = 1,
     vocabulary_memory_bytes: int = DEFAULT_VOCABULARY_MEMORY_BYTES,
     id_mapping: Literal["vocabulary", "hash", "zch"] | None = None,
+    max_bad_row_fraction: float = 0.5,
 ) -> DatasetSpec:
     """Preprocess Criteo TSV files into ``out_dir`` (shards + dataset.json); see the module doc.
 
@@ -232,7 +259,9 @@ def preprocess_criteo(
         max_embeddings_per_feature=max_embeddings_per_feature, like=like,
         vocabulary_memory_bytes=vocabulary_memory_bytes, id_mapping=id_mapping)
     if on_bad_row not in ("error", "skip"):
-        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+        raise ValueError(f"--on-bad-row must be 'error' or 'skip', got {on_bad_row!r}")
+    if not 0.0 <= max_bad_row_fraction <= 1.0:
+        raise ValueError(f"--max-bad-row-fraction must be in [0, 1], got {max_bad_row_fraction}")
     if rows_per_shard < 1 or row_group_size < 1 or block_bytes < 1:
         raise ValueError("rows_per_shard, row_group_size and block_bytes must be positive")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -242,17 +271,25 @@ def preprocess_criteo(
             raise ValueError(f"{p}: input file not found")
         check_not_empty(p)
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "dataset.json").unlink(missing_ok=True)  # a run in progress is not finished
     job = _Job(paths=paths, out=out, rule=rule, request=request, rows_per_shard=rows_per_shard,
                row_group_size=row_group_size, on_bad_row=on_bad_row, block_bytes=block_bytes,
-               workers=workers)
+               workers=workers, max_bad_row_fraction=max_bad_row_fraction)
     try:
         with runner(workers) as run:
             try:
                 splits, encoding, input_lines, skipped = _preprocess(run, job)
             finally:
                 encoder.cache_clear()  # this process's vocabulary, if it encoded rows itself
+    except ValueError:
+        # bad input: nothing worth resuming; leave no half-made output behind (an interrupted
+        # run keeps its staging, which a rerun with the same arguments picks up)
+        shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:  # after the workers stopped: spilled lines of shards not written (after an error)
         for spilled in (out / STAGING_DIR).glob("*.tsv"):
             spilled.unlink()
