@@ -39,15 +39,21 @@ class DenseTableBatchedEmbedding(nn.Module):
         feature_table_map: Sequence[int],
         pooling_mean: bool,
         device: torch.device,
+        dtypes: Sequence[torch.dtype] | None = None,
     ) -> None:
+        """``dtypes``: each table's weight dtype (default float32); TorchRec keeps an FP16
+        table's DENSE weights in float16 (its ``weights_precision``), the output is float32."""
         super().__init__()
         self.rows, self.dims = list(rows), list(dims)
         self.feature_table_map = list(feature_table_map)
         self.pooling_mean = pooling_mean
         self.replicated = False
         """A data-parallel replica (set by its strategy)."""
-        for t, (r, d) in enumerate(zip(rows, dims, strict=True)):
-            self.register_parameter(f"weight_{t}", nn.Parameter(torch.zeros(r, d, device=device)))
+        dtypes = [torch.float32] * len(self.rows) if dtypes is None else list(dtypes)
+        for t, (r, d, dt) in enumerate(zip(rows, dims, dtypes, strict=True)):
+            self.register_parameter(
+                f"weight_{t}", nn.Parameter(torch.zeros(r, d, device=device, dtype=dt))
+            )
 
     @property
     def weights(self) -> list[nn.Parameter]:
@@ -83,14 +89,18 @@ class DenseTableBatchedEmbedding(nn.Module):
         for f, t in enumerate(self.feature_table_map):
             lo, hi = int(starts[f]), int(starts[f + 1])
             bags = offsets[f * batch : (f + 1) * batch + 1] - lo
+            weight = self.weights[t]
+            sample_weights = None
+            if per_sample_weights is not None:  # must match the table's dtype (FP16 tables)
+                sample_weights = per_sample_weights[lo:hi].to(weight.dtype)
             out = nn.functional.embedding_bag(
                 indices[lo:hi].long(),
-                self.weights[t],
+                weight,
                 bags.long(),
                 mode="sum",
-                per_sample_weights=None if per_sample_weights is None else per_sample_weights[lo:hi],
+                per_sample_weights=sample_weights,
                 include_last_offset=True,
-            )
+            ).float()
             if self.pooling_mean:
                 out = out / bags.diff().clamp(min=1).unsqueeze(1).to(out.dtype)
             outs.append(out)

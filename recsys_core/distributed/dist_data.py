@@ -3,21 +3,26 @@
 Every rank sends, to each destination, the bags that the destination's shards must look up
 (whole bags for table/column-wise shards, row-bucketed bags for row-wise shards). Three steps:
 
-    1. split sizes      (W x 2 ints: lengths and values per destination)
+    1. split sizes      (W x 3 ints: lengths, values and the local batch size per destination)
     2. lengths, values (and weights), uneven splits, asynchronously
     3. on arrival: reorder source-major -> feature-major, so the result is one KJT over the
        global batch (source rank 0's samples first), ready for the table-batched kernel.
 
-Example, 2 ranks, batch 2 each, destination rank 0 looks up feature "f":
+Ranks may use different local batch sizes (a last partial batch, an empty one): the sizes
+travel with the split sizes, so this costs no extra collective. The global batch is then
+``sum(batch_size_per_rank)`` and the output dists send each rank back its own rows.
 
-    from rank 0: f lengths [1, 2]    from rank 1: f lengths [0, 1]
-    result on rank 0: KJT keys ["f"], lengths [1, 2, 0, 1] (stride 4)
+Example, 2 ranks, batch 2 on rank 0 and 1 on rank 1, destination rank 0 looks up feature "f":
+
+    from rank 0: f lengths [1, 2]    from rank 1: f lengths [3]
+    result on rank 0: KJT keys ["f"], lengths [1, 2, 3] (stride 3), batch_size_per_rank [2, 1]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +43,12 @@ class SparseFeaturesAllToAll(Awaitable[KeyedJaggedTensor]):
         values / weights: the matching values (and optional weights), destination-major.
         lengths_per_dest / values_per_dest: split sizes of ``lengths`` / ``values``.
         recv_keys: the features this rank receives, in the order each source sends them.
-        batch_size: the local batch size (every rank must use the same one).
+        batch_size: the local batch size.
+        variable_batch: whether other ranks may use other batch sizes (the receiver then reads
+            each source's size, :attr:`batch_size_per_rank`); False: a different size is an
+            error (for callers whose output dist assumes equal batches).
+
+    After ``wait()``, :attr:`batch_size_per_rank` holds every source rank's batch size.
     """
 
     def __init__(
@@ -52,30 +62,42 @@ class SparseFeaturesAllToAll(Awaitable[KeyedJaggedTensor]):
         batch_size: int,
         group: dist.ProcessGroup | None,
         world_size: int,
+        *,
+        variable_batch: bool = False,
     ) -> None:
         super().__init__()
         self._group, self._world = group, world_size
-        self._keys, self._batch = list(recv_keys), batch_size
+        self._keys, self._batch, self._variable = list(recv_keys), batch_size, variable_batch
         self._lengths, self._values, self._weights = lengths, values, weights
         self._send_lengths, self._send_values = list(lengths_per_dest), list(values_per_dest)
-        sizes = torch.tensor([self._send_lengths, self._send_values], dtype=torch.int64).t()
+        self.batch_size_per_rank: list[int] = [batch_size] * world_size
+        sizes = torch.tensor(
+            [self._send_lengths, self._send_values, [batch_size] * world_size], dtype=torch.int64
+        ).t()
         self._splits = TensorAllToAll(
-            sizes.reshape(-1), [2] * world_size, [2] * world_size, group
+            sizes.reshape(-1), [3] * world_size, [3] * world_size, group
         )
 
     def _wait_impl(self) -> KeyedJaggedTensor:
-        recv = self._splits.wait().view(self._world, 2).tolist()
-        recv_lengths = [n for n, _ in recv]
-        recv_values = [n for _, n in recv]
+        recv = self._splits.wait().view(self._world, 3).tolist()
+        recv_lengths = [n for n, _, _ in recv]
+        recv_values = [n for _, n, _ in recv]
+        batches = [b for _, _, b in recv]
         k = len(self._keys)
-        expected = k * self._batch
-        for src, n in enumerate(recv_lengths):
-            if n != expected:
+        for src, (n, b) in enumerate(zip(recv_lengths, batches, strict=True)):
+            if n != k * b:
                 raise ValueError(
-                    f"sharded input dist: rank {src} sent {n} lengths for {k} feature(s), "
-                    f"expected {expected} (batch size {self._batch}); every rank must use the "
-                    "same batch size (drop the last partial batch)"
+                    f"sharded input dist: rank {src} sent {n} lengths for {k} feature(s) and "
+                    f"its batch size {b} (expected {k * b}); its KeyedJaggedTensor is "
+                    "malformed: give every key stride() lengths"
                 )
+            if b != self._batch and not self._variable:
+                raise ValueError(
+                    f"sharded input dist: rank {src} uses batch size {b}, this rank "
+                    f"{self._batch}; this module needs the same batch size on every rank "
+                    "(drop the last partial batch)"
+                )
+        self.batch_size_per_rank = batches
         lengths = TensorAllToAll(self._lengths, self._send_lengths, recv_lengths, self._group)
         values = TensorAllToAll(self._values, self._send_values, recv_values, self._group)
         weights = (
@@ -84,22 +106,57 @@ class SparseFeaturesAllToAll(Awaitable[KeyedJaggedTensor]):
         )
         got_lengths, got_values = lengths.wait(), values.wait()
         got_weights = None if weights is None else weights.wait()
-        world, batch = self._world, self._batch
+        world = self._world
         if k and world > 1:
             # rows are (source, feature) -> reorder to (feature, source)
-            rows = got_lengths.view(world * k, batch)
             perm = torch.arange(world * k).view(world, k).t().reshape(-1)
-            got_lengths, got_values, got_weights = sparse_ops.permute_2d_sparse_data(
-                perm, rows, got_values, got_weights
-            )
-            got_lengths = got_lengths.reshape(-1)
+            if all(b == batches[0] for b in batches):
+                rows = got_lengths.view(world * k, batches[0])
+                got_lengths, got_values, got_weights = sparse_ops.permute_2d_sparse_data(
+                    perm, rows, got_values, got_weights
+                )
+                got_lengths = got_lengths.reshape(-1)
+            else:
+                got_lengths, got_values, got_weights = _reorder_uneven(
+                    perm, got_lengths, got_values, got_weights, batches, k
+                )
         return KeyedJaggedTensor(
             keys=self._keys,
             values=got_values,
             lengths=got_lengths,
             weights=got_weights,
-            stride=world * batch,
+            stride=sum(batches),
         )
+
+
+def batch_sizes(inflight: Awaitable[Any]) -> list[int] | None:
+    """Every rank's batch size, read from a finished input dist (None for a strategy without
+    one, e.g. data-parallel: it needs only its own)."""
+    return inflight.batch_size_per_rank if isinstance(inflight, SparseFeaturesAllToAll) else None
+
+
+def _reorder_uneven(
+    perm: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    batches: Sequence[int],
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The (source, feature) -> (feature, source) reorder when sources sent different batch
+    sizes: each (source, feature) block of ``batches[source]`` lengths is one segment, moved
+    whole (values by their per-segment counts, lengths by the batch sizes)."""
+    sizes = torch.tensor([b for b in batches for _ in range(k)], device=lengths.device)
+    segment = torch.repeat_interleave(torch.arange(sizes.numel(), device=lengths.device), sizes)
+    counts = torch.zeros(sizes.numel(), dtype=lengths.dtype, device=lengths.device)
+    counts.index_add_(0, segment, lengths)
+    _, values, weights = sparse_ops.permute_2d_sparse_data(
+        perm, counts.view(-1, 1), values, weights
+    )
+    _, lengths, _ = sparse_ops.permute_2d_sparse_data(
+        perm, sizes.to(lengths.dtype).view(-1, 1), lengths
+    )
+    return lengths, values, weights
 
 
 def send_whole_bags(
@@ -109,6 +166,7 @@ def send_whole_bags(
     recv_keys: Sequence[str],
     env: ShardingEnv,
     with_weights: bool,
+    variable_batch: bool = False,
 ) -> SparseFeaturesAllToAll:
     """All-to-all of whole bags: ``features`` permuted by ``send_order`` (repeats allowed) holds
     ``send_counts[d]`` consecutive keys for each destination ``d``; this rank receives
@@ -123,7 +181,7 @@ def send_whole_bags(
     return SparseFeaturesAllToAll(
         sent.lengths(), sent.values(), sent.weights_or_none() if with_weights else None,
         [c * batch for c in send_counts], values_per_dest, recv_keys, batch, env.pg,
-        env.world_size,
+        env.world_size, variable_batch=variable_batch,
     )
 
 
@@ -144,6 +202,7 @@ def bucketize_by_row(
     recv_keys: Sequence[str],
     env: ShardingEnv,
     with_weights: bool,
+    variable_batch: bool = False,
 ) -> RowBuckets:
     """Send each id to the rank owning its row, shifted to that shard's local rows.
 
@@ -194,6 +253,6 @@ def bucketize_by_row(
     exchange = SparseFeaturesAllToAll(
         torch.cat(send_lengths), torch.cat(send_values), send_weights,
         [t.numel() for t in send_lengths], [t.numel() for t in send_values],
-        recv_keys, batch, env.pg, world,
+        recv_keys, batch, env.pg, world, variable_batch=variable_batch,
     )
     return RowBuckets(exchange, orders, ids_per_dest)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
+from recsys_core.distributed.dist_data import batch_sizes
 from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
@@ -224,9 +225,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ) -> EmbeddingBagCollectionAwaitable:
         received = self._core.wait_inputs(dist_inputs)
         parts = [
-            strategy.output_dist(strategy.lookup(kjt), local)
-            for strategy, kjt, local in zip(
-                self.strategies, received, dist_inputs.local_features, strict=True
+            strategy.output_dist(strategy.lookup(kjt), local, batch_sizes(inflight))
+            for strategy, kjt, local, inflight in zip(
+                self.strategies, received, dist_inputs.local_features, dist_inputs, strict=True
             )
         ]
         return EmbeddingBagCollectionAwaitable(parts, self._embedding_names, self._dims, self._columns)

@@ -4,7 +4,11 @@ A strategy owns some tables of an EmbeddingBagCollection and implements three st
 
     input_dist(local KJT)      -> awaitable KJT of the ids this rank's shards look up
     lookup(KJT)                -> pooled rows for those shards
-    output_dist(pooled, KJT)   -> awaitable [local batch, sum of its features' dims]
+    output_dist(pooled, KJT, batch_size_per_rank)
+                               -> awaitable [local batch, sum of its features' dims]
+
+Ranks may use different batch sizes: the input dist reports every rank's
+(``dist_data.batch_sizes``) and the output dist sends each rank its own rows.
 
 The output columns follow ``output_features`` (each feature at its table's full dim).
 """
@@ -34,9 +38,9 @@ from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.packed import ColumnPermutation as ColumnPermutation
 from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
 from recsys_core.kernels.packed import column_permutation as column_permutation
-from recsys_core.kernels.packed import select_columns as select_columns
+from recsys_core.kernels.packed import select_columns as _select_columns
 from recsys_core.kernels.tbe import checked_lookup
-from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType, table_dtype
 from recsys_core.plan.params import CacheParams
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -195,6 +199,7 @@ class LocalKernels(nn.Module):
                     feature_table_map=list(spec.feature_table_map),
                     pooling_mean=spec.pooling_mean,
                     device=ctx.device,
+                    dtypes=[table_dtype(configs[t.name]) for t in spec.tables],
                 )
                 if ctx.dense
                 else spec.build(ctx.device)
@@ -284,6 +289,16 @@ class LocalKernels(nn.Module):
         return out
 
 
+def select_columns(x: torch.Tensor, columns: ColumnPermutation | None) -> torch.Tensor:
+    """``x`` with its columns reordered by ``columns`` (``x`` itself when None), also for a
+    rank whose batch is empty (``[0, dim]``: still part of the graph, so its backward joins
+    the reverse collectives like every other rank's)."""
+    if columns is None or x.shape[0] > 0:
+        return _select_columns(x, columns)
+    blocks = x.reshape(0, x.shape[1] // columns.width, columns.width)
+    return blocks.index_select(1, columns.blocks.to(x.device)).reshape(0, x.shape[1])
+
+
 def _table_cache(shard: ShardSpec, params: CacheParams | None) -> TableCache | None:
     if params is None:
         return None
@@ -323,7 +338,10 @@ class PooledSharding(Protocol):
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor: ...
 
     def output_dist(
-        self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
+        self,
+        pooled: torch.Tensor,
+        local_features: KeyedJaggedTensor,
+        batch_size_per_rank: Sequence[int] | None = None,
     ) -> Awaitable[torch.Tensor]: ...
 
 

@@ -125,7 +125,10 @@ class DpPooledSharding:
         return self.local.lookup(features, self._is_weighted)
 
     def output_dist(
-        self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
+        self,
+        pooled: torch.Tensor,
+        local_features: KeyedJaggedTensor,
+        batch_size_per_rank: Sequence[int] | None = None,
     ) -> Awaitable[torch.Tensor]:
         return self._layout.output_dist(pooled)
 

@@ -114,15 +114,23 @@ class RwPooledSharding:
         return bucketize_by_row(
             features, self._starts, self._owners, self._features_per_dest,
             [s.key for s in self._slots[self._env.rank]], self._env, self._is_weighted,
+            variable_batch=True,
         ).exchange
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return self.local.lookup(features, self._is_weighted)
 
     def output_dist(
-        self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
+        self,
+        pooled: torch.Tensor,
+        local_features: KeyedJaggedTensor,
+        batch_size_per_rank: Sequence[int] | None = None,
     ) -> Awaitable[torch.Tensor]:
+        """``pooled``: partial sums ``[sum(batch_size_per_rank), dim]``, source rank 0's
+        samples first (None: every rank's batch is this rank's)."""
         batch = local_features.stride()
+        if batch_size_per_rank is not None and any(b != batch for b in batch_size_per_rank):
+            return self._output_dist_uneven(pooled, local_features, list(batch_size_per_rank))
         size, hosts = self._domain_size, self._num_domains
         dim = pooled.shape[1]
         if hosts > 1:
@@ -148,6 +156,57 @@ class RwPooledSharding:
                 out = torch.cat(blocks, dim=1)
             else:
                 out = mine
+            out = select_columns(out, self._columns)
+            return self._apply_mean(out, lengths, batch)
+
+        return FunctionAwaitable(finish)
+
+    def _output_dist_uneven(
+        self, pooled: torch.Tensor, local_features: KeyedJaggedTensor, sizes: list[int]
+    ) -> Awaitable[torch.Tensor]:
+        """The output dist when ranks' batch sizes differ: the reduce-scatter becomes an
+        uneven all-to-all plus a local sum (each rank receives every domain member's partial
+        sums of its own samples; the gradient is divided by the group size alike).
+
+        Rank ``h * size + j`` is local index ``j`` of host ``h``. Inside a host, local index
+        ``j`` receives the samples of ranks ``(h, j)`` of every host ``h``; across hosts, the
+        ranks of one local index then swap them, as in the equal-batch path."""
+        batch = local_features.stride()
+        size, hosts = self._domain_size, self._num_domains
+        dim = pooled.shape[1]
+        rank = self._env.rank
+        # samples of each chunk j: those of ranks (h, j), host by host
+        per_chunk = [[sizes[h * size + j] for h in range(hosts)] for j in range(size)]
+        if hosts > 1:
+            starts = [sum(sizes[:r]) for r in range(len(sizes))]
+            order = torch.cat([
+                torch.arange(starts[h * size + j], starts[h * size + j] + sizes[h * size + j])
+                for j in range(size) for h in range(hosts)
+            ]).to(pooled.device)
+            pooled = pooled.index_select(0, order)
+        mine = per_chunk[rank % size]
+        chunk_rows = sum(mine)
+        inflight = all_to_all_1d(
+            pooled, [sum(c) * dim for c in per_chunk], [chunk_rows * dim] * size,
+            self._domain_group, self._scatter_codecs,
+        )
+        dims_by_domain = [sum(self._dims[i] for i in feats) for feats in self._domain_features]
+        lengths = local_features.lengths()
+
+        def finish() -> torch.Tensor:
+            summed = inflight.wait().view(size, chunk_rows, dim).sum(dim=0)
+            if hosts > 1:
+                cross = all_to_all_1d(
+                    summed, [b * dim for b in mine], [batch * d for d in dims_by_domain],
+                    self._cross_group, self._a2a_codecs,
+                ).wait()
+                blocks = [
+                    c.view(batch, d)
+                    for c, d in zip(cross.split([batch * d for d in dims_by_domain]), dims_by_domain, strict=True)
+                ]
+                out = torch.cat(blocks, dim=1)
+            else:
+                out = summed
             out = select_columns(out, self._columns)
             return self._apply_mean(out, lengths, batch)
 
@@ -204,7 +263,7 @@ class RwSequenceSharding:
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
         buckets = bucketize_by_row(
             features, self._starts, self._owners, self._slot_features,
-            [s.key for s in self._slots[self._env.rank]], self._env, False,
+            [s.key for s in self._slots[self._env.rank]], self._env, False, variable_batch=True,
         )
         restore: list[torch.Tensor | None] = []
         for order in buckets.orders:
@@ -214,7 +273,9 @@ class RwSequenceSharding:
         per_owner = buckets.ids_per_dest
         sent = [[per_owner[i][r] for i in feats] for r, feats in enumerate(self._slot_features)]
         ids = buckets.exchange
-        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
+        return FunctionAwaitable(
+            lambda: SequenceBatch(ids.wait(), sent, restore, ids.batch_size_per_rank)
+        )
 
     def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
         return lookup_rows(self.local, batch.features)

@@ -65,11 +65,14 @@ class SequenceBatch:
             i.e. how many rows it sends back here.
         restore: per output feature, the index that puts received rows back in input order
             (None when they already arrive in input order).
+        batch_size_per_rank: each source rank's batch size (ranks may differ); ``features``
+            holds their samples in rank order, ``sum(batch_size_per_rank)`` in all.
     """
 
     features: KeyedJaggedTensor
     sent: list[list[int]]
     restore: list[torch.Tensor | None]
+    batch_size_per_rank: list[int]
 
 
 class SequenceSharding(Protocol):
@@ -136,13 +139,16 @@ def return_rows(
     """
     world, mine = env.world_size, slots[env.rank]
     received = batch.features
-    batch_size = received.stride() // world
+    sizes = batch.batch_size_per_rank
     # received ids are feature-major, source-major inside a feature: count per (slot, source)
-    per_source = (
-        received.lengths().reshape(len(mine), world, batch_size).sum(dim=2).tolist()
-        if mine
-        else []
-    )
+    per_source: list[list[int]] = []
+    if mine and all(b == sizes[0] for b in sizes):
+        per_source = received.lengths().reshape(len(mine), world, sizes[0]).sum(dim=2).tolist()
+    elif mine:
+        by_slot = received.lengths().reshape(len(mine), sum(sizes))
+        per_source = torch.stack(
+            [part.sum(dim=1) for part in by_slot.split(sizes, dim=1)], dim=1
+        ).tolist()
     chunks = [r.split(c) for r, c in zip(rows, per_source, strict=True)]
     send = [chunks[i][src].reshape(-1) for src in range(world) for i in range(len(mine))]
     in_splits = [

@@ -102,17 +102,24 @@ class TwPooledSharding:
         return send_whole_bags(
             features, self._send_order, self._send_counts,
             [s.key for s in self._slots[self._env.rank]], self._env, self._is_weighted,
+            variable_batch=True,
         )
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return self.local.lookup(features, self._is_weighted)
 
     def output_dist(
-        self, pooled: torch.Tensor, local_features: KeyedJaggedTensor
+        self,
+        pooled: torch.Tensor,
+        local_features: KeyedJaggedTensor,
+        batch_size_per_rank: Sequence[int] | None = None,
     ) -> Awaitable[torch.Tensor]:
+        """``pooled``: ``[sum(batch_size_per_rank), local dim]``, source rank 0's samples
+        first (None: every rank's batch is this rank's)."""
         batch = local_features.stride()
         world = self._env.world_size
-        in_splits = [batch * self.local.output_dim] * world
+        sizes = [batch] * world if batch_size_per_rank is None else batch_size_per_rank
+        in_splits = [b * self.local.output_dim for b in sizes]
         out_splits = [batch * d for d in self._dims]
         inflight = all_to_all_1d(pooled, in_splits, out_splits, self._env.pg, self._codecs)
 
@@ -168,13 +175,15 @@ class TwSequenceSharding:
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
         ids = send_whole_bags(
             features, self._send_order, self._send_counts,
-            [s.key for s in self._slots[self._env.rank]], self._env, False,
+            [s.key for s in self._slots[self._env.rank]], self._env, False, variable_batch=True,
         )
         local_counts = features.length_per_key()
         # a whole-table shard looks up every id of its feature: all of them come back
         sent = [[local_counts[i] for i in feats] for feats in self._slot_features]
         restore: list[torch.Tensor | None] = [None] * len(self.output_features)
-        return FunctionAwaitable(lambda: SequenceBatch(ids.wait(), sent, restore))
+        return FunctionAwaitable(
+            lambda: SequenceBatch(ids.wait(), sent, restore, ids.batch_size_per_rank)
+        )
 
     def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
         return lookup_rows(self.local, batch.features)
