@@ -140,7 +140,10 @@ def allowed_sharding_types(
         dropped |= {ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE}
     if table.optimizer.canonical not in COLUMN_SPLIT_EXACT:
         dropped |= {ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
-    return [t for t in SHARDING_TYPE_ORDER if t in supported and t not in dropped]
+    kept = [t for t in SHARDING_TYPE_ORDER if t in supported and t not in dropped]
+    # A sharder that runs only dropped types (e.g. column-wise on one rank) still gets them,
+    # as TorchRec's planner gives them: better a redundant layout than no plan.
+    return kept or [t for t in SHARDING_TYPE_ORDER if t in supported]
 
 
 def allowed_kernels(
@@ -161,17 +164,25 @@ def allowed_kernels(
     supported = {
         EmbeddingComputeKernel(k) for k in sharder.compute_kernels(sharding_type.value, device)
     }
-    return [k for k in kernels if k in supported]
+    chosen = [k for k in kernels if k in supported]
+    dense = EmbeddingComputeKernel.DENSE
+    if not chosen and dense in supported and (requested is None or dense in requested):
+        # TorchRec's rule: DENSE (weights as parameters, stepped by the dense optimizer) when
+        # the sharder offers it and no fused kernel (e.g. a sharder of DENSE only)
+        return [dense]
+    return chosen
 
 
 def _check_requested(
     name: str, requested: list[EmbeddingComputeKernel], topology: Topology
 ) -> None:
-    not_fused = [k.value for k in requested if k not in TRAINING_KERNELS]
+    allowed = (*TRAINING_KERNELS, EmbeddingComputeKernel.DENSE)
+    not_fused = [k.value for k in requested if k not in allowed]
     if not_fused:
         raise PlannerError(
             f"table {name!r}: constraints ask for compute kernels {not_fused}; training plans "
-            "use fused kernels: fused, fused_uvm_caching, or fused_uvm (CUDA only)",
+            "use fused kernels: fused, fused_uvm_caching, or fused_uvm (CUDA only), or dense "
+            "(where the sharder offers it)",
             PlannerErrorType.STRICT_CONSTRAINTS
         )
     if topology.is_cuda:
@@ -208,6 +219,16 @@ def column_counts(dim: int, min_partition: int, max_shards: int) -> list[int]:
     return aligned or counts
 
 
+def torchrec_column_block(dim: int, min_partition: int) -> int:
+    """TorchRec's column block width: the narrowest divisor of ``dim`` that is at least
+    ``min_partition`` and a multiple of 4, else ``dim``: ``torchrec_column_block(24, 4) == 4``,
+    ``torchrec_column_block(24, 5) == 8``, ``torchrec_column_block(10, 4) == 10``."""
+    for width in range(min_partition, dim):
+        if dim % width == 0 and width % 4 == 0:
+            return width
+    return dim
+
+
 def row_block_sizes(rows: int, num_shards: int) -> np.ndarray:
     """The sizes of :func:`row_blocks` (blocks of ``ceil(rows / n)``, trailing ones short or
     empty), computed with numpy: ``row_block_sizes(10, 4) == [3, 3, 3, 1]``."""
@@ -236,6 +257,10 @@ def _geometries(
         limit = world if sharding_type is ShardingType.COLUMN_WISE else local
         # One block (the whole width) only when no split is possible: it is a table-wise shard.
         counts = column_counts(dim, min_partition, limit) or [1]
+        if world == 1 and sharding_type is ShardingType.COLUMN_WISE and table.constraints.min_partition:
+            # One rank (asked for column-wise anyway): TorchRec's blocks of the narrowest
+            # width >= min_partition that divides dim and is a multiple of 4, all on that rank.
+            counts = [dim // torchrec_column_block(dim, table.constraints.min_partition)]
         placement = (
             Placement.ANY_RANKS if sharding_type is ShardingType.COLUMN_WISE else Placement.ANY_HOST
         )

@@ -160,6 +160,7 @@ def estimate_option(
     compute_bw = topology.hbm_mem_bw if topology.is_cuda else topology.ddr_mem_bw
     table_bw = {
         EmbeddingComputeKernel.FUSED: compute_bw,
+        EmbeddingComputeKernel.DENSE: compute_bw,  # same memory, the dense optimizer steps it
         EmbeddingComputeKernel.FUSED_UVM: topology.ddr_mem_bw,
         EmbeddingComputeKernel.FUSED_UVM_CACHING: topology.tier_bw(topology.cache_tier),  # hits
     }[kernel]
@@ -199,7 +200,7 @@ def estimate_option(
             ddr, ssd = buffers + rows * CPU_CACHE_ROW_BOOKKEEPING_BYTES, stored
         else:
             ddr = stored + buffers
-    elif kernel is EmbeddingComputeKernel.FUSED:
+    elif kernel in (EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.DENSE):
         hbm = stored + buffers
     else:  # UVM, or an HBM cache over UVM
         hbm, ddr = buffers, stored

@@ -43,6 +43,7 @@ from recsys_core.planner.types import Candidate, Placement, cache_slots
 TableKey = tuple[str, str]  # (module path, table name)
 KERNEL_TIERS = {  # the order in which kernels are tried: fastest memory first
     EmbeddingComputeKernel.FUSED: 0,
+    EmbeddingComputeKernel.DENSE: 0,
     EmbeddingComputeKernel.FUSED_UVM_CACHING: 1,
     EmbeddingComputeKernel.FUSED_UVM: 2,
 }
@@ -174,6 +175,13 @@ def _place(option: Candidate, st: _State) -> Assignment | None:
     """The placement of ``option`` with the lowest resulting load on its ranks, if any fits."""
     k = option.num_shards
     mem = option.memory()  # [tier, shard], without cache slots
+    if option.placement is Placement.ANY_RANKS and k > len(st.cost):
+        # more column blocks than ranks: only column-wise on a single rank (TorchRec's blocks)
+        if len(st.cost) != 1 or option.is_caching:
+            return None
+        if (st.free[:, 0] - mem.sum(axis=1) < 0).any():
+            return None
+        return Assignment.of(option, np.zeros(k, dtype=np.int64), None)
     if option.placement is Placement.ANY_RANKS:
         # k identical shards on k distinct ranks: the k least loaded that fit
         cost, free = st.cost[:, None], st.free[:, :, None]  # [world, 1], [tier, world, 1]
