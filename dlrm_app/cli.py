@@ -239,7 +239,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from dlrm_app.demo import run_demo
 
     result = run_demo(Path(args.out), rows=args.rows, steps=args.max_steps,
-                      progress=not args.quiet)
+                      progress=not args.quiet, threads=args.threads)
     print(json.dumps(result))
     return 0
 
@@ -419,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rows", type=int, default=DEMO_ROWS, help="synthetic rows")
     demo.add_argument("--max-steps", type=int, default=None, help="cap on training steps")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="torch threads (default: chosen from the CPUs this process may use, "
+                           "as `train --threads` is)")
     demo.set_defaults(func=_cmd_demo)
     return parser
 

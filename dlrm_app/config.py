@@ -204,6 +204,10 @@ class TrainConfig:
     The slowest legitimate wait is a checkpoint save or a validation on a big split."""
     shuffle: bool = True
     """Shuffle the train split's rows per (seed, epoch)."""
+    threads: int | None = None
+    """torch threads per rank (intra-op and inter-op). None: OMP_NUM_THREADS where set (torchrun
+    sets 1 per rank), else the CPUs this process may use (affinity, cgroup quota) shared by the
+    ranks on this host, less the data loader's thread; train prints the choice and why."""
 
     def __post_init__(self) -> None:
         positive = ("epochs", "keep_checkpoints", "log_every")
@@ -244,6 +248,9 @@ class TrainConfig:
         if not isinstance(self.dense_optimizer, DenseOptimizer):
             raise ValueError(f"dense_optimizer must be a DenseOptimizer, got "
                              f"{self.dense_optimizer!r}")
+        if self.threads is not None and (isinstance(self.threads, bool)
+                                         or not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"--threads must be a positive int, got {self.threads!r}")
         if self.target_auc is not None and not 0.5 < self.target_auc <= 1.0:
             raise ValueError(f"--target-auc must be in (0.5, 1], got {self.target_auc}")
 

@@ -30,7 +30,7 @@ DEMO_CARDINALITY = 1_000
 
 
 def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
-             progress: bool = True) -> dict[str, Any]:
+             progress: bool = True, threads: int | None = None) -> dict[str, Any]:
     data, run = out / "data", out / "run"
     if not (data / "dataset.json").is_file():
         generate(data, rows=rows, num_dense=13, cardinalities=[DEMO_CARDINALITY] * 26,
@@ -38,7 +38,7 @@ def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
                  rows_per_shard=1_000_000)
     spec = DatasetSpec.load(data)
     config = TrainConfig(data=str(data), out=str(run), max_steps=steps, log_every=20,
-                         overwrite=True)
+                         overwrite=True, threads=threads)
     summary = train(config, progress=progress)
     test = evaluate_checkpoint(run, split="test")
     artifact = export_model(run, out / "model_int8.pt2", "int8",

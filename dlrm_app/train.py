@@ -69,6 +69,7 @@ from dlrm_app.runtime import (
     peak_memory_mb,
     world,
 )
+from dlrm_app.threads import configure_threads
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -121,8 +122,11 @@ def _diverged(what: str, state: _State, config: TrainConfig) -> TrainingDiverged
 
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints."""
+    threads = configure_threads(config.threads)
     device = init_distributed(config.timeout)
     rank, world_size = world()
+    if rank == 0 and progress:
+        print(threads.describe(), file=sys.stderr)
     spec = DatasetSpec.load(config.data)
     config = prepare_run_dir(config.with_batch_size(spec.split("train").rows, world_size), rank)
     out, ckpt_dir = Path(config.out), Path(config.out) / "checkpoints"
@@ -168,7 +172,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                "comm_precision": comm_precision(config, device, world_hosts()).value,
                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                "validate_every": validate_every, "resumed_from": resumed_from,
-               "start_step": state.step})
+               "start_step": state.step, "threads": threads.intra_op,
+               "interop_threads": threads.inter_op, "threads_reason": threads.reason})
     if rank == 0 and (message := amp_warning(device, config.amp)) is not None:
         print(message, file=sys.stderr)
     phase_s = dict.fromkeys(PHASES, 0.0)
