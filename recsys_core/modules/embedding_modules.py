@@ -140,7 +140,6 @@ class EmbeddingBagCollection(nn.Module):
             c.embedding_dim for c in tables for _ in c.feature_names
         ]
         self._mean: list[bool] = [c.pooling is PoolingType.MEAN for c in tables]
-        self._half: list[bool] = [table_dtype(c) is torch.float16 for c in tables]
         self._rows_per_feature = [(f, c.num_embeddings) for c in tables for f in c.feature_names]
         self.reset_parameters()
 
@@ -197,8 +196,10 @@ class EmbeddingBagCollection(nn.Module):
             for name in self._feature_names[t]:
                 jt = feature_dict[name]
                 weights = jt.weights() if self._is_weighted else None
-                if weights is not None and self._half[t]:
-                    weights = weights.half()  # per-sample weights must match the table's dtype
+                if weights is not None:
+                    # per-sample weights must match the table's dtype (as it is now: a table
+                    # may be cast after construction); a no-op when they already do
+                    weights = weights.to(bag.weight.dtype)
                 if weights is not None and self._mean[t]:
                     # nn.EmbeddingBag has no weighted mean; FBGEMM's is sum(w_i * e_i) / length.
                     summed = nn.functional.embedding_bag(
