@@ -128,6 +128,10 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     if rank == 0 and progress:
         print(threads.describe(), file=sys.stderr)
     spec = DatasetSpec.load(config.data)
+    previous_data = resumed_data(config)
+    new_data = previous_data is not None and not same_path(previous_data, config.data)
+    if new_data:
+        check_continuation(previous_data, spec, config.data)
     config = prepare_run_dir(config.with_batch_size(spec.split("train").rows, world_size), rank)
     out, ckpt_dir = Path(config.out), Path(config.out) / "checkpoints"
     torch.manual_seed(config.seed)
@@ -172,6 +176,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                "comm_precision": comm_precision(config, device, world_hosts()).value,
                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                "validate_every": validate_every, "resumed_from": resumed_from,
+               "continued_on_new_data": previous_data if new_data and resumed_from else None,
                "start_step": state.step, "threads": threads.intra_op,
                "interop_threads": threads.inter_op, "threads_reason": threads.reason})
     if rank == 0 and (message := amp_warning(device, config.amp)) is not None:
