@@ -7,8 +7,8 @@ nproc_per_node=${1:?usage: $0 NPROC DATA_DIR RUN_DIR [train flags]}
 data=${2:?data directory (dataset.json) missing}
 run=${3:?run directory missing}
 shift 3
-# Split the cores between the ranks: more threads than cores makes the ranks fight.
-cores=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc_per_node > 0 ? cores / nproc_per_node : 1 ))}
+# Threads: dlrm-app chooses them per rank from the CPUs it may use (affinity, cgroup quota,
+# ranks on this host, less the data loader's thread); torchrun sets OMP_NUM_THREADS=1 for
+# several ranks, and an OMP_NUM_THREADS you export wins over both.
 exec torchrun --standalone --nproc-per-node "$nproc_per_node" \
     -m dlrm_app train --data "$data" --out "$run" "$@"
