@@ -218,13 +218,49 @@ def test_resume_on_data_encoded_another_way_is_refused(kaggle_zch: tuple[Path, P
         train(_run(vocab, run, resume=True), progress=False)
 
 
-@needs_10k
-def test_export_serves_the_frozen_mapping(kaggle_zch: tuple[Path, Path, Path]) -> None:
-    """The TorchScript artifact of a zch run predicts what the trained model predicts (int8
-    tables: within 0.01) on the test rows' raw ids."""
+@pytest.fixture(scope="module")
+def zch_run(kaggle_zch: tuple[Path, Path, Path]) -> Path:
     tmp, da, _ = kaggle_zch
     run = tmp / "export_run"
     train(_run(da, run, max_steps=20), progress=False)
+    return run
+
+
+def _test_batch(run: Path) -> tuple[object, torch.Tensor]:
+    """The run's first 300 test rows and the trained (unsharded, eval-mode) model's
+    probabilities on them."""
+    model, config, _, _ = load_unsharded(run, "latest")
+    loader = ParquetLoader(config.data, "test", batch_size=300, rank=0, world_size=1,
+                           drop_last=False)
+    batch = next(iter(loader))
+    with torch.no_grad():
+        return batch, torch.sigmoid(model(batch.dense, batch.sparse)).squeeze(1)
+
+
+@needs_10k
+def test_pt2_loads_with_torch_alone_and_serves_the_frozen_mapping(zch_run: Path,
+                                                                   tmp_path: Path) -> None:
+    """The .pt2 of a zch run (torch lookup), loaded by the documented loader in a process that
+    cannot import this project or fbgemm_gpu, predicts what the trained model predicts on the
+    test rows' raw ids (int8 tables: within 0.01)."""
+    from tests.app.test_export import _predict_isolated
+
+    out = tmp_path / "model.pt2"
+    meta = export_model(zch_run, out, checkpoint="latest", lookup="torch")
+    assert not meta["needs_fbgemm"] and meta["sparse_features"][2]["raw_ids"]
+    batch, expected = _test_batch(zch_run)
+    got = _predict_isolated(out, {"dense": batch.dense, "values": batch.sparse.values(),
+                                  "offsets": batch.sparse.offsets().to(torch.int64)}, tmp_path)
+    assert (got["forward"] - expected).abs().max() < 0.01
+
+
+@needs_10k
+def test_export_serves_the_frozen_mapping(kaggle_zch: tuple[Path, Path, Path],
+                                          zch_run: Path) -> None:
+    """The TorchScript artifact of a zch run predicts what the trained model predicts (int8
+    tables: within 0.01) on the test rows' raw ids."""
+    tmp, da, _ = kaggle_zch
+    run = zch_run
     out = tmp / "model.pt"
     export_model(run, out, fmt="torchscript", checkpoint="latest")
     scripted = torch.jit.load(str(out))
