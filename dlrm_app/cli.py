@@ -168,7 +168,7 @@ def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
         args.src, args.out, positive_rating=args.positive_rating, split=args.split_method,
         test_fraction=args.test_fraction, seed=args.seed,
         rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
-        id_mapping=args.id_mapping)
+        id_mapping=args.id_mapping, num_embeddings_per_feature=args.num_embeddings_per_feature)
     _tables_report(spec)
     seconds = time.perf_counter() - start
     print(json.dumps({
@@ -350,10 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "last --test-fraction test and as many before validation")
     ml.add_argument("--test-fraction", type=float, default=0.1,
                     help="fraction of each user's ratings in test (--split fraction)")
-    ml.add_argument("--id-mapping", choices=("vocabulary", "zch"), default="vocabulary",
+    ml.add_argument("--id-mapping", choices=("vocabulary", "hash", "zch"), default="vocabulary",
                     help="user_id and movie_id: vocabulary (ids 0..n-1 of the ids in the "
-                         "ratings) or zch (the raw ids kept, mapped by the model at training "
-                         "time with zero-collision hashing; tables sized by train --zch-rows)")
+                         "ratings), hash (raw id modulo --num-embeddings-per-feature rows) or "
+                         "zch (the raw ids kept, mapped by the model at training time with "
+                         "zero-collision hashing; tables sized by train --zch-rows)")
+    ml.add_argument("--num-embeddings-per-feature", type=int, default=None,
+                    help="with --id-mapping hash: rows of the user_id and movie_id tables")
     ml.add_argument("--seed", type=int, default=0, help="row order inside each split")
     ml.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
     ml.add_argument("--row-group-size", type=int, default=65_536,

@@ -325,13 +325,15 @@ def preprocess_movielens(
     seed: int = 0,
     rows_per_shard: int = 1_000_000,
     row_group_size: int = 65_536,
-    id_mapping: Literal["vocabulary", "zch"] = "vocabulary",
+    id_mapping: Literal["vocabulary", "hash", "zch"] = "vocabulary",
+    num_embeddings_per_feature: int | None = None,
 ) -> DatasetSpec:
     """Preprocess a MovieLens release folder into ``out_dir``; see the module docstring.
 
     ``id_mapping="zch"`` keeps the raw ``user_id`` and ``movie_id`` values (in
     ``[0, 2^31)``; features marked ``raw_ids``) for the model to map at training time with
-    zero-collision hashing; the small vocabularies (genres, user attributes) stay as they are.
+    zero-collision hashing; ``"hash"`` maps them to ``raw % num_embeddings_per_feature`` rows.
+    The small vocabularies (genres, user attributes) stay as they are.
 
     ``test_fraction`` (in ``(0, 0.5]``) is used only by ``split="fraction"``; ``seed`` fixes
     the row order inside each split. Raises ValueError for an unknown folder (listing the
@@ -346,9 +348,16 @@ def preprocess_movielens(
                          f"ratings as test), got {test_fraction}")
     if rows_per_shard < 1 or row_group_size < 1:
         raise ValueError("rows_per_shard and row_group_size must be positive")
-    if id_mapping not in ("vocabulary", "zch"):
-        raise ValueError(f"id_mapping (--id-mapping) must be 'vocabulary' or 'zch', got "
-                         f"{id_mapping!r}")
+    if id_mapping not in ("vocabulary", "hash", "zch"):
+        raise ValueError(f"id_mapping (--id-mapping) must be 'vocabulary', 'hash' or 'zch', "
+                         f"got {id_mapping!r}")
+    if (id_mapping == "hash") != (num_embeddings_per_feature is not None):
+        raise ValueError("--num-embeddings-per-feature N (rows of the user_id and movie_id "
+                         "tables) goes with --id-mapping hash, and only with it")
+    if num_embeddings_per_feature is not None and (
+            isinstance(num_embeddings_per_feature, bool) or num_embeddings_per_feature < 1):
+        raise ValueError(f"--num-embeddings-per-feature must be a positive int, got "
+                         f"{num_embeddings_per_feature!r}")
     if src.is_file():
         raise ValueError(f"{src} is a file; pass the unpacked MovieLens folder that holds it "
                          f"({src.parent}), with u.data, ratings.dat or ratings.csv inside")
@@ -397,6 +406,11 @@ def preprocess_movielens(
 
     columns: dict[str, np.ndarray] = {"user_id": user_id, "movie_id": movie_id}
     raw_features: set[str] = set()
+    hashed: dict[str, int] = {}
+    if id_mapping == "hash":
+        for name, values in (("user_id", raw.user), ("movie_id", raw.movie)):
+            columns[name] = np.asarray(values).astype(np.int64) % num_embeddings_per_feature
+            hashed[name] = int(num_embeddings_per_feature)
     if id_mapping == "zch":
         for name, values in (("user_id", raw.user), ("movie_id", raw.movie)):
             values = np.asarray(values).astype(np.int64)
@@ -442,6 +456,7 @@ def preprocess_movielens(
     features = tuple(
         SparseFeature(name=n, num_embeddings=RAW_ID_SPACE, multi_hot=False, raw_ids=True)
         if n in raw_features else
+        SparseFeature(name=n, num_embeddings=hashed[n], multi_hot=False) if n in hashed else
         SparseFeature(name=n, num_embeddings=max(vocab.sizes[n], 1), multi_hot=n == "genres")
         for n in sparse_names)
     spec = DatasetSpec(

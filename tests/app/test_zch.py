@@ -277,3 +277,23 @@ def test_export_serves_the_frozen_mapping(kaggle_zch: tuple[Path, Path, Path],
     fallback = scripted(batch.dense[:1], torch.cat([unseen[:1], unseen[batch.dense.size(0)::
                         batch.dense.size(0)]]), torch.arange(27))
     assert 0.0 < float(fallback[0]) < 1.0
+
+
+@pytest.mark.shared_data(ML100K)
+def test_movielens_hash_mapping_is_the_raw_id_modulo_the_rows(tmp_path: Path) -> None:
+    spec = preprocess_movielens(ML100K, tmp_path / "mh", id_mapping="hash",
+                                num_embeddings_per_feature=100)
+    sizes = {f.name: (f.num_embeddings, f.raw_ids) for f in spec.sparse_features}
+    assert sizes["user_id"] == (100, False) and sizes["movie_id"] == (100, False)
+    got = set()
+    for split in spec.splits:
+        for shard in split.shards:
+            t = pq.read_table(tmp_path / "mh" / shard.file, columns=["user_id", "movie_id"])
+            got |= {(u[0], m[0]) for u, m in zip(t.column("user_id").to_pylist(),
+                                                  t.column("movie_id").to_pylist(), strict=True)}
+    rated = {(int(u) % 100, int(m) % 100) for u, m, *_ in
+             (line.split("\t") for line in (ML100K / "u.data").read_text().splitlines())}
+    assert got == rated
+    with pytest.raises(ValueError, match="--num-embeddings-per-feature N .* goes with "
+                                         "--id-mapping hash"):
+        preprocess_movielens(ML100K, tmp_path / "x", id_mapping="hash")
