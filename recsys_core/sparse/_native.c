@@ -105,9 +105,10 @@ RECSYS_CLONES int64_t recsys_key_sums_i32(const int32_t *lengths, int64_t num_ke
  * else 1 (the caller's exact checks then name the problem).
  *
  * recsys_key_sums_from_offsets_{i64,i32}: a KJT given only offsets. Each key's sum is the
- * difference of its two bounding offsets; the pass proves offsets[0] == 0, that they never
- * decrease (every implied length >= 0) and that the last is at most max_length, so every
- * implied length lies in [0, max_length] without materializing the lengths. */
+ * difference of its two bounding offsets; the pass proves offsets[0] == 0, every offset >= 0
+ * (so no difference overflows), that they never decrease (every implied length >= 0) and that
+ * the last is at most max_length, so every implied length lies in [0, max_length] without
+ * materializing the lengths. */
 #define RECSYS_SUMS_WITH_OFFSETS(NAME, T, UT)                                                    \
     RECSYS_CLONES int64_t NAME(const T *lengths, const T *offsets, int64_t num_keys,             \
                                int64_t stride, int64_t max_length, int64_t *sums) {              \
@@ -179,8 +180,10 @@ RECSYS_SUMS_WITH_OFFSETS(recsys_key_sums_offsets_i32, int32_t, uint32_t)
     RECSYS_CLONES int64_t NAME(const T *offsets, int64_t num_keys, int64_t stride,               \
                                int64_t max_length, int64_t *sums) {                              \
         const int64_t n = num_keys * stride;                                                     \
-        UT negative = 0;                                                                         \
-        for (int64_t j = 0; j < n; j++) negative |= (UT)(offsets[j + 1] - offsets[j]);         \
+        /* every offset >= 0 (so no difference overflows) and no difference < 0 */              \
+        UT negative = (UT)offsets[n];                                                            \
+        for (int64_t j = 0; j < n; j++)                                                          \
+            negative |= (UT)offsets[j] | (UT)(offsets[j + 1] - offsets[j]);                      \
         if (offsets[0] != 0 || (negative >> (sizeof(UT) * 8 - 1)) || max_length < 0) return 1;  \
         if ((int64_t)offsets[n] > max_length) return 1;                                          \
         for (int64_t k = 0; k < num_keys; k++)                                                   \

@@ -158,7 +158,7 @@ def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
     if out is None:
         return None
     sums, key_offsets = out
-    if key_offsets[-1] > num_values:
+    if key_offsets[-1] > num_values or min(sums) < 0:
         return None
     kjt._length_per_key = sums
     kjt._offset_per_key = key_offsets

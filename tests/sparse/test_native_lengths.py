@@ -231,3 +231,8 @@ def test_lengths_and_offsets_by_hand() -> None:
     only = KeyedJaggedTensor(["a", "b"], values, offsets=torch.tensor([0, 2, 2, 1, 6]))
     with pytest.raises(ValueError, match="negative|-1"):
         only.split([1, 1])
+    # offsets whose difference overflows int64 (2^62 then -2^63): refused, not summed
+    wrapped = KeyedJaggedTensor(["a"], torch.zeros(0, dtype=torch.int64),
+                                offsets=torch.tensor([0, 2**62, -(2**63)]))
+    with pytest.raises(ValueError, match="larger than the 0 values"):
+        wrapped.permute([0])
