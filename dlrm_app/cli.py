@@ -206,9 +206,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     summary = train(config, progress=not args.quiet)
     if world()[0] == 0:
+        if not args.quiet:  # for a person (stderr); stdout keeps the one JSON line
+            print(train_summary(summary, config.out), file=sys.stderr)
         print(json.dumps(summary))
     shutdown_distributed()
     return 0
+
+
+def train_summary(summary: dict, out: str) -> str:
+    """A few readable lines at the end of ``train``: the kept model's validation, why
+    training stopped, the speed, where the report is, and what to run next."""
+    validation = summary.get("validation") or {}
+    auc, ne = validation.get("auc"), validation.get("ne")
+    best = (f"best validation AUC {auc:.4f} (NE {ne:.4f}) at step {summary.get('best_step'):,}"
+            if isinstance(auc, float) and isinstance(ne, float) else "no validation AUC")
+    teacher = (summary.get("teacher_auc") or {}).get("validation")
+    if isinstance(teacher, float) and isinstance(auc, float):
+        best += f"; the teacher's (best achievable) {teacher:.4f}"
+    lines = [
+        f"trained {summary.get('trained_steps', 0):,} steps ({summary.get('steps', 0):,} in "
+        f"all) on {summary.get('world_size', 1)} rank(s), "
+        f"{summary.get('samples_per_s', 0):,.0f} samples/s; stopped: {summary.get('stopped')}",
+        best,
+        f"kept: {summary.get('checkpoint')}",
+    ]
+    if summary.get("report"):
+        lines.append(f"report: {summary['report']}")
+    lines.append(f"next: dlrm-app evaluate {out}   (the kept checkpoint on the test split)")
+    return "\n".join(lines)
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:

@@ -56,7 +56,13 @@ def test_train_prints_one_plan_line_and_keeps_the_tables_in_the_run(
                         + re.escape(str(run / "plan.json")), plan_lines[0]), plan_lines[0]
     assert not [h for h in TABLE_HEADERS if h in err], err
     assert BAR.search(err), err  # the progress bar
-    assert json.loads(out.strip().splitlines()[-1])["event"] == "summary"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["event"] == "summary"
+    # a readable ending on stderr: the kept model's validation, the stop, report and next step
+    auc = summary["validation"]["auc"]
+    assert f"best validation AUC {auc:.4f}" in err and f"at step {summary['best_step']}" in err
+    assert f"stopped: {summary['stopped']}" in err and f"report: {run / 'report.md'}" in err
+    assert f"next: dlrm-app evaluate {run}" in err
     # the tables are in the run: plan.json (what print(plan) shows) and the report's section
     plan = ShardingPlan.from_json((run / "plan.json").read_text())
     assert sorted(t for m in plan.plan.values() for t in m) == ["t_cat_0", "t_cat_1"]
@@ -69,6 +75,7 @@ def test_quiet_train_prints_only_its_result(dataset: Path, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     out, err = _train(dataset, tmp_path / "run", capsys, "--quiet")
     assert "plan: " not in err and not BAR.search(err) and "step/s" not in err, err
+    assert "best validation AUC" not in err and "next: " not in err, err
     assert not [h for h in TABLE_HEADERS if h in err], err
     assert [json.loads(line)["event"] for line in out.strip().splitlines()] == ["summary"]
 
