@@ -9,11 +9,13 @@
 4. ``export``: an int8 ``.pt2`` artifact (AOTInductor-compiled), ready for
    ``dlrm-app serve``.
 
-A rerun reuses the generated data and trains the run again from scratch.
+A rerun reuses the generated data (generated again when ``--rows`` differs) and trains the run
+again from scratch.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,14 +31,29 @@ from dlrm_app.train import train
 DEMO_CARDINALITY = 1_000
 
 
-def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
-             progress: bool = True, threads: int | None = None) -> dict[str, Any]:
-    data, run = out / "data", out / "run"
+def demo_data(data: Path, rows: int, progress: bool = True) -> DatasetSpec:
+    """The demo's generated dataset in ``data``: reused when it holds exactly these rows,
+    generated (again) otherwise."""
+    wanted = {"rows": rows, "cardinalities": [DEMO_CARDINALITY] * 26, "seed": 0}
+    if (data / "dataset.json").is_file():
+        held = DatasetSpec.load(data).parameters
+        if any(held.get(k) != v for k, v in wanted.items()):
+            # another --rows (or an older demo): generate this one instead of reusing it
+            if progress:
+                print(f"demo: {data} holds {held.get('rows'):,} generated rows, not {rows:,}; "
+                      f"generating them again", file=sys.stderr)
+            shutil.rmtree(data)
     if not (data / "dataset.json").is_file():
         generate(data, rows=rows, num_dense=13, cardinalities=[DEMO_CARDINALITY] * 26,
                  pooling_factors=[1.0] * 26, zipf_alpha=1.05, seed=0,
                  rows_per_shard=1_000_000)
-    spec = DatasetSpec.load(data)
+    return DatasetSpec.load(data)
+
+
+def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
+             progress: bool = True, threads: int | None = None) -> dict[str, Any]:
+    data, run = out / "data", out / "run"
+    spec = demo_data(data, rows, progress)
     config = TrainConfig(data=str(data), out=str(run), max_steps=steps, log_every=20,
                          overwrite=True, threads=threads)
     summary = train(config, progress=progress)

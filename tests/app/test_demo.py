@@ -38,3 +38,19 @@ def test_demo_generates_trains_evaluates_exports(tmp_path: Path) -> None:
     auc = binary_auc(probabilities.numpy(), batch.labels.numpy())
     assert abs(auc - result["test_auc"]) < 1e-3, (auc, result["test_auc"])
     assert meta["training"]["validation"]["auc"] == pytest.approx(result["validation_auc"])
+
+
+def test_demo_data_is_generated_again_for_other_rows(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A rerun with the same --rows reuses the generated data; another --rows generates it
+    again (and says so) instead of silently training on the old rows."""
+    from dlrm_app.demo import demo_data
+
+    data = tmp_path / "data"
+    first = demo_data(data, 1_000)
+    stamp = (data / "dataset.json").stat().st_mtime_ns
+    again = demo_data(data, 1_000)
+    assert again.splits == first.splits and (data / "dataset.json").stat().st_mtime_ns == stamp
+    other = demo_data(data, 1_500)
+    assert sum(s.rows for s in other.splits) == 1_500 and other.parameters["rows"] == 1_500
+    assert "holds 1,000 generated rows, not 1,500; generating them again" in capsys.readouterr().err
