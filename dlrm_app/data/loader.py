@@ -128,6 +128,8 @@ class _RowGroup:
     index: int
     """Row group index inside that shard."""
     rows: int
+    first_row: int = 0
+    """The row group's first row in its shard (for messages naming a row)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +314,7 @@ class ParquetLoader:
         self.prefetch = prefetch
         self.shuffle_window = shuffle_window
         self.keys = [f.name for f in self.spec.sparse_features]
+        self._rows = {f.name: f.num_embeddings for f in self.spec.sparse_features}
         self._columns = [self.spec.label, DENSE_COLUMN, *self.keys]
         self._n_dense = len(self.spec.dense_features)
         self._paths = [self.dataset_dir / s.file for s in self.spec.split(split).shards]
@@ -349,8 +352,11 @@ class ParquetLoader:
             if missing:
                 raise ValueError(f"{path}: missing columns {missing} that dataset.json "
                                  f"declares; regenerate the dataset")
-            groups += [_RowGroup(shard, i, meta.row_group(i).num_rows)
-                       for i in range(meta.num_row_groups)]
+            first = 0
+            for i in range(meta.num_row_groups):
+                rows = meta.row_group(i).num_rows
+                groups.append(_RowGroup(shard, i, rows, first))
+                first += rows
         return groups
 
     def _epoch_order(self, epoch: int) -> list[_RowGroup]:
@@ -400,7 +406,7 @@ class ParquetLoader:
 
     # -- reading --------------------------------------------------------------------------
 
-    def _decode(self, table: pa.Table, path: Path) -> _Decoded:
+    def _decode(self, table: pa.Table, path: Path, first_row: int = 0) -> _Decoded:
         n = table.num_rows
         labels = table.column(self.spec.label).combine_chunks()
         if labels.null_count:
@@ -422,9 +428,41 @@ class ParquetLoader:
             values.append(arr.values.to_numpy())
             offsets.append(off)
             np.subtract(off[1:], off[:-1], out=lengths[k], casting="unsafe")
-        return _Decoded(dense=dense.reshape(n, self._n_dense),
-                        labels=labels.to_numpy(zero_copy_only=False).astype(np.float32),
-                        lengths=lengths, offsets=offsets, values=values)
+        decoded = _Decoded(dense=dense.reshape(n, self._n_dense),
+                           labels=labels.to_numpy(zero_copy_only=False).astype(np.float32),
+                           lengths=lengths, offsets=offsets, values=values)
+        self._check_contents(decoded, path, first_row)
+        return decoded
+
+    def _check_contents(self, d: _Decoded, path: Path, first_row: int) -> None:
+        """Labels 0 or 1, finite dense values, ids inside their tables: one vectorized pass per
+        row group, so that a bad shard stops the run naming its file and row instead of
+        training on it."""
+        fix = "the shards and dataset.json disagree: run the preprocessing again"
+        bad = (d.labels != 0) & (d.labels != 1)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{path}: row {first_row + i:,}: label {float(d.labels[i])} is not 0 or 1 "
+                             f"(a click/no-click label); {fix}")
+        finite = np.isfinite(d.dense)
+        if not finite.all():
+            i, j = (int(x) for x in np.argwhere(~finite)[0])
+            raise ValueError(f"{path}: row {first_row + i:,}: dense feature "
+                             f"'{self.spec.dense_features[j]}' is {float(d.dense[i, j])}, not a finite "
+                             f"number; {fix}")
+        for k, key in enumerate(self.keys):
+            ids = d.values[k][d.offsets[k][0]:d.offsets[k][-1]]
+            if ids.size == 0:
+                continue
+            rows = self._rows[key]
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= rows:
+                value = low if low < 0 else high
+                where = int(np.argmax(ids == value)) + int(d.offsets[k][0])
+                row = int(np.searchsorted(d.offsets[k], where, side="right")) - 1
+                raise ValueError(f"{path}: row {first_row + row:,}: id {value} of sparse feature "
+                                 f"'{key}' is outside [0, {rows:,}) (its num_embeddings in "
+                                 f"dataset.json); {fix}")
 
     def _chunks(self, epoch: int, start: int, stop: int) -> Iterator[tuple[_Decoded, slice]]:
         """Rows ``[start, stop)`` of ``epoch``'s stream, one row group (or part of one) at a
@@ -438,10 +476,17 @@ class ParquetLoader:
                 if first >= stop:
                     return
                 continue
-            if g.shard not in files:
-                files[g.shard] = pq.ParquetFile(self._paths[g.shard])
-            table = files[g.shard].read_row_group(g.index, columns=self._columns)
-            yield self._decode(table, self._paths[g.shard]), slice(lo, hi)
+            path = self._paths[g.shard]
+            try:
+                if g.shard not in files:
+                    files[g.shard] = pq.ParquetFile(path)
+                table = files[g.shard].read_row_group(g.index, columns=self._columns)
+            except (OSError, pa.ArrowException) as e:
+                raise ValueError(f"{path}: cannot read row group {g.index} (rows "
+                                 f"{g.first_row:,}-{g.first_row + g.rows - 1:,}): "
+                                 f"{' '.join(str(e).split())}; the file "
+                                 f"is damaged: run the preprocessing again") from None
+            yield self._decode(table, path, g.first_row), slice(lo, hi)
 
     def _pieces(self, epoch: int, skip: int) -> Iterator[_Piece]:
         """This rank's rows of ``epoch`` in yield order, after its first ``skip`` rows."""
