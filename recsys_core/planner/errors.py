@@ -12,7 +12,8 @@ from enum import Enum, unique
 from typing import Any
 
 from recsys_core.modules.embedding_configs import DataType
-from recsys_core.planner.topology import GIB, Topology
+from recsys_core.planner.topology import Topology
+from recsys_core.planner.units import format_bytes
 
 SHOWN_TABLES = 3  # the largest tables a message names
 
@@ -74,7 +75,7 @@ class TableMemory:
 
     def __str__(self) -> str:
         return (f"{self.table!r} {self.num_embeddings} x {self.embedding_dim} {self.data_type}: "
-                f"{self.needed_bytes / GIB:.2f} GiB")
+                f"{format_bytes(self.needed_bytes)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recsys_core.planner.topology import GIB, Topology
+from recsys_core.planner.topology import Topology
+from recsys_core.planner.units import format_bytes
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -232,7 +233,7 @@ def smallest_over_ranks(topology: Topology, pg: dist.ProcessGroup | None = None)
 
 # ---- readers ------------------------------------------------------------------------------------
 def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
+    return format_bytes(value)
 
 
 def _meminfo_available(path: Path) -> tuple[int, str]:

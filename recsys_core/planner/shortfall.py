@@ -28,8 +28,9 @@ from recsys_core.planner.estimators import (
 )
 from recsys_core.planner.partitioners import KERNEL_TIERS, Partition, TableKey
 from recsys_core.planner.storage import Tier
-from recsys_core.planner.topology import DEFAULT_DDR_CAP, DEFAULT_HBM_CAP, GIB, Topology
+from recsys_core.planner.topology import DEFAULT_DDR_CAP, DEFAULT_HBM_CAP, Topology
 from recsys_core.planner.types import Candidate, TableSpec
+from recsys_core.planner.units import format_bytes
 
 REMEDIES = (
     "To fix: use smaller tables (fewer rows, a smaller embedding_dim, FP16 weights); use more "
@@ -119,7 +120,8 @@ def check_total(
                 "weights, optimizer state and buffers in their most compact allowed layouts")
         summary = (
             f"the model does not fit: its tables need at least {_gib(needed)} of {kind} "
-            f"({what}) but the {world} ranks have {_gib(world * budget)} usable: "
+            f"({what}) but {'the' if world > 1 else 'its'} {world} "
+            f"rank{'s have' if world > 1 else ' has'} {_gib(world * budget)} usable: "
             f"{_gib(budget)} per rank = {_per_rank(kind, topology, reservation)}. Source of "
             f"these figures: {memory_origin(topology)}. Largest tables: {_largest(tables)}."
         )
@@ -234,7 +236,7 @@ def _least(option: Candidate) -> np.ndarray:
 
 # ---- formatting ---------------------------------------------------------------------------------
 def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
+    return format_bytes(value)
 
 
 def _where(spec: TableSpec) -> str:

@@ -214,7 +214,7 @@ def test_too_little_disk_on_any_one_rank_names_the_disk() -> None:
     with pytest.raises(PlannerError) as info:
         plan([8_000_000, 1000], topology, table_wise(2))
     message = str(info.value)
-    assert re.search(r"table 't0' .*needs 0\.\d\d GiB of host memory .* and 1\.94 GiB of disk "
+    assert re.search(r"table 't0' .*needs \d+\.\d\d MiB of host memory .* and 1\.94 GiB of disk "
                      r"on a rank.*1\.50 GiB of disk.*Short: disk\.", message), message
     assert "larger Topology ssd_cap" in message and "offload_dir" in message
     assert info.value.shortfall is not None and info.value.shortfall.memory == "disk"

@@ -115,3 +115,19 @@ def test_plan_must_fit_on_the_smallest_host() -> None:
     for message, has_shortfall in results:
         assert "does not fit" in message and "fake host of rank 1" in message, message
         assert has_shortfall
+
+
+def test_small_models_figures_read_in_units_that_fit() -> None:
+    """A small model on a tiny budget: sizes in KiB/MiB (not "0.00 GiB" fifteen times), and
+    one rank "has", not "the 1 ranks have"."""
+    from recsys_core.planner.units import format_bytes
+
+    assert [format_bytes(n) for n in (0, 1023, 1536, 5 * 2**20, 3 * GIB, 2 * 2**40)] == [
+        "0 B", "1023 B", "1.50 KiB", "5.00 MiB", "3.00 GiB", "2.00 TiB"]
+    module = ebc([5000, 4000], dim=16)
+    with pytest.raises(PlannerError) as info:
+        EmbeddingShardingPlanner(topology=Topology(1, "cpu", ddr_cap=100 * 1024)).plan(
+            module, SHARDERS)
+    message = str(info.value)
+    assert "0.00 GiB" not in message and "its 1 rank has" in message, message
+    assert "'t0' 5000 x 16 FP32: 384.50 KiB" in message, message  # weights, state, buffers
