@@ -484,11 +484,15 @@ def _table_params(
     table's name and, if set, its in-backward optimizers), or its config for a config list."""
     if not isinstance(module, torch.nn.Module):
         return {c.name: c for c in configs}
-    weights = {name: t for name, t in module.state_dict(keep_vars=True).items()
-               if name.endswith(".weight")}
+    # ``<...>.<table>.weight`` entries by table name (one pass, not one scan per table)
+    by_table: dict[str, list[torch.Tensor]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[2] == "weight":
+            by_table.setdefault(parts[1], []).append(t)
     out: dict[str, torch.Tensor | BaseEmbeddingConfig] = {}
     for c in configs:
-        found = [t for name, t in weights.items() if name.endswith(f".{c.name}.weight")]
+        found = by_table.get(c.name, [])
         if len(found) != 1 or found[0].dim() != 2:
             out[c.name] = c
             continue
