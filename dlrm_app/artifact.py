@@ -46,12 +46,20 @@ Manifest keys: ``format_version``, ``format`` (``pt2`` / ``torchscript``), ``dat
 ``fbgemm`` or ``torch``), ``programs`` (.pt2: each program's inputs and output),
 ``preprocessing`` (the dataset's transform parameters), ``checkpoint``, ``training`` (run,
 step, the validation metrics recorded at that step, model config), ``created_by``.
+
+Integrity: an artifact is code (loading a ``.pt2`` runs its compiled library; a TorchScript
+file runs its program), so ``dlrm-app export`` writes its sha256 beside it, ``<artifact>.sha256``
+in ``sha256sum`` format (``HEX  model.pt2``; ``sha256sum -c`` in its folder checks it), and
+:func:`load_artifact` compares the file's digest with ``expect_sha256``, or else with that
+file, before anything inside the artifact is read. An artifact with neither loads unverified.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -59,6 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dlrm_app.data.schema import sha256_file
 from recsys_core.kernels import fbgemm_available
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -79,15 +88,103 @@ PROGRAM_SIGNATURES = {
 }
 
 
-def load_artifact(path: str | Path) -> tuple[Any, dict[str, Any]]:
+DIGEST_SUFFIX = ".sha256"
+"""``<artifact>.sha256`` beside the artifact: its digest, one ``sha256sum`` line."""
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def load_artifact(path: str | Path, *, expect_sha256: str | None = None
+                  ) -> tuple[Any, dict[str, Any]]:
     """(model, manifest) of an exported artifact of either format; the model has ``forward``
-    (also its call), ``predict_raw`` and ``encode``. Loads FBGEMM's ops when needed."""
+    (also its call), ``predict_raw`` and ``encode``. Loads FBGEMM's ops when needed.
+
+    First the file's sha256 is checked (:func:`verify_artifact`: against ``expect_sha256``,
+    else ``<path>.sha256``); a mismatch raises ``ValueError`` before anything inside is read.
+    The manifest gains ``sha256`` (the verified digest, or None) and ``verified`` (what was
+    checked, one line for a log)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such model file; create one with `dlrm-app export`")
-    if _is_pt2(path):
-        return _load_pt2(path)
-    return _load_torchscript(path)
+    check = verify_artifact(path, expect_sha256)
+    model, meta = _load_pt2(path) if _is_pt2(path) else _load_torchscript(path)
+    meta["sha256"], meta["verified"] = check.sha256, check.note
+    return model, meta
+
+
+def digest_path(path: str | Path) -> Path:
+    """Where an artifact's digest is kept: ``<artifact>.sha256`` beside it."""
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def write_digest(path: str | Path) -> str:
+    """Hash the artifact and write ``<artifact>.sha256`` (``HEX  name``, the line
+    ``sha256sum -c`` reads; written to a temporary name and renamed). Returns the hex."""
+    path = Path(path)
+    digest = sha256_file(path)
+    target = digest_path(path)
+    partial = target.with_name(f".{target.name}.partial")
+    partial.write_text(f"{digest}  {path.name}\n")
+    partial.replace(target)
+    return digest
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactCheck:
+    """What :func:`verify_artifact` found."""
+
+    sha256: str | None
+    """The file's digest when it was checked (and matched); None when nothing was expected."""
+    note: str
+    """One line for a log: what the digest was checked against, or that it was not."""
+
+
+def verify_artifact(path: str | Path, expect_sha256: str | None = None) -> ArtifactCheck:
+    """Check the artifact's sha256 before anything in it is loaded: against ``expect_sha256``
+    when given (a digest from a record you trust), else against ``<path>.sha256`` when that
+    exists. A mismatch (or a malformed digest) is a ``ValueError`` naming the file, both
+    digests and the fix. Neither given nor beside it: nothing is checked (the note says so).
+
+    The ``.sha256`` beside a model catches a file damaged or replaced since export (disk, copy,
+    a partial transfer); whoever can rewrite both files can pass it, which only
+    ``expect_sha256`` from elsewhere rules out."""
+    path = Path(path)
+    sidecar = digest_path(path)
+    if expect_sha256 is not None:
+        expected = expect_sha256.strip().lower()
+        if not _HEX.fullmatch(expected):
+            raise ValueError(f"--expect-sha256 {expect_sha256.strip()[:80]!r}: not a sha256 (64 "
+                             f"hex digits); pass the digest `dlrm-app export` printed for {path}")
+        source = "--expect-sha256"
+    elif sidecar.is_file():
+        expected = _read_digest(sidecar, path)
+        source = str(sidecar)
+    else:
+        return ArtifactCheck(None, f"not verified: no {DIGEST_SUFFIX} beside it and no "
+                                   f"--expect-sha256")
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ValueError(
+            f"{path}: sha256 {actual} differs from {expected} ({source}), so it was not loaded "
+            f"(a damaged or replaced file, or another file's digest); export it again "
+            f"(`dlrm-app export`), or pass --expect-sha256 with the digest its export recorded")
+    return ArtifactCheck(actual, f"sha256 {actual} matches {source}")
+
+
+def _read_digest(sidecar: Path, artifact: Path) -> str:
+    """The digest of a ``sha256sum`` line (``HEX  name`` or ``HEX *name``); the name in it is
+    not compared (a renamed pair still checks)."""
+    try:
+        fields = sidecar.read_text(errors="replace").split()
+    except OSError as e:
+        raise ValueError(f"{sidecar}: cannot be read ({e.strerror}); fix its permissions, or "
+                         f"pass --expect-sha256") from None
+    first = fields[0] if fields else ""
+    if not _HEX.fullmatch(first.lower()):
+        raise ValueError(f"{sidecar}: starts with {first[:80]!r}, not the sha256 (64 hex "
+                         f"digits) of {artifact.name}; export the model again, or pass "
+                         f"--expect-sha256 with the digest its export recorded")
+    return first.lower()
 
 
 def _is_pt2(path: Path) -> bool:

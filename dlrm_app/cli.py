@@ -256,7 +256,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
                         lookup=args.lookup, progress=stage_printer("dlrm-app export"))
     print(json.dumps({k: meta.get(k) for k in ("path", "bytes", "format", "embedding_dtype",
                                                  "dense_dtype", "lookup", "raw_input",
-                                                 "needs_fbgemm", "checkpoint")}))
+                                                 "needs_fbgemm", "checkpoint", "sha256")}))
     return 0
 
 
@@ -277,7 +277,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from dlrm_app.serve import serve_forever
 
     config = ServeConfig(**config_values(args, ServeConfig))
-    return serve_forever(args.model, config)
+    return serve_forever(args.model, config, expect_sha256=args.expect_sha256)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -430,6 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model",
                            formatter_class=HELP_FORMAT)
     serve.add_argument("model", help="exported model file (dlrm-app export)")
+    serve.add_argument("--expect-sha256", default=None, metavar="HEX",
+                       help="the model file's sha256 (as `dlrm-app export` printed it); a "
+                            "mismatch refuses the file before anything in it is loaded. "
+                            "Default: the digest in <model>.sha256 beside it, if any")
     add_config_flags(serve, ServeConfig)
     serve.set_defaults(func=_cmd_serve)
 

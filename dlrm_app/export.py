@@ -18,6 +18,10 @@ INT8 / INT4 / FP16, or FP32 unchanged), then
 The contract (entry points, input layout, manifest keys) is documented in
 :mod:`dlrm_app.artifact`; loading needs torch, plus ``fbgemm_gpu`` when the lookups use FBGEMM's
 op (``needs_fbgemm`` in the manifest).
+
+The artifact's sha256 is written beside it (``model.pt2.sha256``, ``sha256sum`` format), into the
+returned manifest (``sha256``) and, as an ``export`` event, into the run's ``metrics.jsonl``;
+``dlrm-app serve`` checks it before loading the artifact.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from dlrm_app.artifact import (
     METADATA_FILE,
     MODEL_PROGRAM,
     PROGRAM_SIGNATURES,
+    digest_path,
+    write_digest,
 )
 from dlrm_app.checkpoint import resolve_run, verify_checkpoint
 from dlrm_app.config import TrainConfig
@@ -214,8 +220,10 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
                  checkpoint: str | Path | None = None, quantize_dense: bool = False,
                  fmt: str = "pt2", lookup: str = "auto",
                  progress: Progress | None = None) -> dict[str, Any]:
-    """Write the artifact for the run's (newest or given) checkpoint; returns its manifest
-    (with ``path`` and ``bytes``). ``progress`` is told each stage as it starts."""
+    """Write the artifact for the run's (newest or given) checkpoint and its ``.sha256``
+    beside it; returns its manifest (with ``path``, ``bytes`` and ``sha256``), also recorded as
+    an ``export`` event in the run's ``metrics.jsonl``. ``progress`` is told each stage as it
+    starts."""
     progress = progress or _ignore
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -284,11 +292,34 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         else:
             progress("scripting the model (TorchScript)")
             _write_torchscript(model, spec, prep, meta, staging / out.name, id_map)
+        digest = write_digest(staging / out.name)
+        # the artifact first: a crash between the renames leaves a stale .sha256 beside the
+        # new file, which serve refuses (re-export), never a new digest vouching for an old file
         (staging / out.name).replace(out)
-        progress(f"wrote {out}")
+        digest_path(staging / out.name).replace(digest_path(out))
+        progress(f"wrote {out} (sha256 {digest}, also in {digest_path(out).name})")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {**meta, "path": str(out), "bytes": out.stat().st_size}
+    result = {**meta, "path": str(out), "bytes": out.stat().st_size, "sha256": digest}
+    _record_export(run, result)
+    return result
+
+
+def _record_export(run: Path, result: dict[str, Any]) -> None:
+    """Append an ``export`` event to the run's ``metrics.jsonl`` (one write of one line, as the
+    trainer appends its own): the run then records which artifact, by digest, came of which
+    checkpoint. A run directory that cannot be written keeps no record; a warning says so."""
+    event = {"event": "export", "time": round(time.time(), 3),
+             "path": str(Path(result["path"]).resolve()), "sha256": result["sha256"],
+             **{k: result.get(k) for k in ("bytes", "format", "embedding_dtype", "dense_dtype",
+                                            "lookup", "checkpoint")}}
+    try:
+        with open(run / "metrics.jsonl", "a") as log:
+            log.write(json.dumps(event) + "\n")
+    except OSError as e:
+        warnings.warn(f"{run / 'metrics.jsonl'}: the export's record (sha256 "
+                      f"{result['sha256']}) was not appended ({e.strerror}); it is in "
+                      f"{digest_path(result['path'])}", stacklevel=3)
 
 
 def _training_summary(run: Path, config: TrainConfig, checkpoint: Path) -> dict[str, Any]:

@@ -449,8 +449,11 @@ class PredictionServer:
         self._idle = threading.Lock()
 
     @classmethod
-    def from_file(cls, path: str | Path, config: ServeConfig) -> PredictionServer:
-        model, metadata = load_artifact(path)
+    def from_file(cls, path: str | Path, config: ServeConfig, *,
+                  expect_sha256: str | None = None) -> PredictionServer:
+        """Load an exported model, its sha256 checked first against ``expect_sha256`` or
+        ``<path>.sha256`` (see :func:`dlrm_app.artifact.verify_artifact`)."""
+        model, metadata = load_artifact(path, expect_sha256=expect_sha256)
         return cls(model, metadata, config, name=Path(path).name)
 
     @property
@@ -549,17 +552,20 @@ class PredictionServer:
         meta = self.metadata
         return {"status": "ok", "model": self.name, "format": meta.get("format", "torchscript"),
                 "embedding_dtype": meta.get("embedding_dtype"), "dataset": meta.get("dataset"),
+                "sha256": meta.get("sha256"),
                 "accepts": ["rows", "instances"] if self.parser.accepts_rows else ["instances"],
                 "dense_features": len(meta["dense_features"]),
                 "sparse_features": len(meta["sparse_features"])}
 
 
 # ---- command line ---------------------------------------------------------------------------
-def serve_forever(model: str | Path, config: ServeConfig) -> int:
-    """``dlrm-app serve``: load ``model``, print where it listens (one JSON line), serve until
-    SIGTERM or Ctrl-C, then stop."""
+def serve_forever(model: str | Path, config: ServeConfig, *,
+                  expect_sha256: str | None = None) -> int:
+    """``dlrm-app serve``: check ``model``'s sha256 (against ``expect_sha256``, else its
+    ``.sha256`` file), load it, print where it listens and what was verified (one JSON line),
+    serve until SIGTERM or Ctrl-C, then stop."""
     try:
-        server = PredictionServer.from_file(model, config)
+        server = PredictionServer.from_file(model, config, expect_sha256=expect_sha256)
         port = server.start()
     except (ValueError, OSError) as e:
         raise SystemExit(f"dlrm-app serve: {e}") from None
@@ -567,7 +573,8 @@ def serve_forever(model: str | Path, config: ServeConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(json.dumps({"listening": f"http://{config.host}:{port}", "port": port,
                       "model": str(model),
-                      "embedding_dtype": server.metadata.get("embedding_dtype")}), flush=True)
+                      "embedding_dtype": server.metadata.get("embedding_dtype"),
+                      "verified": server.metadata.get("verified")}), flush=True)
     try:
         stop.wait()
     except KeyboardInterrupt:

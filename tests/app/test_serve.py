@@ -11,12 +11,14 @@ import http.client
 import json
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -493,6 +495,20 @@ def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
             assert_probabilities(body["probabilities"], direct(scripted, rows[k:k + 40]))
         status, body = post(s.port, {"rows": [rows[0].replace("\t", "\tzz", 1)]})
         assert status == 400 and "rows[0] field 2 (int_1) = 'zz" in body["error"]
+        assert health["sha256"] == (tmp_path / "model.pt2.sha256").read_text().split()[0]
+    # 256 bytes flipped inside the package's compiled library: its export's digest refuses it
+    pt2 = tmp_path / "model.pt2"
+    with zipfile.ZipFile(pt2) as z:
+        library = next(i for i in z.infolist() if i.filename.endswith(".so"))
+    data = bytearray(pt2.read_bytes())
+    name_bytes, extra_bytes = struct.unpack("<HH", data[library.header_offset + 26:
+                                                         library.header_offset + 30])
+    at = library.header_offset + 30 + name_bytes + extra_bytes + library.compress_size // 2
+    data[at:at + 256] = bytes(b ^ 0xFF for b in data[at:at + 256])
+    pt2.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256 [0-9a-f]{64} differs from [0-9a-f]{64} "
+                                         ".*model.pt2.sha256.*export it again"):
+        PredictionServer.from_file(pt2, ServeConfig(port=0))
 
 
 def test_command_line(artifact: Path) -> None:
@@ -504,6 +520,8 @@ def test_command_line(artifact: Path) -> None:
     try:
         line = json.loads(proc.stdout.readline())
         assert line["listening"] == f"http://127.0.0.1:{line['port']}"
+        assert line["verified"] == ("not verified: no .sha256 beside it and no "
+                                    "--expect-sha256")
         assert get(line["port"], "/health")[1]["model"] == "model.pt"
         assert post(line["port"], {"rows": [ROW] * 3})[0] == 413
         proc.send_signal(signal.SIGTERM)
