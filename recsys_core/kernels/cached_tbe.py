@@ -267,14 +267,23 @@ class CachedTableBatchedEmbedding(nn.Module):
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
         """Per table: the backing store's ``[rows, dim]`` for a cached table (current after
-        :meth:`flush`), the inner kernel's view otherwise."""
+        :meth:`flush`), the inner kernel's view otherwise. A caller may write the stores' views
+        (a checkpoint load, in place) and then :meth:`invalidate`."""
+        self._hand_out_stores()
         inner = self.inner.split_embedding_weights()
         return [self._tables[t].store.weight if t in self._tables else w for t, w in enumerate(inner)]
 
     def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        self._hand_out_stores()
         inner = self.inner.split_optimizer_states()
         return [dict(self._tables[t].store.states) if t in self._tables else s
                 for t, s in enumerate(inner)]
+
+    def _hand_out_stores(self) -> None:
+        # DCP's load writes a checkpoint through these views before the load hook's flush: that
+        # flush must not check the files against checksums of what the cache last wrote
+        for ts in self._tables.values():
+            ts.store.hand_out()
 
     def is_cached(self, table: int) -> bool:
         return table in self._tables

@@ -17,6 +17,14 @@ memory on CUDA). Two things make the files safe to train from:
   every row read. A row that does not match raises :class:`OffloadCorruptionError` naming the
   file and the row; nothing read from it reaches the cache.
 
+The tensors over the files are handed out for exports and imports (:meth:`BackingStore.hand_out`),
+and an import writes through them: DCP's load fills the very tensors the ``state_dict()`` before
+it returned, so the files hold the checkpoint before the load hook flushes the cache and
+invalidates it (which seals the store anew). The checksums cannot tell those writes from damage,
+so a whole-store check finds nothing to do when every row was checked (or recorded) since the
+store last wrote one and its tensors have been handed out since: what differs then was written
+through them. Any row the store moves, or a seal, makes the next check whole again.
+
 The checksum of a row of int32 words ``w_j`` (the float bits, weights then each state) is the
 top half of ``sum_j w_j * k_j mod 2**64``, with fixed odd 64-bit ``k_j`` (a multilinear hash:
 a changed row matches with probability about 2**-32). The C helper (``_rowio.c``) computes it
@@ -293,6 +301,10 @@ class BackingStore:
         self.checksums = torch.zeros(rows if self.files else 0, dtype=torch.int32)
         self.sealed = False
         self.check = True  # False: no checksums kept (to measure what they cost)
+        # Every row matched (or got) its checksum in a whole-store scan and the store wrote no
+        # row since; its tensors were handed out and it moved no row since (see the module doc).
+        self._scanned = False
+        self._handed_out = False
 
     def _make(self, rows: int, width: int, device: torch.device, directory: str | None,
               what: str) -> torch.Tensor:
@@ -319,6 +331,7 @@ class BackingStore:
         """Weights ``[n, dim]`` and states (``[n]`` row-wise, ``[n, dim]``) of ``rows``,
         checked against the rows' checksums (:class:`OffloadCorruptionError` on a mismatch)."""
         check = self.verified and self.sealed
+        self._handed_out = False  # the rows are the store's again: checked when read
         if io and self.files:
             acc = torch.zeros(rows.numel(), dtype=torch.int64) if check else None
             coef = self._coef if check else None
@@ -343,6 +356,7 @@ class BackingStore:
         """Write rows (as :meth:`read_rows` returns them) and record their checksums."""
         parts = [weight] + [states[name].reshape(rows.numel(), -1) for name in self.states]
         record = self.verified and self.sealed
+        self._scanned = self._handed_out = False
         if io and self.files:
             acc = torch.zeros(rows.numel(), dtype=torch.int64) if record else None
             start = 0
@@ -388,6 +402,7 @@ class BackingStore:
                 self._compare(torch.arange(lo, hi), sums)
             for f in self.files:
                 f.release(lo, hi - 1)
+        self._scanned, self._handed_out = True, False
 
     def seal(self) -> None:
         """Record the checksum of every row as the files hold it now: before the first row
@@ -399,9 +414,17 @@ class BackingStore:
 
     def verify(self) -> None:
         """Check every row against its checksum (:class:`OffloadCorruptionError`), e.g. before
-        the files' contents are exported to a checkpoint."""
-        if self.verified and self.sealed:
+        the files' contents are exported to a checkpoint. Nothing to check when every row was
+        checked since the store last wrote one and :meth:`hand_out` came after: rows that differ
+        now were written through the tensors handed out (the checkpoint an import is loading,
+        before its :meth:`seal`), see the module doc."""
+        if self.verified and self.sealed and not (self._scanned and self._handed_out):
             self._scan(record=False)
+
+    def hand_out(self) -> None:
+        """:attr:`weight` and :attr:`states` are given to a caller that may write them (an
+        import writes a checkpoint into them, then has the store sealed anew)."""
+        self._handed_out = True
 
     def release(self, rows: torch.Tensor | None = None) -> None:
         """Drop the backing pages of ``rows`` (sorted; default: every row) from memory."""
