@@ -87,14 +87,16 @@ def test_export_prints_a_line_per_stage(dataset: Path, tmp_path: Path,
     assert main(["export", str(run), "--out", str(artifact), "--format", "torchscript"]) == 0
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
+    result = json.loads(captured.out)
     assert all(re.match(r"dlrm-app export: \[ *\d+\.\d s\] ", line) for line in lines), lines
     stages = [line.split("] ", 1)[1] for line in lines]
     assert stages == [f"loading the best checkpoint of {run} (unsharded, CPU)",
                       f"quantizing the tables of {latest_checkpoint(run / 'checkpoints').name} "
                       "to int8",
                       "scripting the model (TorchScript)",
-                      f"wrote {artifact}"], stages
-    assert json.loads(captured.out)["path"] == str(artifact)
+                      f"wrote {artifact} (sha256 {result['sha256']}, also in "
+                      f"{artifact.name}.sha256)"], stages
+    assert result["path"] == str(artifact)
 
 
 def _checkpoint_warnings(rank: int, world_size: int, data: str, root: str) -> dict[str, list[str]]:

@@ -153,7 +153,9 @@ def test_pt2_export_reports_each_stage_as_it_starts(
     programs = ["model", "encode"][:len(stages[2:-2]) // 2]  # encode: one-hot data only
     assert programs and stages[2:-2] == [stage for name in programs for stage in (
         f"torch.export: program {name!r}", f"AOTInductor: compiling {name!r} for CPU")]
-    assert stages[-2:] == ["packaging the programs and the manifest", f"wrote {path}"]
+    digest = (path.parent / f"{path.name}.sha256").read_text().split()[0]
+    assert stages[-2:] == ["packaging the programs and the manifest",
+                           f"wrote {path} (sha256 {digest}, also in {path.name}.sha256)"]
 
 
 def _assert_matches(got: np.ndarray, expected: np.ndarray, labels: np.ndarray,

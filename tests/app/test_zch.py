@@ -242,16 +242,23 @@ def test_pt2_loads_with_torch_alone_and_serves_the_frozen_mapping(zch_run: Path,
                                                                    tmp_path: Path) -> None:
     """The .pt2 of a zch run (torch lookup), loaded by the documented loader in a process that
     cannot import this project or fbgemm_gpu, predicts what the trained model predicts on the
-    test rows' raw ids (int8 tables: within 0.01)."""
+    test rows' raw ids, and on the raw rows through its encoder (int8 tables: within 0.01)."""
     from tests.app.test_export import _predict_isolated
 
     out = tmp_path / "model.pt2"
     meta = export_model(zch_run, out, checkpoint="latest", lookup="torch")
     assert not meta["needs_fbgemm"] and meta["sparse_features"][2]["raw_ids"]
     batch, expected = _test_batch(zch_run)
-    got = _predict_isolated(out, {"dense": batch.dense, "values": batch.sparse.values(),
-                                  "offsets": batch.sparse.offsets().to(torch.int64)}, tmp_path)
+    rows = batch.dense.size(0)
+    got = _predict_isolated(out, {
+        "dense": batch.dense, "values": batch.sparse.values(),
+        "offsets": batch.sparse.offsets().to(torch.int64),
+        # the same rows raw: dense before log(x + 1), the hex ids' values (one-hot, key-major)
+        "dense_raw": torch.expm1(batch.dense),
+        "cat_raw": batch.sparse.values().view(-1, rows).t().contiguous(),  # AOTI: contiguous
+    }, tmp_path)
     assert (got["forward"] - expected).abs().max() < 0.01
+    assert (got["raw"] - expected).abs().max() < 0.01  # through the package's own encoder
 
 
 @needs_10k
