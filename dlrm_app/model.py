@@ -301,8 +301,9 @@ def raw_id_space(feature: SparseFeature) -> int:
 def scramble_ids(ids: torch.Tensor, input_hash_size: int) -> torch.Tensor:
     """``ids * ZCH_HASH_MULTIPLIER mod input_hash_size`` (a power of two): a bijection, so the
     remapping stays collision-free; ids outside ``[0, input_hash_size)`` are refused."""
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= input_hash_size):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    low, high = (int(x) for x in torch.aminmax(ids)) if ids.numel() else (0, 0)
+    if low < 0 or high >= input_hash_size:  # one pass per batch and feature
+        bad = low if low < 0 else high
         raise ValueError(f"raw id {bad} is outside [0, {input_hash_size}) of its feature's raw "
                          f"id space; the data must come from the preprocessing the model was "
                          f"trained on")

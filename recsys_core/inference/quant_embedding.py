@@ -155,18 +155,25 @@ class QuantTBEBag(nn.Module):
         buffer("column_feature", torch.tensor(column_feature, dtype=torch.int64))
         buffer("column_is_mean", torch.tensor([bool(pooling_mean[f]) for f in column_feature]))
 
-    def forward(
-        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
-    ) -> Tensor:
+    def _on_device(self, indices: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+        """``indices`` and ``offsets`` on the buffer's device, one index dtype; offsets must be
+        1-D with ``num_features * B + 1`` entries."""
         num_features = len(self.dims)
         if offsets.dim() != 1 or offsets.numel() < 1 or (offsets.numel() - 1) % num_features:
             raise ValueError(
-                "QuantTBEBag: offsets must be 1-D with num_features * B + 1 entries ("
+                "quantized lookup: offsets must be 1-D with num_features * B + 1 entries ("
                 + str(num_features) + " features); got " + str(offsets.numel()) + " entries"
             )
         device = self.weights.device
         indices = indices.to(device)
-        offsets = offsets.to(device=device, dtype=indices.dtype)
+        return indices, offsets.to(device=device, dtype=indices.dtype)
+
+    def forward(
+        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
+    ) -> Tensor:
+        num_features = len(self.dims)
+        indices, offsets = self._on_device(indices, offsets)
+        device = self.weights.device
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(device=device, dtype=torch.float32)
         if self.use_fbgemm:

@@ -89,15 +89,7 @@ class QuantTBESequence(QuantTBEBag):
     def forward(
         self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
     ) -> Tensor:
-        num_features = len(self.dims)
-        if offsets.dim() != 1 or offsets.numel() < 1 or (offsets.numel() - 1) % num_features:
-            raise ValueError(
-                "QuantTBESequence: offsets must be 1-D with num_features * B + 1 entries ("
-                + str(num_features) + " features); got " + str(offsets.numel()) + " entries"
-            )
-        device = self.weights.device
-        indices = indices.to(device)
-        offsets = offsets.to(device=device, dtype=indices.dtype)
+        indices, offsets = self._on_device(indices, offsets)
         if self.use_fbgemm:
             return fbgemm_quant_pooled(
                 self.weights, self.weights_placements, self.weights_offsets, self.weights_tys,

@@ -17,7 +17,7 @@ by :func:`validate_module_sharding_plan` before anything is built.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from recsys_core.inference.quant_embedding import (
     QuantEmbeddingBagCollection,
+    QuantFeatureProcessedEmbeddingBagCollection,
     QuantTableWeight,
     QuantTBEBag,
     pooled_lookup,
@@ -33,6 +34,7 @@ from recsys_core.inference.quant_embedding import (
 )
 from recsys_core.inference.quant_sequence import (
     QuantEmbeddingCollection,
+    QuantManagedCollisionEmbeddingCollection,
     QuantTBESequence,
     cast_values,
     sequence_lookup,
@@ -88,7 +90,65 @@ def quant_table_wise_plan(
     )
 
 
-class ShardedQuantEmbeddingBagCollection(nn.Module):
+class _ShardedQuantTables(nn.Module):
+    """What the sharded quantized collections share: one kernel module per rank that holds
+    tables (``shards``, in ``ranks`` order), each table's rows as a view into its kernel's
+    buffer, and the refusal to be moved (each shard's rows are laid out for its device)."""
+
+    def _place(
+        self,
+        module: nn.Module,
+        configs: Sequence[BaseEmbeddingConfig],
+        plan: EmbeddingModuleShardingPlan,
+        devices: Sequence[torch.device],
+        make: Callable[..., QuantTBEBag],
+    ) -> tuple[dict[int, list[BaseEmbeddingConfig]], dict[str, torch.Tensor]]:
+        """Build ``make(tables, specs, feature_table_map, device, rows, use_fbgemm)`` for each
+        rank's tables; returns the tables by rank and every table's row view."""
+        rows = module.quantized_weights()
+        by_rank: dict[int, list[BaseEmbeddingConfig]] = {}
+        for c in configs:
+            by_rank.setdefault(plan[c.name].ranks[0], []).append(c)
+        self.ranks = sorted(by_rank)
+        self.shards = nn.ModuleList()
+        views: dict[str, torch.Tensor] = {}
+        use_fbgemm = None if module.kernel_backend() is KernelBackend.FBGEMM else False
+        for rank in self.ranks:
+            tables = by_rank[rank]
+            kernel = make(
+                tables,
+                [QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
+                 for c in tables],
+                [t for t, c in enumerate(tables) for _ in c.feature_names],
+                devices[rank],
+                [rows[c.name].cpu() for c in tables],
+                use_fbgemm,
+            )
+            self.shards.append(kernel)
+            views.update(zip((c.name for c in tables), kernel.table_weights(), strict=True))
+        return by_rank, views
+
+    def tables_per_rank(self) -> dict[int, list[str]]:
+        return {r: [s.name for s in m.specs] for r, m in zip(self.ranks, self.shards, strict=True)}
+
+    def bytes_per_rank(self) -> dict[int, int]:
+        return {r: int(m.weights.numel()) for r, m in zip(self.ranks, self.shards, strict=True)}
+
+    def devices_per_rank(self) -> dict[int, torch.device]:
+        return {r: m.weights.device for r, m in zip(self.ranks, self.shards, strict=True)}
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _ShardedQuantTables:
+        for device in self.devices_per_rank().values():
+            if fn(torch.zeros(1, device=device)).device != device:
+                raise ValueError(
+                    f"{type(self).__name__} cannot be moved (each shard's rows are laid out for "
+                    "its device); place the tables with shard_quant_model(model, devices=[...]) "
+                    "instead"
+                )
+        return super()._apply(fn, recurse)
+
+
+class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
     """A QuantEmbeddingBagCollection with its tables spread over devices; same forward contract
     (KeyedJaggedTensor in, KeyedTensor out on the input's device, same keys and columns).
 
@@ -115,28 +175,12 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         self._is_weighted = module.is_weighted()
         self._feature_names = [f for c in configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
-        rows = module.quantized_weights()
-        by_rank: dict[int, list[EmbeddingBagConfig]] = {}
-        for c in configs:
-            by_rank.setdefault(plan[c.name].ranks[0], []).append(c)
-        self.ranks = sorted(by_rank)
-        self.shards = nn.ModuleList()
-        views: dict[str, torch.Tensor] = {}
-        use_fbgemm = None if module.kernel_backend() is KernelBackend.FBGEMM else False
-        for rank in self.ranks:
-            tables = by_rank[rank]
-            bag = QuantTBEBag(
-                [QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
-                 for c in tables],
-                [t for t, c in enumerate(tables) for _ in c.feature_names],
-                [f for c in tables for f in c.feature_names],
-                [c.pooling is PoolingType.MEAN for c in tables for _ in c.feature_names],
-                device=devices[rank],
-                tables=[rows[c.name].cpu() for c in tables],
-                use_fbgemm=use_fbgemm,
-            )
-            self.shards.append(bag)
-            views.update(zip((c.name for c in tables), bag.table_weights(), strict=True))
+        pooling_mean = {c.name: c.pooling is PoolingType.MEAN for c in configs}
+        _, views = self._place(module, configs, plan, devices, lambda tables, specs, ftm, device,
+                               rows, use_fbgemm: QuantTBEBag(
+            specs, ftm, [f for c in tables for f in c.feature_names],
+            [pooling_mean[c.name] for c in tables for _ in c.feature_names],
+            device=device, tables=rows, use_fbgemm=use_fbgemm))
         self.embedding_bags = nn.ModuleDict({c.name: QuantTableWeight(views[c.name]) for c in configs})
 
         kernel_order = [f for bag in self.shards for f in bag.feature_names]
@@ -161,15 +205,6 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         """The kernel modules, one per rank that holds tables (TorchRec's ``tbes``)."""
         return list(self.shards)
 
-    def tables_per_rank(self) -> dict[int, list[str]]:
-        return {r: [s.name for s in bag.specs] for r, bag in zip(self.ranks, self.shards, strict=True)}
-
-    def bytes_per_rank(self) -> dict[int, int]:
-        return {r: int(bag.weights.numel()) for r, bag in zip(self.ranks, self.shards, strict=True)}
-
-    def devices_per_rank(self) -> dict[int, torch.device]:
-        return {r: bag.weights.device for r, bag in zip(self.ranks, self.shards, strict=True)}
-
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         check_features(features, self._feature_names, _NAME, self._is_weighted)
         kjt = self._in_kernel_order(features)
@@ -184,15 +219,6 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
             values = values.index_select(1, self._columns.to(out_device))
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=values)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> ShardedQuantEmbeddingBagCollection:
-        for device in self.devices_per_rank().values():
-            if fn(torch.zeros(1, device=device)).device != device:
-                raise ValueError(
-                    f"{_NAME} cannot be moved (each shard's rows are laid out for its device); "
-                    "place the tables with shard_quant_model(model, devices=[...]) instead"
-                )
-        return super()._apply(fn, recurse)
-
     def _in_kernel_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         keys = tuple(features.keys())
         if keys not in self._input_permutations:
@@ -203,7 +229,7 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         return features if permutation is None else features.permute(permutation)
 
 
-class ShardedQuantEmbeddingCollection(nn.Module):
+class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
     """A QuantEmbeddingCollection with its tables spread over devices; same forward contract
     (KeyedJaggedTensor in, ``{embedding name: JaggedTensor}`` out on the input's device).
 
@@ -228,27 +254,10 @@ class ShardedQuantEmbeddingCollection(nn.Module):
         self._embedding_names_by_table = module.embedding_names_by_table()
         self._feature_names = [f for c in configs for f in c.feature_names]
         names_of = {c.name: n for c, n in zip(configs, self._embedding_names_by_table, strict=True)}
-        rows = module.quantized_weights()
-        by_rank: dict[int, list[EmbeddingConfig]] = {}
-        for c in configs:
-            by_rank.setdefault(plan[c.name].ranks[0], []).append(c)
-        self.ranks = sorted(by_rank)
-        self.shards = nn.ModuleList()
-        views: dict[str, torch.Tensor] = {}
-        use_fbgemm = None if module.kernel_backend() is KernelBackend.FBGEMM else False
-        for rank in self.ranks:
-            tables = by_rank[rank]
-            lookup = QuantTBESequence(
-                [QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
-                 for c in tables],
-                [t for t, c in enumerate(tables) for _ in c.feature_names],
-                [n for c in tables for n in names_of[c.name]],
-                device=devices[rank],
-                tables=[rows[c.name].cpu() for c in tables],
-                use_fbgemm=use_fbgemm,
-            )
-            self.shards.append(lookup)
-            views.update(zip((c.name for c in tables), lookup.table_weights(), strict=True))
+        by_rank, views = self._place(
+            module, configs, plan, devices, lambda tables, specs, ftm, device, rows, use_fbgemm:
+            QuantTBESequence(specs, ftm, [n for c in tables for n in names_of[c.name]],
+                             device=device, tables=rows, use_fbgemm=use_fbgemm))
         self.embeddings = nn.ModuleDict({c.name: QuantTableWeight(views[c.name]) for c in configs})
         # Kernel inputs: per rank, its tables' features (a feature in several tables repeats).
         self._kernel_features = [
@@ -276,12 +285,6 @@ class ShardedQuantEmbeddingCollection(nn.Module):
         """The kernel modules, one per rank that holds tables."""
         return list(self.shards)
 
-    def tables_per_rank(self) -> dict[int, list[str]]:
-        return {r: [s.name for s in m.specs] for r, m in zip(self.ranks, self.shards, strict=True)}
-
-    def devices_per_rank(self) -> dict[int, torch.device]:
-        return {r: m.weights.device for r, m in zip(self.ranks, self.shards, strict=True)}
-
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         name = "ShardedQuantEmbeddingCollection"
         check_features(features, self._feature_names, name, False)
@@ -294,15 +297,6 @@ class ShardedQuantEmbeddingCollection(nn.Module):
         if self._output_dtype != torch.float32:
             out = {k: cast_values(jt, self._output_dtype) for k, jt in out.items()}
         return {n: out[n] for names in self._embedding_names_by_table for n in names}
-
-    def _apply(self, fn: Any, recurse: bool = True) -> ShardedQuantEmbeddingCollection:
-        for device in self.devices_per_rank().values():
-            if fn(torch.zeros(1, device=device)).device != device:
-                raise ValueError(
-                    "ShardedQuantEmbeddingCollection cannot be moved (each shard's rows are laid "
-                    "out for its device); place the tables with shard_quant_model instead"
-                )
-        return super()._apply(fn, recurse)
 
     def _permutation(self, features: KeyedJaggedTensor) -> list[int]:
         keys = tuple(features.keys())
@@ -378,9 +372,6 @@ def sharded_quant_module(
     module: nn.Module, plan: EmbeddingModuleShardingPlan, devices: Sequence[torch.device]
 ) -> nn.Module:
     """The sharded form of a quantized collection (EBC, FP-EBC, EC or managed-collision EC)."""
-    from recsys_core.inference.quant_embedding import QuantFeatureProcessedEmbeddingBagCollection
-    from recsys_core.inference.quant_sequence import QuantManagedCollisionEmbeddingCollection
-
     if isinstance(module, QuantManagedCollisionEmbeddingCollection):
         return ShardedQuantManagedCollisionEmbeddingCollection(module, plan, devices)
     if isinstance(module, QuantEmbeddingCollection):

@@ -233,6 +233,31 @@ def table_views(flat: Tensor, specs: Sequence[QuantTableSpec], row_alignment: in
 
 
 # ---- lookups (TorchScript-compatible) ---------------------------------------------------------
+def feature_rows(
+    weights: Tensor,
+    weights_offset: int,
+    row_stride: int,
+    dim: int,
+    weight_type: int,
+    rows: int,
+    feature_name: str,
+    ids: Tensor,
+) -> Tensor:
+    """``[len(ids), dim]`` float32: the dequantized rows ``ids`` of one feature's table (at
+    ``weights_offset`` in the flat buffer); an id outside ``[0, rows)`` raises IndexError."""
+    ids = ids.long()
+    if ids.numel() > 0:
+        bad = (ids < 0) | (ids >= rows)
+        if bool(bad.any()):
+            first = int(ids[bad.nonzero()[0, 0]])
+            raise IndexError(
+                "feature '" + feature_name + "': id " + str(first) + " is outside [0, "
+                + str(rows) + ") of its table. Hash or clip ids to the table size."
+            )
+    table = weights.narrow(0, weights_offset, rows * row_stride).view(rows, row_stride)
+    return dequantize_rows(table.index_select(0, ids), dim, weight_type)
+
+
 def torch_quant_pooled(
     weights: Tensor,
     weights_offsets: list[int],
@@ -255,18 +280,9 @@ def torch_quant_pooled(
     for f in range(num_features):
         lo = int(offsets[f * batch])
         hi = int(offsets[(f + 1) * batch])
-        ids = indices[lo:hi].long()
-        if ids.numel() > 0:
-            bad = (ids < 0) | (ids >= rows_per_feature[f])
-            if bool(bad.any()):
-                first = int(ids[bad.nonzero()[0, 0]])
-                raise IndexError(
-                    "feature '" + feature_names[f] + "': id " + str(first) + " is outside [0, "
-                    + str(rows_per_feature[f]) + ") of its table. Hash or clip ids to the table size."
-                )
-        table = weights.narrow(0, weights_offsets[f], rows_per_feature[f] * row_strides[f])
-        table = table.view(rows_per_feature[f], row_strides[f])
-        vectors = dequantize_rows(table.index_select(0, ids), dims[f], weights_tys[f])
+        vectors = feature_rows(weights, weights_offsets[f], row_strides[f], dims[f],
+                               weights_tys[f], rows_per_feature[f], feature_names[f],
+                               indices[lo:hi])
         psw = None if per_sample_weights is None else per_sample_weights[lo:hi].float()
         # embedding_bag over the gathered rows (index_add_ is ~1000x slower on CPU when many
         # rows land in one bag, as at batch size 1).
@@ -300,18 +316,9 @@ def torch_quant_sequence(
     for f in range(num_features):
         lo = int(offsets[f * batch])
         hi = int(offsets[(f + 1) * batch])
-        ids = indices[lo:hi].long()
-        if ids.numel() > 0:
-            bad = (ids < 0) | (ids >= rows_per_feature[f])
-            if bool(bad.any()):
-                first = int(ids[bad.nonzero()[0, 0]])
-                raise IndexError(
-                    "feature '" + feature_names[f] + "': id " + str(first) + " is outside [0, "
-                    + str(rows_per_feature[f]) + ") of its table. Hash or clip ids to the table size."
-                )
-        table = weights.narrow(0, weights_offsets[f], rows_per_feature[f] * row_strides[f])
-        table = table.view(rows_per_feature[f], row_strides[f])
-        outs.append(dequantize_rows(table.index_select(0, ids), dims[f], weights_tys[f]))
+        outs.append(feature_rows(weights, weights_offsets[f], row_strides[f], dims[f],
+                                 weights_tys[f], rows_per_feature[f], feature_names[f],
+                                 indices[lo:hi]))
     if not outs:
         return torch.zeros(0, 0, device=weights.device)
     return torch.cat(outs, dim=0)
