@@ -9,23 +9,21 @@ rounded gradient), and the payloads on the wire are bf16 (half the bytes).
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_setup import (
+    concat_ranks,
+    rank_batches,
+    rank_rows,
+    shard_beside_reference,
+    two_table_plans,
+)
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, PoolingType
-from recsys_core.distributed import (
-    EmbeddingBagCollectionSharder,
-    ShardingEnv,
-    column_wise,
-    construct_module_sharding_plan,
-    row_wise,
-    table_row_wise,
-    table_wise,
-)
+from recsys_core.distributed import EmbeddingBagCollectionSharder, table_wise
 from recsys_core.distributed.fbgemm_qcomm_codec import (
     CastCommCodec,
     CommType,
@@ -36,7 +34,6 @@ from recsys_core.distributed.fbgemm_qcomm_codec import (
 from recsys_core.distributed.types import CommOp, QuantizedCommCodecs
 from recsys_core.kernels import quant_comm
 from recsys_core.testing import run_gloo
-from tests.distributed.test_sharded_ebc import concat, global_batch
 
 # -- codecs ------------------------------------------------------------------------------------
 
@@ -200,16 +197,10 @@ TABLES = [
 LR, BATCH = 0.5, 3
 
 
-def _plan(kind: str, ebc: EmbeddingBagCollection, world: int, local: int) -> dict:
-    last = world - 1
-    generators = {
-        "table_wise": {"t_sum": table_wise(rank=last, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
-        "column_wise": {"t_sum": column_wise(ranks=[0, last], compute_kernel="fused"), "t_mean": table_wise(rank=last, compute_kernel="fused")},
-        "row_wise": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": row_wise(compute_kernel="fused")},
-        "table_row_wise": {"t_sum": table_row_wise(host_index=world // local - 1, compute_kernel="fused"),
-                           "t_mean": table_row_wise(host_index=0, compute_kernel="fused")},
-    }[kind]
-    return construct_module_sharding_plan(ebc, generators, world, local)
+def _plan(kind: str, world: int, local: int) -> dict:
+    plans = two_table_plans("t_sum", "t_mean", world, local)
+    plans["column_wise"]["t_mean"] = table_wise(rank=world - 1, compute_kernel="fused")
+    return plans[kind]
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -219,15 +210,12 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 def qcomm_worker(rank: int, world: int, kind: str) -> dict[str, object]:
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(TABLES)
-    reference = copy.deepcopy(ebc)
     registry = get_qcomm_codecs_registry(
         QCommsConfig(forward_precision=CommType.BF16, backward_precision=CommType.BF16))
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
-    sharder = EmbeddingBagCollectionSharder(
+    sharded, reference = shard_beside_reference(
+        EmbeddingBagCollection(TABLES), _plan(kind, world, local), world, local,
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
         qcomm_codecs_registry=registry)
-    sharded = sharder.shard(ebc, _plan(kind, ebc, world, local), env, torch.device("cpu"))
 
     sent_dtypes: list[torch.dtype] = []
     original = dist.all_to_all_single
@@ -239,17 +227,16 @@ def qcomm_worker(rank: int, world: int, kind: str) -> dict[str, object]:
 
     dist.all_to_all_single = spy
     try:
-        kjts = global_batch(7, world, False)
+        kjts = rank_batches(7, world, ["f0", "f1", "f2"], [13, 13, 7], BATCH, empty_first=True)
         out = sharded(kjts[rank]).wait()
         values = out.values()
         upstream = torch.randn(world * BATCH, values.shape[1], generator=torch.Generator().manual_seed(3))
-        lo, hi = rank * BATCH, (rank + 1) * BATCH
-        values.backward(upstream[lo:hi])
+        values.backward(upstream[rank_rows(rank, BATCH)])
     finally:
         dist.all_to_all_single = original
 
-    ref_values = reference(concat(kjts)).values()
-    expected = ref_values[lo:hi].detach()
+    ref_values = reference(concat_ranks(kjts)).values()
+    expected = ref_values[rank_rows(rank, BATCH)].detach()
     if kind in ("table_wise", "column_wise"):
         # each pooled value travels once: the reference rounded to bf16
         torch.testing.assert_close(values.detach(), _bf16(expected), atol=1e-6, rtol=0)

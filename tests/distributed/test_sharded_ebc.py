@@ -10,30 +10,22 @@ at the end every local shard's weights and optimizer state must equal the refere
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
+from gloo_setup import (
+    check_local_shards,
+    concat_ranks,
+    pooled_step,
+    rank_batches,
+    rank_rows,
+    shard_beside_reference,
+    two_table_plans,
+)
 
-from recsys_core import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbOptimType,
-    KeyedJaggedTensor,
-    PoolingType,
-)
-from recsys_core.distributed import (
-    EmbeddingBagCollectionSharder,
-    ShardingEnv,
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_column_wise,
-    table_row_wise,
-    table_wise,
-)
+from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, PoolingType
+from recsys_core.distributed import data_parallel, row_wise
 from recsys_core.distributed.comm_ops import set_gradient_division
 from recsys_core.optim import RowWiseAdagrad
 from recsys_core.testing import run_gloo
@@ -50,44 +42,15 @@ BIG_TABLES = [
 ]
 
 
-def make_plan(kind: str, ebc: EmbeddingBagCollection, world: int, local: int) -> dict:
-    last = world - 1
-    generators = {
-        "table_wise": {"t_sum": table_wise(rank=last, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
-        "row_wise": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": row_wise(compute_kernel="fused")},
-        "column_wise": {"t_sum": column_wise(ranks=[0, last], compute_kernel="fused"), "t_mean": column_wise(ranks=[last], compute_kernel="fused")},
-        "table_row_wise": {"t_sum": table_row_wise(host_index=world // local - 1, compute_kernel="fused"), "t_mean": table_row_wise(host_index=0, compute_kernel="fused")},
-        "table_column_wise": {"t_sum": table_column_wise(host_index=world // local - 1, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
-        "data_parallel": {"t_sum": data_parallel(compute_kernel="fused"), "t_mean": data_parallel(compute_kernel="fused")},
-        "mixed": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": data_parallel(compute_kernel="fused")},
-    }[kind]
-    return construct_module_sharding_plan(ebc, generators, world, local)
+def generators(kind: str, world: int, local: int) -> dict:
+    if kind == "mixed":
+        return {"t_sum": row_wise(compute_kernel="fused"), "t_mean": data_parallel(compute_kernel="fused")}
+    return two_table_plans("t_sum", "t_mean", world, local)[kind]
 
 
-def global_batch(seed: int, world: int, weighted: bool, rows: list[int] = ROWS) -> list[KeyedJaggedTensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(world):
-        lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
-        lengths[0] = 0  # an empty bag on every rank
-        values = torch.cat([
-            torch.randint(0, rows[i], (int(lengths[i * BATCH : (i + 1) * BATCH].sum()),), generator=gen)
-            for i in range(len(KEYS))
-        ])
-        weights = torch.rand(values.numel(), generator=gen) if weighted else None
-        out.append(KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, weights=weights))
-    return out
-
-
-def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    per_key = [[k.to_dict()[key] for k in kjts] for key in KEYS]
-    weighted = kjts[0].weights_or_none() is not None
-    return KeyedJaggedTensor(
-        keys=KEYS,
-        values=torch.cat([jt.values() for jts in per_key for jt in jts]),
-        lengths=torch.cat([jt.lengths() for jts in per_key for jt in jts]),
-        weights=torch.cat([jt.weights() for jts in per_key for jt in jts]) if weighted else None,
-    )
+def global_batch(seed: int, world: int, weighted: bool, rows: list[int] = ROWS) -> list:
+    """Every rank's batch (an empty bag on every rank)."""
+    return rank_batches(seed, world, KEYS, rows, BATCH, weighted=weighted, empty_first=True)
 
 
 OPTIMIZERS = {
@@ -111,41 +74,19 @@ def parity_worker(
     torch.manual_seed(0)
     tables = BIG_TABLES if big else TABLES
     rows = [1000, 1000, 7] if big else ROWS
-    ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
-    reference = copy.deepcopy(ebc)
     fused_params, make_opt, ref_state, state_key = OPTIMIZERS[optimizer]
+    sharded, reference = shard_beside_reference(
+        EmbeddingBagCollection(tables, is_weighted=weighted), generators(kind, world, local),
+        world, local, fused_params=dict(fused_params))
     ref_opt = make_opt(list(reference.parameters()))
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
-    plan = make_plan(kind, ebc, world, local)
-    sharded = EmbeddingBagCollectionSharder(fused_params=dict(fused_params)).shard(ebc, plan, env, torch.device("cpu"))
-    lo, hi = rank * BATCH, (rank + 1) * BATCH
     for step in range(STEPS):
         kjts = global_batch(100 + step, world, weighted, rows)
         target = torch.randn(world * BATCH, 20, generator=torch.Generator().manual_seed(step))
-        out = sharded(kjts[rank]).wait()
-        values = out.values()
-        values.retain_grad()
-        ref_values = reference(concat(kjts)).values()
-        ref_values.retain_grad()
-        torch.testing.assert_close(values, ref_values[lo:hi].detach(), atol=1e-5, rtol=1e-5)
-        (torch.tanh(values) * target[lo:hi]).sum().backward()
-        ref_opt.zero_grad()
-        ((torch.tanh(ref_values) * target).sum() / scale).backward()
-        ref_opt.step()
-        torch.testing.assert_close(values.grad, ref_values.grad[lo:hi] * scale, atol=1e-5, rtol=1e-5)
-    checked = 0
-    for local_kernels in sharded.lookups:
-        for shard, weight, state in local_kernels.local_shards():
-            full = reference.embedding_bags[shard.table].weight.detach()
-            rows = slice(shard.row_offset, shard.row_offset + shard.rows)
-            cols = slice(shard.col_offset, shard.col_offset + shard.cols)
-            torch.testing.assert_close(weight, full[rows, cols], atol=1e-5, rtol=1e-5)
-            if ref_state is not None:
-                ref = ref_opt.state[reference.embedding_bags[shard.table].weight][ref_state]
-                ref = ref[rows] if ref.dim() == 1 else ref[rows, cols]
-                torch.testing.assert_close(state[state_key], ref, atol=1e-5, rtol=1e-5)
-            checked += 1
-    return checked
+        values = sharded(kjts[rank]).wait().values()
+        ref_values = reference(concat_ranks(kjts)).values()
+        pooled_step(values, ref_values, rank_rows(rank, BATCH), target, ref_opt, scale)
+    states = None if ref_state is None else (ref_state, state_key)
+    return check_local_shards(sharded, reference.embedding_bags, ref_opt, states)
 
 
 CASES = [(kind, world) for kind in ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "data_parallel"] for world in (1, 2, 4)]
