@@ -107,9 +107,6 @@ _FAMILIES = (
     (ShardingType.DATA_PARALLEL,),
 )
 
-ShardedInputs = DistInputs
-"""The input dists in flight (kept under its former name)."""
-
 
 class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
     """The sharded forward's result: waits for every strategy's output dist."""

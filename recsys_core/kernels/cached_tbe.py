@@ -285,9 +285,6 @@ class CachedTableBatchedEmbedding(nn.Module):
         for ts in self._tables.values():
             ts.store.hand_out()
 
-    def is_cached(self, table: int) -> bool:
-        return table in self._tables
-
     def resident_rows(self, table: int) -> list[int]:
         """The rows of cached table ``table`` now in the cache, sorted."""
         rows = self._tables[table].row_of_slot

@@ -72,11 +72,6 @@ class EmbOptimType(Enum):
             return name == "momentum2"
         return False
 
-    @property
-    def uses_step(self) -> bool:
-        """Bias-corrected optimizers need the global step count."""
-        return bool(self.state_names) and "momentum2" in self.state_names
-
 
 @unique
 class WeightDecayMode(Enum):
