@@ -1,9 +1,9 @@
 """``dlrm-app``: the application's command line.
 
-Every subcommand is defined here; each parses its flags into typed arguments and calls library
-functions (``recsys_core`` never sees argparse). The flags of ``train`` and ``serve`` are
-generated from ``TrainConfig`` and ``ServeConfig`` (``dlrm_app.flags``): a new config field is
-one edit, with its docstring as the help line and its default shown.
+Every subcommand is defined here; each parses its arguments into its typed config
+(``dlrm_app.config``: one dataclass per command) and calls library functions (``recsys_core``
+never sees argparse). Every argument is generated from a config field (``dlrm_app.flags``): a
+new field is one edit, with its docstring as the help line and its default shown.
 
 Parsing imports nothing heavy (the configs and flags are plain Python): ``--help`` and argument
 errors answer at once, and each command imports torch, pyarrow and ``recsys_core`` in its body.
@@ -23,14 +23,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlrm_app.config import (
-    DEFAULT_FREQUENCY_THRESHOLD,
-    DEFAULT_MAX_EMBEDDINGS_PER_FEATURE,
-    DEMO_ROWS,
-    ServeConfig,
+    CriteoConfig,
+    DemoConfig,
+    EvaluateConfig,
+    ExportConfig,
+    GenerateConfig,
+    InfoConfig,
+    MovieLensConfig,
+    ReportConfig,
+    ServeCommand,
+    TrainCommand,
     TrainConfig,
     resume_config,
 )
-from dlrm_app.flags import HelpFormatter, add_config_flags, config_values
+from dlrm_app.flags import HelpFormatter, add_config_flags, config_from_values, config_values
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +71,7 @@ def environment_report(device: torch.device) -> dict[str, object]:
     }
 
 
-def _cmd_info(args: argparse.Namespace) -> int:
+def _cmd_info(args: InfoConfig) -> int:
     import torch
 
     report = environment_report(torch.device(args.device))
@@ -98,7 +104,7 @@ def _per_feature(text: str, count: int, kind: type, flag: str,
     return values
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _cmd_generate(args: GenerateConfig) -> int:
     from dlrm_app.data.synthetic import generate
 
     cardinalities = _per_feature(args.cardinalities, args.num_sparse, int, "--cardinalities")
@@ -128,7 +134,7 @@ def _tables_report(spec: DatasetSpec) -> None:
     print(format_table_summary(spec.parameters["tables"]), file=sys.stderr)
 
 
-def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
+def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
     from dlrm_app.data.criteo import preprocess_criteo
 
     hashed = caps = None
@@ -160,7 +166,7 @@ def _cmd_preprocess_criteo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_preprocess_movielens(args: argparse.Namespace) -> int:
+def _cmd_preprocess_movielens(args: MovieLensConfig) -> int:
     from dlrm_app.data.movielens import preprocess_movielens
 
     start = time.perf_counter()
@@ -199,14 +205,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_json_dict(given, where="the command line")
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _cmd_train(command: TrainCommand) -> int:
     from dlrm_app.runtime import shutdown_distributed, world
     from dlrm_app.train import train
 
-    config = config_from_args(args)
-    summary = train(config, progress=not args.quiet)
+    config = command.config
+    summary = train(config, progress=not command.quiet)
     if world()[0] == 0:
-        if not args.quiet:  # for a person (stderr); stdout keeps the one JSON line
+        if not command.quiet:  # for a person (stderr); stdout keeps the one JSON line
             print(train_summary(summary, config.out), file=sys.stderr)
         print(json.dumps(summary))
     shutdown_distributed()
@@ -236,7 +242,7 @@ def train_summary(summary: dict, out: str) -> str:
     return "\n".join(lines)
 
 
-def _cmd_evaluate(args: argparse.Namespace) -> int:
+def _cmd_evaluate(args: EvaluateConfig) -> int:
     from dlrm_app.evaluate import evaluate_checkpoint
     from dlrm_app.runtime import shutdown_distributed, world
 
@@ -248,7 +254,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
+def _cmd_export(args: ExportConfig) -> int:
     from dlrm_app.export import export_model, stage_printer
 
     meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
@@ -260,7 +266,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: DemoConfig) -> int:
     from dlrm_app.demo import run_demo
 
     result = run_demo(Path(args.out), rows=args.rows, steps=args.max_steps,
@@ -269,18 +275,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-CHECKPOINT_HELP = ("best (the best validation AUC; the newest checkpoint where none was "
-                   "recorded), latest, or a step_* directory")
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _cmd_serve(args: ServeCommand) -> int:
     from dlrm_app.serve import serve_forever
 
-    config = ServeConfig(**config_values(args, ServeConfig))
-    return serve_forever(args.model, config, expect_sha256=args.expect_sha256)
+    return serve_forever(args.model, args.server, expect_sha256=args.expect_sha256)
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
+def _cmd_report(args: ReportConfig) -> int:
     from dlrm_app.report import write_report, write_tensorboard
 
     try:
@@ -294,168 +295,52 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS: dict[str, tuple[str, type, object]] = {
+    "info": ("show versions, FBGEMM status and kernel choices", InfoConfig, _cmd_info),
+    "generate": ("write a synthetic Criteo-shaped dataset", GenerateConfig, _cmd_generate),
+    "preprocess criteo": ("Criteo Kaggle / 1TB TSV (plain or .gz)", CriteoConfig,
+                          _cmd_preprocess_criteo),
+    "preprocess movielens": ("MovieLens 100k / 1m / 20m / 25m / latest folder", MovieLensConfig,
+                             _cmd_preprocess_movielens),
+    "train": ("train a DLRM (one process or under torchrun)", TrainCommand, _cmd_train),
+    "evaluate": ("AUC, NE, logloss... of a checkpoint on a split", EvaluateConfig, _cmd_evaluate),
+    "export": ("a checkpoint -> one serving artifact (.pt2: torch.export + AOTInductor)",
+               ExportConfig, _cmd_export),
+    "serve": ("HTTP prediction endpoint for an exported model", ServeCommand, _cmd_serve),
+    "report": ("write RUN/report.md with plots (loss, validation AUC/NE, samples/s, ROC, "
+               "calibration)", ReportConfig, _cmd_report),
+    "demo": ("generate data, train, evaluate, export: the quick start", DemoConfig, _cmd_demo),
+}
+"""Every command: its one-line help, its config class (each field one argument) and the
+function that runs it with the parsed config."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0],
                                      formatter_class=HELP_FORMAT)
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="show versions, FBGEMM status and kernel choices",
-        formatter_class=HELP_FORMAT)
-    info.add_argument("--device", default="cpu", help="device to report kernel choices for")
-    info.add_argument("--json", action="store_true", help="print one JSON object")
-    info.set_defaults(func=_cmd_info)
-    gen = sub.add_parser("generate", help="write a synthetic Criteo-shaped dataset",
-        formatter_class=HELP_FORMAT)
-    gen.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
-    gen.add_argument("--rows", type=int, default=100_000, help="total rows over all splits")
-    gen.add_argument("--num-dense", type=int, default=13, help="number of dense features")
-    gen.add_argument("--num-sparse", type=int, default=26, help="number of sparse features")
-    gen.add_argument("--cardinalities", default="10000",
-                     help="ids per sparse feature: one int or a comma list of --num-sparse")
-    gen.add_argument("--pooling-factors", default="1",
-                     help="mean ids per row (1 = one-hot): one float or a comma list")
-    gen.add_argument("--zipf-alpha", type=float, default=1.05, help="id popularity skew")
-    gen.add_argument("--seed", type=int, default=0, help="same seed -> identical files")
-    gen.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
-    gen.add_argument("--row-group-size", type=int, default=65_536,
-                     help="rows per Parquet row group (the generated rows do not depend on it)")
-    gen.set_defaults(func=_cmd_generate)
-    prep = sub.add_parser("preprocess", help="raw dataset files -> Parquet shards",
-        formatter_class=HELP_FORMAT)
-    prep_sub = prep.add_subparsers(dest="dataset", required=True)
-    crit = prep_sub.add_parser("criteo", help="Criteo Kaggle / 1TB TSV (plain or .gz)",
-        formatter_class=HELP_FORMAT)
-    crit.add_argument("inputs", nargs="+", help="TSV files in order (terabyte: one per day)")
-    crit.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
-    crit.add_argument("--format", choices=("kaggle", "terabyte"), default="kaggle",
-                      help="kaggle: split by row order 6/7, 1/14, 1/14; terabyte: last day "
-                           "halves are validation/test")
-    crit.add_argument("--num-embeddings-per-feature", default=None,
-                      help="hash ids modulo this many rows instead of a vocabulary: one int or "
-                           "a comma list of 26 (the reference DLRM uses 40000000 for Criteo "
-                           "1TB)")
-    crit.add_argument("--frequency-threshold", type=int, default=None,
-                      help="vocabulary of the ids seen >= K times in the train split; the rest "
-                           f"share row 0 (default: {DEFAULT_FREQUENCY_THRESHOLD})")
-    crit.add_argument("--max-embeddings-per-feature", default=None,
-                      help="cap on vocabulary rows per table, the most frequent ids kept: one "
-                           f"int or a comma list of 26 (default: {DEFAULT_MAX_EMBEDDINGS_PER_FEATURE})")
-    crit.add_argument("--id-mapping", choices=("vocabulary", "hash", "zch"), default=None,
-                      help="how raw ids become table rows: vocabulary (default) or hash here, "
-                           "or zch: keep the raw ids and let the model map them at training "
-                           "time with zero-collision hashing (tables sized by train "
-                           "--zch-rows; new ids keep arriving in later files)")
-    crit.add_argument("--one-split", choices=("train", "validation", "test"), default=None,
-                      help="with --like: every row into this split (a held-out file to score "
-                           "whole with `dlrm-app evaluate RUN --data OUT --split test`)")
-    crit.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
-    crit.add_argument("--row-group-size", type=int, default=65_536,
-                      help="rows per Parquet row group")
-    crit.add_argument("--on-bad-row", choices=("error", "skip"), default="error",
-                      help="error: stop at the first bad row; skip: drop and count them")
-    crit.add_argument("--max-bad-row-fraction", type=float, default=0.5,
-                      help="with --on-bad-row skip: refuse the input when more than this "
-                           "fraction of its rows are bad (most likely not Criteo files)")
-    crit.add_argument("--like", default=None,
-                      help="encode with this existing dataset's hashing or vocabulary (so its "
-                           "model reads the output)")
-    crit.add_argument("--workers", type=int, default=1,
-                      help="processes that parse, encode and write (default 1, the least "
-                           "memory: each worker adds about 0.4 GB); the output is "
-                           "byte-identical for every N; up to the number of cores pays off")
-    crit.set_defaults(func=_cmd_preprocess_criteo)
-    ml = prep_sub.add_parser("movielens", help="MovieLens 100k / 1m / 20m / 25m / latest folder",
-        formatter_class=HELP_FORMAT)
-    ml.add_argument("src", help="unpacked release folder (u.data, ratings.dat or ratings.csv)")
-    ml.add_argument("--out", required=True, help="output directory (shards + dataset.json)")
-    ml.add_argument("--positive-rating", type=float, default=4.0,
-                    help="label is 1 when rating >= this")
-    ml.add_argument("--split-method", choices=("leave_last_out", "fraction"),
-                    default="leave_last_out",
-                    help="per user by time: last rating test, one before validation; or the "
-                         "last --test-fraction test and as many before validation")
-    ml.add_argument("--test-fraction", type=float, default=0.1,
-                    help="fraction of each user's ratings in test (--split fraction)")
-    ml.add_argument("--id-mapping", choices=("vocabulary", "hash", "zch"), default="vocabulary",
-                    help="user_id and movie_id: vocabulary (ids 0..n-1 of the ids in the "
-                         "ratings), hash (raw id modulo --num-embeddings-per-feature rows) or "
-                         "zch (the raw ids kept, mapped by the model at training time with "
-                         "zero-collision hashing; tables sized by train --zch-rows)")
-    ml.add_argument("--num-embeddings-per-feature", type=int, default=None,
-                    help="with --id-mapping hash: rows of the user_id and movie_id tables")
-    ml.add_argument("--seed", type=int, default=0, help="row order inside each split")
-    ml.add_argument("--rows-per-shard", type=int, default=1_000_000, help="rows per file")
-    ml.add_argument("--row-group-size", type=int, default=65_536,
-                    help="rows per Parquet row group")
-    ml.set_defaults(func=_cmd_preprocess_movielens)
-    train = sub.add_parser("train", help="train a DLRM (one process or under torchrun)",
-                           formatter_class=HELP_FORMAT)
-    train.add_argument("--quiet", action="store_true", help="no progress bar or plan print")
-    add_config_flags(train, TrainConfig, required=("out",))
-    train.set_defaults(func=_cmd_train)
-
-    ev = sub.add_parser("evaluate", help="AUC, NE, logloss... of a checkpoint on a split",
-                        formatter_class=HELP_FORMAT)
-    ev.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
-    ev.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
-    ev.add_argument("--split", choices=("train", "validation", "test"), default="test",
-                    help="which split of the dataset to score")
-    ev.add_argument("--data", default=None,
-                    help="dataset directory (default: the run's); encode other files with "
-                         "`dlrm-app preprocess ... --like RUN_DATA`")
-    ev.add_argument("--batch-size", type=int, default=8192, help="rows per rank per batch")
-    ev.set_defaults(func=_cmd_evaluate)
-
-    ex = sub.add_parser("export", help="a checkpoint -> one serving artifact (.pt2: "
-                        "torch.export + AOTInductor)", formatter_class=HELP_FORMAT)
-    ex.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
-    ex.add_argument("--out", required=True,
-                    help="the artifact to write, e.g. model.pt2 (model.pt with --format "
-                         "torchscript)")
-    ex.add_argument("--format", choices=("pt2", "torchscript"), default="pt2",
-                    help="pt2: AOTInductor-compiled torch.export programs + manifest; "
-                         "torchscript: one TorchScript file, for stacks that cannot load .pt2 "
-                         "yet (TorchScript is deprecated in PyTorch)")
-    ex.add_argument("--lookup", choices=("auto", "fbgemm", "torch"), default="auto",
-                    help=".pt2 embedding lookups: FBGEMM's int-n-bit op (the loader imports "
-                         "fbgemm_gpu) or plain torch ops (loads with torch alone); auto: "
-                         "FBGEMM where it loads")
-    ex.add_argument("--dtype", choices=("fp32", "fp16", "int8", "int4"), default="int8",
-                    help="embedding table storage (row-wise scale/bias for int8/int4)")
-    ex.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
-    ex.add_argument("--quantize-dense", action="store_true",
-                    help="also dynamic-int8 quantize the MLPs' linear layers (--format "
-                         "torchscript only)")
-    ex.set_defaults(func=_cmd_export)
-
-    serve = sub.add_parser("serve", help="HTTP prediction endpoint for an exported model",
-                           formatter_class=HELP_FORMAT)
-    serve.add_argument("model", help="exported model file (dlrm-app export)")
-    serve.add_argument("--expect-sha256", default=None, metavar="HEX",
-                       help="the model file's sha256 (as `dlrm-app export` printed it); a "
-                            "mismatch refuses the file before anything in it is loaded. "
-                            "Default: the digest in <model>.sha256 beside it, if any")
-    add_config_flags(serve, ServeConfig)
-    serve.set_defaults(func=_cmd_serve)
-
-    report = sub.add_parser("report", help="write RUN/report.md with plots (loss, validation "
-                            "AUC/NE, samples/s, ROC, calibration)", formatter_class=HELP_FORMAT)
-    report.add_argument("run", help="run directory written by `dlrm-app train` (its --out)")
-    report.add_argument("--tensorboard", action="store_true",
-                        help='also write TensorBoard event files to RUN/tensorboard (needs pip '
-                             'install -e ".[tensorboard]")')
-    report.set_defaults(func=_cmd_report)
-
-    demo = sub.add_parser("demo", help="generate data, train, evaluate, export: the quick start",
-                          formatter_class=HELP_FORMAT)
-    demo.add_argument("--out", default="runs/demo", help="where data and the run go")
-    demo.add_argument("--rows", type=int, default=DEMO_ROWS, help="synthetic rows")
-    demo.add_argument("--max-steps", type=int, default=None, help="cap on training steps")
-    demo.add_argument("--quiet", action="store_true", help="no progress bars")
-    demo.add_argument("--threads", type=int, default=None,
-                      help="torch threads (default: chosen from the CPUs this process may use, "
-                           "as `train --threads` is)")
-    demo.set_defaults(func=_cmd_demo)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for name, (help_text, cls, func) in COMMANDS.items():
+        words = name.split()
+        where = sub
+        if len(words) == 2:  # a command with subcommands: preprocess criteo | movielens
+            if words[0] not in groups:
+                group = sub.add_parser(words[0], help="raw dataset files -> Parquet shards",
+                                       formatter_class=HELP_FORMAT)
+                groups[words[0]] = group.add_subparsers(dest="dataset", required=True)
+            where = groups[words[0]]
+        command = where.add_parser(words[-1], help=help_text, formatter_class=HELP_FORMAT)
+        add_config_flags(command, cls)
+        command.set_defaults(func=func, config_cls=cls)
     return parser
+
+
+def parsed_config(args: argparse.Namespace) -> object:
+    """The command's typed config from its parsed arguments. ``train``'s run config comes from
+    ``config_from_args`` (a resumed run starts from its saved config)."""
+    if args.config_cls is TrainCommand:
+        return TrainCommand(quiet=getattr(args, "quiet", False), config=config_from_args(args))
+    return config_from_values(args.config_cls, config_values(args, args.config_cls))
 
 
 TRACEBACK_ENV = "DLRM_APP_TRACEBACK"
@@ -520,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     prefix = name + (f" (rank {rank})" if rank else "")
     try:
-        return int(args.func(args))
+        return int(args.func(parsed_config(args)))
     except SystemExit as exc:  # a command's own one-line error: name the rank in it too
         if rank and isinstance(exc.code, str) and exc.code.startswith(name + ":"):
             raise SystemExit(prefix + exc.code[len(name):]) from None

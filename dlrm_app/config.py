@@ -1,5 +1,9 @@
-"""Typed configuration of the commands: the CLI's flags become one ``TrainConfig`` (with its
-``ModelConfig``) or ``ServeConfig``, and the defaults of preprocessing and the demo live here.
+"""Typed configuration of the commands, one tree: a dataclass per command of ``dlrm-app``
+(``InfoConfig``, ``GenerateConfig``, ``CriteoConfig``, ``MovieLensConfig``, ``TrainCommand``
+with its ``TrainConfig`` and that one's ``ModelConfig``, ``EvaluateConfig``, ``ExportConfig``,
+``ServeCommand`` with its ``ServeConfig``, ``ReportConfig``, ``DemoConfig``). Every command-line
+argument is generated from a field here (``dlrm_app.flags``): the field's type parses it, its
+default is shown in ``--help``, and the docstring under it is the help line.
 
 This module imports nothing heavy (no torch, numpy or pyarrow): the command line builds its
 parser from it, so ``--help`` and argument errors answer at once.
@@ -15,7 +19,7 @@ import enum
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 DEFAULT_FREQUENCY_THRESHOLD = 1
 """Criteo: train occurrences a raw id needs for a row of its own (1: every id seen in train)."""
@@ -23,6 +27,17 @@ DEFAULT_MAX_EMBEDDINGS_PER_FEATURE = 10_000_000
 """Criteo: rows per table at most (the out-of-vocabulary row included)."""
 DEMO_ROWS = 500_000
 """Synthetic rows ``dlrm-app demo`` generates."""
+
+
+def positional(nargs: str | None = None) -> Any:
+    """A field given as a positional argument (``nargs="+"``: one or more)."""
+    return dataclasses.field(metadata={"cli": "positional", "nargs": nargs})
+
+
+def required(metavar: str | None = None) -> Any:
+    """A field whose flag must be given."""
+    return dataclasses.field(metadata={"cli": "required", **({"metavar": metavar} if metavar
+                                                             else {})})
 
 
 class Interaction(enum.Enum):
@@ -125,7 +140,7 @@ class TrainConfig:
     data: str
     """Dataset directory (dataset.json + Parquet shards); required except with --resume of an
     existing run, whose config names its data."""
-    out: str
+    out: str = required()
     """Run directory: config, metrics log, plan, checkpoints, report."""
     model: ModelConfig = ModelConfig()
     """Layer sizes and interaction."""
@@ -416,3 +431,212 @@ class ServeConfig:
                              f"got {self.max_wait_ms}, {self.request_timeout_s}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"ServeConfig.threads must be >= 1 or None, got {self.threads}")
+
+
+# --- the other commands ----------------------------------------------------------------------
+
+Split = Literal["train", "validation", "test"]
+IdMapping = Literal["vocabulary", "hash", "zch"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InfoConfig:
+    """``dlrm-app info``."""
+
+    device: str = "cpu"
+    """Device to report kernel choices for."""
+    json: bool = False
+    """Print one JSON object."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """``dlrm-app generate``: a synthetic Criteo-shaped dataset."""
+
+    out: str = required()
+    """Output directory (shards + dataset.json)."""
+    rows: int = 100_000
+    """Total rows over all splits."""
+    num_dense: int = 13
+    """Number of dense features."""
+    num_sparse: int = 26
+    """Number of sparse features."""
+    cardinalities: str = "10000"
+    """Ids per sparse feature: one int or a comma list of --num-sparse."""
+    pooling_factors: str = "1"
+    """Mean ids per row (1 = one-hot): one float or a comma list."""
+    zipf_alpha: float = 1.05
+    """Id popularity skew."""
+    seed: int = 0
+    """Same seed -> identical files."""
+    rows_per_shard: int = 1_000_000
+    """Rows per file."""
+    row_group_size: int = 65_536
+    """Rows per Parquet row group (the generated rows do not depend on it)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CriteoConfig:
+    """``dlrm-app preprocess criteo``."""
+
+    inputs: tuple[str, ...] = positional("+")
+    """TSV files in order (terabyte: one per day)."""
+    out: str = required()
+    """Output directory (shards + dataset.json)."""
+    format: Literal["kaggle", "terabyte"] = "kaggle"
+    """kaggle: split by row order 6/7, 1/14, 1/14; terabyte: the last day's halves are
+    validation and test."""
+    num_embeddings_per_feature: str | None = None
+    """Hash ids modulo this many rows instead of a vocabulary: one int or a comma list of 26
+    (the reference DLRM uses 40000000 for Criteo 1TB)."""
+    frequency_threshold: int | None = None
+    """Vocabulary of the ids seen >= K times in the train split; the rest share row 0 (default:
+    1)."""
+    max_embeddings_per_feature: str | None = None
+    """Cap on vocabulary rows per table, the most frequent ids kept: one int or a comma list of
+    26 (default: 10000000)."""
+    id_mapping: IdMapping | None = None
+    """How raw ids become table rows: vocabulary (default) or hash here, or zch: keep the raw
+    ids and let the model map them at training time with zero-collision hashing (tables sized
+    by train --zch-rows; new ids keep arriving in later files)."""
+    one_split: Split | None = None
+    """With --like: every row into this split (a held-out file to score whole with `dlrm-app
+    evaluate RUN --data OUT --split test`)."""
+    rows_per_shard: int = 1_000_000
+    """Rows per file."""
+    row_group_size: int = 65_536
+    """Rows per Parquet row group."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """error: stop at the first bad row; skip: drop and count them."""
+    max_bad_row_fraction: float = 0.5
+    """With --on-bad-row skip: refuse the input when more than this fraction of its rows are
+    bad (most likely not Criteo files)."""
+    like: str | None = None
+    """Encode with this existing dataset's hashing or vocabulary (so its model reads the
+    output)."""
+    workers: int = 1
+    """Processes that parse, encode and write (1, the default, needs the least memory: each
+    worker adds about 0.4 GB); the output is byte-identical for every N; up to the number of
+    cores pays off."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MovieLensConfig:
+    """``dlrm-app preprocess movielens``."""
+
+    src: str = positional()
+    """Unpacked release folder (u.data, ratings.dat or ratings.csv)."""
+    out: str = required()
+    """Output directory (shards + dataset.json)."""
+    positive_rating: float = 4.0
+    """Label is 1 when rating >= this."""
+    split_method: Literal["leave_last_out", "fraction"] = "leave_last_out"
+    """Per user by time: last rating test, one before validation; or the last --test-fraction
+    test and as many before validation."""
+    test_fraction: float = 0.1
+    """Fraction of each user's ratings in test (--split-method fraction)."""
+    id_mapping: IdMapping = "vocabulary"
+    """user_id and movie_id: vocabulary (ids 0..n-1 of the ids in the ratings), hash (raw id
+    modulo --num-embeddings-per-feature rows) or zch (the raw ids kept, mapped by the model at
+    training time with zero-collision hashing; tables sized by train --zch-rows)."""
+    num_embeddings_per_feature: int | None = None
+    """With --id-mapping hash: rows of the user_id and movie_id tables."""
+    seed: int = 0
+    """Row order inside each split."""
+    rows_per_shard: int = 1_000_000
+    """Rows per file."""
+    row_group_size: int = 65_536
+    """Rows per Parquet row group."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainCommand:
+    """``dlrm-app train``: the run's ``TrainConfig`` (saved in its config.json) and how the
+    console shows it."""
+
+    quiet: bool = False
+    """No progress bar, plan line or summary on stderr (stdout keeps the JSON line)."""
+    config: TrainConfig
+    """The run."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvaluateConfig:
+    """``dlrm-app evaluate``."""
+
+    run: str = positional()
+    """Run directory written by `dlrm-app train` (its --out)."""
+    checkpoint: str = "best"
+    """best (the best validation AUC; the newest checkpoint where none was recorded), latest,
+    or a step_* directory."""
+    split: Split = "test"
+    """Which split of the dataset to score."""
+    data: str | None = None
+    """Dataset directory (None: the run's); encode other files with `dlrm-app preprocess ...
+    --like RUN_DATA`."""
+    batch_size: int = 8192
+    """Rows per rank per batch."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """``dlrm-app export``."""
+
+    run: str = positional()
+    """Run directory written by `dlrm-app train` (its --out)."""
+    out: str = required()
+    """The artifact to write, e.g. model.pt2 (model.pt with --format torchscript)."""
+    format: Literal["pt2", "torchscript"] = "pt2"
+    """pt2: AOTInductor-compiled torch.export programs + manifest; torchscript: one TorchScript
+    file, for stacks that cannot load .pt2 yet (TorchScript is deprecated in PyTorch)."""
+    lookup: Literal["auto", "fbgemm", "torch"] = "auto"
+    """.pt2 embedding lookups: FBGEMM's int-n-bit op (the loader imports fbgemm_gpu) or plain
+    torch ops (loads with torch alone); auto: FBGEMM where it loads."""
+    dtype: Literal["fp32", "fp16", "int8", "int4"] = "int8"
+    """Embedding table storage (row-wise scale/bias for int8/int4)."""
+    checkpoint: str = "best"
+    """best (the best validation AUC; the newest checkpoint where none was recorded), latest,
+    or a step_* directory."""
+    quantize_dense: bool = False
+    """Also dynamic-int8 quantize the MLPs' linear layers (--format torchscript only)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeCommand:
+    """``dlrm-app serve``: which artifact, and the server's ``ServeConfig``."""
+
+    model: str = positional()
+    """Exported model file (dlrm-app export)."""
+    expect_sha256: str | None = dataclasses.field(default=None, metadata={"metavar": "HEX"})
+    """The model file's sha256 (as `dlrm-app export` printed it); a mismatch refuses the file
+    before anything in it is loaded. None: the digest in <model>.sha256 beside it, if any."""
+    server: ServeConfig = ServeConfig()
+    """Binding, batching and bounds."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportConfig:
+    """``dlrm-app report``."""
+
+    run: str = positional()
+    """Run directory written by `dlrm-app train` (its --out)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN/tensorboard (needs pip install -e
+    ".[tensorboard]")."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """``dlrm-app demo``: generate data, train, evaluate, export."""
+
+    out: str = "runs/demo"
+    """Where data and the run go."""
+    rows: int = DEMO_ROWS
+    """Synthetic rows."""
+    max_steps: int | None = None
+    """Cap on training steps (None: the run's own stopping rule)."""
+    quiet: bool = False
+    """No progress bars."""
+    threads: int | None = None
+    """torch threads (None: chosen from the CPUs this process may use, as `train --threads`
+    is)."""

@@ -9,9 +9,16 @@ is the field's docstring (the string literal under it in the class body)::
         \"\"\"Passes over the train split.\"\"\"        ->   --epochs EPOCHS  Passes over the
                                                               train split. (default: 3)
 
+A field's ``metadata`` may say more (``dlrm_app.config.positional`` / ``required``): ``"cli":
+"positional"`` makes it a positional argument (``"nargs"`` for several), ``"cli": "required"`` a
+flag that must be given, ``"metavar"`` its placeholder. ``Literal[...]`` types become choices; a
+bool defaulting to False is a plain switch (``--quiet``), one defaulting to True or None gets
+its ``--no-`` twin.
+
 Flags default to ``argparse.SUPPRESS``: the namespace holds only the flags the user gave, so a
 caller can tell "left at its default" from "given" (``--resume`` needs that to check a flag
-against the run's saved config). ``config_values`` turns the namespace back into field values.
+against the run's saved config). ``config_values`` turns the namespace back into field values,
+``config_from_values`` into the config itself (nested sections included).
 """
 
 from __future__ import annotations
@@ -81,8 +88,8 @@ def _show(value: Any) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
-                     exclude: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> None:
-    """One flag per field of ``cls`` (nested config dataclasses are flattened)."""
+                     exclude: tuple[str, ...] = ()) -> None:
+    """One argument per field of ``cls`` (nested config dataclasses are flattened)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for field in dataclasses.fields(cls):
@@ -94,18 +101,27 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
             continue
         default = field.default
         help_text = docs.get(field.name, "")
-        flag = "--" + field.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
-                                  "help": help_text}
-        if field.name in required:
-            parser.add_argument(flag, required=True, **kwargs)
-            continue
-        if default is not dataclasses.MISSING:
-            kwargs["help"] = f"{help_text} (default: {_show(default)})"
+        cli = field.metadata.get("cli")
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text}
+        if "metavar" in field.metadata:
+            kwargs["metavar"] = field.metadata["metavar"]
         args = typing.get_args(hint)
         optional = type(None) in args and (typing.get_origin(hint) in (typing.Union, types.UnionType))
         base = next(a for a in args if a is not type(None)) if optional else hint
+        if cli == "positional":
+            parser.add_argument(field.name, nargs=field.metadata.get("nargs"), **kwargs)
+            continue
+        kwargs["dest"] = field.name
+        flag = "--" + field.name.replace("_", "-")
+        if cli == "required":
+            parser.add_argument(flag, required=True, **kwargs)
+            continue
+        if default is not dataclasses.MISSING and "(default:" not in help_text:
+            kwargs["help"] = f"{help_text} (default: {_show(default)})"
         if base is bool:
+            if default is False:
+                parser.add_argument(flag, action="store_true", **kwargs)
+                continue
             if optional and default is None:  # a tri-state: None decides at run time
                 kwargs["help"] = f"{help_text} (default: auto)"
             stem = "--" + BOOLEAN_FLAGS.get(field.name, field.name).replace("_", "-")
@@ -113,6 +129,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
             continue
         if isinstance(base, type) and issubclass(base, enum.Enum):
             kwargs["choices"] = [m.value for m in base]
+            kwargs["type"] = str
+        elif typing.get_origin(base) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(base))
             kwargs["type"] = str
         elif typing.get_origin(base) is tuple:
             kwargs["type"] = _sizes
@@ -140,3 +159,23 @@ def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
                 value = hint(value)
             values[field.name] = value
     return values
+
+
+def config_from_values(cls: type, values: dict[str, Any]) -> Any:
+    """``cls`` built from ``config_values``' output: nested sections built the same way, the
+    fields not given left at their defaults."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            value = config_from_values(hint, value)  # type: ignore[arg-type]
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    for field in dataclasses.fields(cls):  # sections given no flag: their defaults
+        hint = hints[field.name]
+        if (field.name not in kwargs and dataclasses.is_dataclass(hint)
+                and field.default is dataclasses.MISSING):
+            kwargs[field.name] = config_from_values(hint, {})  # type: ignore[arg-type]
+    return cls(**kwargs)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlrm_app.cli import build_parser
+from dlrm_app.cli import build_parser, parsed_config
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.metrics import BinaryClassificationMetrics, calibration_curve, roc_curve
@@ -350,11 +350,11 @@ def parser() -> argparse.ArgumentParser:
 
 def test_report_command(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = parser().parse_args(["report", str(run)])
-    assert args.func(args) == 0
+    assert args.func(parsed_config(args)) == 0
     assert capsys.readouterr().out.strip() == str(run / "report.md")
     args = parser().parse_args(["report", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="dlrm-app report: .*no such run directory"):
-        args.func(args)
+        args.func(parsed_config(args))
 
 
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason='needs pip install -e ".[tensorboard]"')
@@ -362,7 +362,7 @@ def test_tensorboard_scalars(run: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     args = parser().parse_args(["report", str(run), "--tensorboard"])
-    assert args.func(args) == 0
+    assert args.func(parsed_config(args)) == 0
     logdir = run / "tensorboard"
     assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(logdir))
