@@ -21,14 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsys_core.kernels.torch_tbe import pooled_lookup
+
 
 class DenseTableBatchedEmbedding(nn.Module):
     """Tables as parameters; ``forward(indices, offsets, per_sample_weights)`` ->
     ``[B, sum of the features' dims]`` (``offsets`` feature-major, ``F * B + 1`` long: a KJT's).
 
-    Example: tables of 3 x 2 and 4 x 1 rows, features ``(f0 -> table 0, f1 -> table 1)``, batch
-    2, ids ``f0: [0, 2] | [1]``, ``f1: [] | [3]``: offsets ``[0, 2, 3, 3, 4]``, output row 0 is
-    ``[w0[0] + w0[2], 0]``, row 1 ``[w0[1], w1[3]]`` (MEAN divides each bag by its length).
+    The lookup is :func:`~recsys_core.kernels.torch_tbe.pooled_lookup` (its docstring has an
+    example); gradients flow to the weights through autograd.
     """
 
     def __init__(
@@ -82,31 +83,10 @@ class DenseTableBatchedEmbedding(nn.Module):
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        num_features = len(self.feature_table_map)
-        batch = (offsets.numel() - 1) // max(num_features, 1)
-        starts = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
-        outs = []
-        for f, t in enumerate(self.feature_table_map):
-            lo, hi = int(starts[f]), int(starts[f + 1])
-            bags = offsets[f * batch : (f + 1) * batch + 1] - lo
-            weight = self.weights[t]
-            sample_weights = None
-            if per_sample_weights is not None:  # must match the table's dtype (FP16 tables)
-                sample_weights = per_sample_weights[lo:hi].to(weight.dtype)
-            out = nn.functional.embedding_bag(
-                indices[lo:hi].long(),
-                weight,
-                bags.long(),
-                mode="sum",
-                per_sample_weights=sample_weights,
-                include_last_offset=True,
-            ).float()
-            if self.pooling_mean:
-                out = out / bags.diff().clamp(min=1).unsqueeze(1).to(out.dtype)
-            outs.append(out)
-        if not outs:
-            return torch.zeros(batch, 0, device=offsets.device)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return pooled_lookup(
+            indices, offsets, self.weights, self.feature_table_map, self.pooling_mean,
+            per_sample_weights,
+        )
 
 
 def data_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:

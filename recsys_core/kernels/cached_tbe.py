@@ -58,6 +58,7 @@ from recsys_core.kernels.offload_store import (
     free_bytes,
     row_io_available,
 )
+from recsys_core.kernels.torch_tbe import feature_bounds
 
 __all__ = [
     "CacheStats",
@@ -432,9 +433,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         with the copies to do (run now, or in the worker when ``asynchronous``). A prefetch
         (``asynchronous``) that does not fit beside the batches in flight returns None and
         changes nothing; a forward that does not fit raises :class:`CacheTooSmallError`."""
-        num_features = len(self.feature_table_map)
-        batch_size = (offsets.numel() - 1) // max(num_features, 1)
-        bounds = offsets[:: batch_size].tolist() if batch_size > 0 else [0] * (num_features + 1)
+        _, bounds = feature_bounds(offsets, len(self.feature_table_map))
         host_ids = indices if indices.device.type == "cpu" else indices.cpu()
         # Pass 1, read-only: the distinct rows of each table, and whether they fit.
         plans = []

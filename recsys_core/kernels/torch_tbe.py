@@ -107,39 +107,16 @@ class TorchTableBatchedEmbedding(nn.Module):
             self, self.placeholder_autograd_tensor, indices, offsets, per_sample_weights
         )
 
-    def _feature_segments(self, offsets: torch.Tensor) -> tuple[int, list[int]]:
-        num_features = len(self.feature_table_map)
-        batch = (offsets.numel() - 1) // num_features
-        starts = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
-        return batch, [int(s) for s in starts]
-
     def pooled(
         self,
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        batch, starts = self._feature_segments(offsets)
-        tables = self.split_embedding_weights()
-        outs = []
-        for f, t in enumerate(self.feature_table_map):
-            lo, hi = starts[f], starts[f + 1]
-            bag_offsets = offsets[f * batch : (f + 1) * batch + 1] - lo
-            psw = None if per_sample_weights is None else per_sample_weights[lo:hi]
-            out = nn.functional.embedding_bag(
-                indices[lo:hi].long(),
-                tables[t],
-                bag_offsets.long(),
-                mode="sum",
-                per_sample_weights=psw,
-                include_last_offset=True,
-            )
-            if self.pooling_mean:
-                out = out / bag_offsets.diff().clamp(min=1).unsqueeze(1).to(out.dtype)
-            outs.append(out)
-        if not outs:
-            return self.weights.new_zeros(batch, 0)
-        return torch.cat(outs, dim=1)
+        return pooled_lookup(
+            indices, offsets, self.split_embedding_weights(), self.feature_table_map,
+            self.pooling_mean, per_sample_weights,
+        )
 
     def backward_and_update(
         self,
@@ -149,7 +126,7 @@ class TorchTableBatchedEmbedding(nn.Module):
         per_sample_weights: torch.Tensor | None,
         want_psw_grad: bool,
     ) -> torch.Tensor | None:
-        batch, starts = self._feature_segments(offsets)
+        batch, starts = feature_bounds(offsets, len(self.feature_table_map))
         tables = self.split_embedding_weights()
         dim_offsets = _cumsum([self.dims[t] for t in self.feature_table_map])
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -266,6 +243,55 @@ class _FusedLookup(torch.autograd.Function):
             grad_out.contiguous(), indices, offsets, psw, want_psw_grad
         )
         return None, None, None, None, psw_grad
+
+
+def feature_bounds(offsets: torch.Tensor, num_features: int) -> tuple[int, list[int]]:
+    """The batch size ``B`` of feature-major ``offsets`` (``num_features * B + 1`` long, a KJT's)
+    and where each feature's ids start, ``num_features + 1`` positions into the ids."""
+    batch = (offsets.numel() - 1) // max(num_features, 1)
+    starts = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
+    return batch, [int(s) for s in starts]
+
+
+def pooled_lookup(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    tables: Sequence[torch.Tensor],
+    feature_table_map: Sequence[int],
+    pooling_mean: bool,
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[B, sum of the features' dims]``: each feature's bags pooled from its table.
+
+    Example: tables of 3 x 2 and 4 x 1 rows, features ``(f0 -> table 0, f1 -> table 1)``,
+    batch 2, ids ``f0: [0, 2] | [1]``, ``f1: [] | [3]``: offsets ``[0, 2, 3, 3, 4]``, output
+    row 0 is ``[w0[0] + w0[2], 0]``, row 1 ``[w0[1], w1[3]]`` (MEAN divides each bag by its
+    length). Per-sample weights take each table's dtype; the output is float32 (an FP16
+    table's too).
+    """
+    batch, starts = feature_bounds(offsets, len(feature_table_map))
+    outs = []
+    for f, t in enumerate(feature_table_map):
+        lo, hi = starts[f], starts[f + 1]
+        bags = offsets[f * batch : (f + 1) * batch + 1] - lo
+        weight = tables[t]
+        sample_weights = None
+        if per_sample_weights is not None:
+            sample_weights = per_sample_weights[lo:hi].to(weight.dtype)
+        out = nn.functional.embedding_bag(
+            indices[lo:hi].long(),
+            weight,
+            bags.long(),
+            mode="sum",
+            per_sample_weights=sample_weights,
+            include_last_offset=True,
+        ).float()
+        if pooling_mean:
+            out = out / bags.diff().clamp(min=1).unsqueeze(1).to(out.dtype)
+        outs.append(out)
+    if not outs:
+        return torch.zeros(batch, 0, device=offsets.device)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def _cumsum(sizes: Sequence[int]) -> list[int]:
