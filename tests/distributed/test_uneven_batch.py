@@ -10,10 +10,16 @@ local shard's weights.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from gloo_setup import (
+    check_local_shards,
+    concat_ranks,
+    pooled_step,
+    random_batch,
+    shard_beside_reference,
+    two_table_plans,
+)
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -24,23 +30,12 @@ from recsys_core import (
     KeyedJaggedTensor,
     PoolingType,
 )
-from recsys_core.distributed import (
-    EmbeddingBagCollectionSharder,
-    EmbeddingCollectionSharder,
-    ShardingEnv,
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_column_wise,
-    table_row_wise,
-    table_wise,
-)
+from recsys_core.distributed import column_wise, row_wise, table_wise
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
 from recsys_core.testing import run_gloo
 
 KEYS = ["f0", "f1", "f2"]
-ROWS = {"f0": 13, "f1": 13, "f2": 7}
+ROWS = [13, 13, 7]
 POOLED = [
     EmbeddingBagConfig(name="t_sum", embedding_dim=8, num_embeddings=13, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
     EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
@@ -59,82 +54,35 @@ BATCHES = [(3, 4), (0, 4), (4, 0)]
 def pooled_plans(host: int) -> dict[str, dict]:
     """Sharding kind -> plan generators, world size 2 (``host``: the host index of the
     table-row/column-wise tables; 1 when each rank is its own host)."""
-    return {
-        "table_wise": {"t_sum": table_wise(rank=1, compute_kernel=K), "t_mean": table_wise(rank=0, compute_kernel=K)},
-        "column_wise": {"t_sum": column_wise(ranks=[0, 1], compute_kernel=K), "t_mean": column_wise(ranks=[1], compute_kernel=K)},
-        "row_wise": {"t_sum": row_wise(compute_kernel=K), "t_mean": row_wise(compute_kernel=K)},
-        "table_row_wise": {"t_sum": table_row_wise(host_index=host, compute_kernel=K), "t_mean": table_row_wise(host_index=0, compute_kernel=K)},
-        "table_column_wise": {"t_sum": table_column_wise(host_index=host, compute_kernel=K), "t_mean": table_wise(rank=0, compute_kernel=K)},
-        "data_parallel": {"t_sum": data_parallel(compute_kernel=K), "t_mean": data_parallel(compute_kernel=K)},
-        "mixed": {"t_sum": row_wise(compute_kernel=K), "t_mean": table_wise(rank=1, compute_kernel=K)},
-    }
+    plans = two_table_plans("t_sum", "t_mean", 2, 2 // (host + 1), kernel=K)
+    plans["mixed"] = {"t_sum": row_wise(compute_kernel=K), "t_mean": table_wise(rank=1, compute_kernel=K)}
+    return plans
 
 
 def rank_batch(seed: int, batch: int, weighted: bool = False) -> KeyedJaggedTensor:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 4, (len(KEYS) * batch,), generator=gen)
-    values = torch.cat([
-        torch.randint(0, ROWS[k], (int(lengths[i * batch : (i + 1) * batch].sum()),), generator=gen)
-        for i, k in enumerate(KEYS)
-    ])
-    weights = torch.rand(values.numel(), generator=gen) if weighted else None
-    return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, weights=weights, stride=batch)
-
-
-def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    per_key = [[k.to_dict()[key] for k in kjts] for key in KEYS]
-    weighted = kjts[0].weights_or_none() is not None
-    return KeyedJaggedTensor(
-        keys=KEYS,
-        values=torch.cat([jt.values() for jts in per_key for jt in jts]),
-        lengths=torch.cat([jt.lengths() for jts in per_key for jt in jts]),
-        weights=torch.cat([jt.weights() for jts in per_key for jt in jts]) if weighted else None,
-        stride=sum(k.stride() for k in kjts),
-    )
-
-
-def check_shards(sharded: torch.nn.Module, reference: torch.nn.Module, prefix: str) -> int:
-    checked = 0
-    for local in sharded.lookups:
-        for shard, weight, _ in local.local_shards():
-            full = getattr(reference, prefix)[shard.table].weight.detach()
-            rows = slice(shard.row_offset, shard.row_offset + shard.rows)
-            cols = slice(shard.col_offset, shard.col_offset + shard.cols)
-            torch.testing.assert_close(weight, full[rows, cols], atol=1e-5, rtol=1e-5)
-            checked += 1
-    return checked
+    return random_batch(torch.Generator().manual_seed(seed), KEYS, ROWS, batch, weighted=weighted)
 
 
 def pooled_worker(
     rank: int, world: int, kinds: list[str], host: int, weighted: bool = False,
     batches: list[tuple[int, int]] = BATCHES,
 ) -> int:
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     checked = 0
     for kind in kinds:
         for case, sizes in enumerate(batches):
             torch.manual_seed(case)
-            ebc = EmbeddingBagCollection(POOLED, is_weighted=weighted)
-            reference = copy.deepcopy(ebc)
+            sharded, reference = shard_beside_reference(
+                EmbeddingBagCollection(POOLED, is_weighted=weighted), pooled_plans(host)[kind],
+                world, world // (host + 1), fused_params=FUSED)
             ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-            plan = construct_module_sharding_plan(ebc, pooled_plans(host)[kind], world, world // (host + 1))
-            sharded = EmbeddingBagCollectionSharder(fused_params=FUSED).shard(ebc, plan, env, torch.device("cpu"))
             kjts = [rank_batch(10 * case + r, b, weighted) for r, b in enumerate(sizes)]
-            lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+            rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
             target = torch.randn(sum(sizes), 20, generator=torch.Generator().manual_seed(case))
             out = sharded(kjts[rank]).wait()
             assert out.values().shape == (sizes[rank], 20), (kind, sizes, out.values().shape)
-            values = out.values()
-            values.retain_grad()
-            ref_values = reference(concat(kjts)).values()
-            ref_values.retain_grad()
-            torch.testing.assert_close(values, ref_values[lo:hi].detach(), atol=1e-5, rtol=1e-5)
-            (torch.tanh(values) * target[lo:hi]).sum().backward()
-            ref_opt.zero_grad()
-            ((torch.tanh(ref_values) * target).sum() / world).backward()  # mean of rank losses
-            ref_opt.step()
-            torch.testing.assert_close(values.grad, ref_values.grad[lo:hi] * world, atol=1e-5, rtol=1e-5)
-            checked += check_shards(sharded, reference, "embedding_bags")
+            ref_values = reference(concat_ranks(kjts)).values()
+            pooled_step(out.values(), ref_values, rows, target, ref_opt, world)
+            checked += check_local_shards(sharded, reference.embedding_bags)
     return checked
 
 
@@ -159,19 +107,16 @@ SEQUENCE_PLANS = {
 
 
 def sequence_worker(rank: int, world: int) -> int:
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
     checked = 0
     for generators in SEQUENCE_PLANS.values():
         for case, sizes in enumerate(BATCHES):
             torch.manual_seed(case)
-            ec = EmbeddingCollection(SEQUENCE)
-            reference = copy.deepcopy(ec)
+            sharded, reference = shard_beside_reference(
+                EmbeddingCollection(SEQUENCE), generators, world, world, fused_params=FUSED)
             ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-            plan = construct_module_sharding_plan(ec, generators, world, world)
-            sharded = EmbeddingCollectionSharder(fused_params=FUSED).shard(ec, plan, env, torch.device("cpu"))
             kjts = [rank_batch(10 * case + r, b) for r, b in enumerate(sizes)]
             out = sharded(kjts[rank]).wait()
-            ref = reference(concat(kjts))
+            ref = reference(concat_ranks(kjts))
             loss, ref_loss = torch.zeros(()), torch.zeros(())
             for key in KEYS:
                 # this rank's ids come after the earlier ranks' ids of the same key
@@ -186,7 +131,7 @@ def sequence_worker(rank: int, world: int) -> int:
             ref_opt.zero_grad()
             (ref_loss / world).backward()
             ref_opt.step()
-            checked += check_shards(sharded, reference, "embeddings")
+            checked += check_local_shards(sharded, reference.embeddings)
     return checked
 
 
@@ -233,7 +178,7 @@ def test_malformed_lengths_and_required_equal_batch_are_clear_errors() -> None:
 def test_unsharded_reference_rows_partition_the_concatenated_batch(sizes: tuple[int, int]) -> None:
     # the oracle's own premise: concat puts each rank's samples in rank order
     kjts = [rank_batch(r, b) for r, b in enumerate(sizes)]
-    whole = concat(kjts)
+    whole = concat_ranks(kjts)
     assert whole.stride() == sum(sizes)
     for key in KEYS:
         torch.testing.assert_close(
