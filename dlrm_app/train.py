@@ -2,9 +2,11 @@
 
     torchrun --nproc-per-node 2 -m dlrm_app train --data data/synthetic --out runs/a
 
-Process setup is in ``dlrm_app.runtime``, the sharded model and optimizers are built by
-``dlrm_app.build``, batches are staged by ``dlrm_app.pipeline``, validation is
-``dlrm_app.evaluate.evaluate_model``, the run directory is prepared by ``dlrm_app.run_dir``.
+``Trainer`` sets a run up (process group from ``dlrm_app.runtime``, the sharded model and
+optimizers from ``dlrm_app.build``, the run directory from ``dlrm_app.run_dir``), runs the step
+loop (``fit``; batches staged by ``dlrm_app.pipeline``) and ends it (``finish``). The loop only
+steps: the components in ``dlrm_app.components`` each decide when they act after a step (metrics
+log, validation and early stopping, checkpoints).
 
 Keeping the best model: validation runs on a schedule that suits the data (about 4 times an
 epoch by default); every better validation AUC saves a checkpoint recorded as ``best``, which
@@ -25,9 +27,6 @@ interleaved like the shares, in tests/integration/test_torchrun.py).
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from dlrm_app.build import (
     build_model,
@@ -45,17 +43,16 @@ from dlrm_app.build import (
     set_learning_rates,
     world_hosts,
 )
-from dlrm_app.checkpoint import (
-    best_checkpoint,
-    latest_checkpoint,
-    load_checkpoint,
-    newest_intact_checkpoint,
-    save_checkpoint,
+from dlrm_app.components import (
+    Checkpointer,
+    MetricsLogger,
+    TrainingDiverged,
+    TrainState,
+    Validator,
 )
 from dlrm_app.config import TrainConfig, lr_scale
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.evaluate import evaluate_model
 from dlrm_app.pipeline import device_batches
 from dlrm_app.report import write_report
 from dlrm_app.run_dir import prepare_run_dir
@@ -64,263 +61,193 @@ from dlrm_app.runtime import (
     amp_warning,
     autocast,
     gather,
-    global_mean,
     init_distributed,
     peak_memory_mb,
     world,
 )
 from dlrm_app.threads import configure_threads
 
-PHASES = ("data", "forward", "backward", "optimizer")
-
-
-class TrainingDiverged(ValueError):
-    """The loss or the model's output stopped being finite."""
-
-
-class _Log:
-    """Appends JSON lines to ``metrics.jsonl`` (rank 0 only)."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self._file = path.open("a") if enabled else None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-@dataclasses.dataclass
-class _State:
-    """Where training is; saved in every checkpoint and restored by ``--resume``."""
-
-    step: int = 0
-    epoch: int = 0
-    epoch_batches: int = 0
-    """Batches of the current epoch trained so far (the pipelined loop pulls one batch ahead,
-    so the loader's own count can be one higher)."""
-    best_auc: float = -1.0
-    best_step: int = -1
-    stale_validations: int = 0
-    """Validations since the best one."""
-    stop_reason: str | None = None
-
-
-def _diverged(what: str, state: _State, config: TrainConfig) -> TrainingDiverged:
-    kept = (f"the best checkpoint (step {state.best_step}, validation AUC {state.best_auc:.4f}) "
-            f"is kept in {config.out}/checkpoints" if state.best_step >= 0 else
-            "no checkpoint was kept")
-    return TrainingDiverged(
-        f"{what} at step {state.step} (epoch {state.epoch}): training diverged; lower "
-        f"--learning-rate (now {config.learning_rate}) and --embedding-learning-rate (now "
-        f"{config.embedding_learning_rate}), or add --lr-warmup-steps; {kept}")
+__all__ = ["Trainer", "TrainingDiverged", "train"]
 
 
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints."""
-    threads = configure_threads(config.threads)
-    device = init_distributed(config.timeout)
-    rank, world_size = world()
-    if rank == 0 and progress:
-        print(threads.describe(), file=sys.stderr)
-    spec = DatasetSpec.load(config.data)
-    previous_data = resumed_data(config)
-    new_data = previous_data is not None and not same_path(previous_data, config.data)
-    if new_data:
-        check_continuation(previous_data, spec, config.data)
-    config = prepare_run_dir(config.with_batch_size(spec.split("train").rows, world_size), rank)
-    out, ckpt_dir = Path(config.out), Path(config.out) / "checkpoints"
-    torch.manual_seed(config.seed)
+    trainer = Trainer(config, progress)
+    trainer.fit()
+    return trainer.finish()
 
-    dmp = build_model(config, spec, device)
-    optimizer = build_optimizer(config, dmp)
-    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-    if rank == 0:
-        (out / "plan.json").write_text(dmp.plan.to_json() + "\n")
-        if progress:  # the per-table tables: plan.json and the report's "Sharding plan"
-            print(f"{plan_summary(dmp.plan, world_size)}; per table: {out / 'plan.json'}",
-                  file=sys.stderr)
 
-    train_loader = ParquetLoader(config.data, "train", batch_size=config.batch_size, rank=rank,
-                                 world_size=world_size, shuffle=config.shuffle, seed=config.seed,
-                                 drop_last=True)
-    val_loader = ParquetLoader(config.data, "validation", batch_size=config.batch_size,
-                               rank=rank, world_size=world_size, drop_last=False, pad_last=True)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise ValueError(f"the train split of {config.data} has fewer than --batch-size "
-                         f"({config.batch_size}) rows per rank; use a smaller batch size")
-    total_steps = steps_per_epoch * config.epochs
-    if config.max_steps is not None:
-        total_steps = min(total_steps, config.max_steps)
-    validate_every = config.validation_interval(steps_per_epoch)
+class Trainer:
+    """One training run: set up by the constructor (resuming where ``--resume`` says), trained
+    by ``fit``, ended by ``finish`` (the best model loaded back, validated, summarized)."""
 
-    state, resumed_from = _State(), None
-    if config.resume and (path := newest_intact_checkpoint(ckpt_dir)) is not None:
-        state, resumed_from = _restore(path, dmp, optimizer, train_loader, config, world_size,
-                                       steps_per_epoch), str(path)
+    def __init__(self, config: TrainConfig, progress: bool = True) -> None:
+        threads = configure_threads(config.threads)
+        self.device = device = init_distributed(config.timeout)
+        self.rank, self.world_size = world()
+        world_size = self.world_size
+        if self.rank == 0 and progress:
+            print(threads.describe(), file=sys.stderr)
+        self.spec = spec = DatasetSpec.load(config.data)
+        previous_data = resumed_data(config)
+        new_data = previous_data is not None and not same_path(previous_data, config.data)
         if new_data:
-            # continue on other data: its epochs from the start, the model, optimizer and step
-            # (learning-rate schedule) as they were; its validation split is another yardstick
-            train_loader.load_state_dict({"epoch": 0, "batches_yielded": 0})
-            state = _State(step=state.step)
-            total_steps += state.step
+            check_continuation(previous_data, spec, config.data)
+        self.config = config = prepare_run_dir(
+            config.with_batch_size(spec.split("train").rows, world_size), self.rank)
+        self.out = out = Path(config.out)
+        torch.manual_seed(config.seed)
 
-    log = _Log(out / "metrics.jsonl", rank == 0)
-    log.write({"event": "start", "world_size": world_size, "device": str(device),
-               "amp": amp_enabled(device, config.amp),
-               "comm_precision": comm_precision(config, device, world_hosts()).value,
-               "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
-               "validate_every": validate_every, "resumed_from": resumed_from,
-               "continued_on_new_data": previous_data if new_data and resumed_from else None,
-               "start_step": state.step, "threads": threads.intra_op,
-               "interop_threads": threads.inter_op, "threads_reason": threads.reason})
-    if rank == 0 and (message := amp_warning(device, config.amp)) is not None:
-        print(message, file=sys.stderr)
-    phase_s = dict.fromkeys(PHASES, 0.0)
-    bar = tqdm(total=total_steps, initial=state.step, disable=not (progress and rank == 0),
-               unit="step", dynamic_ncols=True)
-    context = autocast(device, config.amp)
-    global_batch = config.batch_size * world_size
-    start_step, started = state.step, time.perf_counter()
-    window_loss: torch.Tensor | float = 0.0
-    window_start, window_steps = time.perf_counter(), 0
-    saved_at = -1
+        self.model = build_model(config, spec, device)
+        self.optimizer = build_optimizer(config, self.model)
+        self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        if self.rank == 0:
+            (out / "plan.json").write_text(self.model.plan.to_json() + "\n")
+            if progress:  # the per-table tables: plan.json and the report's "Sharding plan"
+                print(f"{plan_summary(self.model.plan, world_size)}; per table: "
+                      f"{out / 'plan.json'}", file=sys.stderr)
+        self.train_loader = ParquetLoader(
+            config.data, "train", batch_size=config.batch_size, rank=self.rank,
+            world_size=world_size, shuffle=config.shuffle, seed=config.seed, drop_last=True)
+        val_loader = ParquetLoader(config.data, "validation", batch_size=config.batch_size,
+                                   rank=self.rank, world_size=world_size, drop_last=False,
+                                   pad_last=True)
+        self.steps_per_epoch = len(self.train_loader)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the train split of {config.data} has fewer than --batch-size "
+                             f"({config.batch_size}) rows per rank; use a smaller batch size")
+        self.total_steps = self.steps_per_epoch * config.epochs
+        if config.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.max_steps)
 
-    def checkpoint(best: bool = False) -> None:
-        nonlocal saved_at
-        save_checkpoint(ckpt_dir, state.step, model=dmp, optimizer=optimizer, best=best,
-                        keep=config.keep_checkpoints, extra=_extra(state, world_size, config))
-        saved_at = state.step
+        self.checkpointer = Checkpointer(out / "checkpoints", self.model, self.optimizer, config,
+                                         world_size)
+        self.state, resumed_from = TrainState(), None
+        if config.resume and (restored := self.checkpointer.restore(
+                self.train_loader, self.steps_per_epoch)) is not None:
+            self.state, resumed_from = restored[0], str(restored[1])
+            if new_data:
+                # continue on other data: its epochs from the start, the model, optimizer and
+                # step (learning-rate schedule) as they were; its validation split is another
+                # yardstick
+                self.train_loader.load_state_dict({"epoch": 0, "batches_yielded": 0})
+                self.state = TrainState(step=self.state.step)
+                self.total_steps += self.state.step
+        self.start_step = self.state.step
+        self.global_batch = config.batch_size * world_size
+        self.metrics = MetricsLogger(
+            out / "metrics.jsonl", writer=self.rank == 0, progress=progress, config=config,
+            total_steps=self.total_steps, start_step=self.start_step,
+            global_batch=self.global_batch, optimizer=self.optimizer, device=device)
+        self.validator = Validator(self.model, val_loader, device, config, self.steps_per_epoch,
+                                   self.metrics, self.checkpointer)
+        self.metrics.write({
+            "event": "start", "world_size": world_size, "device": str(device),
+            "amp": amp_enabled(device, config.amp),
+            "comm_precision": comm_precision(config, device, world_hosts()).value,
+            "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+            "validate_every": self.validator.every, "resumed_from": resumed_from,
+            "continued_on_new_data": previous_data if new_data and resumed_from else None,
+            "start_step": self.start_step, "threads": threads.intra_op,
+            "interop_threads": threads.inter_op, "threads_reason": threads.reason})
+        if self.rank == 0 and (message := amp_warning(device, config.amp)) is not None:
+            print(message, file=sys.stderr)
+        self._autocast = autocast(device, config.amp)
+        self._started = time.perf_counter()
 
-    def validate() -> None:
-        try:
-            metrics = evaluate_model(dmp, val_loader, device, config.val_batches, config.amp)
-        except ValueError as e:
-            if "non-finite" not in str(e):
-                raise
-            raise _diverged("the model's validation output is not finite", state, config) from None
-        log.write({"event": "validation", "step": state.step, "epoch": state.epoch, **metrics})
-        if metrics["auc"] > state.best_auc:  # NaN (one class only) never improves
-            state.best_auc, state.best_step, state.stale_validations = metrics["auc"], state.step, 0
-            checkpoint(best=True)
-            log.write({"event": "best", "step": state.step, "auc": state.best_auc})
-        else:
-            state.stale_validations += 1
-        if config.target_auc is not None and metrics["auc"] >= config.target_auc:
-            state.stop_reason = f"validation AUC reached --target-auc {config.target_auc}"
-        elif config.patience and state.stale_validations >= config.patience:
-            state.stop_reason = (f"no better validation AUC in {config.patience} validations "
-                                 f"(--patience); best {state.best_auc:.4f} at step "
-                                 f"{state.best_step}")
+    def fit(self) -> None:
+        """Step until the epochs or ``--max-steps`` are done or a component stops the run."""
+        state, config, metrics = self.state, self.config, self.metrics
+        self.model.train()
+        while state.step < self.total_steps and state.epoch < config.epochs \
+                and not state.stop_reason:
+            if state.epoch_batches >= self.steps_per_epoch:  # resumed exactly at an epoch's end
+                self._next_epoch()
+                continue
+            batches = device_batches(self.train_loader, self.device, self.model,
+                                     config.pipelined)
+            ready = time.perf_counter()
+            for batch in batches:
+                metrics.add_time(data=time.perf_counter() - ready)
+                loss_sum = self.step(batch)
+                state.step += 1
+                state.epoch_batches += 1
+                metrics.after_step(state, loss_sum, len(batch.labels))
+                self.validator.after_step(state)
+                self.checkpointer.after_step(state)
+                if state.stop_reason or state.step >= self.total_steps:
+                    break
+                ready = time.perf_counter()
+            batches.close()  # type: ignore[attr-defined]
+            if state.epoch_batches >= self.steps_per_epoch or state.step >= self.total_steps:
+                self.validator.at_epoch_end(state)
+                if state.step < self.total_steps and not state.stop_reason:
+                    self._next_epoch()
 
-    dmp.train()
-    while state.step < total_steps and state.epoch < config.epochs and not state.stop_reason:
-        if state.epoch_batches >= steps_per_epoch:  # resumed exactly at an epoch's end
-            state.epoch, state.epoch_batches = state.epoch + 1, 0
-            train_loader.set_epoch(state.epoch)
-            continue
-        batches = device_batches(train_loader, device, dmp, config.pipelined)
-        validated_at = -1
+    def step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on ``batch``; returns the summed log loss of its rows.
+
+        The loss backpropagated is that sum over the *global* batch: see the module's docs."""
         t0 = time.perf_counter()
-        for batch in batches:
-            t1 = time.perf_counter()
-            set_learning_rates(dmp, optimizer, base_lrs, lr_scale(
-                state.step, config.lr_warmup_steps, config.lr_decay_start, config.lr_decay_steps))
-            with context:
-                logits = dmp(batch.dense, batch.sparse).squeeze(1)
-            loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels,
-                                                          reduction="sum")
-            t2 = time.perf_counter()
-            optimizer.zero_grad()
-            (loss_sum / global_batch).backward()
-            t3 = time.perf_counter()
-            optimizer.step()
-            t4 = time.perf_counter()
-            for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-                phase_s[name] += seconds
-            state.step += 1
-            state.epoch_batches += 1
-            # a device tensor: no host sync per step, only at log steps
-            window_loss = window_loss + loss_sum.detach() / len(batch.labels)
-            window_steps += 1
-            bar.update(1)
-            if state.step % config.log_every == 0 or state.step == total_steps:
-                (loss,) = global_mean([float(window_loss) / window_steps], device)
-                if not math.isfinite(loss):
-                    raise _diverged(f"the train loss is {loss}", state, config)
-                rate = window_steps * global_batch / (time.perf_counter() - window_start)
-                log.write({"event": "train", "step": state.step, "epoch": state.epoch,
-                           "loss": loss, "lr": optimizer.param_groups[-1]["lr"],
-                           "samples_per_s": rate})
-                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
-                window_loss, window_start, window_steps = 0.0, time.perf_counter(), 0
-            if validate_every and state.step % validate_every == 0:
-                validate()
-                validated_at = state.step
-            if config.save_every and state.step % config.save_every == 0 and saved_at != state.step:
-                checkpoint()
-            if state.stop_reason or state.step >= total_steps:
-                break
-            t0 = time.perf_counter()
-        batches.close()  # type: ignore[attr-defined]
-        if state.epoch_batches >= steps_per_epoch or state.step >= total_steps:
-            if validated_at != state.step:
-                validate()
-            if state.step < total_steps and not state.stop_reason:
-                state.epoch, state.epoch_batches = state.epoch + 1, 0
-                train_loader.set_epoch(state.epoch)
-    bar.close()
-    elapsed = time.perf_counter() - started
-    if state.stop_reason is None:
-        state.stop_reason = ("max steps reached" if config.max_steps is not None
-                             and state.step >= config.max_steps else "epochs done")
-    if state.step > start_step and saved_at != state.step:
-        checkpoint()  # the last state, for --resume
-    # no best where no validation could rank the model (one class only): keep the last
-    best, latest = best_checkpoint(ckpt_dir), latest_checkpoint(ckpt_dir)
-    if best is not None and best != latest:
-        load_checkpoint(best, model=dmp, optimizer=None, extra={})
-    best = best or latest
-    final = evaluate_model(dmp, val_loader, device, config.val_batches, config.amp,
-                           save_to=(out, "validation"))
-    busy = sum(phase_s.values()) or 1.0
-    summary = {
-        "event": "summary",
-        "steps": state.step,
-        "trained_steps": state.step - start_step,
-        "epochs": state.epoch + state.epoch_batches / steps_per_epoch,
-        "world_size": world_size,
-        "amp": amp_enabled(device, config.amp),
-        "comm_precision": comm_precision(config, device, world_hosts()).value,
-        "global_batch": global_batch,
-        "samples_per_s": (state.step - start_step) * global_batch / elapsed if elapsed > 0 else 0.0,
-        "seconds": elapsed,
-        "phase_fraction": {k: v / busy for k, v in phase_s.items()},
-        "peak_memory_mb_per_rank": gather(round(peak_memory_mb(device), 1)),
-        "stopped": state.stop_reason,
-        "stopped_early": state.stop_reason not in ("epochs done", "max steps reached"),
-        "best_step": state.best_step,
-        "validation": final,
-        "teacher_auc": spec.parameters.get("teacher_auc"),
-        "checkpoint": str(best) if rank == 0 else None,
-    }
-    log.write(summary)
-    log.close()
-    if rank == 0:
-        summary["report"] = str(write_report(out))
-    return summary
+        config = self.config
+        set_learning_rates(self.model, self.optimizer, self.base_lrs, lr_scale(
+            self.state.step, config.lr_warmup_steps, config.lr_decay_start,
+            config.lr_decay_steps))
+        with self._autocast:
+            logits = self.model(batch.dense, batch.sparse).squeeze(1)
+        loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels,
+                                                      reduction="sum")
+        t1 = time.perf_counter()
+        self.optimizer.zero_grad()
+        (loss_sum / self.global_batch).backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.metrics.add_time(forward=t1 - t0, backward=t2 - t1,
+                              optimizer=time.perf_counter() - t2)
+        return loss_sum
 
+    def _next_epoch(self) -> None:
+        self.state.next_epoch()
+        self.train_loader.set_epoch(self.state.epoch)
 
-def _extra(state: _State, world_size: int, config: TrainConfig) -> dict[str, Any]:
-    return {"step": state.step, "epoch": state.epoch, "batches_yielded": state.epoch_batches,
-            "world_size": world_size, "batch_size": config.batch_size,
-            "best_auc": state.best_auc, "best_step": state.best_step,
-            "stale_validations": state.stale_validations, "rng": torch.get_rng_state()}
+    def finish(self) -> dict[str, Any]:
+        """The last checkpoint, the best model loaded back and validated, the summary (written
+        to the metrics log; rank 0 also writes the report)."""
+        state, config, device = self.state, self.config, self.device
+        self.metrics.bar.close()
+        elapsed = time.perf_counter() - self._started
+        if state.stop_reason is None:
+            state.stop_reason = ("max steps reached" if config.max_steps is not None
+                                 and state.step >= config.max_steps else "epochs done")
+        self.checkpointer.at_end(state, self.start_step)
+        kept = self.checkpointer.keep_best()
+        final = self.validator.final(self.out)
+        trained = state.step - self.start_step
+        summary = {
+            "event": "summary",
+            "steps": state.step,
+            "trained_steps": trained,
+            "epochs": state.epoch + state.epoch_batches / self.steps_per_epoch,
+            "world_size": self.world_size,
+            "amp": amp_enabled(device, config.amp),
+            "comm_precision": comm_precision(config, device, world_hosts()).value,
+            "global_batch": self.global_batch,
+            "samples_per_s": trained * self.global_batch / elapsed if elapsed > 0 else 0.0,
+            "seconds": elapsed,
+            "phase_fraction": self.metrics.phase_fraction(),
+            "peak_memory_mb_per_rank": gather(round(peak_memory_mb(device), 1)),
+            "stopped": state.stop_reason,
+            "stopped_early": state.stop_reason not in ("epochs done", "max steps reached"),
+            "best_step": state.best_step,
+            "validation": final,
+            "teacher_auc": self.spec.parameters.get("teacher_auc"),
+            "checkpoint": str(kept) if self.rank == 0 else None,
+        }
+        self.metrics.write(summary)
+        self.metrics.close()
+        if self.rank == 0:
+            summary["report"] = str(write_report(self.out))
+        return summary
 
 
 def resumed_data(config: TrainConfig) -> str | None:
@@ -361,21 +288,3 @@ def check_continuation(previous: str, spec: DatasetSpec, data: str) -> None:
             raise ValueError(f"--data {data}: the ids of {encoded[:3]}... were encoded with "
                              f"another {key.replace('_', ' ')} than the run's data {previous}, "
                              f"so the same id would mean another row; {fix}")
-
-
-def _restore(path: Path, dmp: Any, optimizer: Any, loader: ParquetLoader, config: TrainConfig,
-             world_size: int, steps_per_epoch: int) -> _State:
-    """Load a checkpoint for ``--resume``: weights, optimizer, RNG, data position, best AUC."""
-    extra = load_checkpoint(path, model=dmp, optimizer=optimizer,
-                            extra=_extra(_State(), 0, config), verified=True)
-    torch.set_rng_state(extra["rng"])
-    batches = int(extra["batches_yielded"])
-    if (int(extra["world_size"]), int(extra["batch_size"])) != (world_size, config.batch_size):
-        # another world size: resume at the same number of global rows into the epoch
-        rows = batches * int(extra["batch_size"]) * int(extra["world_size"])
-        batches = rows // (config.batch_size * world_size)
-    batches = min(batches, steps_per_epoch)
-    loader.load_state_dict({"epoch": int(extra["epoch"]), "batches_yielded": batches})
-    return _State(step=int(extra["step"]), epoch=int(extra["epoch"]), epoch_batches=batches,
-                  best_auc=float(extra["best_auc"]), best_step=int(extra["best_step"]),
-                  stale_validations=int(extra["stale_validations"]))

@@ -1,0 +1,85 @@
+"""Checkpoints during training: when to save, what a checkpoint holds besides the model and
+optimizer, and restoring it for ``--resume``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlrm_app.checkpoint import (
+    best_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    newest_intact_checkpoint,
+    save_checkpoint,
+)
+from dlrm_app.components.state import TrainState
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.loader import ParquetLoader
+
+
+class Checkpointer:
+    """Schedule: the best checkpoint whenever the validator finds a better AUC (``save(...,
+    best=True)``), one every ``--save-every`` steps, and the last state at the end (``at_end``)
+    for ``--resume``; never twice at one step. ``--keep-checkpoints`` complete ones are kept
+    besides the best."""
+
+    def __init__(self, directory: Path, model: torch.nn.Module, optimizer: Any,
+                 config: TrainConfig, world_size: int) -> None:
+        self.directory, self._model, self._optimizer = directory, model, optimizer
+        self._config, self._world_size = config, world_size
+        self._saved_at = -1
+
+    def save(self, state: TrainState, best: bool = False) -> None:
+        save_checkpoint(self.directory, state.step, model=self._model, optimizer=self._optimizer,
+                        best=best, keep=self._config.keep_checkpoints, extra=self._extra(state))
+        self._saved_at = state.step
+
+    def after_step(self, state: TrainState) -> None:
+        every = self._config.save_every
+        if every and state.step % every == 0 and self._saved_at != state.step:
+            self.save(state)
+
+    def at_end(self, state: TrainState, start_step: int) -> None:
+        if state.step > start_step and self._saved_at != state.step:
+            self.save(state)
+
+    def keep_best(self) -> Path | None:
+        """Load the best checkpoint back into the model (the one training keeps; the newest
+        where no validation could rank the model, e.g. one class only) and return it."""
+        best, latest = best_checkpoint(self.directory), latest_checkpoint(self.directory)
+        if best is not None and best != latest:
+            load_checkpoint(best, model=self._model, optimizer=None, extra={})
+        return best or latest
+
+    def _extra(self, state: TrainState) -> dict[str, Any]:
+        return {"step": state.step, "epoch": state.epoch, "batches_yielded": state.epoch_batches,
+                "world_size": self._world_size, "batch_size": self._config.batch_size,
+                "best_auc": state.best_auc, "best_step": state.best_step,
+                "stale_validations": state.stale_validations, "rng": torch.get_rng_state()}
+
+    def restore(self, loader: ParquetLoader, steps_per_epoch: int
+                ) -> tuple[TrainState, Path] | None:
+        """``--resume``: the newest intact checkpoint's weights, optimizer, RNG, data position
+        and best AUC (None where there is none). Under another world size or batch size the
+        data position is the same number of global rows into the epoch."""
+        path = newest_intact_checkpoint(self.directory)
+        if path is None:
+            return None
+        config = self._config
+        extra = load_checkpoint(path, model=self._model, optimizer=self._optimizer,
+                                extra=self._extra(TrainState()), verified=True)
+        torch.set_rng_state(extra["rng"])
+        batches = int(extra["batches_yielded"])
+        if (int(extra["world_size"]), int(extra["batch_size"])) != (self._world_size,
+                                                                     config.batch_size):
+            rows = batches * int(extra["batch_size"]) * int(extra["world_size"])
+            batches = rows // (config.batch_size * self._world_size)
+        batches = min(batches, steps_per_epoch)
+        loader.load_state_dict({"epoch": int(extra["epoch"]), "batches_yielded": batches})
+        return TrainState(step=int(extra["step"]), epoch=int(extra["epoch"]),
+                          epoch_batches=batches, best_auc=float(extra["best_auc"]),
+                          best_step=int(extra["best_step"]),
+                          stale_validations=int(extra["stale_validations"])), path

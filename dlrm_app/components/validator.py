@@ -1,0 +1,71 @@
+"""Validation during training: when, the best AUC so far, and early stopping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlrm_app.components.checkpointer import Checkpointer
+from dlrm_app.components.metrics_logger import MetricsLogger
+from dlrm_app.components.state import TrainState, diverged
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.evaluate import evaluate_model
+
+
+class Validator:
+    """Schedule: every ``config.validation_interval(steps_per_epoch)`` steps (about 4 times an
+    epoch by default; 0: never in an epoch) and at each epoch's end unless it just ran. Every
+    better AUC is saved as the ``best`` checkpoint; ``--patience`` validations in a row without
+    one, or reaching ``--target-auc``, set the state's stop reason. A non-finite model output
+    stops the run with ``TrainingDiverged``."""
+
+    def __init__(self, model: torch.nn.Module, loader: ParquetLoader, device: torch.device,
+                 config: TrainConfig, steps_per_epoch: int, logger: MetricsLogger,
+                 checkpointer: Checkpointer) -> None:
+        self._model, self._loader, self._device, self._config = model, loader, device, config
+        self.every = config.validation_interval(steps_per_epoch)
+        self._logger, self._checkpointer = logger, checkpointer
+        self._last_step = -1
+
+    def after_step(self, state: TrainState) -> None:
+        if self.every and state.step % self.every == 0:
+            self.validate(state)
+
+    def at_epoch_end(self, state: TrainState) -> None:
+        if self._last_step != state.step:
+            self.validate(state)
+
+    def validate(self, state: TrainState) -> None:
+        config = self._config
+        try:
+            metrics = evaluate_model(self._model, self._loader, self._device, config.val_batches,
+                                     config.amp)
+        except ValueError as e:
+            if "non-finite" not in str(e):
+                raise
+            raise diverged("the model's validation output is not finite", state,
+                           config) from None
+        self._last_step = state.step
+        self._logger.write({"event": "validation", "step": state.step, "epoch": state.epoch,
+                            **metrics})
+        if metrics["auc"] > state.best_auc:  # NaN (one class only) never improves
+            state.best_auc, state.best_step, state.stale_validations = metrics["auc"], state.step, 0
+            self._checkpointer.save(state, best=True)
+            self._logger.write({"event": "best", "step": state.step, "auc": state.best_auc})
+        else:
+            state.stale_validations += 1
+        if config.target_auc is not None and metrics["auc"] >= config.target_auc:
+            state.stop_reason = f"validation AUC reached --target-auc {config.target_auc}"
+        elif config.patience and state.stale_validations >= config.patience:
+            state.stop_reason = (f"no better validation AUC in {config.patience} validations "
+                                 f"(--patience); best {state.best_auc:.4f} at step "
+                                 f"{state.best_step}")
+
+    def final(self, out: Path) -> dict[str, Any]:
+        """The kept model's metrics on the whole validation split (its scores saved in ``out``
+        for the report's curves)."""
+        return evaluate_model(self._model, self._loader, self._device, self._config.val_batches,
+                              self._config.amp, save_to=(out, "validation"))
