@@ -12,18 +12,24 @@ import copy
 
 import pytest
 import torch
+from gloo_setup import (
+    check_local_shards,
+    concat_ranks,
+    rank_batches,
+    shard_beside_reference,
+    two_table_plans,
+    world_env,
+)
 
 from recsys_core import EmbeddingCollection, EmbeddingConfig, EmbOptimType, KeyedJaggedTensor
 from recsys_core.distributed import (
     LazyAwaitable,
-    ShardingEnv,
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
     row_wise,
     table_column_wise,
     table_row_wise,
-    table_wise,
 )
 from recsys_core.distributed.embedding import EmbeddingCollectionSharder
 from recsys_core.kernels.config import KernelBackend
@@ -40,49 +46,18 @@ LR, EPS = 0.1, 1e-3
 FUSED = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": EPS}
 
 
-def make_plan(kind: str, ec: EmbeddingCollection, world: int) -> dict:
-    last = world - 1
-    generators = {
-        # ranks 1 and 2 of 4 hold nothing: they still take part in every collective
-        "table_wise": {"t_big": table_wise(rank=last, compute_kernel="fused"), "t_small": table_wise(rank=0, compute_kernel="fused")},
-        "row_wise": {"t_big": row_wise(compute_kernel="fused"), "t_small": row_wise(compute_kernel="fused")},
-        # t_small's column blocks sit on ranks in reverse column order
-        "column_wise": {
-            "t_big": column_wise(ranks=[0, last], compute_kernel="fused"), "t_small": column_wise(ranks=[last, 0], compute_kernel="fused"),
-        },
-        "mixed": {"t_big": row_wise(compute_kernel="fused"), "t_small": column_wise(ranks=[last, 0], compute_kernel="fused")},
-    }[kind]
-    return construct_module_sharding_plan(ec, generators, world)
+def generators(kind: str, world: int) -> dict:
+    # table-wise over 4 ranks: ranks 1 and 2 hold nothing, they still take part in every collective
+    plans = two_table_plans("t_big", "t_small", world)
+    # t_small's column blocks sit on ranks in reverse column order
+    plans["column_wise"]["t_small"] = column_wise(ranks=[world - 1, 0], compute_kernel="fused")
+    plans["mixed"] = {"t_big": row_wise(compute_kernel="fused"), "t_small": column_wise(ranks=[world - 1, 0], compute_kernel="fused")}
+    return plans[kind]
 
 
 def global_batch(seed: int, world: int) -> list[KeyedJaggedTensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(world):
-        lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
-        lengths[0] = 0  # an empty bag on every rank
-        counts = lengths.view(len(KEYS), BATCH).sum(dim=1).tolist()
-        values = torch.cat([
-            torch.randint(0, rows, (n,), generator=gen)
-            for rows, n in zip(ROWS, counts, strict=True)
-        ])
-        out.append(KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths))
-    return out
-
-
-def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    per_key = [[k.to_dict()[key] for k in kjts] for key in KEYS]
-    return KeyedJaggedTensor(
-        keys=KEYS,
-        values=torch.cat([jt.values() for jts in per_key for jt in jts]),
-        lengths=torch.cat([jt.lengths() for jts in per_key for jt in jts]),
-    )
-
-
-def shard(ec: EmbeddingCollection, kind: str, world: int, backend: KernelBackend):
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
-    sharder = EmbeddingCollectionSharder(fused_params=dict(FUSED), backend=backend)
-    return sharder.shard(ec, make_plan(kind, ec, world), env, torch.device("cpu"))
+    """Every rank's batch (an empty bag on every rank)."""
+    return rank_batches(seed, world, KEYS, ROWS, BATCH, empty_first=True)
 
 
 def rank_slice(kjts: list[KeyedJaggedTensor], key: str, rank: int) -> slice:
@@ -95,10 +70,10 @@ def parity_worker(
     rank: int, world: int, kind: str, need_indices: bool, backend: KernelBackend
 ) -> int:
     torch.manual_seed(0)
-    ec = EmbeddingCollection(TABLES, need_indices=need_indices)
-    reference = copy.deepcopy(ec)
+    sharded, reference = shard_beside_reference(
+        EmbeddingCollection(TABLES, need_indices=need_indices), generators(kind, world), world,
+        fused_params=dict(FUSED), backend=backend)
     ref_opt = torch.optim.Adagrad(reference.parameters(), lr=LR, eps=EPS)
-    sharded = shard(ec, kind, world, backend)
     for step in range(STEPS):
         kjts = global_batch(100 + step, world)
         mine = kjts[rank]
@@ -106,7 +81,7 @@ def parity_worker(
         assert isinstance(result, LazyAwaitable)
         out = result.wait()
         assert list(out) == KEYS
-        ref_out = reference(concat(kjts))
+        ref_out = reference(concat_ranks(kjts))
         gen = torch.Generator().manual_seed(step)
         loss, ref_loss, pairs = 0.0, 0.0, []
         for key in KEYS:
@@ -130,16 +105,7 @@ def parity_worker(
         ref_opt.step()
         for rows, ref_rows, mine_ids in pairs:
             torch.testing.assert_close(rows.grad, ref_rows.grad[mine_ids] * world, atol=1e-5, rtol=1e-5)
-    checked = 0
-    for local_kernels in sharded.lookups:
-        for sh, weight, state in local_kernels.local_shards():
-            full = reference.embeddings[sh.table].weight
-            rows = slice(sh.row_offset, sh.row_offset + sh.rows)
-            cols = slice(sh.col_offset, sh.col_offset + sh.cols)
-            torch.testing.assert_close(weight, full.detach()[rows, cols], atol=1e-5, rtol=1e-5)
-            ref_state = ref_opt.state[full]["sum"][rows, cols]
-            torch.testing.assert_close(state["momentum1"], ref_state, atol=1e-5, rtol=1e-5)
-            checked += 1
+    checked = check_local_shards(sharded, reference.embeddings, ref_opt, ("sum", "momentum1"))
     assert len(sharded.fused_optimizer.params) == checked
     return checked
 
@@ -164,7 +130,7 @@ def errors_worker(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     ec = EmbeddingCollection(TABLES)
     reference = copy.deepcopy(ec)
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    env = world_env()
     sharder = EmbeddingCollectionSharder(fused_params=dict(FUSED))
     messages = []
     unsupported = [data_parallel(compute_kernel="fused"), table_row_wise(host_index=0, compute_kernel="fused"), table_column_wise(host_index=0, compute_kernel="fused")]
@@ -175,7 +141,8 @@ def errors_worker(rank: int, world: int) -> list[str]:
         with pytest.raises(ValueError, match="TABLE_WISE, COLUMN_WISE, ROW_WISE") as info:
             sharder.shard(ec, plan, env)
         messages.append(str(info.value))
-    sharded = shard(ec, "mixed", world, KernelBackend.AUTO)
+    plan = construct_module_sharding_plan(ec, generators("mixed", world), world)
+    sharded = sharder.shard(ec, plan, env, torch.device("cpu"))
     # every rank sends a bad id in a different feature; nothing may reach the wire
     bad_key = KEYS[rank]
     ids = torch.zeros(len(KEYS) * BATCH, dtype=torch.long)
@@ -187,7 +154,7 @@ def errors_worker(rank: int, world: int) -> list[str]:
     # the ranks' collectives are still in step: a good batch runs forward and backward
     kjts = global_batch(7, world)
     out = sharded(kjts[rank]).wait()
-    ref = reference(concat(kjts))
+    ref = reference(concat_ranks(kjts))
     for key in KEYS:
         expected = ref[key].values()[rank_slice(kjts, key, rank)].detach()
         torch.testing.assert_close(out[key].values(), expected)
