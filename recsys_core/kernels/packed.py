@@ -63,6 +63,9 @@ class PackedKernelSpec:
     """FBGEMM, TORCH, or AUTO (FBGEMM where it is exact here, else torch)."""
     offload_dir: str | None = None
     """Where the backing files of cached tables go on CPU (None: the temporary directory)."""
+    features: tuple[str, ...] = ()
+    """The looked-up features' names, one per ``feature_table_map`` entry (errors name them);
+    empty: unnamed."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.feature_table_map if not 0 <= t < len(self.tables)]
@@ -70,6 +73,11 @@ class PackedKernelSpec:
             raise ValueError(
                 f"PackedKernelSpec: feature_table_map names table index(es) {bad}, but only "
                 f"{len(self.tables)} table(s) are packed"
+            )
+        if self.features and len(self.features) != len(self.feature_table_map):
+            raise ValueError(
+                f"PackedKernelSpec: {len(self.features)} feature names for "
+                f"{len(self.feature_table_map)} feature_table_map entries; give one per entry"
             )
 
     def build(self, device: torch.device) -> nn.Module:
