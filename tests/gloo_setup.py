@@ -195,6 +195,11 @@ def shard_weights(sharded: nn.Module) -> dict[ShardKey, torch.Tensor]:
     }
 
 
+def table_weights(tables: nn.ModuleDict) -> dict[str, torch.Tensor]:
+    """The oracle's whole tables by name (``reference.embedding_bags`` or ``.embeddings``)."""
+    return {name: module.weight.detach() for name, module in tables.items()}
+
+
 def assert_blocks_of(
     shards: Mapping[ShardKey, torch.Tensor], full: Mapping[str, torch.Tensor], **tolerance: Any,
 ) -> None:

@@ -8,11 +8,17 @@ the global batch.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_setup import (
+    assert_blocks_of,
+    concat_ranks,
+    pooled_step,
+    shard_beside_reference,
+    shard_weights,
+    table_weights,
+    two_table_plans,
+)
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -23,18 +29,7 @@ from recsys_core import (
     KeyedJaggedTensor,
     PoolingType,
 )
-from recsys_core.distributed import (
-    EmbeddingBagCollectionSharder,
-    EmbeddingCollectionSharder,
-    ShardingEnv,
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_column_wise,
-    table_row_wise,
-    table_wise,
-)
+from recsys_core.distributed import column_wise, row_wise, table_wise
 from recsys_core.testing import run_gloo
 
 ROWS = {"t1": 9, "t2": 6}
@@ -46,17 +41,13 @@ SEQ_TABLES = [
     EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=9, feature_names=["f1", "f2"]),
     EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=6, feature_names=["f1"]),
 ]
-PLANS = {
-    "table_wise": {"t1": table_wise(rank=1, compute_kernel="fused"), "t2": table_wise(rank=0, compute_kernel="fused")},
-    "column_wise": {"t1": column_wise(ranks=[1, 0], compute_kernel="fused"), "t2": column_wise(ranks=[0], compute_kernel="fused")},
-    "row_wise": {"t1": row_wise(compute_kernel="fused"), "t2": row_wise(compute_kernel="fused")},
-    "table_row_wise": {"t1": table_row_wise(host_index=0, compute_kernel="fused"), "t2": table_row_wise(host_index=0, compute_kernel="fused")},
-    "table_column_wise": {"t1": table_column_wise(host_index=0, compute_kernel="fused"), "t2": table_wise(rank=1, compute_kernel="fused")},
-    "data_parallel": {"t1": data_parallel(compute_kernel="fused"), "t2": data_parallel(compute_kernel="fused")},
-    "mixed": {"t1": row_wise(compute_kernel="fused"), "t2": table_wise(rank=1, compute_kernel="fused")},
-}
+PLANS = two_table_plans("t1", "t2", 2)
+PLANS["column_wise"] = {"t1": column_wise(ranks=[1, 0], compute_kernel="fused"), "t2": column_wise(ranks=[0], compute_kernel="fused")}
+PLANS["table_column_wise"]["t2"] = table_wise(rank=1, compute_kernel="fused")
+PLANS["mixed"] = {"t1": row_wise(compute_kernel="fused"), "t2": table_wise(rank=1, compute_kernel="fused")}
 SEQUENCE_KINDS = ["column_wise", "mixed", "row_wise", "table_wise"]
 BATCH, LR = 2, 0.5
+SGD = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
 
 
 def _batch(rank: int, step: int) -> KeyedJaggedTensor:
@@ -68,69 +59,38 @@ def _batch(rank: int, step: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=["f2", "f1"], values=values, lengths=lengths)
 
 
-def _global(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    dicts = [k.to_dict() for k in kjts]
-    return KeyedJaggedTensor(
-        keys=["f2", "f1"],
-        values=torch.cat([d[f].values() for f in ("f2", "f1") for d in dicts]),
-        lengths=torch.cat([d[f].lengths() for f in ("f2", "f1") for d in dicts]),
-    )
-
-
-def _tables(sharded: torch.nn.Module) -> dict:
-    return {
-        (name, s.spec.row_offset, s.spec.col_offset): s.weight.clone()
-        for name, shards in sharded.table_shards().items() for s in shards
-    }
-
-
 def bag_worker(rank: int, world: int, kind: str) -> dict:
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(BAG_TABLES)
-    reference = copy.deepcopy(ebc)
+    sharded, reference = shard_beside_reference(
+        EmbeddingBagCollection(BAG_TABLES), PLANS[kind], world, fused_params=SGD)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    plan = construct_module_sharding_plan(ebc, PLANS[kind], world)
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
-    sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
     rows = slice(rank * BATCH, (rank + 1) * BATCH)
     for step in range(2):
         kjts = [_batch(r, step) for r in range(world)]
         out = sharded(kjts[rank]).wait()
-        ref = reference(_global(kjts))
+        ref = reference(concat_ranks(kjts))
         assert out.keys() == ref.keys() == ["f1@t1", "f2", "f1@t2"]
-        values, ref_values = out.values(), ref.values()
-        values.retain_grad()
-        ref_values.retain_grad()
-        torch.testing.assert_close(values, ref_values[rows].detach())
         target = torch.randn(world * BATCH, 16, generator=torch.Generator().manual_seed(step))
-        (torch.tanh(values) * target[rows]).sum().backward()
-        ref_opt.zero_grad()
-        ((torch.tanh(ref_values) * target).sum() / world).backward()  # mean of the ranks' losses
-        ref_opt.step()
-        torch.testing.assert_close(values.grad, ref_values.grad[rows] * world)
-    return {"tables": _tables(sharded), "reference": {k: v.detach() for k, v in reference.state_dict().items()}}
+        # the mean of the ranks' losses; assert_close's default tolerances
+        pooled_step(out.values(), ref.values(), rows, target, ref_opt, world, atol=None, rtol=None)
+    return {"tables": shard_weights(sharded), "reference": table_weights(reference.embedding_bags)}
 
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
 def test_sharded_ebc_with_shared_feature_equals_unsharded(kind: str) -> None:
     for result in run_gloo(2, bag_worker, kind):
-        for (name, row, col), weight in result["tables"].items():
-            full = result["reference"][f"embedding_bags.{name}.weight"]
-            torch.testing.assert_close(weight, full[row : row + weight.shape[0], col : col + weight.shape[1]])
+        assert_blocks_of(result["tables"], result["reference"])
 
 
 def seq_worker(rank: int, world: int, kind: str) -> dict:
     torch.manual_seed(0)
-    ec = EmbeddingCollection(SEQ_TABLES)
-    reference = copy.deepcopy(ec)
+    sharded, reference = shard_beside_reference(
+        EmbeddingCollection(SEQ_TABLES), PLANS[kind], world, fused_params=SGD)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    plan = construct_module_sharding_plan(ec, PLANS[kind], world)
-    sharder = EmbeddingCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
-    sharded = sharder.shard(ec, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
     for step in range(2):
         kjts = [_batch(r, step) for r in range(world)]
         out = sharded(kjts[rank]).wait()
-        ref = reference(_global(kjts))
+        ref = reference(concat_ranks(kjts))
         assert list(out) == list(ref) == ["f1@t1", "f2", "f1@t2"]
         loss = 0.0
         ref_loss = 0.0
@@ -149,12 +109,10 @@ def seq_worker(rank: int, world: int, kind: str) -> dict:
         ref_opt.zero_grad()
         (ref_loss / world).backward()  # the mean of the ranks' losses
         ref_opt.step()
-    return {"tables": _tables(sharded), "reference": {k: v.detach() for k, v in reference.state_dict().items()}}
+    return {"tables": shard_weights(sharded), "reference": table_weights(reference.embeddings)}
 
 
 @pytest.mark.parametrize("kind", SEQUENCE_KINDS)
 def test_sharded_ec_with_shared_feature_equals_unsharded(kind: str) -> None:
     for result in run_gloo(2, seq_worker, kind):
-        for (name, row, col), weight in result["tables"].items():
-            full = result["reference"][f"embeddings.{name}.weight"]
-            torch.testing.assert_close(weight, full[row : row + weight.shape[0], col : col + weight.shape[1]])
+        assert_blocks_of(result["tables"], result["reference"])
