@@ -8,11 +8,16 @@ must be equal for every sharding type.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_setup import (
+    assert_blocks_of,
+    shard_beside_reference,
+    shard_weights,
+    table_weights,
+    two_table_plans,
+    world_env,
+)
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -24,15 +29,10 @@ from recsys_core import (
     PoolingType,
 )
 from recsys_core.distributed import (
-    EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
-    ShardingEnv,
     column_wise,
     construct_module_sharding_plan,
-    data_parallel,
     row_wise,
-    table_column_wise,
-    table_row_wise,
     table_wise,
 )
 from recsys_core.distributed.variable_batch import expand_variable_batch
@@ -42,14 +42,9 @@ TABLES = [
     EmbeddingBagConfig(name="t_sum", embedding_dim=4, num_embeddings=9, feature_names=["f0"]),
     EmbeddingBagConfig(name="t_mean", embedding_dim=8, num_embeddings=7, feature_names=["f1"], pooling=PoolingType.MEAN),
 ]
-PLANS = {
-    "table_wise": {"t_sum": table_wise(rank=1, compute_kernel="fused"), "t_mean": table_wise(rank=0, compute_kernel="fused")},
-    "row_wise": {"t_sum": row_wise(compute_kernel="fused"), "t_mean": row_wise(compute_kernel="fused")},
-    "column_wise": {"t_sum": column_wise(ranks=[0, 1], compute_kernel="fused"), "t_mean": column_wise(ranks=[1, 0], compute_kernel="fused")},
-    "table_row_wise": {"t_sum": table_row_wise(host_index=0, compute_kernel="fused"), "t_mean": table_row_wise(host_index=0, compute_kernel="fused")},
-    "table_column_wise": {"t_sum": table_column_wise(host_index=0, compute_kernel="fused"), "t_mean": table_wise(rank=1, compute_kernel="fused")},
-    "data_parallel": {"t_sum": data_parallel(compute_kernel="fused"), "t_mean": data_parallel(compute_kernel="fused")},
-}
+PLANS = two_table_plans("t_sum", "t_mean", 2)
+PLANS["column_wise"]["t_mean"] = column_wise(ranks=[1, 0], compute_kernel="fused")
+PLANS["table_column_wise"]["t_mean"] = table_wise(rank=1, compute_kernel="fused")
 BATCH, LR = 3, 0.5
 
 
@@ -86,12 +81,10 @@ def test_expansion_by_hand() -> None:
 
 def worker(rank: int, world: int, kind: str) -> dict:
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(TABLES)
-    reference = copy.deepcopy(ebc)
+    sharded, reference = shard_beside_reference(
+        EmbeddingBagCollection(TABLES), PLANS[kind], world,
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    plan = construct_module_sharding_plan(ebc, PLANS[kind], world)
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
-    sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
     for step in range(2):
         kjts = [vbe_kjt(r, step) for r in range(world)]
         targets = [torch.randn(BATCH, 12, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(world)]
@@ -106,26 +99,20 @@ def worker(rank: int, world: int, kind: str) -> dict:
         (sum((torch.tanh(r) * t).sum() for r, t in zip(refs, targets, strict=True)) / world).backward()
         ref_opt.step()
         torch.testing.assert_close(out.grad, refs[rank].grad * world)
-    tables = {
-        (name, s.spec.row_offset, s.spec.col_offset): s.weight.clone()
-        for name, shards in sharded.table_shards().items() for s in shards
-    }
-    return {"tables": tables, "reference": {k: v.detach() for k, v in reference.state_dict().items()}}
+    return {"tables": shard_weights(sharded), "reference": table_weights(reference.embedding_bags)}
 
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
 def test_sharded_ebc_takes_variable_batch_kjts(kind: str) -> None:
     for result in run_gloo(2, worker, kind):
         assert result["tables"]
-        for (name, row, col), weight in result["tables"].items():
-            full = result["reference"][f"embedding_bags.{name}.weight"]
-            torch.testing.assert_close(weight, full[row : row + weight.shape[0], col : col + weight.shape[1]])
+        assert_blocks_of(result["tables"], result["reference"])
 
 
 def ec_worker(rank: int, world: int) -> str:
     ec = EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=9, feature_names=["f0", "f1"])])
     sharded = EmbeddingCollectionSharder().shard(
-        ec, construct_module_sharding_plan(ec, {"t": row_wise(compute_kernel="fused")}, world), ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+        ec, construct_module_sharding_plan(ec, {"t": row_wise(compute_kernel="fused")}, world), world_env()
     )
     with pytest.raises(ValueError) as info:
         sharded(vbe_kjt(rank, 0))
