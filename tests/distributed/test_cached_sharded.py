@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
+from gloo_setup import concat_ranks, random_batch, world_env
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -23,7 +24,7 @@ from recsys_core.distributed import (
     table_wise,
 )
 from recsys_core.distributed import checkpoint as dcp_checkpoint
-from recsys_core.distributed.table_init import SeededUniformInit
+from recsys_core.distributed.table_init import SeededUniformInit, TableRegion
 from recsys_core.distributed.train_pipeline import pipelined_batches
 from recsys_core.kernels.cached_tbe import CachedTableBatchedEmbedding
 from recsys_core.optim import RowWiseAdagrad
@@ -40,27 +41,7 @@ FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, 
 
 def batches(world: int, steps: int, seed: int = 100) -> list[list[KeyedJaggedTensor]]:
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        per_rank = []
-        for _ in range(world):
-            lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
-            values = torch.cat([
-                torch.randint(0, ROWS[i], (int(lengths[i * BATCH : (i + 1) * BATCH].sum()),), generator=gen)
-                for i in range(len(KEYS))
-            ])
-            per_rank.append(KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths))
-        out.append(per_rank)
-    return out
-
-
-def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    per_key = [[k.to_dict()[key] for k in kjts] for key in KEYS]
-    return KeyedJaggedTensor(
-        keys=KEYS,
-        values=torch.cat([jt.values() for jts in per_key for jt in jts]),
-        lengths=torch.cat([jt.lengths() for jts in per_key for jt in jts]),
-    )
+    return [[random_batch(gen, KEYS, ROWS, BATCH) for _ in range(world)] for _ in range(steps)]
 
 
 def shard(world: int, cached: bool, kind: str, tmp: str) -> torch.nn.Module:
@@ -78,8 +59,7 @@ def shard(world: int, cached: bool, kind: str, tmp: str) -> torch.nn.Module:
         # pipeline holds two batches: 75 and 40 slots, far fewer than the rows trained
         plan["big"].cache_params = CacheParams(load_factor=0.15)
         plan["mid"].cache_params = CacheParams(load_factor=0.2)
-    env = (ShardingEnv.from_process_group(torch.distributed.group.WORLD) if world > 1
-           else ShardingEnv.from_local(1, 0))
+    env = world_env() if world > 1 else ShardingEnv.from_local(1, 0)
     sharder = EmbeddingBagCollectionSharder(
         fused_params=dict(FUSED), table_init=SeededUniformInit(seed=3), offload_dir=tmp,
     )
@@ -94,8 +74,7 @@ def train_worker(rank: int, world: int, tmp: str) -> dict[str, float]:
     for c in TABLES:
         SeededUniformInit(seed=3).fill(
             reference.embedding_bags[c.name].weight.data,
-            __import__("recsys_core.distributed.table_init", fromlist=["TableRegion"]).TableRegion(
-                table=c.name, num_rows=c.num_embeddings, dim=c.embedding_dim),
+            TableRegion(table=c.name, num_rows=c.num_embeddings, dim=c.embedding_dim),
         )
     ref_opt = RowWiseAdagrad(list(reference.parameters()), lr=0.1, eps=1e-3)
     data = batches(world, STEPS)
@@ -108,7 +87,7 @@ def train_worker(rank: int, world: int, tmp: str) -> dict[str, float]:
     for step, kjts in stream:
         target = torch.randn(world * BATCH, 20, generator=torch.Generator().manual_seed(step))
         values = sharded(kjts[rank]).wait().values()
-        ref_values = reference(concat(kjts)).values()
+        ref_values = reference(concat_ranks(kjts)).values()
         worst = max(worst, float((values - ref_values[lo:hi]).abs().max().detach()))
         (torch.tanh(values) * target[lo:hi]).sum().backward()
         ref_opt.zero_grad()
