@@ -7,19 +7,15 @@ import copy
 
 import torch
 import torch.distributed as dist
+from gloo_setup import check_local_shards, concat_ranks, rank_batches, rank_rows, world_env
 
 from recsys_core import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbOptimType,
-    KeyedJaggedTensor,
     PoolingType,
 )
-from recsys_core.distributed import (
-    EmbeddingBagCollectionSharder,
-    ShardingEnv,
-    validate_module_sharding_plan,
-)
+from recsys_core.distributed import EmbeddingBagCollectionSharder, validate_module_sharding_plan
 from recsys_core.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
@@ -75,28 +71,6 @@ def test_collective_plan_is_identical_on_every_rank() -> None:
     assert all("does not fit" in r["error"] for r in results)  # raised on both, no hang
 
 
-def batches(seed: int, world: int) -> list[KeyedJaggedTensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(world):
-        lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
-        values = torch.cat([
-            torch.randint(0, ROWS[i], (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),), generator=gen)
-            for i in range(len(KEYS))
-        ])
-        out.append(KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths))
-    return out
-
-
-def concat(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    per_key = [[k.to_dict()[key] for k in kjts] for key in KEYS]
-    return KeyedJaggedTensor(
-        keys=KEYS,
-        values=torch.cat([jt.values() for jts in per_key for jt in jts]),
-        lengths=torch.cat([jt.lengths() for jts in per_key for jt in jts]),
-    )
-
-
 def train_worker(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(TABLES)
@@ -106,23 +80,17 @@ def train_worker(rank: int, world: int) -> list[str]:
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
                                        constraints=CONSTRAINTS)
     plan = planner.collective_plan(ebc, [sharder], dist.group.WORLD)
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
-    sharded = sharder.shard(ebc, plan.plan[""], env, torch.device("cpu"))
-    kjts = batches(7, world)
-    lo, hi = rank * BATCH, (rank + 1) * BATCH
+    sharded = sharder.shard(ebc, plan.plan[""], world_env(), torch.device("cpu"))
+    kjts = rank_batches(7, world, KEYS, ROWS, BATCH)
+    rows = rank_rows(rank, BATCH)
     target = torch.randn(world * BATCH, DIMS, generator=torch.Generator().manual_seed(3))
     out = sharded(kjts[rank]).wait().values()
-    ref_out = reference(concat(kjts)).values()
-    torch.testing.assert_close(out, ref_out[lo:hi].detach(), atol=1e-5, rtol=1e-5)
-    (torch.tanh(out) * target[lo:hi]).sum().backward()  # the fused optimizer steps here
+    ref_out = reference(concat_ranks(kjts)).values()
+    torch.testing.assert_close(out, ref_out[rows].detach(), atol=1e-5, rtol=1e-5)
+    (torch.tanh(out) * target[rows]).sum().backward()  # the fused optimizer steps here
     ((torch.tanh(ref_out) * target).sum() / world).backward()  # mean of the ranks' losses
     ref_opt.step()
-    for local in sharded.lookups:
-        for shard, weight, _ in local.local_shards():
-            full = reference.embedding_bags[shard.table].weight.detach()
-            expected = full[shard.row_offset:shard.row_offset + shard.rows,
-                            shard.col_offset:shard.col_offset + shard.cols]
-            torch.testing.assert_close(weight, expected, atol=1e-5, rtol=1e-5)
+    check_local_shards(sharded, reference.embedding_bags)
     return [f"{name}:{ps.sharding_type.value}" for name, ps in plan.plan[""].items()]
 
 
