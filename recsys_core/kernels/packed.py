@@ -130,6 +130,6 @@ def select_columns(x: torch.Tensor, columns: ColumnPermutation | None) -> torch.
     """``x`` with its columns reordered by ``columns`` (``x`` itself when None)."""
     if columns is None:
         return x
-    rows = x.shape[0]
-    blocks = x.reshape(rows, -1, columns.width)
-    return blocks.index_select(1, columns.blocks.to(x.device)).reshape(rows, -1)
+    rows, width = x.shape[0], columns.width
+    blocks = x.reshape(rows, x.shape[1] // width, width)  # not -1: a batch may have no rows
+    return blocks.index_select(1, columns.blocks.to(x.device)).reshape(rows, x.shape[1])

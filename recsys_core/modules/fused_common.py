@@ -1,16 +1,19 @@
 """What the fused collections share: optimizer arguments, per-table weight holders and the
-object ``fused_optimizer()`` returns."""
+object ``fused_optimizer()`` returns (the tables themselves live in a
+:class:`~recsys_core.kernels.batched.BatchedTables`)."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from recsys_core.kernels.batched import BatchedTables
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
+from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer
 from recsys_core.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -83,6 +86,36 @@ class TableWeight(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()
         self.weight = weight
+
+
+def fused_table_weights(
+    tables: BatchedTables,
+    names: Sequence[str],
+    prefix: str,
+    exposed: Sequence[bool] | None = None,
+) -> tuple[dict[str, TableWeight], FusedCombinedOptimizer]:
+    """Each exposed table's weight as a parameter (a view of its kernel's storage) in a holder
+    keyed by table name, and the optimizer applied in backward: one EmbeddingFusedOptimizer per
+    kernel, keyed by ``<prefix>.<table>.weight``. ``names[i]`` names the caller's table ``i``;
+    a table not ``exposed`` is looked up and trained but has no parameter and no state key."""
+    weights = tables.split_embedding_weights()
+    holders: dict[str, TableWeight] = {}
+    optims = []
+    for kernel, members in zip(tables.kernels, tables.members, strict=True):
+        params: dict[str, nn.Parameter] = {}
+        positions = [p for p, i in enumerate(members) if exposed is None or exposed[i]]
+        for position in positions:
+            name = names[members[position]]
+            weight = nn.Parameter(weights[members[position]])
+            holders[name] = TableWeight(weight)
+            params[f"{prefix}.{name}.weight"] = weight
+        optim = EmbeddingFusedOptimizer(
+            kernel, params, [names[members[p]] for p in positions], positions
+        )
+        for weight in params.values():
+            weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
+        optims.append(optim)
+    return holders, FusedCombinedOptimizer(optims)
 
 
 def deepcopy_with_kernel_views(

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsys_core.kernels.batched import BatchedTables
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
-from recsys_core.kernels.tbe import (
-    build_table_batched_embedding,
-    checked_lookup,
-    kernel_backend,
+from recsys_core.kernels.packed import (
+    ColumnPermutation,
+    PackedTable,
+    column_permutation,
+    select_columns,
 )
 from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import (
@@ -31,10 +33,10 @@ from recsys_core.modules.embedding_configs import (
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
 from recsys_core.modules.fused_common import (
     FusedCombinedOptimizer,
-    TableWeight,
     check_location,
     convert_optimizer_type_and_kwargs,
     deepcopy_with_kernel_views,
+    fused_table_weights,
     resolve_fused_config,
 )
 from recsys_core.modules.fused_embedding_collection import FusedEmbeddingCollection
@@ -104,63 +106,32 @@ class FusedEmbeddingBagCollection(nn.Module):
             )
         self._lengths_per_embedding = [c.embedding_dim for c in tables for _ in c.feature_names]
 
-        # One kernel per pooling type, tables in declaration order within each.
-        groups: dict[PoolingType, list[int]] = {}
-        for index, config in enumerate(tables):
-            groups.setdefault(config.pooling, []).append(index)
-        # Not registered as submodules (as TorchRec): named_modules/parameters/buffers are those of
-        # an EmbeddingBagCollection; train()/eval() are forwarded by hand.
-        self._kernels: list[nn.Module] = []
-        self._group_features: list[list[str]] = []
-        self._group_embeddings: list[list[str]] = []
-        self._group_rows: list[list[int]] = []
-        table_weights: dict[str, TableWeight] = {}
-        optims = []
-        for pooling, indices in groups.items():
-            configs = [tables[i] for i in indices]
-            feature_table_map = [t for t, c in enumerate(configs) for _ in c.feature_names]
-            kernel = build_table_batched_embedding(
-                rows=[c.num_embeddings for c in configs],
-                dims=[c.embedding_dim for c in configs],
-                feature_table_map=feature_table_map,
-                pooling_mean=pooling is PoolingType.MEAN,
-                optimizer=self._optimizer_config,
-                device=self._device,
-                backend=backend,
-                weighted=is_weighted,
-            )
-            self._kernels.append(kernel)
-            self._group_features.append([f for c in configs for f in c.feature_names])
-            self._group_embeddings.append([n for i in indices for n in names_by_table[i]])
-            self._group_rows.append([c.num_embeddings for c in configs for _ in c.feature_names])
-            params: dict[str, nn.Parameter] = {}
-            kernel_tables: list[int] = []
-            views = kernel.split_embedding_weights()
-            for position, (index, config, view) in enumerate(zip(indices, configs, views, strict=True)):
-                if self._device.type != "meta":
-                    config.init_weight_(view)
-                if exposed[config.name] != index:
-                    continue  # a same-named table declared later is the one exposed
-                weight = nn.Parameter(view)
-                table_weights[config.name] = TableWeight(weight)
-                params[f"embedding_bags.{config.name}.weight"] = weight
-                kernel_tables.append(position)
-            optim = EmbeddingFusedOptimizer(
-                kernel, params, [configs[t].name for t in kernel_tables], kernel_tables
-            )
-            for weight in params.values():
-                weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
-            optims.append(optim)
-        self._fused_optimizer = FusedCombinedOptimizer(optims)
-        # Declaration order, so that state_dict keys line up with EmbeddingBagCollection's.
-        self.embedding_bags = nn.ModuleDict({c.name: table_weights[c.name] for c in tables})
+        # One kernel per pooling type, tables in declaration order within each. Not registered as
+        # submodules (as TorchRec): named_modules/parameters/buffers are those of an
+        # EmbeddingBagCollection; train()/eval() are forwarded by hand.
+        def fill(index: int, view: torch.Tensor) -> None:
+            tables[index].init_weight_(view)
 
-        self._kernel_feature_order = [f for names in self._group_features for f in names]
-        # Output columns come out in kernel order; this permutation restores declaration order.
-        self._column_permutation = self._make_column_permutation(
-            [n for names in self._group_embeddings for n in names]
+        self._batched = BatchedTables.grouped(
+            [PackedTable(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim) for c in tables],
+            [c.feature_names for c in tables],
+            [c.pooling is PoolingType.MEAN for c in tables],
+            device=self._device,
+            optimizer=self._optimizer_config,
+            backend=backend,
+            weighted=is_weighted,
+            fill=None if self._device.type == "meta" else fill,
         )
-        self._input_permutations: dict[tuple[str, ...], list[int] | None] = {}
+        holders, self._fused_optimizer = fused_table_weights(
+            self._batched, [c.name for c in tables], "embedding_bags",
+            [exposed[c.name] == index for index, c in enumerate(tables)],
+        )
+        # Declaration order, so that state_dict keys line up with EmbeddingBagCollection's.
+        self.embedding_bags = nn.ModuleDict({c.name: holders[c.name] for c in tables})
+        # Output columns come out in kernel order; this permutation restores declaration order.
+        self._columns = self._column_permutation(
+            [n for members in self._batched.members for i in members for n in names_by_table[i]]
+        )
 
     @classmethod
     def from_embedding_bag_collection(
@@ -194,6 +165,11 @@ class FusedEmbeddingBagCollection(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingBagCollection:
         return deepcopy_with_kernel_views(self, self._kernels, memo)  # type: ignore[return-value]
 
+    @property
+    def _kernels(self) -> list[nn.Module]:
+        """The table-batched kernels, one per pooling type."""
+        return self._batched.kernels
+
     # ---- public API ---------------------------------------------------------------------------
     @property
     def fused_optimizer(self) -> FusedCombinedOptimizer:
@@ -222,7 +198,7 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def kernel_backends(self) -> list[KernelBackend]:
         """Which implementation runs each kernel (one per pooling type)."""
-        return [kernel_backend(k) for k in self._kernels]
+        return self._batched.backends()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         check_features(
@@ -238,29 +214,12 @@ class FusedEmbeddingBagCollection(nn.Module):
         if features.values().is_meta:  # shapes only: meta tensors hold no ids to look up
             values = torch.empty(features.stride(), sum(self._lengths_per_embedding), device="meta")
             return KeyedTensor(self._embedding_names, self._lengths_per_embedding, values)
-        kjt = self._in_kernel_order(features)
-        parts = kjt.split([len(f) for f in self._group_features]) if len(self._kernels) > 1 else [kjt]
-        outputs = []
-        for kernel, part, names, rows in zip(
-            self._kernels, parts, self._group_features, self._group_rows, strict=True
-        ):
-            values, offsets = part.values(), part.offsets()
-            if offsets.dtype != values.dtype:
-                offsets = offsets.to(values.dtype)
-            weights = part.weights() if self._is_weighted else None
-            try:
-                outputs.append(
-                    checked_lookup(
-                        kernel, values, offsets, weights,
-                        feature_names=names, rows_per_feature=rows,
-                    )
-                )
-            except (RuntimeError, ValueError) as exc:
-                features.validate()  # lengths, offsets or weights that do not fit name their key
-                raise exc
-        values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        if self._column_permutation is not None:
-            values = values.index_select(1, self._column_permutation)
+        try:
+            values = self._batched.lookup(self._batched.in_kernel_order(features), self._is_weighted)
+        except (RuntimeError, ValueError) as exc:
+            features.validate()  # lengths, offsets or weights that do not fit name their key
+            raise exc
+        values = select_columns(values, self._columns)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
@@ -268,35 +227,25 @@ class FusedEmbeddingBagCollection(nn.Module):
         )
 
     # ---- internals ----------------------------------------------------------------------------
-    def _in_kernel_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        if keys not in self._input_permutations:
-            if list(keys) == self._kernel_feature_order:
-                self._input_permutations[keys] = None
-            else:
-                index = {k: i for i, k in enumerate(keys)}
-                self._input_permutations[keys] = [index[f] for f in self._kernel_feature_order]
-        permutation = self._input_permutations[keys]
-        return features if permutation is None else features.permute(permutation)
-
-    def _make_column_permutation(self, kernel_order: list[str]) -> torch.Tensor | None:
-        if kernel_order == self._embedding_names:
-            return None
+    def _column_permutation(self, kernel_order: list[str]) -> ColumnPermutation | None:
         dims = dict(zip(self._embedding_names, self._lengths_per_embedding, strict=True))
         start, column_of = 0, {}
         for name in kernel_order:
             column_of[name] = start
             start += dims[name]
-        columns = [column_of[n] + d for n in self._embedding_names for d in range(dims[n])]
-        return torch.tensor(columns, dtype=torch.long, device=self._device)
+        columns = column_permutation(
+            [column_of[n] + d for n in self._embedding_names for d in range(dims[n])]
+        )
+        if columns is None:
+            return None
+        return ColumnPermutation(columns.blocks.to(self._device), columns.width)
 
     def _get_name(self) -> str:
         return "FusedEmbeddingBagCollection"
 
     def train(self, mode: bool = True) -> FusedEmbeddingBagCollection:
         super().train(mode)
-        for kernel in self._kernels:
-            kernel.train(mode)
+        self._batched.train(mode)
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingBagCollection:
