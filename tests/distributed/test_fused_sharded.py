@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from gloo_setup import concat_ranks, gather_to_rank0
 from torch import nn
 
 from recsys_core import (
@@ -68,15 +69,6 @@ def _batch(rank: int, step: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=["fa", "fb"], values=values, lengths=lengths)
 
 
-def _global(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    dicts = [k.to_dict() for k in kjts]
-    return KeyedJaggedTensor(
-        keys=["fa", "fb"],
-        values=torch.cat([d[f].values() for f in ("fa", "fb") for d in dicts]),
-        lengths=torch.cat([d[f].lengths() for f in ("fa", "fb") for d in dicts]),
-    )
-
-
 def worker(rank: int, world: int, kind: str, optimizer: str) -> dict:
     opt_type, kwargs, lr = OPTIMIZERS[optimizer]
     torch.manual_seed(0)
@@ -92,7 +84,7 @@ def worker(rank: int, world: int, kind: str, optimizer: str) -> dict:
         kjts = [_batch(r, step) for r in range(world)]
         target = torch.randn(2 * world, 12, generator=torch.Generator().manual_seed(step))
         out = dmp(kjts[rank])
-        ref = reference(_global(kjts)).values()
+        ref = reference(concat_ranks(kjts)).values()
         torch.testing.assert_close(out, ref[2 * rank : 2 * rank + 2].detach(), atol=1e-5, rtol=1e-5)
         (torch.tanh(out) * target[2 * rank : 2 * rank + 2]).sum().backward()
         # the fused reference updates in backward, on the mean of the ranks' losses
@@ -102,9 +94,7 @@ def worker(rank: int, world: int, kind: str, optimizer: str) -> dict:
         if isinstance(value, torch.Tensor) and not hasattr(value, "local_shards"):
             full[key] = value.detach().clone()
             continue
-        out_t = torch.zeros(value.size()) if rank == 0 else None
-        value.gather(0, out_t)
-        full[key] = out_t
+        full[key] = gather_to_rank0(value, rank)
     return {"full": full, "reference": _tables_by_lookup(reference)}
 
 

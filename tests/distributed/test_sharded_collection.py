@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_setup import gather_to_rank0, shard_weights, world_env
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -22,7 +22,6 @@ from recsys_core import (
 from recsys_core.distributed import (
     EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
-    ShardingEnv,
     column_wise,
     construct_module_sharding_plan,
     row_wise,
@@ -49,10 +48,6 @@ SGD = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5}
 ADAGRAD = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.5, "eps": 0.01}
 
 
-def _env() -> ShardingEnv:
-    return ShardingEnv.from_process_group(dist.GroupMember.WORLD)
-
-
 def _kjt(rank: int, step: int = 0) -> KeyedJaggedTensor:
     gen = torch.Generator().manual_seed(7 * step + rank)
     return KeyedJaggedTensor(
@@ -71,11 +66,7 @@ def init_worker(rank: int, world: int, kind: str, sequence: bool) -> dict:
         module = EmbeddingBagCollection(BAG_TABLES, device="meta")
         sharder = EmbeddingBagCollectionSharder(table_init=SeededUniformInit(seed=5, block_rows=3))
     plan = construct_module_sharding_plan(module, PLANS[kind], world)
-    sharded = sharder.shard(module, plan, _env())
-    return {
-        (name, s.spec.row_offset, s.spec.col_offset): s.weight.clone()
-        for name, shards in sharded.table_shards().items() for s in shards
-    }
+    return shard_weights(sharder.shard(module, plan, world_env()))
 
 
 @pytest.mark.parametrize("sequence", [False, True])
@@ -103,22 +94,16 @@ def ec_state_worker(rank: int, world: int) -> dict:
     ec = EmbeddingCollection(SEQ_TABLES)
     reference = copy.deepcopy(ec)
     plan = construct_module_sharding_plan(ec, {"a": row_wise(compute_kernel="fused"), "b": column_wise(ranks=[1, 0], compute_kernel="fused")}, world)
-    sharded = EmbeddingCollectionSharder(fused_params=ADAGRAD).shard(ec, plan, _env())
+    sharded = EmbeddingCollectionSharder(fused_params=ADAGRAD).shard(ec, plan, world_env())
     for step in range(2):
         out = sharded(_kjt(rank, step)).wait()
         sum(jt.values().sum() for jt in out.values()).backward()
     state = sharded.state_dict()
     optim = sharded.fused_optimizer.state_dict()["state"]
     # full tables from the ShardedTensors (every rank gathers to its own rank 0 copy)
-    full = {}
-    for key in ("embeddings.a.weight", "embeddings.b.weight"):
-        value = state[key]
-        out = torch.zeros(value.size()) if rank == 0 else None
-        value.gather(0, out)
-        full[key] = out
-    sum_state = optim["embeddings.a.weight"]["a.momentum1"]
-    sum_full = torch.zeros(sum_state.size()) if rank == 0 else None
-    sum_state.gather(0, sum_full)
+    full = {key: gather_to_rank0(state[key], rank)
+            for key in ("embeddings.a.weight", "embeddings.b.weight")}
+    sum_full = gather_to_rank0(optim["embeddings.a.weight"]["a.momentum1"], rank)
     # loading the start state back restores the unsharded rows
     sharded.load_state_dict(reference.state_dict())
     restored = sharded(_kjt(rank)).wait()
@@ -158,8 +143,8 @@ def pipeline_worker(rank: int, world: int, sequence: bool) -> list[torch.Tensor]
     module = EmbeddingCollection(SEQ_TABLES) if sequence else EmbeddingBagCollection(BAG_TABLES)
     plan = construct_module_sharding_plan(module, PLANS["row_wise"], world)
     sharder = EmbeddingCollectionSharder(fused_params=SGD) if sequence else EmbeddingBagCollectionSharder(fused_params=SGD)
-    plain = sharder.shard(copy.deepcopy(module), plan, _env())
-    piped = sharder.shard(module, plan, _env())
+    plain = sharder.shard(copy.deepcopy(module), plan, world_env())
+    piped = sharder.shard(module, plan, world_env())
     holder = torch.nn.ModuleDict({"sparse": piped})
     outs = []
     batches = [_kjt(rank, step) for step in range(3)]
@@ -188,7 +173,7 @@ def bad_id_worker(rank: int, world: int, sequence: bool) -> str:
     torch.manual_seed(0)
     module = EmbeddingCollection(SEQ_TABLES) if sequence else EmbeddingBagCollection(BAG_TABLES)
     sharder = EmbeddingCollectionSharder() if sequence else EmbeddingBagCollectionSharder()
-    sharded = sharder.shard(module, construct_module_sharding_plan(module, PLANS["row_wise"], world), _env())
+    sharded = sharder.shard(module, construct_module_sharding_plan(module, PLANS["row_wise"], world), world_env())
     bad = KeyedJaggedTensor(keys=["fb", "fa"], values=torch.tensor([1, 2, 3, 10 + rank]), lengths=torch.tensor([1, 1, 1, 1]))
     with pytest.raises(IdOutOfRangeError) as info:
         sharded(bad)
