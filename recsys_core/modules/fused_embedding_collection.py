@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsys_core.kernels.batched import BatchedTables
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
-from recsys_core.kernels.tbe import build_table_batched_embedding, checked_lookup
+from recsys_core.kernels.packed import PackedTable
 from recsys_core.modules.embedding_collection import check_equal_dims
 from recsys_core.modules.embedding_configs import (
     EmbeddingConfig,
@@ -22,13 +23,12 @@ from recsys_core.modules.embedding_configs import (
 )
 from recsys_core.modules.fused_common import (
     FusedCombinedOptimizer,
-    TableWeight,
     check_location,
     deepcopy_with_kernel_views,
+    fused_table_weights,
     resolve_fused_config,
 )
 from recsys_core.modules.lookup import check_features, check_lengths, meta_jagged
-from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
 _NAME = "FusedEmbeddingCollection"
@@ -75,36 +75,32 @@ class FusedEmbeddingCollection(nn.Module):
         self._feature_names = [f for c in tables for f in c.feature_names]
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
         self._embedding_names = [n for names in self._embedding_names_by_table for n in names]
-        self._rows = [c.num_embeddings for c in tables for _ in c.feature_names]
 
-        # Not a registered submodule (as TorchRec): the module tree is an EmbeddingCollection's.
-        self._kernel: nn.Module
-        kernel = build_table_batched_embedding(
-            rows=[c.num_embeddings for c in tables],
-            dims=[c.embedding_dim for c in tables],
-            feature_table_map=[t for t, c in enumerate(tables) for _ in c.feature_names],
-            pooling_mean=False,
-            optimizer=self._optimizer_config,
+        # Not registered as a submodule (as TorchRec): the module tree is an EmbeddingCollection's.
+        def fill(index: int, view: torch.Tensor) -> None:
+            tables[index].init_weight_(view)
+
+        self._batched = BatchedTables.grouped(
+            [PackedTable(name=c.name, rows=c.num_embeddings, dim=c.embedding_dim) for c in tables],
+            [c.feature_names for c in tables],
+            [False] * len(tables),
             device=self._device,
+            optimizer=self._optimizer_config,
             backend=backend,
+            fill=None if self._device.type == "meta" else fill,
         )
-        object.__setattr__(self, "_kernel", kernel)
-        params: dict[str, nn.Parameter] = {}
-        holders: dict[str, TableWeight] = {}
-        for config, view in zip(tables, self._kernel.split_embedding_weights(), strict=True):
-            if self._device.type != "meta":
-                config.init_weight_(view)
-            weight = nn.Parameter(view)
-            holders[config.name] = TableWeight(weight)
-            params[f"embeddings.{config.name}.weight"] = weight
-        optim = EmbeddingFusedOptimizer(self._kernel, params, [c.name for c in tables])
-        for weight in params.values():
-            weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
-        self._fused_optimizer = FusedCombinedOptimizer([optim])
+        holders, self._fused_optimizer = fused_table_weights(
+            self._batched, [c.name for c in tables], "embeddings"
+        )
         self.embeddings = nn.ModuleDict(holders)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingCollection:
-        return deepcopy_with_kernel_views(self, [self._kernel], memo)  # type: ignore[return-value]
+        return deepcopy_with_kernel_views(self, self._kernels, memo)  # type: ignore[return-value]
+
+    @property
+    def _kernels(self) -> list[nn.Module]:
+        """The table-batched kernel (one, SUM-pooled: each id is a bag of its own)."""
+        return self._batched.kernels
 
     @property
     def fused_optimizer(self) -> FusedCombinedOptimizer:
@@ -147,27 +143,16 @@ class FusedEmbeddingCollection(nn.Module):
         check_lengths(features)
         jts = features.to_dict()
         ids = [jts[f].values() for f in self._feature_names]
-        counts = [int(i.numel()) for i in ids]
-        width = max(max(counts), 1)  # bags per feature; the kernel needs at least one
-        lengths = torch.zeros(len(ids), width, dtype=torch.long, device=self._device)
-        for f, n in enumerate(counts):
-            lengths[f, :n] = 1
         values = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=values.dtype, device=self._device)
-        offsets[1:] = lengths.flatten().cumsum(0)
         try:
-            rows = checked_lookup(
-                self._kernel, values, offsets, None,
-                feature_names=self._feature_names, rows_per_feature=self._rows,
-            )
+            rows = self._batched.lookup_rows(values, [int(i.numel()) for i in ids])
         except (RuntimeError, ValueError):
             features.validate()  # a lengths/values mismatch names its key here
             raise
-        dim = self._embedding_dim
         out: dict[str, JaggedTensor] = {}
         for f, (feature, name) in enumerate(zip(self._feature_names, self._embedding_names, strict=True)):
             out[name] = JaggedTensor(
-                values=rows[: counts[f], f * dim : (f + 1) * dim],
+                values=rows[f],
                 lengths=jts[feature].lengths(),
                 weights=ids[f] if self._need_indices else None,
             )
@@ -178,7 +163,7 @@ class FusedEmbeddingCollection(nn.Module):
 
     def train(self, mode: bool = True) -> FusedEmbeddingCollection:
         super().train(mode)
-        self._kernel.train(mode)
+        self._batched.train(mode)
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingCollection:

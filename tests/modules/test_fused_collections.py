@@ -119,7 +119,7 @@ def test_fused_module_tree_is_the_collections() -> None:
     assert {k: v.shape for k, v in model.named_parameters()} == shapes
     model.eval()
     assert not any(m.training for m in model.modules())
-    assert not model.user[0]._kernels[0].training and not model.item._kernel.training
+    assert not model.user[0]._kernels[0].training and not model.item._kernels[0].training
 
 
 def test_interfaces_and_fused_optimizer_module() -> None:
