@@ -15,7 +15,7 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_setup import assert_sharded_tensor_blocks, world_env
 from torch import nn
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
@@ -123,9 +123,7 @@ def _dense_worker(rank: int, world: int) -> None:
     full = {n: reference.sparse.embedding_bags[n].weight.detach() for n in ("tw", "rw", "cw", "dp")}
     torch.testing.assert_close(state["sparse.embedding_bags.dp.weight"], full["dp"])
     for name in ("tw", "rw", "cw"):
-        for shard in state[f"sparse.embedding_bags.{name}.weight"].local_shards():
-            (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-            torch.testing.assert_close(shard.tensor, full[name][r : r + h, c : c + w])
+        assert_sharded_tensor_blocks(state[f"sparse.embedding_bags.{name}.weight"], full[name])
     assert not any(k.startswith("sparse.lookups") for k in state)
 
 
@@ -137,8 +135,7 @@ def _input_worker(rank: int, world: int) -> list[str]:
     ebc = EmbeddingBagCollection(TABLES[:1])
     plan = construct_module_sharding_plan(ebc, {"tw": table_wise(rank=0, compute_kernel="fused")},
                                           world_size=world)
-    sharded = EmbeddingBagCollectionSharder().shard(
-        ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, world_env())
     kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
     records: list[str] = []
 

@@ -7,6 +7,7 @@ data-parallel replicas alike) with the unsharded module's values; loading round-
 from __future__ import annotations
 
 import torch
+from gloo_setup import world_env
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_core import (
@@ -16,7 +17,7 @@ from recsys_core import (
     KeyedJaggedTensor,
     PoolingType,
 )
-from recsys_core.distributed import EmbeddingBagCollectionSharder, ShardingEnv
+from recsys_core.distributed import EmbeddingBagCollectionSharder
 from recsys_core.distributed.batched_embedding_kernel import DenseTableBatchedEmbedding
 from recsys_core.distributed.sharding_plan import (
     construct_module_sharding_plan,
@@ -49,7 +50,7 @@ def test_dense_kernel_keeps_fp16_weights_and_returns_fp32() -> None:
 
 
 def fp16_worker(rank: int, world: int) -> None:
-    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    env = world_env()
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(TABLES, is_weighted=True)
     assert ebc.embedding_bags["t_half"].weight.dtype == torch.float16

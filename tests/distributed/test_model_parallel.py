@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_setup import assert_sharded_tensor_blocks, world_env
 from torch import nn
 
 from recsys_core import (
@@ -39,15 +39,6 @@ from recsys_core.optim import (
 from recsys_core.testing import run_gloo
 
 
-def tutorial_tables() -> list[EmbeddingBagConfig]:
-    return [
-        EmbeddingBagConfig(name="product_table", embedding_dim=64, num_embeddings=4096,
-                           feature_names=["product"], pooling=PoolingType.SUM),
-        EmbeddingBagConfig(name="user_table", embedding_dim=64, num_embeddings=4096,
-                           feature_names=["user"], pooling=PoolingType.SUM),
-    ]
-
-
 def tutorial_kjt() -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=["product", "user"], values=torch.tensor([1, 2, 1, 5, 2, 3, 4, 1]),
                              lengths=torch.tensor([3, 1, 2, 2]))
@@ -68,15 +59,14 @@ TUTORIAL_PLAN = "\n".join([
 ])
 
 
-def tutorial_worker(rank: int, world: int) -> dict:
+def tutorial_worker(rank: int, world: int, tables: list[EmbeddingBagConfig]) -> dict:
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(device="cpu", tables=tutorial_tables())
+    ebc = EmbeddingBagCollection(device="cpu", tables=tables)
     kjt = tutorial_kjt()
     expected = ebc(kjt).values().detach()
-    pg = dist.GroupMember.WORLD
     plan = construct_module_sharding_plan(ebc, {"product_table": table_wise(rank=0, compute_kernel="fused"), "user_table": table_wise(rank=0, compute_kernel="fused")}, world)
     out: dict = {"plan": str(ShardingPlan({"": plan}))}
-    env = ShardingEnv.from_process_group(pg)
+    env = world_env()
     sharder = EmbeddingBagCollectionSharder()
     sharded_ebc = sharder.shard(ebc, plan, env, torch.device("cpu"))
     output = sharded_ebc(kjt)
@@ -107,8 +97,8 @@ def tutorial_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_tutorial_sharding_examples() -> None:
-    (out,) = run_gloo(1, tutorial_worker)
+def test_tutorial_sharding_examples(tutorial_tables: list[EmbeddingBagConfig]) -> None:
+    (out,) = run_gloo(1, tutorial_worker, tutorial_tables)
     assert out["plan"] == TUTORIAL_PLAN
     assert out["dmp_plan"] == TUTORIAL_PLAN
     assert out["lazy"]
@@ -187,10 +177,9 @@ def dmp_worker(rank: int, world: int) -> None:
     state = dmp.state_dict()
     full_b = state["sparse.embedding_bags.b.weight"]  # data-parallel: a plain replicated tensor
     torch.testing.assert_close(full_b, reference.sparse.embedding_bags["b"].weight.detach(), atol=1e-5, rtol=1e-5)
-    for shard in state["sparse.embedding_bags.a.weight"].local_shards():
-        off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        ref = reference.sparse.embedding_bags["a"].weight.detach()[off[0] : off[0] + size[0]]
-        torch.testing.assert_close(shard.tensor, ref, atol=1e-5, rtol=1e-5)
+    assert_sharded_tensor_blocks(state["sparse.embedding_bags.a.weight"],
+                                 reference.sparse.embedding_bags["a"].weight.detach(),
+                                 atol=1e-5, rtol=1e-5)
 
 
 def test_dmp_trains_like_the_unsharded_model() -> None:
@@ -237,7 +226,7 @@ def save_worker(rank: int, world: int, path: str) -> dict:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(CKPT_TABLES)
     plan = construct_module_sharding_plan(ebc, {"x": row_wise(compute_kernel="fused"), "y": row_wise(compute_kernel="fused")}, world)
-    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    env = world_env()
     sharded = EmbeddingBagCollectionSharder(fused_params=CKPT_FUSED).shard(ebc, plan, env)
     for step in range(2):
         gen = torch.Generator().manual_seed(10 * step + rank)
@@ -252,7 +241,7 @@ def load_worker(rank: int, world: int, path: str) -> dict:
     torch.manual_seed(123)  # different init: everything must come from the checkpoint
     ebc = EmbeddingBagCollection(CKPT_TABLES)
     plan = construct_module_sharding_plan(ebc, {"x": table_wise(rank=1, compute_kernel="fused"), "y": table_wise(rank=0, compute_kernel="fused")}, world)
-    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    env = world_env()
     sharded = EmbeddingBagCollectionSharder(fused_params=CKPT_FUSED).shard(ebc, plan, env)
     extra = checkpoint.load(path, model=sharded, optimizer=sharded.fused_optimizer, extra={"step": 0})
     assert extra == {"step": 2}
@@ -282,7 +271,7 @@ def unsharded_load_worker(rank: int, world: int) -> None:
     torch.manual_seed(1)
     ebc = EmbeddingBagCollection(CKPT_TABLES)
     plan = construct_module_sharding_plan(ebc, {"x": row_wise(compute_kernel="fused"), "y": table_wise(rank=1, compute_kernel="fused")}, world)
-    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, world_env())
     sharded.load_state_dict(source.state_dict())
     kjt = KeyedJaggedTensor(keys=["fx", "fy"], values=torch.tensor([9, 0, 5]), lengths=torch.tensor([1, 1, 1, 0]))
     torch.testing.assert_close(sharded(kjt).wait().values(), source(kjt).values().detach())
@@ -342,7 +331,7 @@ def test_sharding_over_several_ranks_without_process_group_is_refused() -> None:
 def bad_id_worker(rank: int, world: int) -> str:
     ebc = EmbeddingBagCollection(CKPT_TABLES)
     plan = construct_module_sharding_plan(ebc, {"x": row_wise(compute_kernel="fused"), "y": table_wise(rank=1, compute_kernel="fused")}, world)
-    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_process_group(dist.GroupMember.WORLD))
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, world_env())
     bad = 10 if rank == 0 else -1
     kjt = KeyedJaggedTensor(keys=["fx", "fy"], values=torch.tensor([bad, 0]), lengths=torch.tensor([1, 1]))
     try:

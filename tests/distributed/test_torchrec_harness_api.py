@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from gloo_setup import assert_sharded_tensor_blocks
 from torch import nn
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -187,10 +188,9 @@ def _fp_worker(rank: int, world: int) -> None:
     state = dmp.state_dict()
     assert torch.equal(state["_feature_processors.f1.position_weight"],
                        torch.tensor([2.0, 1.5, 1.25]))
-    for shard in state["_embedding_bag_collection.embedding_bags.t1.weight"].local_shards():
-        rows = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-        ref = reference._embedding_bag_collection.embedding_bags["t1"].weight.detach()
-        torch.testing.assert_close(shard.tensor, ref[rows[0] : rows[0] + rows[1]])
+    assert_sharded_tensor_blocks(
+        state["_embedding_bag_collection.embedding_bags.t1.weight"],
+        reference._embedding_bag_collection.embedding_bags["t1"].weight.detach())
 
 
 def test_feature_processed_ebc_with_frozen_processors_shards_like_the_unsharded_module() -> None:
