@@ -73,14 +73,19 @@ def planner_kernels(topology: Topology) -> tuple[EmbeddingComputeKernel, ...]:
 
 
 def enumerate_options(
-    table: TableSpec, sharder: Sharder, topology: Topology, with_perf: bool = False
+    table: TableSpec, sharder: Sharder, topology: Topology, with_perf: bool = False,
+    memory_only: bool = False,
 ) -> list[Candidate]:
     """Every candidate of ``table`` with its per-shard estimates, in preference order
-    (``with_perf``: also its cost by phase, ``Candidate.perf``)."""
+    (``with_perf``: also its cost by phase, ``Candidate.perf``). ``memory_only``: leave out the
+    kernels over slower memory (cached, UVM) unless the table's constraints name its kernels:
+    the planner's first try where memory clearly suffices."""
     options = []
     refused: dict[ShardingType, list[str]] = {}  # types whose sharder runs none of the kernels
     for sharding_type in allowed_sharding_types(table, sharder, topology):
         kernels = allowed_kernels(table, sharding_type, sharder, topology)
+        if memory_only and table.constraints.compute_kernels is None:
+            kernels = [k for k in kernels if k not in UVM_KERNELS] or kernels
         if not kernels:
             refused[sharding_type] = sharder.compute_kernels(
                 sharding_type.value, topology.compute_device

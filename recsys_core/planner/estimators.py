@@ -50,6 +50,7 @@ inter-host link, and the rank's own share is free.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -101,12 +102,18 @@ DEFAULT_OPTIMIZER = EmbOptimType.EXACT_ROWWISE_ADAGRAD  # when the sharder names
 ROW_SPLITS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 
 
+@functools.cache
+def _state_layout(optimizer: EmbOptimType) -> tuple[int, int]:
+    """(state values per row, state values per element) of ``optimizer``."""
+    rowwise = [optimizer.state_is_rowwise(name) for name in optimizer.state_names]
+    return sum(rowwise), len(rowwise) - sum(rowwise)
+
+
 def state_bytes_per_row(optimizer: EmbOptimType, cols: np.ndarray | float) -> np.ndarray:
     """Optimizer-state bytes of one row of ``cols`` columns (fp32 state)."""
-    total = np.zeros_like(np.asarray(cols, dtype=np.float64))
-    for name in optimizer.state_names:
-        total = total + (STATE_BYTES if optimizer.state_is_rowwise(name) else STATE_BYTES * cols)
-    return total
+    per_row, per_element = _state_layout(optimizer)
+    cols = np.asarray(cols, dtype=np.float64)
+    return STATE_BYTES * per_row + STATE_BYTES * per_element * cols
 
 
 def weights_and_state_bytes(

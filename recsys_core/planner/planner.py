@@ -25,6 +25,7 @@ from recsys_core.plan.types import ShardingPlan
 from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.enumerators import enumerate_options
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
+from recsys_core.planner.estimators import weights_and_state_bytes
 from recsys_core.planner.machine import detect_topology, smallest_over_ranks
 from recsys_core.planner.partitioners import GreedyPartitioner
 from recsys_core.planner.plan_builder import build_plan, collections_of
@@ -37,6 +38,7 @@ from recsys_core.planner.storage_reservations import (
 )
 from recsys_core.planner.table_specs import table_specs
 from recsys_core.planner.topology import Topology
+from recsys_core.planner.types import TableSpec
 
 if TYPE_CHECKING:
     from recsys_core.planner.sharding_option import ShardingOption
@@ -266,10 +268,6 @@ class EmbeddingShardingPlanner:
         if not collections:  # as TorchRec: no sharder handles any module, nothing to shard
             return ShardingPlan({})
         tables = table_specs(collections, self._constraints, self._batch_size, topology)
-        options = {
-            spec.key: enumerate_options(spec, collections[spec.path][1], topology)
-            for spec in tables
-        }
         reserved = self._storage_reservation.reserve(
             topology, self._batch_size, module, sharders, self._constraints
         )
@@ -278,12 +276,27 @@ class EmbeddingShardingPlanner:
         ssd_budget = float(reserved.ssd_per_rank)
         reservation = _reserved_fraction(topology, reserved, self._storage_reservation)
         specs = {spec.key: spec for spec in tables}
-        check_total(specs, options, topology, hbm_budget, ddr_budget, reservation,
-                    ssd_budget=ssd_budget)
         deadline = None if self._timeout_seconds is None else start + self._timeout_seconds
-        partition, failed = GreedyPartitioner(
-            topology, hbm_budget, ddr_budget, ssd_budget
-        ).partition(options, deadline=deadline)
+        partitioner = GreedyPartitioner(topology, hbm_budget, ddr_budget, ssd_budget)
+        partition, failed, options = None, None, {}
+        if _memory_clearly_suffices(tables, topology, hbm_budget, ddr_budget):
+            # Cached layouts cannot win where every table fits in memory with room to spare
+            # (they cost more for the same geometry): plan without them, and with them only
+            # if that fails. Half the candidates to estimate.
+            options = {
+                spec.key: enumerate_options(spec, collections[spec.path][1], topology,
+                                            memory_only=True)
+                for spec in tables
+            }
+            partition, failed = partitioner.partition(options, deadline=deadline)
+        if partition is None or failed is not None:
+            options = {
+                spec.key: enumerate_options(spec, collections[spec.path][1], topology)
+                for spec in tables
+            }
+            check_total(specs, options, topology, hbm_budget, ddr_budget, reservation,
+                        ssd_budget=ssd_budget)
+            partition, failed = partitioner.partition(options, deadline=deadline)
         if failed is not None:
             raise no_fit_error(
                 specs, options, failed, partition, topology, hbm_budget, ddr_budget, reservation,
@@ -411,6 +424,21 @@ def plan_for_env(
     if env.pg is not None and env.world_size > 1:
         return planner.collective_plan(module, sharders, env.pg)
     return planner.plan(module, sharders)
+
+
+MEMORY_ONLY_FRACTION = 0.5
+"""Memory clearly suffices when all tables, whole and with their optimizer state, take at most
+this fraction of the fast memory (HBM on CUDA, host memory on CPU) of all ranks together."""
+
+
+def _memory_clearly_suffices(tables: Sequence[TableSpec], topology: Topology,
+                             hbm_budget: float, ddr_budget: float) -> bool:
+    """Whether the planner may first try kernels over fast memory only (no cache, no UVM)."""
+    budget = hbm_budget if topology.is_cuda else ddr_budget
+    total = sum(float(weights_and_state_bytes(t.config.num_embeddings, t.config.embedding_dim,
+                                              t.config.data_type, t.optimizer))
+                for t in tables)
+    return total <= MEMORY_ONLY_FRACTION * budget * topology.world_size
 
 
 def _reserved_fraction(topology: Topology, reserved: Topology, reservation: object = None) -> float:
