@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_setup import concat_ranks, world_env
 from torch import nn
 
 from recsys_core import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
 from recsys_core.distributed import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
-    ShardingEnv,
     ShardingPlan,
     checkpoint,
     construct_module_sharding_plan,
@@ -85,10 +85,6 @@ def plan_for(mc: nn.Module, world: int):
     return construct_module_sharding_plan(mc._embedding_module, gens, world_size=world)
 
 
-def env() -> ShardingEnv:
-    return ShardingEnv.from_process_group(dist.GroupMember.WORLD)
-
-
 # ---- hand-computed routing and remapping ---------------------------------------------------------
 def hand_worker(rank: int, world: int) -> dict:
     cfg = [EmbeddingBagConfig(name="t0", embedding_dim=2, num_embeddings=8, feature_names=["f0"],
@@ -102,7 +98,7 @@ def hand_worker(rank: int, world: int) -> dict:
     with torch.no_grad():
         mc._embedding_module.embedding_bags["t0"].weight.uniform_(-1, 1)
     weight = mc._embedding_module.embedding_bags["t0"].weight.detach().clone()
-    sharded = ManagedCollisionEmbeddingBagCollectionSharder().shard(mc, plan_for(mc, world), env())
+    sharded = ManagedCollisionEmbeddingBagCollectionSharder().shard(mc, plan_for(mc, world), world_env())
     bags = [[[10, 520, 10], [30, 540]], [[510, 20], [510, 530, 40, 50, 550]]][rank]
     kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([i for b in bags for i in b]),
                             lengths=torch.tensor([len(b) for b in bags]))
@@ -185,13 +181,7 @@ def batch(rank: int, step: int) -> KeyedJaggedTensor:
 
 
 def global_batch(world: int, step: int) -> KeyedJaggedTensor:
-    parts = [batch(r, step).to_dict() for r in range(world)]
-    keys = ["f0", "f1", "f2"]
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=torch.cat([p[k].values() for k in keys for p in parts]),
-        lengths=torch.cat([p[k].lengths() for k in keys for p in parts]),
-    )
+    return concat_ranks([batch(r, step) for r in range(world)])
 
 
 def build_mc(zch: dict[str, int], seed: int = 0) -> ManagedCollisionEmbeddingBagCollection:
@@ -223,7 +213,7 @@ def parity_worker(rank: int, world: int) -> dict:
     mc = build_mc({"t0": 8, "t1": 12})
     oracle = oracle_of(mc, world)
     model = DistributedModelParallel(
-        nn.ModuleDict({"mc": mc}), env=env(),
+        nn.ModuleDict({"mc": mc}), env=world_env(),
         plan=ShardingPlan({"mc": plan_for(mc, world)}),
         sharders=[ManagedCollisionEmbeddingBagCollectionSharder(
             EmbeddingBagCollectionSharder(fused_params=FUSED))],
@@ -281,7 +271,7 @@ def ec_worker(rank: int, world: int) -> dict:
         mc._embedding_module.embeddings["t0"].weight.uniform_(-1, 1)
     weight = mc._embedding_module.embeddings["t0"].weight.detach().clone()
     weight[[0, 1, 2, 4, 5, 6]] = 0.25  # the rows handed to new ids are re-initialised
-    sharded = ManagedCollisionEmbeddingCollectionSharder().shard(mc, plan_for(mc, world), env())
+    sharded = ManagedCollisionEmbeddingCollectionSharder().shard(mc, plan_for(mc, world), world_env())
     ids = [[10, 520, 10, 30, 540], [510, 20, 510, 530, 40, 50, 550]][rank]
     kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor(ids), lengths=torch.tensor([2, len(ids) - 2]))
     out, remapped = sharded(kjt)
@@ -341,7 +331,7 @@ def _union(dicts: list[dict]) -> dict:
 def ckpt_worker(rank: int, world: int, load: str | None, save: str, steps: int, seed: int) -> dict:
     mc = build_mc({"t0": 48, "t1": 48}, seed=seed)
     sharded = ManagedCollisionEmbeddingBagCollectionSharder(
-        EmbeddingBagCollectionSharder(fused_params=FUSED)).shard(mc, plan_for(mc, world), env())
+        EmbeddingBagCollectionSharder(fused_params=FUSED)).shard(mc, plan_for(mc, world), world_env())
     out: dict = {}
     if load is not None:
         checkpoint.load(load, model=sharded, optimizer=sharded.fused_optimizer)
@@ -399,10 +389,10 @@ def bad_worker(rank: int, world: int) -> list[str]:
                                "t1": row_wise(compute_kernel="fused")}, world_size=world)
     for plan in (tw,):
         try:
-            sharder.shard(mc, plan, env())
+            sharder.shard(mc, plan, world_env())
         except ValueError as e:
             errors.append(str(e))
-    sharded = sharder.shard(mc, plan_for(mc, world), env())
+    sharded = sharder.shard(mc, plan_for(mc, world), world_env())
     try:
         sharded(KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([1.0, 2.0, 3.0]),
                                   lengths=torch.tensor([1, 0, 1, 0, 1, 0])))
@@ -430,7 +420,7 @@ def unsharded_state_worker(rank: int, world: int) -> None:
     for step in range(2):  # the unsharded module hands out rows regardless of input blocks
         mc(global_batch(world, step))[0].values().sum().backward()
     sharded = ManagedCollisionEmbeddingBagCollectionSharder().shard(
-        build_mc({"t0": 32, "t1": 32}, seed=5), plan_for(mc, world), env())
+        build_mc({"t0": 32, "t1": 32}, seed=5), plan_for(mc, world), world_env())
     sharded.load_state_dict(mc.state_dict())
     mods = mc._managed_collision_collection._managed_collision_modules
     live = {t: sorted(int(i) for i in m._mch_sorted_raw_ids if i != MAX) for t, m in mods.items()}
