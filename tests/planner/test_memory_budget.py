@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_setup import world_env
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
 from recsys_core.distributed import (
@@ -99,7 +99,7 @@ def test_dmp_default_plan_is_for_this_machine_not_128_gib() -> None:
 
 def uneven_hosts_worker(rank: int, world: int) -> tuple[str, bool]:
     reading = MemoryReading(available=(16 if rank == 0 else 4) * GIB, source=f"fake host of rank {rank}")
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    env = world_env()
     topology = detect_topology(world, "cpu", local_world_size=1, host=reading)
     try:
         plan_for_env(ebc([20_000_000, 1000]), env, SHARDERS, "cpu", topology=topology)
