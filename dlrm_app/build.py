@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlrm_app.config import CommPrecision, DenseOptimizer, EmbeddingOptimizer, TrainConfig
+from dlrm_app.config import CommPrecision, DenseOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.model import Interaction, build_dlrm, table_initializer
 from dlrm_app.resources import planning_error_for_user, topology_for_run
@@ -28,21 +28,28 @@ from recsys_core.distributed import (
 from recsys_core.distributed.comm_ops import set_gradient_division
 from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from recsys_core.distributed.fbgemm_qcomm_codec import (
+    CommOp,
     CommType,
     QCommsConfig,
     get_qcomm_codecs_registry,
 )
 from recsys_core.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recsys_core.distributed.types import QuantizedCommCodecs
-from recsys_core.kernels.config import EmbOptimType
+from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 from recsys_core.planner import PlannerError, plan_for_env
 
-_FUSED = {
-    EmbeddingOptimizer.SGD: EmbOptimType.EXACT_SGD,
-    EmbeddingOptimizer.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
-    EmbeddingOptimizer.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-}
+
+def fused_optimizer(config: TrainConfig) -> FusedOptimizerConfig:
+    """The tables' optimizer, typed from the flags to the kernel: ``--embedding-optimizer``,
+    ``--embedding-learning-rate`` and ``--eps``."""
+    return FusedOptimizerConfig(optimizer=EmbOptimType[config.embedding_optimizer.kernel],
+                                learning_rate=config.embedding_learning_rate, eps=config.eps)
+
+
+DEFAULT_PLAN_BATCH = 512
+"""Rows per rank the planner sizes traffic and caches for when the config names no batch size
+(a config not yet given ``with_batch_size``)."""
 
 
 def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
@@ -82,11 +89,15 @@ def world_hosts() -> int:
 
 
 def comm_codecs(precision: CommPrecision) -> dict[str, QuantizedCommCodecs] | None:
-    """The sharder's ``qcomm_codecs_registry`` for a resolved precision (None: fp32)."""
+    """The sharder's ``qcomm_codecs_registry`` for a resolved precision (None: fp32): the
+    all-to-all of finished pooled embeddings (and of their gradients) in that precision. The
+    reduce-scatter that sums row-wise tables' partial results stays fp32: summing rounded
+    partials would change values that rounding the finished sum does not."""
     comm_type = {CommPrecision.FP32: CommType.FP32, CommPrecision.BF16: CommType.BF16,
                  CommPrecision.FP16: CommType.FP16}[precision]
     return get_qcomm_codecs_registry(
-        QCommsConfig(forward_precision=comm_type, backward_precision=comm_type))
+        QCommsConfig(forward_precision=comm_type, backward_precision=comm_type),
+        comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])
 
 
 def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
@@ -105,11 +116,9 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         offload_dir = Path(config.offload_dir) if config.offload_dir else Path(config.out) / "offload"
     env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
            else ShardingEnv.from_local(1, 0))
-    sharder = EmbeddingBagCollectionSharder(fused_params={
-        "optimizer": _FUSED[config.embedding_optimizer],
-        "learning_rate": config.embedding_learning_rate,
-        "eps": config.eps,
-    }, qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.num_hosts)),
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params=fused_optimizer(config),
+        qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.num_hosts)),
         table_init=table_initializer(config.seed),
         offload_dir=None if offload_dir is None else str(offload_dir))
     sharders: list[Any] = [sharder]
@@ -124,7 +133,8 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         topology = topology_for_run(env.world_size, env.local_world_size, device,
                                     config.memory_per_rank, disk)
         try:
-            plan = plan_for_env(model, env, sharders, device, topology=topology)
+            plan = plan_for_env(model, env, sharders, device, topology=topology,
+                                batch_size=config.batch_size or DEFAULT_PLAN_BATCH)
         except PlannerError as e:
             raise planning_error_for_user(e, config.offload) from None
     if offload_dir is not None and any(

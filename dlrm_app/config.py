@@ -117,6 +117,13 @@ class EmbeddingOptimizer(enum.Enum):
     ADAGRAD = "adagrad"
     ROWWISE_ADAGRAD = "rowwise_adagrad"
 
+    @property
+    def kernel(self) -> str:
+        """The fused kernel's update rule: a member name of
+        ``recsys_core.kernels.config.EmbOptimType`` (not imported here: the CLI parses without
+        torch)."""
+        return "EXACT_" + self.name
+
 
 class CommPrecision(enum.Enum):
     """What the pooled embeddings and their gradients travel in between ranks."""
@@ -177,7 +184,8 @@ class TrainConfig:
     a CPU with AVX-512 BF16 or AMX), off elsewhere. --no-amp trains in fp32."""
     comm_precision: CommPrecision = CommPrecision.AUTO
     """Precision the pooled embeddings and their gradients travel in between ranks (half the
-    bytes in bf16 or fp16). auto: bf16 where it changes no value (--amp on and the dot
+    bytes in bf16 or fp16); the partial sums of row-wise tables are always summed in fp32, so
+    only finished values are rounded. auto: bf16 where it changes no value (--amp on and the dot
     interaction, which rounds the embeddings and their gradients to bf16 anyway) and the ranks
     span several hosts; fp32 on one host, where the casts cost what the halved bytes save.
     fp16 overflows past 65504 and flushes tiny gradients."""

@@ -40,12 +40,6 @@ GIB = 1024**3
 # shrink in proportion, and the estimate is the planner's, not a measurement.
 SUGGESTION_HEADROOM = 0.8
 
-FUSED_OPTIMIZER = {
-    EmbeddingOptimizer.SGD: EmbOptimType.EXACT_SGD,
-    EmbeddingOptimizer.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
-    EmbeddingOptimizer.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-}
-
 
 def topology_for_run(
     world_size: int,
@@ -81,7 +75,7 @@ def table_memory_bytes(
     (rowwise_adagrad: one float per row, adagrad: one per element, sgd: none), summed. Buffers
     and dense parameters come on top (the planner keeps a reserve for them)."""
     try:
-        fused = FUSED_OPTIMIZER[EmbeddingOptimizer(optimizer)]
+        fused = EmbOptimType[EmbeddingOptimizer(optimizer).kernel]
     except ValueError:
         choices = ", ".join(o.value for o in EmbeddingOptimizer)
         raise ValueError(f"embedding optimizer {optimizer!r} is not one of {choices}") from None

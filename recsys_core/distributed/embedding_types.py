@@ -10,6 +10,7 @@ shard's memory (UVM kernels in DDR) and names each table's weight as a shardable
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from recsys_core.distributed.types import (
     StorageUsageType,
     compute_storage_usage,
 )
+from recsys_core.kernels.config import FusedOptimizerConfig
 from recsys_core.modules.embedding_configs import EmbeddingTableConfig
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 
@@ -42,16 +44,20 @@ class BaseEmbeddingSharder(ModuleSharder[M]):
     """Common part of the training sharders (TorchRec's arguments).
 
     ``fused_params``: TorchRec's dict of the fused optimizer (``{"optimizer": ...,
-    "learning_rate": ...}``), read by the sharder; ``qcomm_codecs_registry``: the precision of
-    the embedding collectives (``fbgemm_qcomm_codec.get_qcomm_codecs_registry``).
+    "learning_rate": ...}``), or the typed ``FusedOptimizerConfig`` itself, read by the sharder
+    (``fused_params`` gives it back as TorchRec's dict); ``qcomm_codecs_registry``: the
+    precision of the embedding collectives (``fbgemm_qcomm_codec.get_qcomm_codecs_registry``).
     """
 
     def __init__(
         self,
-        fused_params: Mapping[str, Any] | None = None,
+        fused_params: Mapping[str, Any] | FusedOptimizerConfig | None = None,
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__(qcomm_codecs_registry=qcomm_codecs_registry)
+        if isinstance(fused_params, FusedOptimizerConfig):
+            fused_params = {f.name: getattr(fused_params, f.name)
+                            for f in dataclasses.fields(fused_params)}
         self._fused_params = None if fused_params is None else dict(fused_params)
 
     @property

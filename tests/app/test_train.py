@@ -291,11 +291,29 @@ def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts
     assert build.world_hosts() == 1
     assert resolved(1, comm_precision=CommPrecision.FP16) is CommPrecision.FP16  # as asked
     assert build.comm_codecs(CommPrecision.FP32) is None
-    codecs = build.comm_codecs(CommPrecision.BF16)["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    registry = build.comm_codecs(CommPrecision.BF16)
+    codecs = registry["POOLED_EMBEDDINGS_ALL_TO_ALL"]
     assert codecs.forward.quantized_dtype == codecs.backward.quantized_dtype == torch.bfloat16
+    # row-wise partial sums are added in fp32: only finished values are rounded
+    assert set(registry) == {"POOLED_EMBEDDINGS_ALL_TO_ALL"}
     # config.json round trip, and an older run's config (no key) reads as auto
     config = TrainConfig(data="d", out="o", comm_precision=CommPrecision.BF16)
     assert TrainConfig.from_json_dict(config.to_json_dict()) == config
     old = config.to_json_dict()
     del old["comm_precision"]
     assert TrainConfig.from_json_dict(old).comm_precision is CommPrecision.AUTO
+
+
+@pytest.mark.parametrize("flag, kernel", [("sgd", "EXACT_SGD"), ("adagrad", "EXACT_ADAGRAD"),
+                                          ("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD")])
+def test_embedding_optimizer_flag_reaches_the_kernel_typed(flag: str, kernel: str,
+                                                           tmp_path: Path) -> None:
+    from dlrm_app.build import fused_optimizer
+    from dlrm_app.config import EmbeddingOptimizer, TrainConfig
+    from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
+
+    config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"),
+                         embedding_optimizer=EmbeddingOptimizer(flag),
+                         embedding_learning_rate=0.07, eps=1e-4)
+    assert fused_optimizer(config) == FusedOptimizerConfig(
+        optimizer=EmbOptimType[kernel], learning_rate=0.07, eps=1e-4)
