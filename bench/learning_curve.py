@@ -23,7 +23,7 @@ from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.demo import DEMO_CARDINALITY
 from dlrm_app.evaluate import evaluate_checkpoint
-from dlrm_app.report import LEARNING_CURVE, write_report
+from dlrm_app.reporting.report import LEARNING_CURVE, write_report
 from dlrm_app.train import train
 
 

@@ -64,8 +64,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE, load_artifact
-from dlrm_app.serve import RequestParser
+from dlrm_app.serving.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE, load_artifact
+from dlrm_app.serving.server import RequestParser
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 FULL = {"rows_per_table": 50_000, "dim": 64, "bottom": "512,256", "top": "512,256",
@@ -143,8 +143,8 @@ def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], A
     {(format, dtype): file, or the eager programs for "eager"}."""
     from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
-    from dlrm_app.export import export_model
     from dlrm_app.model import ModelConfig
+    from dlrm_app.serving.export import export_model
     from dlrm_app.train import train
 
     rng = np.random.default_rng(args.seed)
@@ -183,7 +183,7 @@ class EagerPrograms:
     """The .pt2's programs (FBGEMM lookup) as eager modules, with the artifact's methods."""
 
     def __init__(self, run: Path, dtype: str) -> None:
-        from dlrm_app.export import (
+        from dlrm_app.serving.export import (
             DTYPES,
             dataset_preprocessing,
             load_unsharded,

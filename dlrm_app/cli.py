@@ -255,7 +255,7 @@ def _cmd_evaluate(args: EvaluateConfig) -> int:
 
 
 def _cmd_export(args: ExportConfig) -> int:
-    from dlrm_app.export import export_model, stage_printer
+    from dlrm_app.serving.export import export_model, stage_printer
 
     meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
                         quantize_dense=args.quantize_dense, fmt=args.format,
@@ -276,13 +276,13 @@ def _cmd_demo(args: DemoConfig) -> int:
 
 
 def _cmd_serve(args: ServeCommand) -> int:
-    from dlrm_app.serve import serve_forever
+    from dlrm_app.serving.server import serve_forever
 
     return serve_forever(args.model, args.server, expect_sha256=args.expect_sha256)
 
 
 def _cmd_report(args: ReportConfig) -> int:
-    from dlrm_app.report import write_report, write_tensorboard
+    from dlrm_app.reporting.report import write_report, write_tensorboard
 
     try:
         path = write_report(args.run)

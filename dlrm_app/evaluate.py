@@ -19,7 +19,7 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.metrics import BinaryClassificationMetrics
-from dlrm_app.report import save_evaluation, write_report
+from dlrm_app.reporting.report import save_evaluation, write_report
 from dlrm_app.runtime import amp_enabled, autocast, init_distributed, world
 
 
@@ -28,7 +28,7 @@ def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
                    save_to: tuple[str | Path, str] | None = None) -> dict[str, float]:
     """AUC, NE, logloss... of ``dmp`` on ``loader``'s split, exact over all ranks.
     ``save_to=(run_dir, name)``: rank 0 also stores the metrics with the ROC and calibration
-    curves for the report (``dlrm_app.report.save_evaluation``)."""
+    curves for the report (``dlrm_app.reporting.report.save_evaluation``)."""
     metrics = BinaryClassificationMetrics()
     was_training = dmp.training
     dmp.eval()

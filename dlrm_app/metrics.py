@@ -151,7 +151,7 @@ class BinaryClassificationMetrics:
         """Every row the group has seen as CPU ``(float64 logits, uint8 labels)`` on group
         rank 0, ``None`` on the other ranks; a collective, like ``compute()``.
 
-        For curves (``roc_curve``, ``calibration_curve``, ``dlrm_app.report.save_evaluation``),
+        For curves (``roc_curve``, ``calibration_curve``, ``dlrm_app.reporting.report.save_evaluation``),
         which need all rows. The row order is by rank, then by ``update()`` call; it is not
         canonical (curves do not depend on it). Memory on group rank 0 as in ``compute()``.
         """

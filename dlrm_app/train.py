@@ -54,7 +54,7 @@ from dlrm_app.config import TrainConfig, lr_scale
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.pipeline import device_batches
-from dlrm_app.report import write_report
+from dlrm_app.reporting.report import write_report
 from dlrm_app.run_dir import prepare_run_dir
 from dlrm_app.runtime import (
     amp_enabled,

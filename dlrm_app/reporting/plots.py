@@ -1,4 +1,4 @@
-"""The PNG plots of a run's report (``dlrm_app.report.write_report`` calls ``write_plots``)."""
+"""The PNG plots of a run's report (``dlrm_app.reporting.report.write_report`` calls ``write_plots``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_app.report import LEARNING_CURVE, Run, _column, _fmt
+from dlrm_app.reporting.report import LEARNING_CURVE, Run, _column, _fmt
 
 
 def write_plots(run: Run) -> dict[str, Path]:

@@ -234,7 +234,7 @@ def _column(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nda
 # ---- report.md ----------------------------------------------------------------------------------
 def write_report(run_dir: str | Path) -> Path:
     """(Re)write RUN/report.md and RUN/plots/*.png from what the run holds now; the md path."""
-    from dlrm_app.report_plots import write_plots  # it imports this module's Run
+    from dlrm_app.reporting.plots import write_plots  # it imports this module's Run
 
     run = read_run(run_dir)
     plots = write_plots(run)

@@ -8,7 +8,7 @@ sharded tables), quantize the tables (``recsys_core.inference``: FBGEMM's int-n-
 INT8 / INT4 / FP16, or FP32 unchanged), then
 
 - ``pt2`` (default): ``torch.export`` the predictor (quantized lookups, dense arch, interaction,
-  over arch; :mod:`dlrm_app.serving_program`) and, for datasets with a raw row format, the
+  over arch; :mod:`dlrm_app.serving.program`) and, for datasets with a raw row format, the
   preprocessing, each with a dynamic batch dimension; AOTInductor compiles both for CPU into one
   ``.pt2`` package (models ``model`` and ``encode``) with ``manifest.json`` beside them.
 - ``torchscript``: script :class:`ExportedDLRM` (the same computation, optionally with
@@ -16,7 +16,7 @@ INT8 / INT4 / FP16, or FP32 unchanged), then
   PyTorch; this format stays for stacks that cannot load ``.pt2`` yet.
 
 The contract (entry points, input layout, manifest keys) is documented in
-:mod:`dlrm_app.artifact`; loading needs torch, plus ``fbgemm_gpu`` when the lookups use FBGEMM's
+:mod:`dlrm_app.serving.artifact`; loading needs torch, plus ``fbgemm_gpu`` when the lookups use FBGEMM's
 op (``needs_fbgemm`` in the manifest).
 
 The artifact's sha256 is written beside it (``model.pt2.sha256``, ``sha256sum`` format), into the
@@ -41,7 +41,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dlrm_app.artifact import (
+from dlrm_app.checkpoint import resolve_run, verify_checkpoint
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
+from dlrm_app.data.integrity import verify_file
+from dlrm_app.data.schema import DatasetKind, DatasetSpec
+from dlrm_app.id_map import FrozenIdMap, freeze_raw_ids
+from dlrm_app.model import DLRM, build_dlrm
+from dlrm_app.serving.artifact import (
     ARTIFACT_FORMAT_VERSION,
     ENCODE_PROGRAM,
     MANIFEST_FILE,
@@ -52,14 +59,7 @@ from dlrm_app.artifact import (
     digest_path,
     write_digest,
 )
-from dlrm_app.checkpoint import resolve_run, verify_checkpoint
-from dlrm_app.config import TrainConfig
-from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
-from dlrm_app.data.integrity import verify_file
-from dlrm_app.data.schema import DatasetKind, DatasetSpec
-from dlrm_app.id_map import FrozenIdMap, freeze_raw_ids
-from dlrm_app.model import DLRM, build_dlrm
-from dlrm_app.serving_program import LOOKUPS, EncodedPredictor, RawEncoder
+from dlrm_app.serving.program import LOOKUPS, EncodedPredictor, RawEncoder
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.inference import QuantEmbeddingBagCollection, quantize_inference_model
 from recsys_core.modules.embedding_configs import DataType
@@ -69,11 +69,11 @@ DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "int8": DataType.INT8,
 
 
 class ExportedDLRM(nn.Module):
-    """The scripted serving model (see :mod:`dlrm_app.artifact` for the methods' contract)."""
+    """The scripted serving model (see :mod:`dlrm_app.serving.artifact` for the methods'
+    contract). Raw rows are encoded by the same ``RawEncoder`` the ``.pt2``'s encode program
+    is compiled from."""
 
-    def __init__(self, model: DLRM, num_dense: int, moduli: Tensor, vocab_values: Tensor,
-                 vocab_offsets: Tensor, use_vocabulary: bool, log_transform: bool,
-                 id_map: FrozenIdMap) -> None:
+    def __init__(self, model: DLRM, encoder: RawEncoder, id_map: FrozenIdMap) -> None:
         super().__init__()
         self.id_map = id_map
         ebc = model.sparse_arch.embedding_bag_collection
@@ -83,14 +83,10 @@ class ExportedDLRM(nn.Module):
         self.dense_arch = model.dense_arch
         self.inter_arch = model.inter_arch
         self.over_arch = model.over_arch
-        self.num_dense = num_dense
+        self.encoder = encoder
+        self.num_dense = encoder.num_dense
         self.num_sparse = len(model.sparse_arch.feature_names)
         self.embedding_dim = model.sparse_arch.embedding_dim
-        self.use_vocabulary = use_vocabulary
-        self.log_transform = log_transform
-        self.register_buffer("moduli", moduli)
-        self.register_buffer("vocab_values", vocab_values)
-        self.register_buffer("vocab_offsets", vocab_offsets)
 
     def forward(self, dense: Tensor, values: Tensor, offsets: Tensor) -> Tensor:
         batch = dense.size(0)
@@ -112,38 +108,13 @@ class ExportedDLRM(nn.Module):
                              f"{list(dense_raw.shape)}")
         if cat_raw.dim() != 2 or cat_raw.size(0) != batch or cat_raw.size(1) != self.num_sparse:
             raise ValueError(f"cat_raw must be [B, {self.num_sparse}], got {list(cat_raw.shape)}")
-        if self.log_transform:
-            x = torch.nan_to_num(dense_raw.to(torch.float64), nan=0.0).clamp(min=0.0)
-            dense = torch.log1p(x).to(torch.float32)
-        else:
-            dense = dense_raw.to(torch.float32)
+        # the encoder's own checks are asynchronous asserts, which TorchScript drops
         cat = cat_raw.to(torch.int64)
         if bool((cat < 0).any()):
             raise ValueError("categorical raw values must be >= 0 (missing is 0)")
-        columns: list[Tensor] = []
-        for k in range(self.num_sparse):
-            raw = cat[:, k]
-            if self.use_vocabulary:
-                start = int(self.vocab_offsets[k])
-                end = int(self.vocab_offsets[k + 1])
-                vocab = self.vocab_values[start:end]
-                if end > start:
-                    pos = torch.searchsorted(vocab, raw)
-                    hit = vocab[pos.clamp(max=end - start - 1)] == raw
-                    columns.append(torch.where(hit, pos + 1, torch.zeros_like(pos)))
-                else:
-                    columns.append(torch.zeros_like(raw))
-            else:
-                modulus = int(self.moduli[k])
-                if modulus > 0:
-                    columns.append(torch.remainder(raw, modulus))
-                else:  # already encoded ids: check the range
-                    if bool((raw >= -modulus).any()):
-                        raise ValueError(f"feature {k}: id outside [0, {-modulus})")
-                    columns.append(raw)
-        values = torch.stack(columns, dim=0).reshape(-1)  # key-major
-        offsets = torch.arange(self.num_sparse * batch + 1, dtype=torch.int64)
-        return dense, values, offsets
+        if not self.encoder.use_vocabulary and bool((cat >= self.encoder.limit).any()):
+            raise ValueError("an already-encoded id lies outside [0, num_embeddings)")
+        return self.encoder(dense_raw, cat)
 
     @torch.jit.export
     def predict_raw(self, dense_raw: Tensor, cat_raw: Tensor) -> Tensor:
@@ -343,16 +314,9 @@ def _write_torchscript(model: DLRM, spec: DatasetSpec, prep: Preprocessing,
                        meta: dict[str, Any], out: Path, id_map: FrozenIdMap | None = None
                        ) -> None:
     sizes = len(spec.sparse_features)
-    if prep.vocabulary is not None:
-        counts = np.cumsum([0] + [v.numel() for v in prep.vocabulary])
-        vocab_values = torch.cat(prep.vocabulary)
-        vocab_offsets = torch.from_numpy(counts.astype(np.int64))
-    else:
-        vocab_values = torch.zeros(0, dtype=torch.int64)
-        vocab_offsets = torch.zeros(sizes + 1, dtype=torch.int64)
-    exported = ExportedDLRM(model, len(spec.dense_features), prep.moduli, vocab_values,
-                            vocab_offsets, prep.vocabulary is not None, prep.log_transform,
-                            id_map or FrozenIdMap(sizes, [None] * sizes))
+    encoder = RawEncoder(len(spec.dense_features), prep.moduli, prep.vocabulary,
+                         prep.log_transform)
+    exported = ExportedDLRM(model, encoder, id_map or FrozenIdMap(sizes, [None] * sizes))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's notice in 2.13
         scripted = torch.jit.script(exported)

@@ -1,5 +1,5 @@
 """The serving programs of a ``.pt2`` artifact: plain ``nn.Module`` s that ``torch.export``
-traces with a dynamic batch and AOTInductor compiles (see :mod:`dlrm_app.export`).
+traces with a dynamic batch and AOTInductor compiles (see :mod:`dlrm_app.serving.export`).
 
 ``EncodedPredictor``: ``(dense [B, D] f32, values [N] i64, offsets [F*B + 1] i64) -> [B] f32``
     The DLRM from encoded inputs, bags key-major as a KeyedJaggedTensor's ``values()`` /
@@ -12,7 +12,7 @@ traces with a dynamic batch and AOTInductor compiles (see :mod:`dlrm_app.export`
 
 Inputs the program cannot serve (an id outside its table, malformed offsets, a negative raw
 categorical value) fail a runtime assertion inside the compiled program (a ``RuntimeError``);
-nothing reads outside a table. Shapes are checked by the loader (:mod:`dlrm_app.artifact`)
+nothing reads outside a table. Shapes are checked by the loader (:mod:`dlrm_app.serving.artifact`)
 before a call, and by AOTInductor itself when ``AOTI_RUNTIME_CHECK_INPUTS=1``.
 """
 
@@ -141,6 +141,7 @@ class RawEncoder(nn.Module):
         super().__init__()
         self.num_dense = num_dense
         self.num_sparse = moduli.numel()
+        self.key_bits = VOCABULARY_KEY_BITS
         self.log_transform = log_transform
         self.use_vocabulary = vocabulary is not None
         self.register_buffer("moduli", moduli.clamp(min=1))
@@ -164,6 +165,9 @@ class RawEncoder(nn.Module):
             sentinel = torch.tensor([self.num_sparse << VOCABULARY_KEY_BITS])
             self.register_buffer("keys", torch.cat([all_keys, sentinel]))
             self.register_buffer("vocab_start", torch.tensor(starts[:-1], dtype=torch.int64))
+        else:  # unused; present so that TorchScript compiles the vocabulary branch
+            self.register_buffer("keys", torch.zeros(1, dtype=torch.int64))
+            self.register_buffer("vocab_start", torch.zeros(self.num_sparse, dtype=torch.int64))
 
     def forward(self, dense_raw: Tensor, cat_raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         batch = dense_raw.size(0)
@@ -176,8 +180,8 @@ class RawEncoder(nn.Module):
         torch._assert_async((cat >= 0).all(), "categorical raw values must be >= 0 (missing is 0)")
         if self.use_vocabulary:
             feature = torch.arange(self.num_sparse, dtype=torch.int64, device=cat.device)
-            small = cat < (1 << VOCABULARY_KEY_BITS)
-            key = torch.where(small, cat, 0) + (feature << VOCABULARY_KEY_BITS)
+            small = cat < (1 << self.key_bits)
+            key = torch.where(small, cat, torch.zeros_like(cat)) + (feature << self.key_bits)
             position = torch.searchsorted(self.keys, key)
             hit = (self.keys[position] == key) & small
             ids = torch.where(hit, position - self.vocab_start + 1, 0)

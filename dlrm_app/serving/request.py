@@ -1,6 +1,6 @@
 """Request parsing for ``dlrm-app serve``: JSON bodies -> validated model inputs.
 
-The request formats are documented in :mod:`dlrm_app.serve`.
+The request formats are documented in :mod:`dlrm_app.serving.server`.
 """
 
 from __future__ import annotations

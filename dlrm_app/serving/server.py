@@ -57,9 +57,9 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from dlrm_app.artifact import load_artifact
 from dlrm_app.config import ServeConfig
-from dlrm_app.serve_request import (
+from dlrm_app.serving.artifact import load_artifact
+from dlrm_app.serving.request import (
     EncodedRows,
     Inputs,
     RawRows,
@@ -452,7 +452,7 @@ class PredictionServer:
     def from_file(cls, path: str | Path, config: ServeConfig, *,
                   expect_sha256: str | None = None) -> PredictionServer:
         """Load an exported model, its sha256 checked first against ``expect_sha256`` or
-        ``<path>.sha256`` (see :func:`dlrm_app.artifact.verify_artifact`)."""
+        ``<path>.sha256`` (see :func:`dlrm_app.serving.artifact.verify_artifact`)."""
         model, metadata = load_artifact(path, expect_sha256=expect_sha256)
         return cls(model, metadata, config, name=Path(path).name)
 
@@ -532,12 +532,6 @@ class PredictionServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def predict_body(self, body: bytes) -> np.ndarray:
-        """Probabilities for one ``/predict`` body (RequestError / ModelError on failure)."""
-        with self.batcher.arriving():
-            future = self.submit_body(body)
-        return future.result()
 
     def submit_body(self, body: bytes) -> Future:
         """Parse and queue one ``/predict`` body; the future's result is its probabilities."""

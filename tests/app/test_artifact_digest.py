@@ -21,13 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, MANIFEST_FILE, digest_path, write_digest
 from dlrm_app.cli import main
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
-from dlrm_app.export import export_model
 from dlrm_app.model import ModelConfig
-from dlrm_app.serve import PredictionServer, ServeConfig
+from dlrm_app.serving.artifact import (
+    ARTIFACT_FORMAT_VERSION,
+    MANIFEST_FILE,
+    digest_path,
+    write_digest,
+)
+from dlrm_app.serving.export import export_model
+from dlrm_app.serving.server import PredictionServer, ServeConfig
 from dlrm_app.train import train
 
 pytestmark = [

@@ -23,8 +23,8 @@ from dlrm_app.checkpoint import (
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.evaluate import evaluate_checkpoint
-from dlrm_app.export import load_unsharded
 from dlrm_app.model import ModelConfig
+from dlrm_app.serving.export import load_unsharded
 from dlrm_app.train import train
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 

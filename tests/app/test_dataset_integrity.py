@@ -130,7 +130,7 @@ def test_training_refuses_a_damaged_dataset(data: Path, tmp_path: Path) -> None:
 @pytest.mark.shared_data(KAGGLE_10K)
 def test_export_refuses_an_altered_vocabulary(tmp_path: Path) -> None:
     from dlrm_app.data.criteo import VOCABULARY_FILE, preprocess_criteo
-    from dlrm_app.export import dataset_preprocessing
+    from dlrm_app.serving.export import dataset_preprocessing
 
     sample = tmp_path / "sample.tsv"
     sample.write_bytes(b"\n".join(KAGGLE_10K.read_bytes().split(b"\n")[:2000]) + b"\n")

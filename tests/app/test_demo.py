@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrm_app.artifact import load_artifact
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.synthetic import binary_auc
+from dlrm_app.serving.artifact import load_artifact
 
 
 def test_demo_generates_trains_evaluates_exports(tmp_path: Path) -> None:

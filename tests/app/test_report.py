@@ -21,7 +21,7 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.metrics import BinaryClassificationMetrics, calibration_curve, roc_curve
 from dlrm_app.model import ModelConfig
-from dlrm_app.report import (
+from dlrm_app.reporting.report import (
     ROC_POINTS,
     human_summary,
     read_run,
@@ -383,7 +383,7 @@ def test_tensorboard_scalars(run: Path) -> None:
 def test_tensorboard_missing_says_how_to_install(run: Path) -> None:
     # A process where the tensorboard package cannot be imported (installed here or not).
     code = ("import sys; sys.modules['tensorboard'] = None\n"
-            "from dlrm_app.report import write_tensorboard\n"
+            "from dlrm_app.reporting.report import write_tensorboard\n"
             "try:\n    write_tensorboard(sys.argv[1])\n"
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""``dlrm_app.serve``: the HTTP endpoint answers concurrent clients exactly as direct calls of
+"""``dlrm_app.serving.server``: the HTTP endpoint answers concurrent clients exactly as direct calls of
 the model do, refuses every malformed request with a 4xx and a message, and keeps serving.
 
 The model is a tiny stand-in with the exported artifact's three methods (``artifact.py``): a
@@ -27,8 +27,8 @@ import pytest
 import torch
 from torch import nn
 
-from dlrm_app.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE, load_artifact
-from dlrm_app.serve import PredictionServer, RequestError, RequestParser, ServeConfig
+from dlrm_app.serving.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE, load_artifact
+from dlrm_app.serving.server import PredictionServer, RequestError, RequestParser, ServeConfig
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch\\.jit\\.:DeprecationWarning"),  # torch 2.13's notice
@@ -466,10 +466,10 @@ def test_health_and_metrics_count_what_was_sent(artifact: Path) -> None:
 
 # ---- a real exported DLRM ------------------------------------------------------------------
 def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
-    from dlrm_app import export
     from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
     from dlrm_app.model import ModelConfig
+    from dlrm_app.serving import export
     from dlrm_app.train import train
 
     rng = np.random.default_rng(0)

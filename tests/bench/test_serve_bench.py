@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import serve as bench  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
-from dlrm_app.serve import RequestParser  # noqa: E402
+from dlrm_app.serving.server import RequestParser  # noqa: E402
 
 MODELS = ["standin", "dlrm"]
 BATCHES = (1, 64, 512)

@@ -145,10 +145,6 @@ class SplitRule:
             return "kaggle: first N*6//7 lines train, then half validation, rest test"
         return "terabyte: all but the last day train, last day halves validation/test"
 
-    def needs_counts(self) -> bool:
-        """Whether the train split's end depends on every input's line count."""
-        return self.one_split is None and self.fmt == "kaggle"
-
     def starts(self, counts: Sequence[int | None]) -> list[list[int]]:
         """Per input, the 0-based lines where validation and test start, where known without
         reading the data: kaggle needs every count, terabyte's validation starts the last
