@@ -4,7 +4,9 @@ collection runs on each rank.
 In this library one :class:`~recsys_core.distributed.sharding.common.LocalKernels` per sharding
 strategy holds a rank's shards, one table-batched kernel per pooling type: TorchRec's
 ``GroupedPooledEmbeddingsLookup`` (pooled) and ``GroupedEmbeddingsLookup`` (sequence, whose ids
-are looked up as bags of one)."""
+are looked up as bags of one). The unsharded fused collections keep their tables in a
+:class:`~recsys_core.kernels.batched.BatchedTables` (TorchRec's ``BatchedFusedEmbeddingBag``
+and grouped lookups in one class)."""
 
 from __future__ import annotations
 

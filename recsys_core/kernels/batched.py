@@ -90,6 +90,7 @@ class BatchedTables:
         self._rows = [[max(s.tables[t].rows, 1) for t in s.feature_table_map] for s in self.specs]
         self._dims = [[s.tables[t].dim for t in s.feature_table_map] for s in self.specs]
         self._orders: dict[tuple[str, ...], list[int] | None] = {}
+        # the caller's table index -> (kernel, table within it)
         self._positions: dict[int, tuple[int, int]] = {
             index: (k, p) for k, indices in enumerate(self.members) for p, index in enumerate(indices)
         }
@@ -156,7 +157,7 @@ class BatchedTables:
     def lookup_rows(self, values: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
         """One row per id: ``[counts[i], dim_i]`` for each feature ``i`` of :attr:`feature_order`,
         whose ids are ``values``, one feature after the other. The kernels pool, so each id is
-        looked up as a bag of its own (in SUM kernels: a bag of one is the id's row)::
+        looked up as a bag of its own (a bag of one pools to the id's row, SUM or MEAN)::
 
             counts [2, 0, 1] -> 2 bags per feature, lengths [1 1 | 0 0 | 1 0]; feature i's rows
             are the first counts[i] rows of its column block of the pooled [2, sum(dims)]
@@ -196,10 +197,6 @@ class BatchedTables:
         )
 
     # ---- state ---------------------------------------------------------------------------------
-    def position(self, index: int) -> tuple[int, int]:
-        """``(kernel, table within it)`` of the caller's table ``index``."""
-        return self._positions[index]
-
     def split_embedding_weights(self) -> list[torch.Tensor]:
         """Each table's weight, in the caller's order: a view of its kernel's storage (of the
         backing store for a cached table: current after the kernel's ``flush()``)."""

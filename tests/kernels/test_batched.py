@@ -96,7 +96,6 @@ def test_grouped_packs_one_kernel_per_pooling_type_in_first_seen_order() -> None
     assert [s.pooling_mean for s in batched.specs] == [False, True]
     assert [s.feature_table_map for s in batched.specs] == [(0, 1), (0, 0)]
     assert order == [0, 2, 1]  # filled in kernel order, each right after its kernel is built
-    assert [batched.position(i) for i in range(3)] == [(0, 0), (1, 0), (0, 1)]
     assert [tuple(w.shape) for w in batched.split_embedding_weights()] == [(7, 4), (5, 8), (9, 4)]
     assert batched.backends() == [KernelBackend.TORCH, KernelBackend.TORCH]
 
