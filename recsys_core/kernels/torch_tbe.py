@@ -277,7 +277,9 @@ def pooled_lookup(
         weight = tables[t]
         sample_weights = None
         if per_sample_weights is not None:
-            sample_weights = per_sample_weights[lo:hi].to(weight.dtype)
+            sample_weights = per_sample_weights[lo:hi]
+            if sample_weights.dtype != weight.dtype:
+                sample_weights = sample_weights.to(weight.dtype)
         out = nn.functional.embedding_bag(
             indices[lo:hi].long(),
             weight,
@@ -285,7 +287,9 @@ def pooled_lookup(
             mode="sum",
             per_sample_weights=sample_weights,
             include_last_offset=True,
-        ).float()
+        )
+        if out.dtype != torch.float32:  # an FP16 table's bags, in float32
+            out = out.float()
         if pooling_mean:
             out = out / bags.diff().clamp(min=1).unsqueeze(1).to(out.dtype)
         outs.append(out)
