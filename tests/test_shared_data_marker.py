@@ -19,6 +19,7 @@ def test_reads_sample():
 
 
 @pytest.mark.parametrize(("ci", "outcome"), [("", "1 skipped"), ("true", "1 error")])
+@pytest.mark.slow
 def test_missing_sample(tmp_path: Path, ci: str, outcome: str) -> None:
     tests = tmp_path / "tests"
     tests.mkdir()

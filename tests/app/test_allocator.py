@@ -40,6 +40,7 @@ def _run(mode: str) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.slow
 def test_freed_step_buffers_are_reused_without_page_faults() -> None:
     from dlrm_app.runtime import reuse_freed_memory
 

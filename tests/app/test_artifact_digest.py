@@ -59,6 +59,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_export_writes_its_sha256_beside_it_and_in_the_run(
         exported: tuple[Path, Path, dict], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -176,6 +177,7 @@ def _serve(model: Path, marker: Path, *flags: str) -> subprocess.CompletedProces
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the fake library")
+@pytest.mark.slow
 def test_flipped_library_bytes_are_refused_before_the_library_is_loaded(tmp_path: Path) -> None:
     model = _fake_pt2(tmp_path)
     exported_digest = write_digest(model)  # what `dlrm-app export` leaves beside a model

@@ -74,6 +74,7 @@ def _steps_logged(run: Path) -> list[int]:
     return [r["step"] for r in lines if r["event"] == "train"]
 
 
+@pytest.mark.slow
 def test_manifest_records_every_file(run: Path) -> None:
     assert len(_checkpoints(run)) == 2
     path = _newest(run)
@@ -86,6 +87,7 @@ def test_manifest_records_every_file(run: Path) -> None:
     verify_checkpoint(path)  # intact: no error
 
 
+@pytest.mark.slow
 def test_resume_skips_a_damaged_checkpoint_and_says_so(
     trained: tuple[Path, Path], run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

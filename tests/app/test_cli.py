@@ -14,6 +14,7 @@ import pytest
 from recsys_core.kernels import fbgemm_available
 
 
+@pytest.mark.slow
 def test_info_json_reports_kernel_choices() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "dlrm_app", "info", "--json"],
@@ -29,6 +30,7 @@ def test_info_json_reports_kernel_choices() -> None:
         assert kernels["EXACT_ROWWISE_ADAGRAD"].startswith("torch")
 
 
+@pytest.mark.slow
 def test_info_with_fbgemm_disabled_uses_torch_everywhere() -> None:
     env = {**os.environ, "RECSYS_CORE_DISABLE_FBGEMM": "1"}
     out = subprocess.run(
@@ -101,6 +103,7 @@ def test_top_level_help_imports_nothing_heavy() -> None:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.slow
 def test_command_help_lists_its_flags_without_importing_torch(command: str) -> None:
     from dlrm_app.cli import build_parser
 
@@ -125,6 +128,7 @@ def test_command_help_lists_its_flags_without_importing_torch(command: str) -> N
     (["fly"], "invalid choice: 'fly'"),
     ([], "the following arguments are required: command"),
 ])
+@pytest.mark.slow
 def test_argument_errors_answer_without_importing_torch(argv: list[str], message: str) -> None:
     proc, imported = _run_imports(*argv)
     assert proc.returncode == 2

@@ -95,6 +95,7 @@ def test_missing_shard(dataset: Path, tmp_path: Path) -> None:
     assert "is missing" in message and "--out" in message
 
 
+@pytest.mark.slow
 def test_bad_checkpoint(dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert main(["train", "--data", str(dataset), "--out", str(run), "--max-steps", "3",

@@ -122,6 +122,7 @@ def _checkpoint_warnings(rank: int, world_size: int, data: str, root: str) -> di
     return seen
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoints_print_no_sharded_tensor_notice(tmp_path: Path) -> None:
     data = tmp_path / "data"  # tables the planner shards (row-wise) over 2 ranks
     generate(data, rows=1_000, num_dense=2, cardinalities=[5000, 2000],

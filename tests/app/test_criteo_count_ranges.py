@@ -40,6 +40,7 @@ def python_counts(lines: list[str]) -> list[Counter]:
 
 
 @pytest.mark.parametrize("end", ["\n", "", "\r\n"])  # newline, last line without, CRLF
+@pytest.mark.slow
 def test_line_ranges_count_exactly_their_lines(tmp_path: Path, end: str) -> None:
     lines = rows_text(900, seed=1)
     newline = "\r\n" if end == "\r\n" else "\n"
@@ -69,6 +70,7 @@ def test_bad_row_in_a_later_range_names_its_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow
 def test_default_vocabulary_from_worker_ranges(tmp_path: Path, workers: int) -> None:
     """Many small ranges (2 KB blocks), CRLF line ends and a last line without newline: the
     vocabulary is every train id (the first 6/7 of the lines), as a plain count says, and
@@ -110,6 +112,7 @@ def test_encoders_map_one_shared_copy_of_the_vocabulary(tmp_path: Path) -> None:
     assert [v.tolist() for v in mapped] == [v.tolist() for v in vocab]
 
 
+@pytest.mark.slow
 def test_terabyte_train_days_counted_in_ranges(tmp_path: Path) -> None:
     """Terabyte format: every day but the last is train, each read in worker ranges (the
     plain days are counted and indexed first); 1 and 2 workers give the same bytes."""
@@ -129,6 +132,7 @@ def test_terabyte_train_days_counted_in_ranges(tmp_path: Path) -> None:
     assert digests[0] == digests[1]
 
 
+@pytest.mark.slow
 def test_default_vocabulary_rerun_keeps_finished_shards(tmp_path: Path, monkeypatch) -> None:
     """vocabulary.parquet is written during the main pass, so the run's fingerprint holds a
     digest of the vocabulary's ids: a rerun after a kill keeps every finished shard and gives

@@ -75,6 +75,7 @@ def test_defaults_are_the_documented_constants() -> None:
 
 
 @needs_10k
+@pytest.mark.slow
 def test_default_is_a_train_vocabulary(tmp_path: Path) -> None:
     rows = raw_ids(KAGGLE_10K)
     n_train = len(rows) * 6 // 7  # the split boundaries as with hashing

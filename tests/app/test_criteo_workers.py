@@ -51,6 +51,7 @@ def write_rows(path: Path, rows: int, seed: int, bad: tuple[int, ...] = ()) -> N
 @needs_data
 @pytest.mark.parametrize("case", ["kaggle_gz", "terabyte", "vocabulary", "default",
                                   "default_gz"])
+@pytest.mark.slow
 def test_two_workers_match_one_on_samples(tmp_path: Path, case: str) -> None:
     head = DATA / "kaggle_head_10k.tsv"
     day = DATA / "terabyte_day_sample_1k.tsv"
@@ -77,6 +78,7 @@ def test_two_workers_match_one_on_samples(tmp_path: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # streaming; lines cut into shards for workers
+@pytest.mark.slow
 def test_gzip_is_read_once_and_matches_plain(tmp_path: Path, monkeypatch, workers: int) -> None:
     plain, gz = tmp_path / "in.tsv", tmp_path / "in.tsv.gz"
     write_rows(plain, 3000, seed=1)
@@ -105,6 +107,7 @@ def test_gzip_is_read_once_and_matches_plain(tmp_path: Path, monkeypatch, worker
 
 
 @pytest.mark.parametrize("path", ["direct", "streaming"])
+@pytest.mark.slow
 def test_many_blocks_same_bytes_for_1_2_3_workers(tmp_path: Path, path: str) -> None:
     """Two inputs of about 40 blocks each: plain with bad rows as errors (workers write whole
     shards) or gzip with bad rows skipped (the parent writes)."""
@@ -125,6 +128,7 @@ def test_many_blocks_same_bytes_for_1_2_3_workers(tmp_path: Path, path: str) -> 
 
 @pytest.mark.parametrize(("suffix", "many"), [(".tsv", True), (".tsv.gz", True),
                                              (".tsv.gz", False)])  # the last streams
+@pytest.mark.slow
 def test_worker_bad_row_names_file_and_line_and_leaves_nothing_finished(
         tmp_path: Path, monkeypatch, suffix: str, many: bool) -> None:
     monkeypatch.setattr(preprocess, "many_shards", lambda *args: many)
@@ -156,6 +160,7 @@ def test_worker_truncated_gzip_raises(tmp_path: Path) -> None:
     ("_finalize", 2, ".tsv", "error"),  # after the workers wrote every shard of a plain input
     ("_Spiller._close", 2, ".tsv.gz", "error"),  # while gzip lines go to the workers
 ])
+@pytest.mark.slow
 def test_kill_and_rerun_is_byte_identical(tmp_path: Path, monkeypatch, kill_at: str,
                                           workers: int, suffix: str, on_bad_row: str) -> None:
     path = tmp_path / f"in{suffix}"

@@ -15,6 +15,7 @@ from dlrm_app.data.synthetic import binary_auc
 from dlrm_app.serving.artifact import load_artifact
 
 
+@pytest.mark.slow
 def test_demo_generates_trains_evaluates_exports(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "dlrm_app", "demo", "--out", str(tmp_path / "demo"),

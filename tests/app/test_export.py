@@ -143,6 +143,7 @@ def exported(synthetic_run: Path, tmp_path_factory: pytest.TempPathFactory,
     return get
 
 
+@pytest.mark.slow
 def test_pt2_export_reports_each_stage_as_it_starts(
         synthetic_run: Path, exported: Callable[[str, str], Path],
         export_stages: dict[tuple[str, str], list[str]]) -> None:
@@ -174,6 +175,7 @@ def _assert_matches(got: np.ndarray, expected: np.ndarray, labels: np.ndarray,
 
 @pytest.mark.parametrize(("dtype", "lookup"), [("fp32", "fbgemm"), ("int8", "fbgemm"),
                                                ("int8", "torch")])
+@pytest.mark.slow
 def test_isolated_pt2_matches_training_model(synthetic_run: Path, exported: Callable,
                                              tmp_path: Path, dtype: str, lookup: str) -> None:
     artifact = exported(dtype, lookup)
@@ -194,6 +196,7 @@ def test_isolated_pt2_matches_training_model(synthetic_run: Path, exported: Call
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.slow
 def test_isolated_torchscript_matches_training_model(synthetic_run: Path, tmp_path: Path,
                                                      dtype: str) -> None:
     artifact = tmp_path / "model.pt"
@@ -285,6 +288,7 @@ def _parse_raw(lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.shared_data(CRITEO)
 @pytest.mark.parametrize(("encoding", "fmt"), [("hash", "pt2"), ("vocabulary", "pt2"),
                                                ("vocabulary", "torchscript")])
+@pytest.mark.slow
 def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str, fmt: str) -> None:
     source = CRITEO / "kaggle_head_10k.tsv"
     kwargs = ({"num_embeddings_per_feature": [1000] * 26} if encoding == "hash"

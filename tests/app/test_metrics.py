@@ -164,6 +164,7 @@ def ranks_worker(
 @pytest.mark.parametrize(
     "sizes", [[4100, 900], [0, 2300, 2700]], ids=["2ranks", "3ranks_rank0_empty"]
 )
+@pytest.mark.slow
 def test_ranks_match_one_rank(sizes: list[int]) -> None:
     logits, labels = ctr_data(sum(sizes), seed=4)
     single = evaluate(logits, labels)

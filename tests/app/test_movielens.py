@@ -50,6 +50,7 @@ def ml100k(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @needs_100k
+@pytest.mark.slow
 def test_ml100k_rows_match_plain_parse(ml100k: Path) -> None:
     ratings = {}
     by_user: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -112,6 +113,7 @@ def test_ml100k_table_summary(ml100k: Path) -> None:
 
 
 @needs_100k
+@pytest.mark.slow
 def test_ml100k_popularity_counts_train_only(ml100k: Path) -> None:
     train = read_split(ml100k, "train")
     per_movie: dict[int, int] = defaultdict(int)
@@ -224,6 +226,7 @@ def test_missing_movie_is_an_error(tmp_path: Path) -> None:
         preprocess_movielens(tmp_path / "ml-1m", tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_cli_prints_one_json_line(tmp_path: Path) -> None:
     tiny_1m(tmp_path / "ml-1m")
     out = subprocess.run(

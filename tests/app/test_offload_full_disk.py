@@ -132,6 +132,7 @@ def test_a_file_size_limit_is_a_clear_error_in_a_child(tmp_path: Path) -> None:
                                     "too large"), result.stdout
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_after_the_files_were_made_trains_on_in_a_child() -> None:
     # a real 2 MiB tmpfs: the tables (1.04 MiB) are made, then another file takes the rest of
     # the disk, then the tables are filled through their mappings and trained with evictions.
@@ -219,6 +220,7 @@ def _plan(data: Path, dim: int) -> dict:
 
 @pytest.mark.shared_data(KAGGLE_10K)
 @pytest.mark.parametrize("small", ["tmpfs", "file_size_limit"])
+@pytest.mark.slow
 def test_train_on_a_full_offload_dir_ends_with_one_line(small: str, tmp_path: Path) -> None:
     """End to end: `dlrm-app train --plan P --offload-dir SMALL` on the Kaggle sample, where the
     plan was made while SMALL had room. tmpfs: a real small filesystem; file_size_limit:

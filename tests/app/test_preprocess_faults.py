@@ -120,6 +120,7 @@ def _snapshot(folder: Path) -> list[tuple[str, int]]:
 
 @pytest.mark.shared_data(KAGGLE_10K)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.slow
 def test_workers_die_with_the_main_process(tmp_path: Path, sig: signal.Signals) -> None:
     big = tmp_path / "big.tsv"
     big.write_bytes(KAGGLE_10K.read_bytes() * 60)  # ~145 MB: seconds of work for 2 workers

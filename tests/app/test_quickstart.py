@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_quickstart_trains() -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "200"],

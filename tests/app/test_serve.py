@@ -465,6 +465,7 @@ def test_health_and_metrics_count_what_was_sent(artifact: Path) -> None:
 
 
 # ---- a real exported DLRM ------------------------------------------------------------------
+@pytest.mark.slow
 def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
     from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
@@ -511,6 +512,7 @@ def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
         PredictionServer.from_file(pt2, ServeConfig(port=0))
 
 
+@pytest.mark.slow
 def test_command_line(artifact: Path) -> None:
     """``dlrm-app serve`` prints where it listens, serves,
     and exits 0 on SIGTERM."""
@@ -619,6 +621,7 @@ def _load(port: int, clients: int, requests: int, seed: int, stop: threading.Eve
 _ARTIFACT: list[Path] = []
 
 
+@pytest.mark.slow
 def test_loopback_load_with_malformed_share_and_graceful_sigterm(artifact: Path) -> None:
     _ARTIFACT[:] = [artifact]
     proc = subprocess.Popen([sys.executable, "-m", "dlrm_app", "serve", str(artifact), "--port",

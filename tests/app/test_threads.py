@@ -189,6 +189,7 @@ def test_configure_sets_torch_and_respects_a_count_set_before(torch_threads: Non
 
 
 # ---- dlrm-app train reports its choice -------------------------------------------------------
+@pytest.mark.slow
 def test_train_prints_and_logs_its_thread_choice(tmp_path: Path) -> None:
     data, run = tmp_path / "data", tmp_path / "run"
     generate(data, rows=1_000, num_dense=2, cardinalities=[20, 10], pooling_factors=[1.0, 1.0],

@@ -42,6 +42,7 @@ def _log(run: Path, event: str) -> list[dict]:
     return [r for r in lines if r["event"] == event]
 
 
+@pytest.mark.slow
 def test_training_learns_and_evaluates(data: Path, tmp_path: Path) -> None:
     summary = train(_config(data, tmp_path / "run", epochs=2), progress=False)
     losses = [r["loss"] for r in _log(tmp_path / "run", "train")]
@@ -65,6 +66,7 @@ def test_pipelined_equals_plain(data: Path, tmp_path: Path) -> None:
     assert a["validation"] == b["validation"]
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(data: Path, tmp_path: Path) -> None:
     # 93 steps per epoch: the resumed run crosses an epoch boundary
     full = train(_config(data, tmp_path / "full", max_steps=110, epochs=2), progress=False)
@@ -200,6 +202,7 @@ def test_evaluate_refuses_a_differently_encoded_dataset(data: Path, tmp_path: Pa
     assert result["num_examples"] == 300
 
 
+@pytest.mark.slow
 def test_tables_beyond_the_memory_budget_train_from_disk_to_the_same_model(tmp_path: Path) -> None:
     # One table of 100,000 rows (3.6 MB with row-wise Adagrad) and two small ones; with 3 MB per
     # rank the planner keeps the large one in a file behind a cache of about a quarter of its rows
@@ -237,6 +240,7 @@ def test_tables_beyond_the_memory_budget_train_from_disk_to_the_same_model(tmp_p
     assert "drop `--no-offload`" in str(e.value)
 
 
+@pytest.mark.slow
 def test_bf16_fast_path_keeps_the_auc_of_fp32(data: Path, tmp_path: Path) -> None:
     """--amp on CPU: bf16 autocast of the MLPs and interaction changes the computation (other
     losses) but not the model's quality: validation AUC within 0.002 of fp32 (measured 0.0003)."""

@@ -184,6 +184,7 @@ def _rows_of(run: Path, data: Path, split: str) -> tuple[torch.Tensor, torch.Ten
 
 
 @needs_10k
+@pytest.mark.slow
 def test_resume_on_a_file_of_new_ids_gives_them_rows(kaggle_zch: tuple[Path, Path, Path]
                                                      ) -> None:
     """Train on the first half, then ``--resume`` on the second half: the run continues from
@@ -238,6 +239,7 @@ def _test_batch(run: Path) -> tuple[object, torch.Tensor]:
 
 
 @needs_10k
+@pytest.mark.slow
 def test_pt2_loads_with_torch_alone_and_serves_the_frozen_mapping(zch_run: Path,
                                                                    tmp_path: Path) -> None:
     """The .pt2 of a zch run (torch lookup), loaded by the documented loader in a process that

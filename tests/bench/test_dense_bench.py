@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_dense_bench_lines() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "dense.py"), "--batch-size", "64", "--dim", "8",

@@ -38,6 +38,7 @@ def lines(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
     return request.param, run_bench(request.param)
 
 
+@pytest.mark.slow
 def test_sizes(lines: tuple[str, list[dict]]) -> None:
     model, parsed = lines
     sizes = {(line["format"], line["embedding_dtype"]): line for line in parsed

@@ -102,6 +102,7 @@ LOCAL_PARAMS = {  # rows * cols held by each rank
 }
 
 
+@pytest.mark.slow
 def test_unsharded_baseline_line(results: dict[str, dict]) -> None:
     base = results["unsharded_fused"]
     assert base["world_size"] == 1 and base["batch_size_per_rank"] == BATCH

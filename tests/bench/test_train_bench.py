@@ -48,6 +48,7 @@ def lines(output: list[dict]) -> dict[tuple[str, int, str], dict]:
     return {(line["impl"], line["world_size"], line["precision"]): line for line in runs}
 
 
+@pytest.mark.slow
 def test_floor_lines(output: list[dict]) -> None:
     floors = {line["precision"]: line for line in output if line["bench"] == "dlrm_train_floor"}
     assert set(floors) == set(bench.PRECISIONS)
@@ -151,6 +152,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[tuple[str, bo
 
 @pytest.mark.parametrize("amp", [False, True])
 @pytest.mark.parametrize("impl", [bench.OURS, bench.BASELINE])
+@pytest.mark.slow
 def test_phased_step_trains_like_the_real_step(trained: list[dict], impl: str, amp: bool) -> None:
     for rank, result in enumerate(trained):
         real, phased = result[(impl, amp, False)], result[(impl, amp, True)]

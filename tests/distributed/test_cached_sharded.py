@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from gloo_setup import concat_ranks, random_batch, world_env
 
@@ -146,6 +147,7 @@ def load_and_continue(tmp: str, name: str, cached: bool) -> tuple[dict, list[tor
     return loaded, outs
 
 
+@pytest.mark.slow
 def test_cached_checkpoint_reloads_across_plans_and_world_sizes(tmp_path) -> None:
     # saved by 2 ranks (row-wise, cached and uncached); loaded by 1 rank (table-wise)
     run_gloo(2, save_worker, str(tmp_path), True)
@@ -194,6 +196,7 @@ def reload_worker(rank: int, world: int, tmp: str, cached: bool) -> dict[str, li
             "writebacks": sum(s.writebacks for s in stats)}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_loaded_into_a_trained_cached_module_is_not_reported_corrupt(tmp_path) -> None:
     # The save flushed and checked the backing files; DCP's load then writes the checkpoint
     # into them in place, before the load hook flushes again and invalidates the caches: that

@@ -111,6 +111,7 @@ def _tables_by_lookup(fused: FusedEmbeddingBagCollection) -> dict[str, torch.Ten
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("kind", [*sorted(PLANS), "planner"])
+@pytest.mark.slow
 def test_dmp_shards_fused_ebc_and_trains_like_it(kind: str, optimizer: str) -> None:
     r0 = run_gloo(2, worker, kind, optimizer)[0]
     assert sorted(r0["full"]) == ["sparse.embedding_bags.a.weight", "sparse.embedding_bags.b.weight"]

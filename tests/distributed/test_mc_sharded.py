@@ -363,6 +363,7 @@ def _same(a: dict, b: dict, what: str) -> None:
         torch.testing.assert_close(a[k], b[k], msg=f"{what} {k}")
 
 
+@pytest.mark.slow
 def test_remapping_state_reloads_2_to_1_and_1_to_2(tmp_path) -> None:
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     (saved2, _) = run_gloo(2, ckpt_worker, None, a, 3, 0)

@@ -256,6 +256,7 @@ def _assemble(per_rank: list[dict]) -> dict:
     return {key: torch.cat([t for _, _, t in sorted(parts, key=lambda p: (p[0], p[1]))]) for key, parts in pieces.items()}
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_row_wise_on_4_ranks_loads_table_wise_on_2(tmp_path) -> None:
     saved = _assemble(run_gloo(4, save_worker, str(tmp_path)))
     loaded = _assemble(run_gloo(2, load_worker, str(tmp_path)))

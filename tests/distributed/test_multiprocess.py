@@ -93,6 +93,7 @@ def _sleeps(rank: int, world_size: int) -> None:
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_timeout_terminates_ranks() -> None:
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"did not finish within 5"):

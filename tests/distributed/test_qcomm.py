@@ -268,6 +268,7 @@ def qcomm_worker(rank: int, world: int, kind: str) -> dict[str, object]:
 
 @pytest.mark.parametrize("kind, world", [("table_wise", 2), ("column_wise", 2), ("row_wise", 2),
                                          ("table_row_wise", 4)])
+@pytest.mark.slow
 def test_bf16_comms_round_outputs_and_gradients_only(kind: str, world: int) -> None:
     local = 2 if kind == "table_row_wise" else world
     out = run_gloo(world, qcomm_worker, kind, local_world_size=local)

@@ -71,6 +71,7 @@ def init_worker(rank: int, world: int, kind: str, sequence: bool) -> dict:
 
 @pytest.mark.parametrize("sequence", [False, True])
 @pytest.mark.parametrize("kind", sorted(PLANS))
+@pytest.mark.slow
 def test_table_init_gives_every_shard_the_unsharded_rows(kind: str, sequence: bool) -> None:
     init = SeededUniformInit(seed=5, block_rows=3)
     tables = SEQ_TABLES if sequence else BAG_TABLES

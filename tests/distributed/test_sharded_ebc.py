@@ -102,6 +102,7 @@ WEIGHTED_CASES = [(kind, world, weighted) for kind, world in CASES for weighted 
 @pytest.mark.parametrize("kind, world, weighted", WEIGHTED_CASES,
                          ids=[f"{'weighted' if w else 'unweighted'}-{k}-w{n}"
                               for k, n, w in WEIGHTED_CASES])
+@pytest.mark.slow
 def test_sharded_equals_unsharded(kind: str, world: int, weighted: bool) -> None:
     local = 2 if kind.startswith("table_") and world == 4 else world  # 2 hosts of 2 ranks
     optimizer = "adagrad" if kind.endswith("column_wise") else "rowwise_adagrad"
@@ -110,12 +111,14 @@ def test_sharded_equals_unsharded(kind: str, world: int, weighted: bool) -> None
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_data_parallel_large_table_exchanges_touched_rows(world: int) -> None:
     checked = run_gloo(world, parity_worker, "data_parallel", True, "rowwise_adagrad", True)
     assert sum(checked) == len(BIG_TABLES) * world
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.slow
 def test_sharded_equals_unsharded_other_optimizers(optimizer: str) -> None:
     checked = run_gloo(2, parity_worker, "mixed", True, optimizer)
     assert sum(checked) >= len(TABLES)
@@ -129,6 +132,7 @@ SGD_CASES = [(kind, world) for kind in ["table_wise", "row_wise", "column_wise",
 
 
 @pytest.mark.parametrize("kind, world", SGD_CASES, ids=[f"{k}-w{n}" for k, n in SGD_CASES])
+@pytest.mark.slow
 def test_sgd_steps_on_mean_loss(kind: str, world: int) -> None:
     local = 2 if kind.startswith("table_") and world == 4 else world
     checked = run_gloo(world, parity_worker, kind, False, "sgd", local_world_size=local)
@@ -139,6 +143,7 @@ def test_sgd_steps_on_mean_loss(kind: str, world: int) -> None:
 # data-parallel replicas too).
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise",
                                   "data_parallel"])
+@pytest.mark.slow
 def test_sgd_steps_on_summed_loss_without_gradient_division(kind: str) -> None:
     checked = run_gloo(2, parity_worker, kind, False, "sgd", False, False)
     assert sum(checked) >= len(TABLES)

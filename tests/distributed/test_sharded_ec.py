@@ -116,6 +116,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind, world", CASES, ids=[f"{k}-w{w}" for k, w in CASES])
+@pytest.mark.slow
 def test_sharded_ec_equals_unsharded(kind: str, world: int) -> None:
     # alternate need_indices and exercise the pure-torch kernel as well as FBGEMM's
     need_indices = world % 2 == 0

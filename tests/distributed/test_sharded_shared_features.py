@@ -77,6 +77,7 @@ def bag_worker(rank: int, world: int, kind: str) -> dict:
 
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
+@pytest.mark.slow
 def test_sharded_ebc_with_shared_feature_equals_unsharded(kind: str) -> None:
     for result in run_gloo(2, bag_worker, kind):
         assert_blocks_of(result["tables"], result["reference"])
@@ -113,6 +114,7 @@ def seq_worker(rank: int, world: int, kind: str) -> dict:
 
 
 @pytest.mark.parametrize("kind", SEQUENCE_KINDS)
+@pytest.mark.slow
 def test_sharded_ec_with_shared_feature_equals_unsharded(kind: str) -> None:
     for result in run_gloo(2, seq_worker, kind):
         assert_blocks_of(result["tables"], result["reference"])

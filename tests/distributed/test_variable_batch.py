@@ -103,6 +103,7 @@ def worker(rank: int, world: int, kind: str) -> dict:
 
 
 @pytest.mark.parametrize("kind", sorted(PLANS))
+@pytest.mark.slow
 def test_sharded_ebc_takes_variable_batch_kjts(kind: str) -> None:
     for result in run_gloo(2, worker, kind):
         assert result["tables"]

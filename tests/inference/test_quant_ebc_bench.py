@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from recsys_core.kernels import fbgemm_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_quant_bench_smoke() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "quant_ebc.py"), "--tables", "2", "--rows", "100",

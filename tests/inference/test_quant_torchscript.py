@@ -47,6 +47,7 @@ LOADER = textwrap.dedent("""
      KernelBackend.TORCH],
     ids=["fbgemm", "torch"],
 )
+@pytest.mark.slow
 def test_scripted_bag_loads_without_recsys_core(
     mixed_tables, make_kjt: MakeKJT, tmp_path: Path, backend: KernelBackend
 ) -> None:
@@ -83,6 +84,7 @@ def test_scripted_bag_keeps_its_errors(mixed_tables, make_kjt: MakeKJT) -> None:
         scripted(torch.tensor([0]), torch.arange(3))
 
 
+@pytest.mark.slow
 def test_disabled_fbgemm_uses_torch_kernel(tmp_path: Path) -> None:
     """RECSYS_CORE_DISABLE_FBGEMM=1: the torch kernel is chosen, fbgemm_gpu is never imported,
     and the quantized bag still scripts."""

@@ -42,8 +42,6 @@ AUC_GAP_CLOSED = 1 / 3
 at least this part of the gap from random (0.5) to the teacher's, the best achievable (0.717 on
 this validation split, so a floor of 0.572); measured 0.597 (0.45 of the gap)."""
 
-pytestmark = pytest.mark.slow
-
 
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -118,6 +116,7 @@ def _interleave_ranks(data: Path, out: Path, world_size: int) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_learn_and_equal_one_rank(data: Path, two_rank_run: tuple[Path, dict],
                                             tmp_path: Path) -> None:
     _, shuffled = two_rank_run  # the default, shuffled run learns
@@ -153,6 +152,7 @@ def _start_event(run: Path) -> dict:
         return next(e for e in map(json.loads, f) if e.get("event") == "start")
 
 
+@pytest.mark.slow
 def test_bf16_comms_change_no_value_under_amp(data: Path, tmp_path: Path) -> None:
     """--comm-precision bf16 (what auto picks across hosts under --amp) sends the pooled
     embeddings and their gradients in half the bytes and changes no loss: the dot interaction
@@ -169,6 +169,7 @@ def test_bf16_comms_change_no_value_under_amp(data: Path, tmp_path: Path) -> Non
     assert losses["bf16"] == losses["fp32"]  # exactly
 
 
+@pytest.mark.slow
 def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Path, dict],
                                               tmp_path: Path) -> None:
     run2, _ = two_rank_run
@@ -192,6 +193,7 @@ def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Pa
         assert cut[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
 
 
+@pytest.mark.slow
 def test_evaluation_is_rank_count_invariant(two_rank_run: tuple[Path, dict]) -> None:
     run2, _ = two_rank_run
     results = [_run(n, "evaluate", str(run2), "--split", "test", "--batch-size", "500")
@@ -205,6 +207,7 @@ def test_evaluation_is_rank_count_invariant(two_rank_run: tuple[Path, dict]) -> 
 
 
 @pytest.mark.parametrize("nproc", [0, 4])
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_other_world_sizes(
         data: Path, two_rank_run: tuple[Path, dict], tmp_path: Path, nproc: int) -> None:
     run2, _ = two_rank_run
@@ -228,6 +231,7 @@ def test_two_rank_checkpoint_resumes_on_other_world_sizes(
 
 
 @pytest.mark.shared_data(CRITEO)
+@pytest.mark.slow
 def test_criteo_sample_trains_on_two_ranks(tmp_path: Path) -> None:
     data = tmp_path / "criteo"
     subprocess.run(_cmd(0, "preprocess", "criteo", str(CRITEO / "kaggle_head_10k.tsv"),
@@ -253,6 +257,7 @@ def _script_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_launch_cpu_script_equals_two_rank_run(data: Path, two_rank_run: tuple[Path, dict],
                                                tmp_path: Path) -> None:
     run2, _ = two_rank_run
@@ -267,6 +272,7 @@ def test_launch_cpu_script_equals_two_rank_run(data: Path, two_rank_run: tuple[P
         assert mine[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
 
 
+@pytest.mark.slow
 def test_two_node_rendezvous_equals_two_rank_run(data: Path, two_rank_run: tuple[Path, dict],
                                                  tmp_path: Path) -> None:
     """Two 'nodes' (two torchrun agents, one rank each) meeting at a c10d endpoint."""
@@ -301,6 +307,7 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_stalled_rank_ends_the_run_after_timeout(data: Path, tmp_path: Path) -> None:
     import threading
 
@@ -371,6 +378,7 @@ def test_failing_rank_and_its_peer_each_print_one_line(data: Path, tmp_path: Pat
         "torch/distributed/elastic")[0]
 
 
+@pytest.mark.slow
 def test_two_ranks_train_tables_beyond_memory_like_the_same_plan_in_memory(tmp_path: Path) -> None:
     # A 100k-row table over 2 ranks with 1.5 MB of memory each: the planner keeps it row-wise
     # in files behind caches. The same plan with the table in memory (--plan, fused) trains to

@@ -17,6 +17,7 @@ def _loaded_after_import(module: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "module", ["recsys_core.plan", "recsys_core.planner", "recsys_core.inference.sharding"])
+@pytest.mark.slow
 def test_plan_and_planner_do_not_load_the_distributed_runtime(module: str) -> None:
     loaded = _loaded_after_import(module)
     assert module in loaded

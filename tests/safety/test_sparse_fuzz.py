@@ -15,10 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("sparse_fuzz_child.py")
 
 
+@pytest.mark.slow
 def test_fuzz_finds_no_crash_and_no_wrong_output() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(CHILD), "400"], capture_output=True, text=True,
