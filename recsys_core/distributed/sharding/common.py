@@ -38,7 +38,7 @@ from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.packed import ColumnPermutation as ColumnPermutation
 from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
 from recsys_core.kernels.packed import column_permutation as column_permutation
-from recsys_core.kernels.packed import select_columns as _select_columns
+from recsys_core.kernels.packed import select_columns as select_columns
 from recsys_core.kernels.tbe import checked_lookup
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType, table_dtype
 from recsys_core.plan.params import CacheParams
@@ -287,16 +287,6 @@ class LocalKernels(nn.Module):
                     k: (v[: sh.rows] if v.dim() >= 1 else v) for k, v in st.items()
                 }))
         return out
-
-
-def select_columns(x: torch.Tensor, columns: ColumnPermutation | None) -> torch.Tensor:
-    """``x`` with its columns reordered by ``columns`` (``x`` itself when None), also for a
-    rank whose batch is empty (``[0, dim]``: still part of the graph, so its backward joins
-    the reverse collectives like every other rank's)."""
-    if columns is None or x.shape[0] > 0:
-        return _select_columns(x, columns)
-    blocks = x.reshape(0, x.shape[1] // columns.width, columns.width)
-    return blocks.index_select(1, columns.blocks.to(x.device)).reshape(0, x.shape[1])
 
 
 def _table_cache(shard: ShardSpec, params: CacheParams | None) -> TableCache | None:
