@@ -210,6 +210,7 @@ def test_isolated_torchscript_matches_training_model(synthetic_run: Path, tmp_pa
     _assert_matches(out["forward"].numpy(), expected, labels, dtype)
 
 
+@pytest.mark.slow
 def test_sizes_shrink_with_dtype(synthetic_run: Path, exported: Callable,
                                  tmp_path: Path) -> None:
     tables = {d: export_model(synthetic_run, tmp_path / f"{d}.pt", d, fmt="torchscript")
@@ -239,6 +240,7 @@ def _random_bags(batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, ..
             torch.from_numpy(values), torch.from_numpy(offsets))
 
 
+@pytest.mark.slow
 def test_pt2_batch_is_dynamic_and_bad_inputs_fail(synthetic_run: Path, exported: Callable,
                                                   tmp_path: Path) -> None:
     model, meta = load_artifact(exported("int8", "torch"))

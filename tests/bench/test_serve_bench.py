@@ -53,6 +53,7 @@ def test_sizes(lines: tuple[str, list[dict]]) -> None:
         assert line["bytes"] > 26_000 * 12 and line["mb"] == round(line["bytes"] / 2**20, 2)
 
 
+@pytest.mark.slow
 def test_latency(lines: tuple[str, list[dict]]) -> None:
     model, parsed = lines
     latency = [line for line in parsed if line["bench"] == "serve_latency"]
@@ -70,6 +71,7 @@ def test_latency(lines: tuple[str, list[dict]]) -> None:
             assert line["max_abs_diff_vs_torchscript"] < 1e-6
 
 
+@pytest.mark.slow
 def test_http(lines: tuple[str, list[dict]]) -> None:
     model, parsed = lines
     http = [line for line in parsed if line["bench"] == "serve_http"]

@@ -111,6 +111,7 @@ def test_unsharded_baseline_line(results: dict[str, dict]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["tw", "rw", "cw", "dp"])
+@pytest.mark.slow
 def test_sharded_line(results: dict[str, dict], kind: str) -> None:
     line = results[f"sharded_{kind}"]
     assert line["world_size"] == WORLD and line["backend"] == "gloo"

@@ -25,6 +25,9 @@ from dlrm_app.data.schema import DatasetSpec  # noqa: E402
 from dlrm_app.data.synthetic import generate  # noqa: E402
 from recsys_core.testing import run_gloo  # noqa: E402
 
+# every test here reads torchrun runs of the benchmark (minutes on a 2-core machine)
+pytestmark = pytest.mark.slow
+
 WORLDS = (1, 2)
 OURS_PHASES = {"data", "input_dist", "lookup", "output_dist", "dense_forward", "dense_backward",
                "embedding_backward", "grad_allreduce", "optimizer"}
@@ -48,7 +51,6 @@ def lines(output: list[dict]) -> dict[tuple[str, int, str], dict]:
     return {(line["impl"], line["world_size"], line["precision"]): line for line in runs}
 
 
-@pytest.mark.slow
 def test_floor_lines(output: list[dict]) -> None:
     floors = {line["precision"]: line for line in output if line["bench"] == "dlrm_train_floor"}
     assert set(floors) == set(bench.PRECISIONS)
@@ -152,7 +154,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[tuple[str, bo
 
 @pytest.mark.parametrize("amp", [False, True])
 @pytest.mark.parametrize("impl", [bench.OURS, bench.BASELINE])
-@pytest.mark.slow
 def test_phased_step_trains_like_the_real_step(trained: list[dict], impl: str, amp: bool) -> None:
     for rank, result in enumerate(trained):
         real, phased = result[(impl, amp, False)], result[(impl, amp, True)]
