@@ -15,12 +15,13 @@ over ranks (used standalone, a sharded module leaves that to the caller, as Torc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from recsys_core.kernels.packed import PackedKernelSpec
 from recsys_core.kernels.torch_tbe import pooled_lookup
 
 
@@ -87,6 +88,25 @@ class DenseTableBatchedEmbedding(nn.Module):
             indices, offsets, self.weights, self.feature_table_map, self.pooling_mean,
             per_sample_weights,
         )
+
+
+def dense_kernel_builder(
+    dtypes: Mapping[str, torch.dtype],
+) -> Callable[[PackedKernelSpec, torch.device], DenseTableBatchedEmbedding]:
+    """A ``BatchedTables`` builder of DENSE kernels for a spec's tables (its optimizer and
+    backend are not used: nothing is fused); ``dtypes``: each table's weight dtype by name."""
+
+    def build(spec: PackedKernelSpec, device: torch.device) -> DenseTableBatchedEmbedding:
+        return DenseTableBatchedEmbedding(
+            rows=[max(t.rows, 1) for t in spec.tables],
+            dims=[t.dim for t in spec.tables],
+            feature_table_map=list(spec.feature_table_map),
+            pooling_mean=spec.pooling_mean,
+            device=device,
+            dtypes=[dtypes[t.name] for t in spec.tables],
+        )
+
+    return build
 
 
 def data_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -5,10 +5,11 @@ tables) and the grouped lookups (``GroupedPooledEmbeddingsLookup``); :class:`Bat
 both. It owns
 
 - the kernels, one per :class:`~recsys_core.kernels.packed.PackedKernelSpec` (FBGEMM or torch,
-  cached or not: ``PackedKernelSpec.build``), each table filled right after its kernel is built;
+  cached or not: ``PackedKernelSpec.build``, or the caller's builder, e.g. the sharded
+  collections' DENSE kernel), each table filled right after its kernel is built;
 - the lookup of a KJT keyed in kernel order: its values and offsets split per kernel, pooled
   (:meth:`BatchedTables.lookup`) or one row per id (:meth:`BatchedTables.lookup_rows`), ids out
-  of range reported by feature (``checked_lookup``);
+  of range reported by feature (``checked_lookup``), and the prefetch of cached kernels' rows;
 - views of every table's weight and optimizer state, in the caller's table order.
 
 :meth:`BatchedTables.grouped` packs a collection's tables, one kernel per pooling type::
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from recsys_core.kernels.cached_tbe import CachedTableBatchedEmbedding
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
 from recsys_core.kernels.tbe import checked_lookup, kernel_backend
@@ -36,6 +38,17 @@ if TYPE_CHECKING:  # kernels sit below the sparse types; they only read a KJT's 
 
 TableFill = Callable[[int, torch.Tensor], None]
 """``fill(table index, weight view)``: writes a table's initial weights into its kernel."""
+
+RowFill = Callable[[int, torch.Tensor, int], None]
+"""``fill_rows(table index, view of rows first_row:first_row + len(view), first_row)``: writes
+some rows' initial weights (a table may come in several blocks, see :class:`BatchedTables`)."""
+
+KernelBuilder = Callable[[PackedKernelSpec, torch.device], nn.Module]
+"""Builds one kernel from its spec (zero-initialized, with ``split_embedding_weights()``,
+``split_optimizer_states()`` and TBE's ``forward(indices, offsets, per_sample_weights)``)."""
+
+FILL_BLOCK_ROWS = 65536
+"""Rows per ``fill_rows`` block of a table kept in a backing file (bounds the resident memory)."""
 
 
 class BatchedTables:
@@ -49,6 +62,11 @@ class BatchedTables:
             the tables numbered in kernel order).
         fill: called for each table right after its kernel is built, in kernel order (a meta
             module passes None: there is nothing to fill).
+        fill_rows: instead of ``fill``, called with blocks of a table's rows: one block of all
+            its rows, or for a table in a backing file (a cached kernel) blocks of
+            :data:`FILL_BLOCK_ROWS` rows, each dropped from resident memory once written, so the
+            table may be larger than the memory. A table of no rows gets no call.
+        build: builds each kernel (default: ``PackedKernelSpec.build``, a fused kernel).
 
     The kernels are not ``nn.Module`` children of anything here: a collection decides whether
     they appear in its module tree (the fused collections keep them out, as TorchRec does).
@@ -61,7 +79,11 @@ class BatchedTables:
         *,
         members: Sequence[Sequence[int]] | None = None,
         fill: TableFill | None = None,
+        fill_rows: RowFill | None = None,
+        build: KernelBuilder | None = None,
     ) -> None:
+        if fill is not None and fill_rows is not None:
+            raise ValueError("BatchedTables: pass fill or fill_rows, not both")
         self.specs = list(specs)
         if members is None:
             sizes = [len(spec.tables) for spec in self.specs]
@@ -75,10 +97,12 @@ class BatchedTables:
             )
         self.kernels: list[nn.Module] = []
         for spec, indices in zip(self.specs, self.members, strict=True):
-            kernel = spec.build(device)
+            kernel = spec.build(device) if build is None else build(spec, device)
             if fill is not None:
                 for index, view in zip(indices, kernel.split_embedding_weights(), strict=True):
                     fill(index, view)
+            if fill_rows is not None:
+                _fill_in_blocks(kernel, spec, indices, fill_rows)
             self.kernels.append(kernel)
         self.features = [
             list(spec.features) or [spec.tables[t].name for t in spec.feature_table_map]
@@ -145,9 +169,8 @@ class BatchedTables:
         :attr:`feature_order`; ``weighted``: pass its weights as per-sample weights."""
         if not self.kernels:
             return torch.zeros(kjt.stride(), 0)
-        parts = kjt.split([len(f) for f in self.features]) if len(self.kernels) > 1 else [kjt]
         outs = []
-        for k, part in enumerate(parts):
+        for k, part in enumerate(self._per_kernel(kjt)):
             values, offsets = part.values(), part.offsets()
             if offsets.dtype != values.dtype:
                 offsets = offsets.to(values.dtype)
@@ -188,6 +211,18 @@ class BatchedTables:
             first = last
         return rows
 
+    def prefetch(self, kjt: KeyedJaggedTensor) -> None:
+        """Bring the rows a later :meth:`lookup` of ``kjt`` (keyed as :attr:`feature_order`)
+        reads into the caches of cached kernels (the others have nothing to prefetch)."""
+        if not any(isinstance(k, CachedTableBatchedEmbedding) for k in self.kernels):
+            return
+        for kernel, part in zip(self.kernels, self._per_kernel(kjt), strict=True):
+            if isinstance(kernel, CachedTableBatchedEmbedding):
+                kernel.prefetch(part.values(), part.offsets())
+
+    def _per_kernel(self, kjt: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        return kjt.split([len(f) for f in self.features]) if len(self.kernels) > 1 else [kjt]
+
     def _lookup(
         self, k: int, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
     ) -> torch.Tensor:
@@ -215,3 +250,17 @@ class BatchedTables:
     def train(self, mode: bool = True) -> None:
         for kernel in self.kernels:
             kernel.train(mode)
+
+
+def _fill_in_blocks(
+    kernel: nn.Module, spec: PackedKernelSpec, indices: Sequence[int], fill_rows: RowFill
+) -> None:
+    cached = isinstance(kernel, CachedTableBatchedEmbedding)
+    for index, table, view in zip(
+        indices, spec.tables, kernel.split_embedding_weights(), strict=True
+    ):
+        step = FILL_BLOCK_ROWS if cached else max(table.rows, 1)
+        for first in range(0, table.rows, step):
+            fill_rows(index, view[first : min(table.rows, first + step)], first)
+            if cached:
+                kernel.release_memory()

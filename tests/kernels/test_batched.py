@@ -205,3 +205,56 @@ def test_members_must_match_the_kernels() -> None:
     with pytest.raises(ValueError, match="feature names"):
         PackedKernelSpec(tables=TABLES[:1], feature_table_map=(0,), pooling_mean=False,
                          weighted=False, optimizer=SGD, features=("f0", "f1"))
+
+
+def test_fill_rows_fills_each_table_once_and_a_cached_one_in_blocks(tmp_path, monkeypatch) -> None:
+    import recsys_core.kernels.batched as batched_module
+
+    monkeypatch.setattr(batched_module, "FILL_BLOCK_ROWS", 3)
+    tables = (PackedTable(name="a", rows=7, dim=4, cache=TableCache(slots=4)),
+              PackedTable(name="empty", rows=0, dim=4))
+    cached = PackedKernelSpec(tables=tables, feature_table_map=(0, 1), pooling_mean=False,
+                              weighted=False, optimizer=SGD, backend=KernelBackend.TORCH,
+                              offload_dir=str(tmp_path), features=("f0", "f1"))
+    plain = PackedKernelSpec(tables=TABLES[2:], feature_table_map=(0,), pooling_mean=False,
+                             weighted=False, optimizer=SGD, backend=KernelBackend.TORCH)
+    full = [torch.randn(7, 4), None, torch.randn(9, 4)]
+    calls: list[tuple[int, int, int]] = []
+
+    def fill_rows(index: int, view: torch.Tensor, first_row: int) -> None:
+        calls.append((index, first_row, view.shape[0]))
+        view.copy_(full[index][first_row : first_row + view.shape[0]])
+
+    batched = BatchedTables([cached, plain], CPU, fill_rows=fill_rows)
+    # the cached table in blocks of 3 rows, the empty one not at all, the plain one at once
+    assert calls == [(0, 0, 3), (0, 3, 3), (0, 6, 1), (2, 0, 9)]
+    weights = batched.split_embedding_weights()
+    assert torch.equal(weights[0], full[0]) and torch.equal(weights[2], full[2])
+    with pytest.raises(ValueError, match="fill or fill_rows"):
+        BatchedTables([plain], CPU, fill=lambda i, v: None, fill_rows=fill_rows)
+
+
+def test_build_hook_builds_every_kernel() -> None:
+    built: list[PackedKernelSpec] = []
+
+    def build(spec: PackedKernelSpec, device: torch.device) -> nn.Module:
+        built.append(spec)
+        return spec.build(device)
+
+    batched = BatchedTables.grouped(TABLES, FEATURES, MEAN, device=CPU, optimizer=SGD,
+                                    backend=KernelBackend.TORCH)
+    hooked = BatchedTables(batched.specs, CPU, members=batched.members, build=build)
+    assert built == batched.specs and len(hooked.kernels) == 2
+
+
+def test_prefetch_brings_a_batch_into_the_cache(tmp_path) -> None:
+    tables = (PackedTable(name="a", rows=7, dim=4, cache=TableCache(slots=6)),)
+    spec = PackedKernelSpec(tables=tables, feature_table_map=(0,), pooling_mean=False,
+                            weighted=False, optimizer=SGD, backend=KernelBackend.TORCH,
+                            offload_dir=str(tmp_path), features=("f0",))
+    batched = BatchedTables([spec], CPU, fill=random_fill(2)[0])
+    kjt = make_kjt(["f0"], batch=2, weighted=False, seed=4)
+    batched.prefetch(kjt)
+    batched.lookup(kjt, False).sum().backward()
+    assert batched.kernels[0].stats.prefetched == 1
+    grouped(KernelBackend.TORCH)[0].prefetch(make_kjt(["f0", "f3", "f1", "f2"], 2, False, 5))
