@@ -4,9 +4,10 @@ collection runs on each rank.
 In this library one :class:`~recsys_core.distributed.sharding.common.LocalKernels` per sharding
 strategy holds a rank's shards, one table-batched kernel per pooling type: TorchRec's
 ``GroupedPooledEmbeddingsLookup`` (pooled) and ``GroupedEmbeddingsLookup`` (sequence, whose ids
-are looked up as bags of one). The unsharded fused collections keep their tables in a
+are looked up as bags of one). Its kernels and lookups are a
 :class:`~recsys_core.kernels.batched.BatchedTables` (TorchRec's ``BatchedFusedEmbeddingBag``
-and grouped lookups in one class)."""
+and grouped lookups in one class), where the unsharded fused collections keep their tables too;
+LocalKernels adds the shards' geometry, their initialization and the caches' upkeep."""
 
 from __future__ import annotations
 

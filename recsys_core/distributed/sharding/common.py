@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable
-from recsys_core.distributed.batched_embedding_kernel import DenseTableBatchedEmbedding
+from recsys_core.distributed.batched_embedding_kernel import dense_kernel_builder
 from recsys_core.distributed.table_init import TableInitializer, TableRegion
 from recsys_core.distributed.types import (
     CommOp,
@@ -33,19 +33,17 @@ from recsys_core.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
+from recsys_core.kernels.batched import BatchedTables
 from recsys_core.kernels.cached_tbe import CachedTableBatchedEmbedding, TableCache, cache_slots
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.packed import ColumnPermutation as ColumnPermutation
 from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
 from recsys_core.kernels.packed import column_permutation as column_permutation
 from recsys_core.kernels.packed import select_columns as select_columns
-from recsys_core.kernels.tbe import checked_lookup
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType, table_dtype
 from recsys_core.plan.params import CacheParams
 from recsys_core.sparse import KeyedJaggedTensor
 
-# Rows per block when filling a table kept in a backing file (bounds the resident memory).
-INIT_BLOCK_ROWS = 65536
 # Cache share of a FUSED_UVM_CACHING shard whose plan gives no load factor (TorchRec's default).
 DEFAULT_LOAD_FACTOR = 0.2
 
@@ -151,7 +149,9 @@ class Slot:
 
 
 class LocalKernels(nn.Module):
-    """The kernels holding one rank's shards for one strategy: one kernel per pooling type.
+    """The kernels holding one rank's shards for one strategy, in a
+    :class:`~recsys_core.kernels.batched.BatchedTables`: one kernel per pooling type, its tables
+    the shards its slots look up (a shard several features read is held once).
 
     ``slots`` are this rank's lookups in output order (grouped by pooling type, SUM first).
     Shard weights come from ``ctx.table_init`` when given, else from the unsharded module's
@@ -168,58 +168,46 @@ class LocalKernels(nn.Module):
     ) -> None:
         super().__init__()
         self.slots = list(slots)
-        self.kernels = nn.ModuleList()
-        self.kernel_slots: list[list[Slot]] = []
         self.kernel_shards: list[list[ShardSpec]] = []
-        for pooling in (PoolingType.SUM, PoolingType.MEAN):
-            group = [s for s in self.slots if s.pooling is pooling]
-            if not group:
-                continue
-            shards: list[ShardSpec] = []
-            for s in group:
-                if s.shard not in shards:
-                    shards.append(s.shard)
-            spec = PackedKernelSpec(
+        """Each kernel's tables: the shards it holds, in kernel order."""
+        groups = [[s for s in self.slots if s.pooling is pooling]
+                  for pooling in (PoolingType.SUM, PoolingType.MEAN)]
+        groups = [group for group in groups if group]
+        if [s for group in groups for s in group] != self.slots:
+            raise ValueError("LocalKernels: slots must be ordered SUM first, then MEAN")
+        specs = []
+        for group in groups:
+            shards = list(dict.fromkeys(s.shard for s in group))
+            specs.append(PackedKernelSpec(
                 tables=tuple(
                     PackedTable(name=sh.table, rows=sh.rows, dim=sh.cols,
                                 cache=_table_cache(sh, ctx.caches.get(sh.table)))
                     for sh in shards
                 ),
                 feature_table_map=tuple(shards.index(s.shard) for s in group),
-                pooling_mean=pooling is PoolingType.MEAN,
+                pooling_mean=group[0].pooling is PoolingType.MEAN,
                 weighted=ctx.is_weighted,
                 optimizer=ctx.optimizer,
                 backend=backend or ctx.backend,
                 offload_dir=ctx.offload_dir,
-            )
-            kernel = (
-                DenseTableBatchedEmbedding(
-                    rows=[max(t.rows, 1) for t in spec.tables],
-                    dims=[t.dim for t in spec.tables],
-                    feature_table_map=list(spec.feature_table_map),
-                    pooling_mean=spec.pooling_mean,
-                    device=ctx.device,
-                    dtypes=[table_dtype(configs[t.name]) for t in spec.tables],
-                )
-                if ctx.dense
-                else spec.build(ctx.device)
-            )
-            if ctx.device.type != "meta":
-                cached = isinstance(kernel, CachedTableBatchedEmbedding)
-                for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
-                    # A table in a backing file is filled in blocks of rows, each dropped from
-                    # resident memory once written: it may be larger than the memory.
-                    step = INIT_BLOCK_ROWS if cached else max(sh.rows, 1)
-                    for lo in range(0, sh.rows, step):
-                        hi = min(sh.rows, lo + step)
-                        _init_shard(view[lo:hi], sh, ctx, configs[sh.table], lo)
-                        if cached:
-                            kernel.release_memory()
-            self.kernels.append(kernel)
-            self.kernel_slots.append(group)
+                features=tuple(s.feature for s in group),
+            ))
             self.kernel_shards.append(shards)
-        if [s for g in self.kernel_slots for s in g] != self.slots:
-            raise ValueError("LocalKernels: slots must be ordered SUM first, then MEAN")
+        # the BatchedTables' tables, numbered in kernel order
+        self._held = [sh for group in self.kernel_shards for sh in group]
+
+        def fill_rows(index: int, view: torch.Tensor, first_row: int) -> None:
+            shard = self._held[index]
+            _init_shard(view, shard, ctx, configs[shard.table], first_row)
+
+        self.batched = BatchedTables(
+            specs, ctx.device,
+            fill_rows=None if ctx.device.type == "meta" else fill_rows,
+            build=dense_kernel_builder(
+                {name: table_dtype(config) for name, config in configs.items()}
+            ) if ctx.dense else None,
+        )
+        self.kernels = nn.ModuleList(self.batched.kernels)
 
     @property
     def output_dim(self) -> int:
@@ -227,33 +215,19 @@ class LocalKernels(nn.Module):
 
     def lookup(self, kjt: KeyedJaggedTensor, is_weighted: bool) -> torch.Tensor:
         """Pooled ``[kjt.stride(), output_dim]`` for a KJT whose keys are the slot keys."""
-        if not self.slots:
-            return torch.zeros(kjt.stride(), 0)
-        parts = kjt.split([len(g) for g in self.kernel_slots]) if len(self.kernels) > 1 else [kjt]
-        outs = []
-        for kernel, group, part in zip(self.kernels, self.kernel_slots, parts, strict=True):
-            values, offsets = part.values(), part.offsets()
-            if offsets.dtype != values.dtype:
-                offsets = offsets.to(values.dtype)
-            outs.append(checked_lookup(
-                kernel, values, offsets, part.weights() if is_weighted else None,
-                feature_names=[s.feature for s in group],
-                rows_per_feature=[max(s.shard.rows, 1) for s in group],
-            ))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self.batched.lookup(kjt, is_weighted)
+
+    def lookup_rows(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
+        """``[n_i, cols_i]``, one row per id, for each slot ``i`` of a KJT whose keys are the
+        slot keys (see ``BatchedTables.lookup_rows``)."""
+        return self.batched.lookup_rows(kjt.values(), kjt.length_per_key())
 
     def cached_kernels(self) -> list[CachedTableBatchedEmbedding]:
         return [k for k in self.kernels if isinstance(k, CachedTableBatchedEmbedding)]
 
     def prefetch(self, kjt: KeyedJaggedTensor) -> None:
         """Bring the rows of a future lookup of ``kjt`` into the caches of cached tables."""
-        kernels = self.cached_kernels()
-        if not kernels or not self.slots:
-            return
-        parts = kjt.split([len(g) for g in self.kernel_slots]) if len(self.kernels) > 1 else [kjt]
-        for kernel, part in zip(self.kernels, parts, strict=True):
-            if isinstance(kernel, CachedTableBatchedEmbedding):
-                kernel.prefetch(part.values(), part.offsets())
+        self.batched.prefetch(kjt)
 
     def drop_prefetched(self) -> None:
         for kernel in self.cached_kernels():
@@ -278,15 +252,12 @@ class LocalKernels(nn.Module):
         """``(shard, weight view, optimizer state views)`` for every shard held here (cached
         tables flushed first, so the views are current)."""
         self.flush_caches()
-        out = []
-        for kernel, shards in zip(self.kernels, self.kernel_shards, strict=True):
-            weights = kernel.split_embedding_weights()
-            states = kernel.split_optimizer_states()
-            for sh, w, st in zip(shards, weights, states, strict=True):
-                out.append((sh, w[: sh.rows], {
-                    k: (v[: sh.rows] if v.dim() >= 1 else v) for k, v in st.items()
-                }))
-        return out
+        weights = self.batched.split_embedding_weights()
+        states = self.batched.split_optimizer_states()
+        return [
+            (sh, w[: sh.rows], {k: (v[: sh.rows] if v.dim() >= 1 else v) for k, v in st.items()})
+            for sh, w, st in zip(self._held, weights, states, strict=True)
+        ]
 
 
 def _table_cache(shard: ShardSpec, params: CacheParams | None) -> TableCache | None:

@@ -36,7 +36,6 @@ from recsys_core.distributed.sharding.common import (
 )
 from recsys_core.distributed.sharding.sequence import (
     SequenceBatch,
-    lookup_rows,
     return_rows,
     sequence_slots,
 )
@@ -278,7 +277,7 @@ class RwSequenceSharding:
         )
 
     def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        return lookup_rows(self.local, batch.features)
+        return self.local.lookup_rows(batch.features)
 
     def output_dist(
         self, rows: list[torch.Tensor], batch: SequenceBatch

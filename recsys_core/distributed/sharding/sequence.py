@@ -101,30 +101,6 @@ def sequence_slots(tables: Sequence[ShardedTable], world_size: int) -> list[list
     return out
 
 
-def lookup_rows(local: LocalKernels, features: KeyedJaggedTensor) -> list[torch.Tensor]:
-    """``[n_i, cols_i]`` rows for each slot ``i``: every id is looked up as a bag of one.
-
-    Slot counts [2, 0, 1] -> 2 bags per slot, lengths [1, 1 | 0, 0 | 1, 0]; the pooled output
-    is [2, sum(cols)] and slot ``i``'s rows are its first ``n_i`` rows of its column block.
-    """
-    if not local.slots:
-        return []
-    counts = features.length_per_key()
-    width = max(max(counts), 1)  # at least one bag: kernels expect a non-empty batch
-    device = features.values().device
-    n = torch.tensor(counts, device=device)
-    lengths = (torch.arange(width, device=device) < n.unsqueeze(1)).reshape(-1).long()
-    bags = KeyedJaggedTensor(
-        keys=features.keys(), values=features.values(), lengths=lengths, stride=width
-    )
-    pooled = local.lookup(bags, is_weighted=False)
-    out, col = [], 0
-    for count, slot in zip(counts, local.slots, strict=True):
-        out.append(pooled[:count, col : col + slot.shard.cols])
-        col += slot.shard.cols
-    return out
-
-
 def return_rows(
     rows: list[torch.Tensor],
     batch: SequenceBatch,
