@@ -22,7 +22,17 @@ and prints one JSON line per system and dataset (test AUC, NE, logloss, rows, se
 Datasets (found beside the repository: ../shared/data from its root, or --criteo/--movielens):
 the Criteo Kaggle 10k-row sample and MovieLens 100K.
 
+``--kfold K`` (Criteo): a held-out protocol that cannot leak, on more rows than the sample's
+own 715-row test split. Fold k's rows (row index mod K == k) are written to a file of their
+own and training never reads them: the other rows are preprocessed (their train / validation /
+test split as usual), the fold is encoded like them (``preprocess --like DATA --one-split
+test``), the DLRM trains with the defaults and is scored on the fold (``evaluate RUN --data
+FOLD``), and the logistic regression is fitted on exactly the same encoded train rows (L2 on
+the same validation rows) and scored on the same fold. One JSON line per fold and seed, then a
+``kfold_mean`` line per system.
+
 Usage: python bench/quality.py [--nproc 1] [--seeds 0] [--datasets criteo_kaggle_10k movielens_100k]
+       python bench/quality.py --datasets criteo_kaggle_10k --kfold 5 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -101,10 +111,13 @@ def _auc_ne(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     return {"auc": found["auc"], "ne": found["ne"], "logloss": found["logloss"]}
 
 
-def logistic_regression(data: Path) -> dict:
+def logistic_regression(data: Path, held_out: Path | None = None) -> dict:
+    """Fitted on ``data``'s train split, L2 chosen on its validation split, scored on its test
+    split (or on ``held_out``'s, a dataset encoded like ``data``)."""
     spec = DatasetSpec.load(data)
     sizes = [f.num_embeddings for f in spec.sparse_features]
-    train, val, test = (_split_tensors(data, s) for s in ("train", "validation", "test"))
+    train, val = (_split_tensors(data, s) for s in ("train", "validation"))
+    test = _split_tensors(held_out or data, "test")
     mean, std = train[0].mean(0), train[0].std(0).clamp_min(1e-6)
 
     def fit(l2: float) -> _LogReg:
@@ -138,11 +151,13 @@ def logistic_regression(data: Path) -> dict:
             "rows": {"train": len(train[2]), "validation": len(val[2]), "test": len(test[2])}}
 
 
-def _dlrm(data: Path, run_dir: Path, nproc: int, seed: int, *flags: str) -> dict:
+def _dlrm(data: Path, run_dir: Path, nproc: int, seed: int, *flags: str,
+          held_out: Path | None = None) -> dict:
     start = time.perf_counter()
     summary = _cli(nproc, "train", "--data", str(data), "--out", str(run_dir), "--quiet",
                    "--seed", str(seed), *flags)
-    test = _cli(1, "evaluate", str(run_dir), "--split", "test")
+    where = ["--data", str(held_out)] if held_out is not None else []
+    test = _cli(1, "evaluate", str(run_dir), "--split", "test", *where)
     return {"nproc": nproc, "seed": seed, "amp": summary["amp"], "auc": test["auc"],
             "ne": test["ne"], "logloss": test["logloss"],
             "validation_auc": summary["validation"]["auc"], "steps": summary["steps"],
@@ -170,12 +185,59 @@ def run(name: str, work: Path, nproc: int, seeds: list[int]) -> list[dict]:
     return lines
 
 
+def fold_rows(lines: list[str], folds: int, k: int) -> tuple[list[str], list[str]]:
+    """(the rows training may read, fold ``k``'s held-out rows): row i is held out in fold
+    ``i % folds``, so the folds partition the file."""
+    rest = [x for i, x in enumerate(lines) if i % folds != k]
+    return rest, [x for i, x in enumerate(lines) if i % folds == k]
+
+
+def run_kfold(name: str, work: Path, nproc: int, seeds: list[int], folds: int) -> list[dict]:
+    kind, src = SOURCES[name]
+    if kind != "criteo":
+        raise SystemExit(f"--kfold is for the Criteo sample (row order carries no meaning "
+                         f"there); {name} keeps its per-user time split")
+    if not src.exists():
+        raise SystemExit(f"{src} not found: pass --criteo")
+    lines = src.read_text().splitlines(keepends=True)
+    results: list[dict] = []
+    for k in range(folds):
+        fold = work / f"{name}_fold{k}"
+        fold.mkdir(parents=True)
+        rest, held_out = fold_rows(lines, folds, k)
+        (fold / "rest.tsv").write_text("".join(rest))
+        (fold / "held_out.tsv").write_text("".join(held_out))
+        data, held = fold / "data", fold / "held_out"
+        _cli(1, "preprocess", kind, str(fold / "rest.tsv"), "--out", str(data))
+        _cli(1, "preprocess", kind, str(fold / "held_out.tsv"), "--out", str(held),
+             "--like", str(data), "--one-split", "test")
+        lr = logistic_regression(data, held)
+        common = {"dataset": name, "protocol": f"kfold{folds}", "fold": k,
+                  "held_out_rows": lr["rows"]["test"]}
+        results.append({**common, "system": "logistic_regression", **lr["logistic_regression"]})
+        for seed in seeds:
+            results.append({**common, "system": "dlrm_defaults",
+                            **_dlrm(data, fold / f"run_{seed}", nproc, seed, held_out=held)})
+        for line in results[-1 - len(seeds):]:
+            print(json.dumps(line), flush=True)
+    means = []
+    for system in ("dlrm_defaults", "logistic_regression"):
+        aucs = [r["auc"] for r in results if r["system"] == system]
+        mean = sum(aucs) / len(aucs)
+        spread = (sum((a - mean) ** 2 for a in aucs) / max(len(aucs) - 1, 1)) ** 0.5
+        means.append({"dataset": name, "protocol": f"kfold{folds}", "system": system,
+                      "kfold_mean": True, "auc": mean, "auc_std": spread, "runs": len(aucs)})
+    return means
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     parser.add_argument("--nproc", type=int, default=1, help="ranks for dlrm-app train")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="train seeds; each trains with the defaults and with --no-amp")
+    parser.add_argument("--kfold", type=int, default=0,
+                        help="K > 1: the held-out K-fold protocol (Criteo; see the docs above)")
     parser.add_argument("--criteo", type=Path, default=None, help="a Criteo Kaggle TSV")
     parser.add_argument("--movielens", type=Path, default=None, help="an ml-100k folder")
     args = parser.parse_args()
@@ -185,7 +247,11 @@ def main() -> None:
         SOURCES["movielens_100k"] = ("movielens", args.movielens)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.datasets:
-            for line in run(name, Path(tmp), args.nproc, args.seeds):
+            if args.kfold > 1:
+                lines = run_kfold(name, Path(tmp), args.nproc, args.seeds, args.kfold)
+            else:
+                lines = run(name, Path(tmp), args.nproc, args.seeds)
+            for line in lines:
                 print(json.dumps(line), flush=True)
 
 
