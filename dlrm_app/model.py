@@ -94,14 +94,23 @@ class SparseArch(nn.Module):
                              torch.tensor(order), persistent=False)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        parts = []
+        return self.finish(self.start(features))
+
+    def start(self, features: KeyedJaggedTensor) -> list[Any]:
+        """Look the features up; sharded, the pooled embeddings' exchange between ranks is
+        then in flight (the collections return awaitables) until ``finish`` waits for it."""
+        parts: list[Any] = []
         if self.embedding_bag_collection is not None:
-            # a KeyedTensor (lazily, when sharded)
-            parts.append(self.embedding_bag_collection(features).values())
+            # a KeyedTensor (a LazyAwaitable of one, when sharded)
+            parts.append(self.embedding_bag_collection(features))
         if self.managed_collision_collection is not None:
-            pooled, _ = self.managed_collision_collection(features)
-            parts.append(pooled.values())
-        values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            parts.append(self.managed_collision_collection(features)[0])
+        return parts
+
+    def finish(self, parts: list[Any]) -> torch.Tensor:
+        """``[B, F, D]`` from what ``start`` returned (waits for the exchange)."""
+        values = [p.values() for p in parts]
+        values = values[0] if len(values) == 1 else torch.cat(values, dim=1)
         pooled = values.view(-1, len(self.feature_names), self.embedding_dim)
         return pooled if self._order is None else pooled.index_select(1, self._order)
 
@@ -266,10 +275,21 @@ class DLRM(nn.Module):
         self.over_arch = OverArch(self.inter_arch.output_dim(dim), tuple(over_arch_layer_sizes),
                                   dense_device)
 
+    overlap_exchange: bool = True
+    """Run the bottom MLP while the pooled embeddings travel between ranks (sharded), in
+    forward and, as autograd then orders it, in backward: the embeddings' gradients travel while
+    the bottom MLP's backward runs. The same values either way; False only measures the gain
+    (``bench/train.py``)."""
+
     def forward(self, dense_features: torch.Tensor,
                 sparse_features: KeyedJaggedTensor) -> torch.Tensor:
-        embedded_dense = self.dense_arch(dense_features)
-        embedded_sparse = self.sparse_arch(sparse_features)
+        if self.overlap_exchange:
+            started = self.sparse_arch.start(sparse_features)
+            embedded_dense = self.dense_arch(dense_features)
+            embedded_sparse = self.sparse_arch.finish(started)
+        else:
+            embedded_dense = self.dense_arch(dense_features)
+            embedded_sparse = self.sparse_arch(sparse_features)
         return self.over_arch(self.inter_arch(embedded_dense, embedded_sparse))
 
 
