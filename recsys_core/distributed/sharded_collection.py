@@ -56,7 +56,7 @@ from recsys_core.modules.embedding_configs import (
     get_embedding_names_by_table,
 )
 from recsys_core.modules.embedding_modules import check_features
-from recsys_core.optim.fused import EmbeddingFusedOptimizer
+from recsys_core.modules.fused_common import TableWeight, kernel_optimizer
 from recsys_core.optim.keyed import CombinedOptimizer
 from recsys_core.plan.validation import validate_module_sharding_plan
 from recsys_core.sparse import KeyedJaggedTensor
@@ -173,17 +173,11 @@ class ShardedCollectionCore:
                     continue
                 params: dict[str, nn.Parameter] = {}
                 for sh, view in zip(shards, kernel.split_embedding_weights(), strict=True):
-                    # The kernel owns the storage and updates it in backward: tagged with their
-                    # in-backward optimizer, DDP and dense optimizers leave these weights alone
-                    # (TorchRec's in_backward_optimizer_filter); the state dict exposes whole
-                    # tables instead.
+                    # the state dict exposes whole tables, not these
                     name = f"{self.spec.state_prefix}.{sh.table}.weight[{sh.row_offset}:,{sh.col_offset}:]"
                     params[name] = nn.Parameter(view[: sh.rows])
                     self.shard_parameters.setdefault(sh.table, []).append(params[name])
-                optim = EmbeddingFusedOptimizer(kernel, params, [sh.table for sh in shards])
-                for weight in params.values():
-                    weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
-                optims.append(optim)
+                optims.append(kernel_optimizer(kernel, params, [sh.table for sh in shards]))
                 kernels.append(kernel)
         return ShardedFusedOptimizer(
             CombinedOptimizer(optims), self.tables, self.table_shards, self.env,
@@ -197,7 +191,7 @@ class ShardedCollectionCore:
         their in-backward optimizer; DENSE shards are the kernel's parameters. Saving and
         loading go through the whole-table state dict entries, not through these."""
         return nn.ModuleDict({
-            name: _TableWeight(params[0])
+            name: TableWeight(params[0], saved=False)
             for name, params in self.shard_parameters.items() if len(params) == 1
         })
 
@@ -309,20 +303,6 @@ class ShardedCollectionCore:
         """Every strategy's received input (after the id check's verdict)."""
         inputs.id_check.result()
         return [a.wait() for a in inputs]
-
-
-class _TableWeight(nn.Module):
-    """Holds one table's local weight as ``weight`` (its state is saved by the collection)."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        return None
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        return None
 
 
 def _check_plan(

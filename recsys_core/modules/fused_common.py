@@ -81,11 +81,39 @@ class FusedCombinedOptimizer(CombinedOptimizer):
 
 
 class TableWeight(nn.Module):
-    """Holds one table's weight: a view into its kernel's storage."""
+    """Holds one table's weight: a view into its kernel's storage.
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    ``saved=False`` leaves it out of the state dict: the owning collection saves and loads the
+    table itself (a sharded collection's whole tables, ``ShardedTensor`` s over the ranks)."""
+
+    def __init__(self, weight: nn.Parameter, *, saved: bool = True) -> None:
         super().__init__()
         self.weight = weight
+        self.saved = saved
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        if self.saved:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        if self.saved:
+            super()._load_from_state_dict(*args, **kwargs)
+
+
+def kernel_optimizer(
+    kernel: nn.Module,
+    params: Mapping[str, nn.Parameter],
+    table_names: Sequence[str],
+    kernel_tables: Sequence[int] | None = None,
+) -> EmbeddingFusedOptimizer:
+    """The optimizer fused into ``kernel``'s backward, over ``params`` (views of its tables'
+    weights; arguments as ``EmbeddingFusedOptimizer``'s). The kernel owns the storage and
+    updates it in backward: each parameter is tagged with this optimizer, so DDP and dense
+    optimizers leave it alone (TorchRec's ``in_backward_optimizer_filter``)."""
+    optim = EmbeddingFusedOptimizer(kernel, params, table_names, kernel_tables)
+    for weight in params.values():
+        weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
+    return optim
 
 
 def fused_table_weights(
@@ -109,12 +137,9 @@ def fused_table_weights(
             weight = nn.Parameter(weights[members[position]])
             holders[name] = TableWeight(weight)
             params[f"{prefix}.{name}.weight"] = weight
-        optim = EmbeddingFusedOptimizer(
-            kernel, params, [names[members[p]] for p in positions], positions
+        optims.append(
+            kernel_optimizer(kernel, params, [names[members[p]] for p in positions], positions)
         )
-        for weight in params.values():
-            weight._in_backward_optimizers = [optim]  # type: ignore[attr-defined]
-        optims.append(optim)
     return holders, FusedCombinedOptimizer(optims)
 
 
