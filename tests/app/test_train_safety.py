@@ -46,13 +46,14 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_batch_size_follows_the_data() -> None:
-    """The README's numbers: about 64 steps an epoch, a power of two in 32..2048 per rank."""
+    """The README's numbers: about 64 steps an epoch, a power of two in 32..1024 per rank."""
     config = TrainConfig(data="d", out="o")
     assert config.with_batch_size(8_571, 1).batch_size == 128  # the Kaggle 10k sample
     assert config.with_batch_size(8_571, 2).batch_size == 64  # same global batch on 2 ranks
     assert config.with_batch_size(98_114, 1).batch_size == 1024  # MovieLens 100K
-    assert config.with_batch_size(131_072, 1).batch_size == 2048
-    assert config.with_batch_size(10**9, 8).batch_size == 2048
+    assert config.with_batch_size(65_536, 1).batch_size == 1024
+    assert config.with_batch_size(131_072, 1).batch_size == 1024  # the cap
+    assert config.with_batch_size(10**9, 8).batch_size == 1024
     assert config.with_batch_size(100, 4).batch_size == 32
     given = TrainConfig(data="d", out="o", batch_size=300)
     assert given.with_batch_size(10**6, 1) is given
