@@ -163,7 +163,7 @@ def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 def config_from_values(cls: type, values: dict[str, Any]) -> Any:
     """``cls`` built from ``config_values``' output: nested sections built the same way, the
-    fields not given left at their defaults."""
+    fields (and sections) not given left at their defaults."""
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in values.items():
@@ -173,9 +173,4 @@ def config_from_values(cls: type, values: dict[str, Any]) -> Any:
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[name] = value
-    for field in dataclasses.fields(cls):  # sections given no flag: their defaults
-        hint = hints[field.name]
-        if (field.name not in kwargs and dataclasses.is_dataclass(hint)
-                and field.default is dataclasses.MISSING):
-            kwargs[field.name] = config_from_values(hint, {})  # type: ignore[arg-type]
     return cls(**kwargs)

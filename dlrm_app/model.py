@@ -279,7 +279,7 @@ class DLRM(nn.Module):
     """Run the bottom MLP while the pooled embeddings travel between ranks (sharded), in
     forward and, as autograd then orders it, in backward: the embeddings' gradients travel while
     the bottom MLP's backward runs. The same values either way; False only measures the gain
-    (``bench/train.py``)."""
+    (``bench/overlap.py``)."""
 
     def forward(self, dense_features: torch.Tensor,
                 sparse_features: KeyedJaggedTensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from recsys_core.plan.env import ShardingEnv
 from recsys_core.plan.sharder import Sharder
 from recsys_core.plan.types import ShardingPlan
 from recsys_core.planner.constraints import ParameterConstraints
-from recsys_core.planner.enumerators import enumerate_options
+from recsys_core.planner.enumerators import UVM_KERNELS, enumerate_options, planner_kernels
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.estimators import weights_and_state_bytes
 from recsys_core.planner.machine import detect_topology, smallest_over_ranks
@@ -279,10 +279,12 @@ class EmbeddingShardingPlanner:
         deadline = None if self._timeout_seconds is None else start + self._timeout_seconds
         partitioner = GreedyPartitioner(topology, hbm_budget, ddr_budget, ssd_budget)
         partition, failed, options = None, None, {}
-        if _memory_clearly_suffices(tables, topology, hbm_budget, ddr_budget):
+        if (any(k in UVM_KERNELS for k in planner_kernels(topology))
+                and _memory_clearly_suffices(tables, topology, hbm_budget, ddr_budget)):
             # Cached layouts cannot win where every table fits in memory with room to spare
             # (they cost more for the same geometry): plan without them, and with them only
-            # if that fails. Half the candidates to estimate.
+            # if that fails. Half the candidates to estimate. (Without such kernels on the
+            # topology both tries would be the same: one is made.)
             options = {
                 spec.key: enumerate_options(spec, collections[spec.path][1], topology,
                                             memory_only=True)
