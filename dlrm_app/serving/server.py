@@ -481,12 +481,18 @@ class PredictionServer:
             self._in_flight += change
             self._last_change = time.monotonic()
 
-    def stop(self) -> None:
+    def stop(self) -> int:
         """Stop accepting connections, answer the requests already received (for at most
         ``drain_timeout_s``), then stop the batcher. Answers sent while draining close their
-        connection."""
+        connection. Returns how many received requests were left unanswered (0 unless the
+        drain timed out).
+
+        A kept-alive client that sends its next request after the drain has gone quiet finds
+        the connection closed with no byte of an answer: the server never read that request,
+        and HTTP clients retry such a request on a new connection (here: refused, the server
+        is gone)."""
         if self._httpd is None:
-            return
+            return 0
         self.draining = True
         self._httpd.shutdown()  # the accept loop ends
         # connections the kernel already accepted (the listen backlog) are served too; then
@@ -508,9 +514,12 @@ class PredictionServer:
                 if self._in_flight == 0 and time.monotonic() - self._last_change >= _QUIET_S:
                     break
             time.sleep(0.02)
+        with self._idle:
+            unanswered = self._in_flight
         self._httpd.server_close()
         self.batcher.stop()
         self._httpd = None
+        return unanswered
 
     def warm_up(self) -> None:
         """Calls of 1, 2 and 3 rows: TorchScript profiles and optimizes a method on its first
@@ -557,7 +566,8 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
                   expect_sha256: str | None = None) -> int:
     """``dlrm-app serve``: check ``model``'s sha256 (against ``expect_sha256``, else its
     ``.sha256`` file), load it, print where it listens and what was verified (one JSON line),
-    serve until SIGTERM or Ctrl-C, then stop."""
+    serve until SIGTERM or Ctrl-C, then stop and print how many received requests went
+    unanswered (one JSON line; 0 unless ``--drain-timeout-s`` ran out)."""
     try:
         server = PredictionServer.from_file(model, config, expect_sha256=expect_sha256)
         port = server.start()
@@ -573,6 +583,7 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
         stop.wait()
     except KeyboardInterrupt:
         pass
-    server.stop()
+    unanswered = server.stop()
+    print(json.dumps({"stopped": True, "unanswered": unanswered}), flush=True)
     return 0
 

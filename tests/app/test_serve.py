@@ -652,10 +652,13 @@ def test_loopback_load_with_malformed_share_and_graceful_sigterm(artifact: Path)
         runner.join(timeout=60)
         assert results["wrong"] == results["cut_short"] == 0, results
         assert results["ok"] > 0 and results["connection_refused"] > 0, results
-        # every client ends refused at connect, none on a dropped connection (measured 0 in
-        # every run; a connect racing the listening socket's close by microseconds is the one
-        # way left to see one)
-        assert results["closed_between_requests"] <= 1, results
+        # the server read no request it left unanswered
+        assert json.loads(proc.stdout.readline()) == {"stopped": True, "unanswered": 0}
+        # a kept-alive client whose next request comes after the drain went quiet (a starved
+        # thread on a loaded machine) finds its connection closed with no byte of an answer, a
+        # request the server never read; each client meets that at most once, then is refused
+        assert results["closed_between_requests"] <= 16, results
+        assert results["connection_refused"] + results["closed_between_requests"] >= 16, results
     finally:
         proc.kill()
         proc.wait()
