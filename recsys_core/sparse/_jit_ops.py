@@ -57,6 +57,10 @@ def safe_tolist(tensor: torch.Tensor) -> list[int]:
 
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
     """``[0, 3, 3, 5] -> [3, 0, 2]``."""
+    if not torch.jit.is_scripting():
+        lengths = _native_lib.offsets_to_lengths(offsets)
+        if lengths is not None:
+            return lengths
     return offsets[1:] - offsets[:-1]
 
 

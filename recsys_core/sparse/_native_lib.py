@@ -37,8 +37,12 @@ def _load_module() -> object | None:
         return None
 
 
-# The same library imported as a module: its ``key_sums`` returns Python lists directly.
-_KEY_SUMS_LISTS = getattr(_load_module() if _LIB is not None else None, "key_sums", None)
+# The same library imported as a module: its ``key_sums`` returns Python lists directly, and
+# ``offsets_diff`` writes lengths without a ctypes call.
+_MODULE = _load_module() if _LIB is not None else None
+_KEY_SUMS_LISTS = getattr(_MODULE, "key_sums", None)
+_OFFSETS_DIFF = getattr(_MODULE, "offsets_diff", None)
+_INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _key_sums_fns(lib: ctypes.CDLL | None) -> dict[torch.dtype, object] | None:
@@ -94,6 +98,29 @@ def key_sums_lists() -> object | None:
     None`` of ``_native.c`` (the one-pass proof and per-key sums, with the running offsets, as
     lists), or None where the helper is absent or switched off."""
     return _KEY_SUMS_LISTS if _enabled else None
+
+
+def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor | None:
+    """``offsets[1:] - offsets[:-1]`` in one C loop (a new tensor, same dtype) for a 1-D
+    contiguous host tensor of at least two int64 / int32 offsets, or None (the caller's torch
+    op then runs): torch's int64 subtraction is not vectorized on one thread (68 -> 8 us for
+    106k offsets on an AVX-512 EPYC)."""
+    fn = _OFFSETS_DIFF if _enabled else None
+    if (
+        fn is None
+        or type(offsets) is not torch.Tensor
+        or not offsets.is_cpu
+        or offsets.dtype not in _INDEX_DTYPES
+        or offsets.stride() != (1,)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    n = offsets.numel() - 1
+    if n < 1:
+        return None
+    lengths = torch.empty(n, dtype=offsets.dtype)
+    fn(offsets.data_ptr(), lengths.data_ptr(), n, offsets.element_size())
+    return lengths
 
 
 def _plain_host(t: torch.Tensor) -> bool:

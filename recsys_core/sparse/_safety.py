@@ -51,7 +51,7 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
     docstring); returns (and caches) ``length_per_key``. Free once a KJT is checked."""
     if kjt._checked:
         return kjt.length_per_key()
-    fast = _fixed_batch_fast_path(kjt)
+    fast = fixed_batch_fast_path(kjt)
     if fast is not None:
         return fast
     keys = kjt.keys()
@@ -110,34 +110,56 @@ def ensure_safe_layout(kjt: KeyedJaggedTensor) -> list[int]:
     return sums
 
 
-def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
+def fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
     """The common cases in one C call, or None for the general path below: a fixed batch given
     as 1-D contiguous host lengths, offsets, or both (same dtype; no cached counts to compare),
     at least one length, and one weight per value if any. The helper proves every length in
     ``[0, len(values)]`` while it sums them per key, and that given offsets start at 0 and
     agree with the lengths (offsets only: that they never decrease); the last offset must then
     fit the values. Anything else, a bad entry included, takes the general path, which names it.
+
+    Every check here runs once per KJT on the hot path, so each is one attribute or call:
+    ``stride() == (1,)`` is "1-D and contiguous" for the one or more entries the helper reads.
     """
     fn = _native_lib.key_sums_lists()
-    lengths = kjt._lengths
-    offsets = kjt._offsets
     if (
         fn is None
         or kjt._stride_per_key_per_rank is not None
         or kjt._length_per_key is not None
         or kjt._offset_per_key is not None
-        or not (_plain_index(lengths) or (lengths is None and _plain_index(offsets)))
-        or (offsets is not None and not _plain_index(offsets))
-        or (lengths is not None and offsets is not None and offsets.dtype != lengths.dtype)
+    ):
+        return None
+    lengths = kjt._lengths
+    offsets = kjt._offsets
+    if lengths is not None:
+        if not (
+            type(lengths) is torch.Tensor
+            and lengths.is_cpu
+            and lengths.dtype in _NATIVE_DTYPES
+            and lengths.stride() == (1,)
+        ):
+            return None
+        dtype = lengths.dtype
+        numel = lengths.numel()
+    elif offsets is not None:
+        dtype = offsets.dtype
+        if dtype not in _NATIVE_DTYPES:
+            return None
+        numel = offsets.numel() - 1
+    else:
+        return None
+    if offsets is not None and not (
+        type(offsets) is torch.Tensor
+        and offsets.is_cpu
+        and offsets.dtype is dtype
+        and offsets.stride() == (1,)
+        and offsets.numel() == numel + 1
     ):
         return None
     num_keys = len(kjt._keys)
-    numel = lengths.numel() if lengths is not None else offsets.numel() - 1
-    if offsets is not None and offsets.numel() != numel + 1:
-        return None
-    stride = kjt._stride
     if num_keys == 0 or numel <= 0:
         return None
+    stride = kjt._stride
     if stride is None:
         stride, rest = divmod(numel, num_keys)
         if rest:
@@ -149,7 +171,7 @@ def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
     num_values = values.size(0)
     if (weights is not None and weights.size(0) != num_values) or values.is_meta:
         return None
-    element_size = (lengths if lengths is not None else offsets).element_size()
+    element_size = 8 if dtype is torch.int64 else 4
     if offsets is None:
         out = fn(lengths.data_ptr(), element_size, num_keys, stride, num_values)
     else:
@@ -157,24 +179,14 @@ def _fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
         out = fn(address, element_size, num_keys, stride, num_values, offsets.data_ptr())
     if out is None:
         return None
+    # the helper proved every sum >= 0 (no length < 0, and no int64 overflow: see key_sums)
     sums, key_offsets = out
-    if key_offsets[-1] > num_values or min(sums) < 0:
+    if key_offsets[-1] > num_values:
         return None
     kjt._length_per_key = sums
     kjt._offset_per_key = key_offsets
     kjt._checked = True
     return sums
-
-
-def _plain_index(t: torch.Tensor | None) -> bool:
-    """A 1-D contiguous host tensor of int64 / int32 (what the C helper reads)."""
-    return (
-        type(t) is torch.Tensor
-        and t.is_cpu
-        and t.dim() == 1
-        and t.dtype in _NATIVE_DTYPES
-        and t.is_contiguous()
-    )
 
 
 _NATIVE_DTYPES = (torch.int64, torch.int32)

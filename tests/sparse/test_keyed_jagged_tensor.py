@@ -730,3 +730,56 @@ def test_non_integer_lengths_raise_what_torchrec_raises_too() -> None:
         )
     with pytest.raises(AssertionError, match="pass lengths or offsets"):
         JaggedTensor(values=torch.arange(3))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("given", ["lengths", "offsets", "both"])
+def test_split_parts_equal_slices_by_hand(seed: int, given: str) -> None:
+    """Random segments (zeros and a full one included) over a weighted KJT with spare trailing
+    values, built each way TorchRec users build one: every part's keys, lengths, values and
+    weights equal slices cut at offsets computed here from the lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = [f"k{i}" for i in range(5)]
+    batch = 3 + seed
+    lengths = torch.randint(0, 4, (5 * batch,), generator=gen)
+    total = int(lengths.sum())
+    values = torch.arange(total + 2)  # two values past the last bag belong to no key
+    weights = torch.rand(total + 2, generator=gen)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    args = {"keys": keys, "values": values, "weights": weights}
+    if given != "offsets":
+        args["lengths"] = lengths
+    if given != "lengths":
+        args["offsets"] = offsets
+    segments = [[2, 3], [0, 5], [5, 0], [1, 0, 4], [1, 1, 1, 1, 1], [5]][seed]
+    kjt = KeyedJaggedTensor(**args)
+    parts = kjt.split(segments)
+    rows = lengths.tolist()
+    start = 0
+    for segment, part in zip(segments, parts, strict=True):
+        end = start + segment
+        if segment == len(keys):  # as TorchRec: the KJT itself, trailing values and all
+            assert part is kjt
+            continue
+        lo = sum(rows[: start * batch])
+        hi = sum(rows[: end * batch])
+        assert part.keys() == keys[start:end]
+        assert part.lengths().tolist() == rows[start * batch : end * batch]
+        assert part.values().tolist() == list(range(lo, hi))
+        assert torch.equal(part.weights(), weights[lo:hi])
+        assert part.stride() == batch
+        start = end
+
+
+def test_split_parts_of_values_that_need_gradients() -> None:
+    """Parts of weights that need gradients can be changed in place (as slices can; views from
+    one multi-output op could not), and gradients flow back to the right entries."""
+    lengths = torch.tensor([2, 0, 1, 1, 2, 3])
+    weights = torch.arange(1.0, 10.0, requires_grad=True)
+    kjt = KeyedJaggedTensor(["p", "u"], torch.arange(9), weights=weights * 1, lengths=lengths)
+    first, rest = kjt.split([1, 1])
+    part = rest.weights()
+    part.mul_(2)  # in place on a view of a tensor in the graph
+    (first.weights().sum() + part.sum()).backward()
+    assert weights.grad.tolist() == [1.0, 1.0, 1.0] + [2.0] * 6

@@ -236,3 +236,94 @@ def test_lengths_and_offsets_by_hand() -> None:
                                 offsets=torch.tensor([0, 2**62, -(2**63)]))
     with pytest.raises(ValueError, match="larger than the 0 values"):
         wrapped.permute([0])
+
+
+def _key_sums_or_skip():
+    fn = _native_lib.key_sums_lists()
+    if fn is None:
+        pytest.skip("recsys_core/sparse/_native.c was not built")
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [1, 7, 22, 23, 24, 25, 39, 40, 41, 56, 100])
+def test_offsets_passes_catch_a_bad_entry_at_every_position(dtype: torch.dtype, n: int) -> None:
+    """The lengths + offsets pass and the offsets-only pass (one key of ``n`` lengths: the int64
+    loops step 16 entries while 24 offsets remain, then a scalar tail) against sums by hand, and
+    None for an offset or a length changed at every single position, vector part and tail."""
+    fn = _key_sums_or_skip()
+    gen = torch.Generator().manual_seed(n)
+    lengths = torch.randint(0, 5, (n,), generator=gen, dtype=dtype)
+    offsets = _offsets_of(lengths)
+    total = int(lengths.sum())
+    size = lengths.element_size()
+    expect = ([total], [0, total])
+    assert fn(lengths.data_ptr(), size, 1, n, total, offsets.data_ptr()) == expect
+    assert fn(0, size, 1, n, total, offsets.data_ptr()) == expect
+    for j in range(n + 1):
+        bad = offsets.clone()
+        bad[j] += 1  # disagrees with one or two lengths
+        assert fn(lengths.data_ptr(), size, 1, n, total + 1, bad.data_ptr()) is None, j
+        # offsets only: a decrease after j (or a nonzero start), or the end past the values
+        bad[j] = offsets[j + 1] + 1 if j < n else total + 2
+        assert fn(0, size, 1, n, total + 1, bad.data_ptr()) is None, j
+        bad[j] = -1  # a negative offset (a decrease before it, or a nonzero start)
+        assert fn(0, size, 1, n, total + 1, bad.data_ptr()) is None, j
+    for j in range(n):
+        bad = lengths.clone()
+        bad[j] += 1
+        assert fn(bad.data_ptr(), size, 1, n, total + 1, offsets.data_ptr()) is None, j
+
+
+@pytest.mark.parametrize("n", [4, 40])
+def test_offsets_that_wrap_around_are_refused(n: int) -> None:
+    """Four lengths of 2^62 (in range of a huge bound): their running sum passes 2^63, so the
+    offsets wrap to negative values and back to 0 at the end, while every difference still
+    equals its length. The key's sum from its bounding offsets would be 0, so both passes
+    refuse (the proof needs every offset >= 0; n = 40 puts the negative ones in the vector
+    loop), and so does the lengths-only pass (its sums could wrap: n * bound >= 2^63)."""
+    fn = _key_sums_or_skip()
+    bound = 2**62
+    rows = [bound] * 4 + [0] * (n - 4)
+    lengths = torch.tensor(rows, dtype=torch.int64)
+    wrapped = [0]
+    for x in rows:
+        wrapped.append((wrapped[-1] + x + 2**63) % 2**64 - 2**63)  # int64 arithmetic
+    assert wrapped[2] == -(2**63) and wrapped[-1] == 0
+    offsets = torch.tensor(wrapped, dtype=torch.int64)
+    assert torch.equal(offsets[1:] - offsets[:-1], lengths)  # they agree, modulo 2^64
+    assert fn(lengths.data_ptr(), 8, 1, n, bound, offsets.data_ptr()) is None
+    assert fn(0, 8, 1, n, bound, offsets.data_ptr()) is None
+    assert fn(lengths.data_ptr(), 8, 1, n, bound) is None
+    # below the bound where n lengths could wrap, the same pass sums
+    small = torch.tensor([1] * n, dtype=torch.int64)
+    assert fn(small.data_ptr(), 8, 1, n, 2**63 // (n + 1)) == ([n], [0, n])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 64, 1000])
+def test_offsets_to_lengths_in_c_equals_the_subtraction(dtype: torch.dtype, n: int) -> None:
+    """An offsets-only KJT's (and JaggedTensor's) lengths: the C loop against torch's
+    ``offsets[1:] - offsets[:-1]`` (with the helper switched off), including differences that
+    wrap around (as torch's do)."""
+    gen = torch.Generator().manual_seed(n)
+    offsets = torch.cumsum(torch.randint(0, 4, (n + 1,), generator=gen), 0).to(dtype)
+    offsets[0] = 0
+    if n > 2:
+        offsets[n // 2] = torch.iinfo(dtype).min  # wraps in both directions
+        offsets[n // 2 + 1] = torch.iinfo(dtype).max
+    reference = offsets[1:] - offsets[:-1]
+    keys = ["k"]
+    native = KeyedJaggedTensor(keys, torch.zeros(0), offsets=offsets).lengths()
+    with _native_lib.torch_path_only():
+        torch_path = KeyedJaggedTensor(keys, torch.zeros(0), offsets=offsets).lengths()
+    assert native.dtype == dtype and torch.equal(native, reference)
+    assert torch.equal(torch_path, reference)
+    rows, half = offsets.tolist(), 2 ** (8 * offsets.element_size() - 1)
+    by_hand = [(rows[j + 1] - rows[j] + half) % (2 * half) - half for j in range(n)]  # wraps
+    assert native.tolist() == by_hand
+    strided = offsets[::2]  # not contiguous: the torch op runs, same result
+    assert torch.equal(
+        KeyedJaggedTensor(keys, torch.zeros(0), offsets=strided).lengths(),
+        strided[1:] - strided[:-1],
+    )
