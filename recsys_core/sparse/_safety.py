@@ -164,6 +164,7 @@ def fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
         stride, rest = divmod(numel, num_keys)
         if rest:
             return None
+        kjt._stride = stride  # what stride() computes for a fixed batch
     elif stride * num_keys != numel:
         return None
     values = kjt._values

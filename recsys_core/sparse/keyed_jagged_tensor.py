@@ -571,7 +571,8 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         if len(segments) <= 1:
             return [self] if segments else []
         offset_per_key = self.offset_per_key()
-        lengths_offset_per_key = self.lengths_offset_per_key()
+        spkpr = self._stride_per_key_per_rank
+        stride = self.stride()
         lengths = self.lengths()
         if lengths.dim() != 1:
             lengths = lengths.reshape(-1)
@@ -580,11 +581,19 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         value_sizes: list[int] = []
         length_sizes: list[int] = []
         start = 0
-        for segment in segments:
-            end = start + segment
-            value_sizes.append(offset_per_key[end] - offset_per_key[start])
-            length_sizes.append(lengths_offset_per_key[end] - lengths_offset_per_key[start])
-            start = end
+        if spkpr is None:  # a fixed batch: `stride` lengths per key
+            for segment in segments:
+                end = start + segment
+                value_sizes.append(offset_per_key[end] - offset_per_key[start])
+                length_sizes.append(segment * stride)
+                start = end
+        else:
+            lengths_offset_per_key = self.lengths_offset_per_key()
+            for segment in segments:
+                end = start + segment
+                value_sizes.append(offset_per_key[end] - offset_per_key[start])
+                length_sizes.append(lengths_offset_per_key[end] - lengths_offset_per_key[start])
+                start = end
         rest = values.size(0) - offset_per_key[-1]  # values past the last key's bags
         if rest:
             value_sizes.append(rest)
@@ -596,8 +605,6 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         else:
             value_parts = values.split_with_sizes(value_sizes)
             weight_parts = None if weights is None else weights.split_with_sizes(value_sizes)
-        spkpr = self._stride_per_key_per_rank
-        stride = self.stride()
         parts: list[KeyedJaggedTensor] = []
         start = 0
         for i, segment in enumerate(segments):

@@ -783,3 +783,16 @@ def test_split_parts_of_values_that_need_gradients() -> None:
     part.mul_(2)  # in place on a view of a tensor in the graph
     (first.weights().sum() + part.sum()).backward()
     assert weights.grad.tolist() == [1.0, 1.0, 1.0] + [2.0] * 6
+
+
+def test_split_parts_share_the_version_counter_of_their_tensors() -> None:
+    """Parts are real views: an in-place change through one bumps the version of the KJT's
+    tensor, so autograd still notices a tensor saved for backward being changed."""
+    kjt = layout_kjt(weighted=True)
+    _, user = kjt.split([1, 1])
+    before = [t._version for t in (kjt.values(), kjt.lengths(), kjt.weights())]
+    for t in (user.values(), user.lengths(), user.weights()):
+        t.add_(1)
+    after = [t._version for t in (kjt.values(), kjt.lengths(), kjt.weights())]
+    assert after == [v + 1 for v in before]
+    assert kjt.values().tolist() == [1, 2, 3, 5, 6, 7, 8, 9, 10]
