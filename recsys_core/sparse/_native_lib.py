@@ -113,6 +113,7 @@ def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor | None:
         or offsets.dtype not in _INDEX_DTYPES
         or offsets.stride() != (1,)
         or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()  # a trace would record the empty tensor, not the C loop
     ):
         return None
     n = offsets.numel() - 1
@@ -148,7 +149,12 @@ def permute_blocks(
     runs). The caller has proven the layout (per-key blocks inside their tensors); the helper
     re-checks the block bounds and returns None instead of copying if they fail."""
     fn = _PERMUTE if _enabled else None
-    if fn is None or torch.jit.is_scripting() or torch.compiler.is_compiling():
+    if (
+        fn is None
+        or torch.jit.is_scripting()
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()  # a trace would record the empty tensors, not the copies
+    ):
         return None
     if not (_plain_host(lengths) and _plain_host(values)):
         return None

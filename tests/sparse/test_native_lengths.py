@@ -327,3 +327,17 @@ def test_offsets_to_lengths_in_c_equals_the_subtraction(dtype: torch.dtype, n: i
         KeyedJaggedTensor(keys, torch.zeros(0), offsets=strided).lengths(),
         strided[1:] - strided[:-1],
     )
+
+
+def test_a_traced_offsets_only_kjt_computes_its_lengths_from_the_new_offsets() -> None:
+    """``torch.jit.trace`` records torch ops only: the C loop would leave an uninitialized
+    tensor in the trace, so under tracing the subtraction runs (the trace then gives the
+    lengths of whatever offsets it is called with)."""
+
+    def lengths_of(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return KeyedJaggedTensor(["a", "b"], values, offsets=offsets).lengths() * 1
+
+    traced = torch.jit.trace(
+        lengths_of, (torch.arange(6), torch.tensor([0, 1, 3, 3, 6])), check_trace=False
+    )
+    assert traced(torch.arange(6), torch.tensor([0, 2, 2, 5, 6])).tolist() == [2, 0, 3, 1]
