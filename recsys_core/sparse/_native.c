@@ -240,7 +240,8 @@ RECSYS_SUMS_FROM_OFFSETS(recsys_key_sums_from_offsets_i32, int32_t, uint32_t)
 
 /* recsys_offsets_diff_{i64,i32}: lengths[j] = offsets[j + 1] - offsets[j] for j < n, the lengths
  * of a KJT or JaggedTensor given only offsets (torch's int64 subtraction of the two shifted
- * views took 68 us for 106k offsets on one thread; this loop vectorizes). */
+ * views took 68 us for 106k offsets on one thread; this loop vectorizes: 26 us, most of it
+ * writing the new tensor). */
 #define RECSYS_OFFSETS_DIFF(NAME, T, UT)                                                         \
     RECSYS_CLONES void NAME(const T *offsets, T *lengths, int64_t n) {                           \
         for (int64_t j = 0; j < n; j++) lengths[j] = (T)((UT)offsets[j + 1] - (UT)offsets[j]);  \
