@@ -17,11 +17,63 @@
 #include <stdint.h>
 #include <string.h>
 
-/* On x86-64 with GCC or Clang, one copy per vector width, picked when the library loads. */
+/* On x86-64 with GCC or Clang, the plain loops below get one copy per vector width, picked when
+ * the library loads (the compiler vectorizes each for its target). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
 #define RECSYS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define RECSYS_X86_DISPATCH 1
 #else
 #define RECSYS_CLONES
+#define RECSYS_X86_DISPATCH 0
+#endif
+
+/* The loops written with vectors (GCC/Clang vector extensions) come in builds of one macro per
+ * register width, picked once by the CPU: 64-byte vectors compiled for AVX-512, 32-byte ones for
+ * AVX2, 16-byte ones for every other CPU (SSE2 on x86-64, NEON on arm64). One width for all
+ * would not do: the compiler lowers a vector wider than the target's registers through memory.
+ * The 64-byte loops these replaced ran 7x slower in an AVX2 build (65 vs 9 us for 26 x 4096
+ * lengths), 32-byte ones 3x slower in a baseline x86-64 build. */
+#if defined(__GNUC__) || defined(__clang__)
+#define RECSYS_VECTORS 1
+typedef int64_t recsys_v8i64 __attribute__((vector_size(64)));
+typedef uint64_t recsys_v8u64 __attribute__((vector_size(64)));
+typedef int64_t recsys_v4i64 __attribute__((vector_size(32)));
+typedef uint64_t recsys_v4u64 __attribute__((vector_size(32)));
+typedef int64_t recsys_v2i64 __attribute__((vector_size(16)));
+typedef uint64_t recsys_v2u64 __attribute__((vector_size(16)));
+typedef char recsys_v32c __attribute__((vector_size(32)));
+/* lanes 1.. of `lo` then lane 0 of `hi`: the block one entry after `lo` */
+#if defined(__clang__)
+#define RECSYS_SHIFT1_8(lo, hi) __builtin_shufflevector(lo, hi, 1, 2, 3, 4, 5, 6, 7, 8)
+#define RECSYS_SHIFT1_4(lo, hi) __builtin_shufflevector(lo, hi, 1, 2, 3, 4)
+#define RECSYS_SHIFT1_2(lo, hi) __builtin_shufflevector(lo, hi, 1, 2)
+#else
+#define RECSYS_SHIFT1_8(lo, hi) __builtin_shuffle(lo, hi, (recsys_v8u64){1, 2, 3, 4, 5, 6, 7, 8})
+#define RECSYS_SHIFT1_4(lo, hi) __builtin_shuffle(lo, hi, (recsys_v4u64){1, 2, 3, 4})
+#define RECSYS_SHIFT1_2(lo, hi) __builtin_shuffle(lo, hi, (recsys_v2u64){1, 2})
+#endif
+#else
+#define RECSYS_VECTORS 0
+#endif
+
+#if RECSYS_X86_DISPATCH
+#define RECSYS_AVX512 __attribute__((target("avx512f")))
+#define RECSYS_AVX2 __attribute__((target("avx2")))
+/* 2 with AVX-512F, 1 with AVX2, else 0 */
+static int recsys_cpu_vector_level(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+}
+/* the builds in use: the CPU's, or a lower one a test asked for (py_vector_level) */
+static int recsys_level = -1; /* racing first calls store the same value */
+static int recsys_vector_level(void) {
+    if (recsys_level < 0) recsys_level = recsys_cpu_vector_level();
+    return recsys_level;
+}
+#define RECSYS_PICK(name)                                                                        \
+    (recsys_vector_level() == 2 ? name##_512 : recsys_vector_level() == 1 ? name##_256 : name##_128)
+#else
+#define RECSYS_PICK(name) name##_128
 #endif
 
 /* The range proof is a bitwise OR of all the lengths (it vectorizes on any x86-64, where an
@@ -29,41 +81,51 @@
  * at most the OR. So OR <= max_length proves them all in range; above it (a negative length,
  * or in range but with bits that OR past the bound) the caller takes the exact checks.
  *
- * int64 lengths (the common case) go through four independent sum/OR chains of 8-lane vectors
- * (GCC/Clang vector extensions; one lane width per target clone): a single scalar chain, as
- * compiled from a plain loop, is bound by the add's latency (5.8 us for 26 x 4096 lengths in
- * cache on an AVX-512 EPYC), four by the loads (4.0 us). */
-#if defined(__GNUC__) || defined(__clang__)
-typedef int64_t recsys_v8i64 __attribute__((vector_size(64)));
-
-RECSYS_CLONES int64_t recsys_key_sums_i64(const int64_t *lengths, int64_t num_keys, int64_t stride,
-                            int64_t max_length, int64_t *sums) {
-    recsys_v8i64 or0 = {0}, or1 = {0}, or2 = {0}, or3 = {0};
-    uint64_t acc = 0;
-    for (int64_t k = 0; k < num_keys; k++) {
-        const int64_t *p = lengths + k * stride;
-        recsys_v8i64 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, a, b, c, d;
-        int64_t i = 0;
-        for (; i + 32 <= stride; i += 32) {
-            memcpy(&a, p + i, sizeof a); /* unaligned loads */
-            memcpy(&b, p + i + 8, sizeof b);
-            memcpy(&c, p + i + 16, sizeof c);
-            memcpy(&d, p + i + 24, sizeof d);
-            s0 += a; s1 += b; s2 += c; s3 += d;
-            or0 |= a; or1 |= b; or2 |= c; or3 |= d;
-        }
-        s0 += s1 + s2 + s3;
-        int64_t total = 0;
-        for (int j = 0; j < 8; j++) total += s0[j];
-        for (; i < stride; i++) {
-            total += p[i];
-            acc |= (uint64_t)p[i];
-        }
-        sums[k] = total;
+ * int64 lengths (the common case) go through four independent sum/OR chains of vectors: a
+ * single scalar chain, as compiled from a plain loop, is bound by the add's latency (5.8 us for
+ * 26 x 4096 lengths in cache on an AVX-512 EPYC), four by the loads (4.0 us). V is the vector
+ * type, W its lanes. */
+#define RECSYS_KEY_SUMS_I64_VEC(NAME, ATTR, V, W)                                                \
+    ATTR static int64_t NAME(const int64_t *lengths, int64_t num_keys, int64_t stride,          \
+                             int64_t max_length, int64_t *sums) {                                \
+        V or0 = {0}, or1 = {0}, or2 = {0}, or3 = {0};                                            \
+        uint64_t acc = 0;                                                                        \
+        for (int64_t k = 0; k < num_keys; k++) {                                                 \
+            const int64_t *p = lengths + k * stride;                                             \
+            V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, a, b, c, d;                                \
+            int64_t i = 0;                                                                       \
+            for (; i + 4 * W <= stride; i += 4 * W) {                                            \
+                memcpy(&a, p + i, sizeof a); /* unaligned loads */                               \
+                memcpy(&b, p + i + W, sizeof b);                                                 \
+                memcpy(&c, p + i + 2 * W, sizeof c);                                             \
+                memcpy(&d, p + i + 3 * W, sizeof d);                                             \
+                s0 += a; s1 += b; s2 += c; s3 += d;                                              \
+                or0 |= a; or1 |= b; or2 |= c; or3 |= d;                                          \
+            }                                                                                    \
+            s0 += s1 + s2 + s3;                                                                  \
+            int64_t total = 0;                                                                   \
+            for (int j = 0; j < W; j++) total += s0[j];                                          \
+            for (; i < stride; i++) {                                                            \
+                total += p[i];                                                                   \
+                acc |= (uint64_t)p[i];                                                           \
+            }                                                                                    \
+            sums[k] = total;                                                                     \
+        }                                                                                        \
+        or0 |= or1 | or2 | or3;                                                                  \
+        for (int j = 0; j < W; j++) acc |= (uint64_t)or0[j];                                     \
+        return (max_length >= 0 && acc <= (uint64_t)max_length) ? 0 : 1;                        \
     }
-    or0 |= or1 | or2 | or3;
-    for (int j = 0; j < 8; j++) acc |= (uint64_t)or0[j];
-    return (max_length >= 0 && acc <= (uint64_t)max_length) ? 0 : 1;
+
+#if RECSYS_VECTORS
+#if RECSYS_X86_DISPATCH
+RECSYS_KEY_SUMS_I64_VEC(recsys_key_sums_i64_512, RECSYS_AVX512, recsys_v8i64, 8)
+RECSYS_KEY_SUMS_I64_VEC(recsys_key_sums_i64_256, RECSYS_AVX2, recsys_v4i64, 4)
+#endif
+RECSYS_KEY_SUMS_I64_VEC(recsys_key_sums_i64_128, , recsys_v2i64, 2)
+
+int64_t recsys_key_sums_i64(const int64_t *lengths, int64_t num_keys, int64_t stride,
+                            int64_t max_length, int64_t *sums) {
+    return RECSYS_PICK(recsys_key_sums_i64)(lengths, num_keys, stride, max_length, sums);
 }
 #else
 RECSYS_CLONES int64_t recsys_key_sums_i64(const int64_t *lengths, int64_t num_keys, int64_t stride,
@@ -115,11 +177,11 @@ RECSYS_CLONES int64_t recsys_key_sums_i32(const int32_t *lengths, int64_t num_ke
  * (every implied length >= 0) and that the last is at most max_length, so every implied length
  * lies in [0, max_length] without materializing the lengths; the sums are again differences.
  *
- * Both read offsets[j] and offsets[j + 1]. Their int64 vector loops load each block of 8
- * offsets once and shift it by one lane against the next block (one shuffle) instead of loading
- * the same data again one entry later: that second load straddled two cache lines every time.
+ * Both read offsets[j] and offsets[j + 1]. Their int64 vector loops load each block of offsets
+ * once and shift it by one lane against the next block (one shuffle) instead of loading the
+ * same data again one entry later: that second load straddled two cache lines every time.
  * 26 x 4096 int64 lengths and offsets (1.7 MB, out of L3) on an AVX-512 EPYC: 22 -> 17 us,
- * the bandwidth of the read; offsets only 14 -> 8.5 us. */
+ * the bandwidth of the read; offsets only 14 -> 10.5 us. */
 #define RECSYS_SUMS_FROM_BOUNDS                                                                  \
     for (int64_t k = 0; k < num_keys; k++)                                                       \
         sums[k] = (int64_t)offsets[(k + 1) * stride] - (int64_t)offsets[k * stride];
@@ -154,82 +216,102 @@ RECSYS_CLONES int64_t recsys_key_sums_i32(const int32_t *lengths, int64_t num_ke
         return 0;                                                                                \
     }
 
-#if defined(__GNUC__) || defined(__clang__)
-/* offsets[j + 1 .. j + 8] from the blocks at j and j + 8: lanes 1-7 of one, lane 0 of the next */
-#if defined(__clang__)
-#define RECSYS_SHIFT1(lo, hi) __builtin_shufflevector(lo, hi, 1, 2, 3, 4, 5, 6, 7, 8)
-#else
-#define RECSYS_SHIFT1(lo, hi) __builtin_shuffle(lo, hi, (recsys_v8u64){1, 2, 3, 4, 5, 6, 7, 8})
-#endif
-/* unsigned lanes: the differences wrap (as the proof expects) instead of overflowing */
-typedef uint64_t recsys_v8u64 __attribute__((vector_size(64)));
+/* The int64 vector loops (unsigned lanes: the differences wrap, as the proof expects, instead
+ * of overflowing). Two blocks of W per step; each step also loads the offsets block at
+ * j + 2W (the next step's first), so it runs while j + 3W <= n + 1 (the offsets' size); a
+ * scalar tail does the rest. */
+#define RECSYS_SUMS_WITH_OFFSETS_I64_VEC(NAME, ATTR, V, W, SHIFT1)                               \
+    ATTR static int64_t NAME(const int64_t *lengths, const int64_t *offsets, int64_t num_keys,  \
+                             int64_t stride, int64_t max_length, int64_t *sums) {                \
+        const int64_t n = num_keys * stride;                                                     \
+        V or0 = {0}, or1 = {0}, neg0 = {0}, neg1 = {0}, mm0 = {0}, mm1 = {0};                    \
+        V a, b, lo, mid, hi;                                                                     \
+        uint64_t acc = 0, negative = (uint64_t)offsets[n], mismatch = (uint64_t)offsets[0];      \
+        int64_t j = 0;                                                                           \
+        if (n + 1 >= 3 * W) {                                                                    \
+            memcpy(&lo, offsets, sizeof lo);                                                     \
+            for (; j + 3 * W <= n + 1; j += 2 * W) {                                             \
+                memcpy(&a, lengths + j, sizeof a); /* unaligned loads */                         \
+                memcpy(&b, lengths + j + W, sizeof b);                                           \
+                memcpy(&mid, offsets + j + W, sizeof mid);                                       \
+                memcpy(&hi, offsets + j + 2 * W, sizeof hi);                                     \
+                or0 |= a; or1 |= b;                                                              \
+                neg0 |= lo; neg1 |= mid;                                                         \
+                mm0 |= (SHIFT1(lo, mid) - lo) ^ a;                                               \
+                mm1 |= (SHIFT1(mid, hi) - mid) ^ b;                                              \
+                lo = hi;                                                                         \
+            }                                                                                    \
+        }                                                                                        \
+        for (; j < n; j++) {                                                                     \
+            acc |= (uint64_t)lengths[j];                                                         \
+            negative |= (uint64_t)offsets[j];                                                    \
+            mismatch |= ((uint64_t)offsets[j + 1] - (uint64_t)offsets[j]) ^ (uint64_t)lengths[j];\
+        }                                                                                        \
+        or0 |= or1; neg0 |= neg1; mm0 |= mm1;                                                    \
+        for (int i = 0; i < W; i++) {                                                            \
+            acc |= or0[i];                                                                       \
+            negative |= neg0[i];                                                                 \
+            mismatch |= mm0[i];                                                                  \
+        }                                                                                        \
+        if (mismatch != 0 || max_length < 0 || ((acc | negative) >> 63)) return 1;              \
+        if (acc > (uint64_t)max_length) return 1;                                                \
+        RECSYS_SUMS_FROM_BOUNDS                                                                  \
+        return 0;                                                                                \
+    }
+#define RECSYS_SUMS_FROM_OFFSETS_I64_VEC(NAME, ATTR, V, W, SHIFT1)                               \
+    ATTR static int64_t NAME(const int64_t *offsets, int64_t num_keys, int64_t stride,          \
+                             int64_t max_length, int64_t *sums) {                                \
+        const int64_t n = num_keys * stride;                                                     \
+        V neg0 = {0}, neg1 = {0}, lo, mid, hi;                                                   \
+        uint64_t negative = (uint64_t)offsets[n];                                                \
+        int64_t j = 0;                                                                           \
+        if (n + 1 >= 3 * W) {                                                                    \
+            memcpy(&lo, offsets, sizeof lo);                                                     \
+            for (; j + 3 * W <= n + 1; j += 2 * W) {                                             \
+                memcpy(&mid, offsets + j + W, sizeof mid);                                       \
+                memcpy(&hi, offsets + j + 2 * W, sizeof hi);                                     \
+                neg0 |= lo | (SHIFT1(lo, mid) - lo);                                             \
+                neg1 |= mid | (SHIFT1(mid, hi) - mid);                                           \
+                lo = hi;                                                                         \
+            }                                                                                    \
+        }                                                                                        \
+        for (; j < n; j++)                                                                       \
+            negative |= (uint64_t)offsets[j] | ((uint64_t)offsets[j + 1] - (uint64_t)offsets[j]);\
+        neg0 |= neg1;                                                                            \
+        for (int i = 0; i < W; i++) negative |= neg0[i];                                         \
+        if (offsets[0] != 0 || (negative >> 63) || max_length < 0) return 1;                     \
+        if (offsets[n] > max_length) return 1;                                                   \
+        RECSYS_SUMS_FROM_BOUNDS                                                                  \
+        return 0;                                                                                \
+    }
 
-/* Two blocks of 8 per step. Each step loads the offsets block at j + 16 (the next step's first),
- * so it runs while j + 24 <= n + 1 (the offsets' size); a scalar tail does the rest. */
-RECSYS_CLONES int64_t recsys_key_sums_offsets_i64(const int64_t *lengths, const int64_t *offsets,
-                                                  int64_t num_keys, int64_t stride,
-                                                  int64_t max_length, int64_t *sums) {
-    const int64_t n = num_keys * stride;
-    recsys_v8u64 or0 = {0}, or1 = {0}, neg0 = {0}, neg1 = {0}, mm0 = {0}, mm1 = {0};
-    recsys_v8u64 a, b, lo, mid, hi;
-    uint64_t acc = 0, negative = (uint64_t)offsets[n], mismatch = (uint64_t)offsets[0];
-    int64_t j = 0;
-    if (n + 1 >= 24) {
-        memcpy(&lo, offsets, sizeof lo);
-        for (; j + 24 <= n + 1; j += 16) {
-            memcpy(&a, lengths + j, sizeof a); /* unaligned loads */
-            memcpy(&b, lengths + j + 8, sizeof b);
-            memcpy(&mid, offsets + j + 8, sizeof mid);
-            memcpy(&hi, offsets + j + 16, sizeof hi);
-            or0 |= a; or1 |= b;
-            neg0 |= lo; neg1 |= mid;
-            mm0 |= (RECSYS_SHIFT1(lo, mid) - lo) ^ a;
-            mm1 |= (RECSYS_SHIFT1(mid, hi) - mid) ^ b;
-            lo = hi;
-        }
-    }
-    for (; j < n; j++) {
-        acc |= (uint64_t)lengths[j];
-        negative |= (uint64_t)offsets[j];
-        mismatch |= ((uint64_t)offsets[j + 1] - (uint64_t)offsets[j]) ^ (uint64_t)lengths[j];
-    }
-    or0 |= or1; neg0 |= neg1; mm0 |= mm1;
-    for (int i = 0; i < 8; i++) {
-        acc |= or0[i];
-        negative |= neg0[i];
-        mismatch |= mm0[i];
-    }
-    if (mismatch != 0 || max_length < 0 || ((acc | negative) >> 63)) return 1;
-    if (acc > (uint64_t)max_length) return 1;
-    RECSYS_SUMS_FROM_BOUNDS
-    return 0;
+#if RECSYS_VECTORS
+#if RECSYS_X86_DISPATCH
+RECSYS_SUMS_WITH_OFFSETS_I64_VEC(recsys_key_sums_offsets_i64_512, RECSYS_AVX512, recsys_v8u64, 8,
+                                 RECSYS_SHIFT1_8)
+RECSYS_SUMS_FROM_OFFSETS_I64_VEC(recsys_key_sums_from_offsets_i64_512, RECSYS_AVX512,
+                                 recsys_v8u64, 8, RECSYS_SHIFT1_8)
+RECSYS_SUMS_WITH_OFFSETS_I64_VEC(recsys_key_sums_offsets_i64_256, RECSYS_AVX2, recsys_v4u64, 4,
+                                 RECSYS_SHIFT1_4)
+RECSYS_SUMS_FROM_OFFSETS_I64_VEC(recsys_key_sums_from_offsets_i64_256, RECSYS_AVX2,
+                                 recsys_v4u64, 4, RECSYS_SHIFT1_4)
+#endif
+RECSYS_SUMS_WITH_OFFSETS_I64_VEC(recsys_key_sums_offsets_i64_128, , recsys_v2u64, 2,
+                                 RECSYS_SHIFT1_2)
+RECSYS_SUMS_FROM_OFFSETS_I64_VEC(recsys_key_sums_from_offsets_i64_128, , recsys_v2u64, 2,
+                                 RECSYS_SHIFT1_2)
+
+int64_t recsys_key_sums_offsets_i64(const int64_t *lengths, const int64_t *offsets,
+                                    int64_t num_keys, int64_t stride, int64_t max_length,
+                                    int64_t *sums) {
+    return RECSYS_PICK(recsys_key_sums_offsets_i64)(lengths, offsets, num_keys, stride,
+                                                     max_length, sums);
 }
 
-RECSYS_CLONES int64_t recsys_key_sums_from_offsets_i64(const int64_t *offsets, int64_t num_keys,
-                                                       int64_t stride, int64_t max_length,
-                                                       int64_t *sums) {
-    const int64_t n = num_keys * stride;
-    recsys_v8u64 neg0 = {0}, neg1 = {0}, lo, mid, hi;
-    uint64_t negative = (uint64_t)offsets[n];
-    int64_t j = 0;
-    if (n + 1 >= 24) {
-        memcpy(&lo, offsets, sizeof lo);
-        for (; j + 24 <= n + 1; j += 16) {
-            memcpy(&mid, offsets + j + 8, sizeof mid);
-            memcpy(&hi, offsets + j + 16, sizeof hi);
-            neg0 |= lo | (RECSYS_SHIFT1(lo, mid) - lo);
-            neg1 |= mid | (RECSYS_SHIFT1(mid, hi) - mid);
-            lo = hi;
-        }
-    }
-    for (; j < n; j++)
-        negative |= (uint64_t)offsets[j] | ((uint64_t)offsets[j + 1] - (uint64_t)offsets[j]);
-    neg0 |= neg1;
-    for (int i = 0; i < 8; i++) negative |= neg0[i];
-    if (offsets[0] != 0 || (negative >> 63) || max_length < 0) return 1;
-    if (offsets[n] > max_length) return 1;
-    RECSYS_SUMS_FROM_BOUNDS
-    return 0;
+int64_t recsys_key_sums_from_offsets_i64(const int64_t *offsets, int64_t num_keys, int64_t stride,
+                                         int64_t max_length, int64_t *sums) {
+    return RECSYS_PICK(recsys_key_sums_from_offsets_i64)(offsets, num_keys, stride, max_length,
+                                                          sums);
 }
 #else
 RECSYS_SUMS_WITH_OFFSETS(recsys_key_sums_offsets_i64, int64_t, uint64_t)
@@ -264,27 +346,34 @@ RECSYS_OFFSETS_DIFF(recsys_offsets_diff_i32, int32_t, uint32_t)
  * Returns 0 after copying, or 1 without writing anything when an index or a block lies outside
  * its source (the caller proved the KJT safe before, so that is a bug the torch path reports)
  * or there are more than PERMUTE_MAX_KEYS keys (the torch path runs). */
-/* One block's copy: 256 bytes per step through four 64-byte vectors, then memcpy for the rest.
- * glibc's memcpy (AVX-512 EPYC, Debian 12) copied the reversed blocks of a 26-key permute
- * (8.9 MB) in 730-830 us against 500 for the same blocks in order, likely its REP MOVSB path
- * meeting source/destination offsets it handles slowly; this loop took 490-550 for both. */
-#if defined(__GNUC__) || defined(__clang__)
-typedef char recsys_v64c __attribute__((vector_size(64)));
-
-RECSYS_CLONES static void recsys_copy(char *dst, const char *src, size_t n) {
-    recsys_v64c a, b, c, d;
+/* One block's copy where the CPU has AVX2: 128 bytes per step through four 32-byte vectors
+ * (as fast as 64-byte ones with AVX-512, much faster than those without), then memcpy for the
+ * rest; elsewhere memcpy. glibc's memcpy (AVX-512 EPYC, Debian 12) copied
+ * the reversed blocks of a 26-key permute (8.9 MB) in 730-830 us against 500 for the same blocks
+ * in order, likely its REP MOVSB path meeting source/destination offsets it handles slowly;
+ * this loop took 500-550 for both. */
+#if RECSYS_VECTORS && RECSYS_X86_DISPATCH
+RECSYS_AVX2 static void recsys_copy_wide(char *dst, const char *src, size_t n) {
+    recsys_v32c a, b, c, d;
     size_t i = 0;
-    for (; i + 256 <= n; i += 256) {
-        memcpy(&a, src + i, 64);
-        memcpy(&b, src + i + 64, 64);
-        memcpy(&c, src + i + 128, 64);
-        memcpy(&d, src + i + 192, 64);
-        memcpy(dst + i, &a, 64);
-        memcpy(dst + i + 64, &b, 64);
-        memcpy(dst + i + 128, &c, 64);
-        memcpy(dst + i + 192, &d, 64);
+    for (; i + 128 <= n; i += 128) {
+        memcpy(&a, src + i, 32);
+        memcpy(&b, src + i + 32, 32);
+        memcpy(&c, src + i + 64, 32);
+        memcpy(&d, src + i + 96, 32);
+        memcpy(dst + i, &a, 32);
+        memcpy(dst + i + 32, &b, 32);
+        memcpy(dst + i + 64, &c, 32);
+        memcpy(dst + i + 96, &d, 32);
     }
     if (i < n) memcpy(dst + i, src + i, n - i);
+}
+
+static void recsys_copy(char *dst, const char *src, size_t n) {
+    if (recsys_vector_level() > 0)
+        recsys_copy_wide(dst, src, n);
+    else
+        memcpy(dst, src, n);
 }
 #else
 static void recsys_copy(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
@@ -448,7 +537,34 @@ static PyObject *py_offsets_diff(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* vector_level([level]) -> int
+ *
+ * The vector builds in use (2: 64-byte vectors, AVX-512; 1: 32-byte, AVX2; 0: 16-byte); with
+ * an argument, switch to that level or the CPU's, whichever is lower, so that tests run every
+ * build the machine can. Not thread-safe; for tests only. */
+static PyObject *py_vector_level(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "vector_level takes at most one integer argument");
+        return NULL;
+    }
+#if RECSYS_VECTORS && RECSYS_X86_DISPATCH
+    if (nargs == 1) {
+        const long requested = PyLong_AsLong(args[0]);
+        if (requested == -1 && PyErr_Occurred()) return NULL;
+        const int cpu = recsys_cpu_vector_level();
+        recsys_level = requested < 0 ? 0 : requested < cpu ? (int)requested : cpu;
+    }
+    return PyLong_FromLong(recsys_vector_level());
+#else
+    if (nargs == 1 && PyLong_AsLong(args[0]) == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(0);
+#endif
+}
+
 static PyMethodDef native_methods[] = {
+    {"vector_level", (PyCFunction)(void (*)(void))py_vector_level, METH_FASTCALL,
+     "vector_level([level]) -> int: the vector builds in use (tests may lower it)"},
     {"offsets_diff", (PyCFunction)(void (*)(void))py_offsets_diff, METH_FASTCALL,
      "offsets_diff(offsets_address, lengths_address, n, element_size) -> None"},
     {"key_sums", (PyCFunction)(void (*)(void))py_key_sums, METH_FASTCALL,

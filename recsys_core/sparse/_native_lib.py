@@ -85,6 +85,22 @@ def torch_path_only() -> Iterator[None]:
         _enabled = previous
 
 
+@contextlib.contextmanager
+def vector_level(level: int) -> Iterator[int]:
+    """Within this block the helper's vector loops run their build for ``level`` (2: AVX-512,
+    1: AVX2, 0: 16-byte vectors) or the CPU's, whichever is lower; yields the level in use.
+    Tests run every build the machine can this way; not thread-safe."""
+    fn = getattr(_MODULE, "vector_level", None)
+    if fn is None:
+        yield 0
+        return
+    previous = fn()
+    try:
+        yield fn(level)
+    finally:
+        fn(previous)
+
+
 def key_sums(dtype: torch.dtype) -> object | None:
     """``recsys_key_sums_{i64,i32}(lengths, keys, stride, max_length, sums_out) -> 0 | 1`` for
     lengths of ``dtype`` (per-key sums + range proof; see ``_native.c``), or None."""

@@ -6,22 +6,35 @@ built and through the torch path it falls back to."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from recsys_core.sparse import KeyedJaggedTensor, _native_lib
 
+# the C helper with each of its vector builds (2: AVX-512, 1: AVX2, 0: 16-byte vectors and
+# memcpy), and the torch path
 NATIVE = [
-    pytest.param(True, id="native"),
-    pytest.param(False, id="torch_path"),
+    pytest.param(2, id="native"),
+    pytest.param(1, id="native_avx2"),
+    pytest.param(0, id="native_vec128"),
+    pytest.param(None, id="torch_path"),
 ]
 
 
-def _path(native: bool) -> contextlib.AbstractContextManager[None]:
-    if native and not _native_lib.available():
+@contextlib.contextmanager
+def _path(level: int | None) -> Iterator[None]:
+    if level is None:
+        with _native_lib.torch_path_only():
+            yield
+        return
+    if not _native_lib.available():
         pytest.skip("recsys_core/sparse/_native.c was not built")
-    return contextlib.nullcontext() if native else _native_lib.torch_path_only()
+    with _native_lib.vector_level(level) as in_use:
+        if in_use != level:
+            pytest.skip(f"this CPU has no vector build {level}")
+        yield
 
 
 def _reference(
@@ -87,7 +100,7 @@ def _random_case(seed: int) -> dict:
 
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("seed", range(42))
-def test_permute_equals_per_key_reference(seed: int, native: bool) -> None:
+def test_permute_equals_per_key_reference(seed: int, native: int | None) -> None:
     case = _random_case(seed)
     keys, values, lengths, weights = case["keys"], case["values"], case["lengths"], case["weights"]
     strides, order = case["strides"], case["order"]
@@ -123,7 +136,7 @@ def test_permute_equals_per_key_reference(seed: int, native: bool) -> None:
 
 
 @pytest.mark.parametrize("native", NATIVE)
-def test_permute_indices_tensor_and_negative_indices(native: bool) -> None:
+def test_permute_indices_tensor_and_negative_indices(native: int | None) -> None:
     kjt = KeyedJaggedTensor.from_lengths_sync(
         ["a", "b", "c"], torch.arange(10, 17), torch.tensor([1, 2, 0, 1, 3, 0])
     )

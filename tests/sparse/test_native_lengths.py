@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,6 +25,17 @@ def _sums(lengths: torch.Tensor, num_values: int, native: bool) -> list[int] | s
             )
     except ValueError as e:
         return f"ValueError: {e}"
+
+
+@pytest.fixture(params=[2, 1, 0], ids=["avx512", "avx2", "vec128"])
+def vector_build(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Each vector build of the helper's loops (64-, 32-, 16-byte vectors) that this CPU runs."""
+    if not _safety.native_available():
+        pytest.skip("recsys_core/sparse/_native.c was not built")
+    with _native_lib.vector_level(request.param) as level:
+        if level != request.param:
+            pytest.skip(f"this CPU has no vector build {request.param}")
+        yield level
 
 
 def test_the_helper_is_built_where_ci_runs() -> None:
@@ -80,7 +92,7 @@ def _plant(lengths: torch.Tensor, case: str, position: int, num_values: int) -> 
 @pytest.mark.parametrize("num_keys", [1, 3, 26])
 @pytest.mark.parametrize("stride", [1, 7, 31, 32, 33, 64, 65, 100, 1031])
 def test_key_sums_lists_by_hand_in_the_vector_loop_and_its_tail(
-    dtype: torch.dtype, num_keys: int, stride: int
+    dtype: torch.dtype, num_keys: int, stride: int, vector_build: int
 ) -> None:
     """``_native.key_sums`` (the per-key sums and running offsets as lists, int64 lengths in
     blocks of 32 plus a scalar tail) against sums by hand; None for a bad length in the vector
@@ -174,7 +186,7 @@ def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(48))
 @pytest.mark.parametrize("given", ["both", "offsets"])
 def test_lengths_and_offsets_proven_in_one_pass_like_the_torch_checks(
-    dtype: torch.dtype, seed: int, given: str
+    dtype: torch.dtype, seed: int, given: str, vector_build: int
 ) -> None:
     """KJTs built with lengths AND offsets, or offsets only (as TorchRec users build them): the
     C pass gives the torch path's sums, or the torch path's error, for agreeing offsets, an
@@ -247,7 +259,9 @@ def _key_sums_or_skip():
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("n", [1, 7, 22, 23, 24, 25, 39, 40, 41, 56, 100])
-def test_offsets_passes_catch_a_bad_entry_at_every_position(dtype: torch.dtype, n: int) -> None:
+def test_offsets_passes_catch_a_bad_entry_at_every_position(
+    dtype: torch.dtype, n: int, vector_build: int
+) -> None:
     """The lengths + offsets pass and the offsets-only pass (one key of ``n`` lengths: the int64
     loops step 16 entries while 24 offsets remain, then a scalar tail) against sums by hand, and
     None for an offset or a length changed at every single position, vector part and tail."""
@@ -276,7 +290,7 @@ def test_offsets_passes_catch_a_bad_entry_at_every_position(dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("n", [4, 40])
-def test_offsets_that_wrap_around_are_refused(n: int) -> None:
+def test_offsets_that_wrap_around_are_refused(n: int, vector_build: int) -> None:
     """Four lengths of 2^62 (in range of a huge bound): their running sum passes 2^63, so the
     offsets wrap to negative values and back to 0 at the end, while every difference still
     equals its length. The key's sum from its bounding offsets would be 0, so both passes
