@@ -42,9 +42,10 @@ from recsys_core.planner import PlannerError, plan_for_env
 
 def fused_optimizer(config: TrainConfig) -> FusedOptimizerConfig:
     """The tables' optimizer, typed from the flags to the kernel: ``--embedding-optimizer``,
-    ``--embedding-learning-rate`` and ``--eps``."""
+    ``--embedding-learning-rate`` and ``--embedding-eps``."""
     return FusedOptimizerConfig(optimizer=EmbOptimType[config.embedding_optimizer.kernel],
-                                learning_rate=config.embedding_learning_rate, eps=config.eps)
+                                learning_rate=config.embedding_learning_rate,
+                                eps=config.embedding_eps)
 
 
 DEFAULT_PLAN_BATCH = 512

@@ -166,8 +166,14 @@ class TrainConfig:
     """Optimizer of the MLPs."""
     learning_rate: float = 0.01
     """Learning rate of the MLPs."""
+    embedding_eps: float = 1e-8
+    """Epsilon of the tables' Adagrad (added to the root of a row's summed squared gradients;
+    FBGEMM's and TorchRec's default). A row's step is about ``lr * g / (|g| + eps)``: a larger
+    value (1e-2) makes a row seen once or twice move in proportion to its small gradient
+    instead of a full ``lr`` step on one example, leaving frequent rows as they are; measured
+    in docs/training.md (it helps on data whose ids repeat, not on the 10k Kaggle sample)."""
     eps: float = 1e-8
-    """Adagrad / Adam epsilon (embedding and dense)."""
+    """Adagrad / Adam epsilon of the MLPs' optimizer."""
     lr_warmup_steps: int = 0
     """Linear warm-up from 0 over this many steps (reference DLRM ``--lr-num-warmup-steps``)."""
     lr_decay_start: int = 0
@@ -260,7 +266,7 @@ class TrainConfig:
                              "the run in --out, --overwrite deletes it; pass one")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
-        for name in ("learning_rate", "embedding_learning_rate", "eps"):
+        for name in ("learning_rate", "embedding_learning_rate", "eps", "embedding_eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if not isinstance(self.embedding_optimizer, EmbeddingOptimizer):
@@ -322,6 +328,9 @@ class TrainConfig:
         if "interaction" in model:
             model["interaction"] = Interaction(model["interaction"])
         values = dict(data)
+        if "eps" in values and "embedding_eps" not in values:
+            # saved before the tables had an epsilon of their own: --eps was both
+            values["embedding_eps"] = values["eps"]
         values["model"] = ModelConfig(**model)
         if "embedding_optimizer" in values:
             values["embedding_optimizer"] = EmbeddingOptimizer(values["embedding_optimizer"])

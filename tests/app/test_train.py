@@ -318,6 +318,58 @@ def test_embedding_optimizer_flag_reaches_the_kernel_typed(flag: str, kernel: st
 
     config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"),
                          embedding_optimizer=EmbeddingOptimizer(flag),
-                         embedding_learning_rate=0.07, eps=1e-4)
+                         embedding_learning_rate=0.07, embedding_eps=1e-4, eps=1e-6)
+    # the tables take --embedding-eps; --eps is the MLPs' optimizer's
     assert fused_optimizer(config) == FusedOptimizerConfig(
         optimizer=EmbOptimType[kernel], learning_rate=0.07, eps=1e-4)
+
+
+def test_an_old_runs_eps_stays_its_tables_eps() -> None:
+    # a config.json saved before --embedding-eps: its --eps was the tables' too
+    old = TrainConfig(data="d", out="o", eps=1e-6).to_json_dict()
+    del old["embedding_eps"]
+    loaded = TrainConfig.from_json_dict(old)
+    assert loaded.embedding_eps == loaded.eps == 1e-6
+    assert TrainConfig(data="d", out="o").embedding_eps == 1e-8  # FBGEMM's
+    with pytest.raises(ValueError, match="--embedding-eps must be > 0"):
+        TrainConfig(data="d", out="o", embedding_eps=0.0)
+
+
+@pytest.mark.parametrize("eps", [1e-8, 1e-2])
+def test_embedding_eps_damps_a_rarely_seen_rows_step(eps: float, tmp_path: Path) -> None:
+    """Row-wise Adagrad moves a row by lr * g / (sqrt(mean(g^2)) + eps) on its first update
+    (FBGEMM's definition): with eps 1e-8 a row seen once takes a full lr-sized step whatever its
+    gradient's size; with 1e-2 a small gradient gives a small step, a large one
+    almost the full step."""
+    from dlrm_app.build import fused_optimizer
+    from recsys_core.modules.embedding_configs import EmbeddingBagConfig
+    from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from recsys_core.sparse import KeyedJaggedTensor
+
+    config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "r"), embedding_eps=eps)
+    kernel = fused_optimizer(config)
+    ebc = FusedEmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=3,
+                                   feature_names=["f"])],
+        optimizer_type=kernel.optimizer,
+        optimizer_kwargs={"learning_rate": kernel.learning_rate, "eps": kernel.eps})
+    weight = ebc.state_dict()["embedding_bags.t.weight"]
+    before = weight.clone()
+    # row 1 once with a small gradient, row 2 once with a large one
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    scale = torch.tensor([[1e-3], [1.0]])
+    direction = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    (ebc(kjt).values() * scale * direction).sum().backward()
+    after = ebc.state_dict()["embedding_bags.t.weight"]
+    lr = config.embedding_learning_rate
+    for row, s in ((1, 1e-3), (2, 1.0)):
+        g = s * direction
+        expected = before[row] - lr * g / ((g ** 2).mean().sqrt() + eps)
+        torch.testing.assert_close(after[row], expected, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(after[0], before[0])  # untouched
+    full = lr * direction.norm() / direction.pow(2).mean().sqrt()  # the step with eps -> 0
+    small, large = ((after[r] - before[r]).norm() / full for r in (1, 2))
+    if eps == 1e-8:
+        assert small > 0.99 and large > 0.99
+    else:  # rms(g) 0.0019 against eps 0.01: 16% of the step; rms 1.9: 99%
+        assert small < 0.2 and large > 0.95
