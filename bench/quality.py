@@ -206,7 +206,15 @@ def _dlrm(data: Path, run_dir: Path, nproc: int, seed: int, *flags: str,
             "ne": test["ne"], "logloss": test["logloss"],
             "validation_auc": summary["validation"]["auc"], "steps": summary["steps"],
             "stopped": summary["stopped"], "samples_per_s": round(summary["samples_per_s"]),
-            "seconds": round(time.perf_counter() - start, 1)}
+            "seconds": round(time.perf_counter() - start, 1), "config": _train_config(run_dir)}
+
+
+def _train_config(run_dir: Path) -> dict:
+    """The hyper-parameters the run trained with (its config.json less paths and seed): the
+    defaults move while they are tuned, so a line names the ones that gave its numbers."""
+    config = json.loads((run_dir / "config.json").read_text())
+    return {k: v for k, v in config.items() if k not in ("data", "out", "seed", "overwrite",
+                                                          "resume", "offload_dir", "log_every")}
 
 
 def run(name: str, work: Path, nproc: int, seeds: list[int]) -> list[dict]:

@@ -167,6 +167,7 @@ def test_generated_path_prints_dlrm_lr_base_rate_and_teacher_lines(tmp_path: Pat
     assert by_system["teacher"]["auc"] == pytest.approx(teacher_auc, abs=1e-12)
     dlrm = by_system["dlrm_defaults"]
     assert dlrm["seed"] == 7 and dlrm["steps"] == 3 and 0.0 < dlrm["auc"] < 1.0
+    assert dlrm["config"]["max_steps"] == 3 and "seed" not in dlrm["config"]
     assert by_system["base_rate"]["auc"] == pytest.approx(0.5)
     lr = by_system["logistic_regression"]
     assert by_system["base_rate"]["auc"] + 0.1 < lr["auc"] < teacher_auc
