@@ -166,12 +166,15 @@ class TrainConfig:
     """Optimizer of the MLPs."""
     learning_rate: float = 0.01
     """Learning rate of the MLPs."""
-    embedding_eps: float = 1e-8
-    """Epsilon of the tables' Adagrad (added to the root of a row's summed squared gradients;
-    FBGEMM's and TorchRec's default). A row's step is about ``lr * g / (|g| + eps)``: a larger
-    value (1e-2) makes a row seen once or twice move in proportion to its small gradient
-    instead of a full ``lr`` step on one example, leaving frequent rows as they are; measured
-    in docs/training.md (it helps on data whose ids repeat, not on the 10k Kaggle sample)."""
+    embedding_eps: float = 1e-2
+    """Epsilon of the tables' Adagrad, added to the root of a row's summed squared gradients.
+    A row's step is about ``lr * g / (|g| + eps)``: a row seen once or twice moves in
+    proportion to its small gradient instead of taking a full ``lr`` step on one example,
+    which it would memorize; frequent rows are unaffected. Gradients are of the loss summed
+    over the batch, so it does not depend on the batch size. 1e-8 is FBGEMM's and TorchRec's
+    default; 1e-2 removed the overfitting after the first epoch on generated data (demo: test
+    AUC 0.7527 against 0.7415, 3 seeds) and was level on the Kaggle and MovieLens samples
+    (docs/training.md)."""
     eps: float = 1e-8
     """Adagrad / Adam epsilon of the MLPs' optimizer."""
     lr_warmup_steps: int = 0

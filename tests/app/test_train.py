@@ -330,7 +330,7 @@ def test_an_old_runs_eps_stays_its_tables_eps() -> None:
     del old["embedding_eps"]
     loaded = TrainConfig.from_json_dict(old)
     assert loaded.embedding_eps == loaded.eps == 1e-6
-    assert TrainConfig(data="d", out="o").embedding_eps == 1e-8  # FBGEMM's
+    assert TrainConfig(data="d", out="o").embedding_eps == 1e-2
     with pytest.raises(ValueError, match="--embedding-eps must be > 0"):
         TrainConfig(data="d", out="o", embedding_eps=0.0)
 
@@ -339,7 +339,7 @@ def test_an_old_runs_eps_stays_its_tables_eps() -> None:
 def test_embedding_eps_damps_a_rarely_seen_rows_step(eps: float, tmp_path: Path) -> None:
     """Row-wise Adagrad moves a row by lr * g / (sqrt(mean(g^2)) + eps) on its first update
     (FBGEMM's definition): with eps 1e-8 a row seen once takes a full lr-sized step whatever its
-    gradient's size; with 1e-2 a small gradient gives a small step, a large one
+    gradient's size; with the default 1e-2 a small gradient gives a small step, a large one
     almost the full step."""
     from dlrm_app.build import fused_optimizer
     from recsys_core.modules.embedding_configs import EmbeddingBagConfig
