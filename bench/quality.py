@@ -29,6 +29,13 @@ and prints one JSON line per system and dataset (test AUC, NE, logloss, rows, se
                        the same test rows (``parameters.teacher_auc.test`` in dataset.json), the
                        best any model can expect; the generator keeps no probabilities, so its
                        NE and logloss are null
+  teacher_form         generated datasets only: the teacher's own functional form (one vector
+                       per id of the teacher's dim, summed over the features, a bilinear term
+                       with a linear map of the dense features, two linear terms and a bias:
+                       the generator's model with unknown weights, nothing left to discover)
+                       fitted to the same train rows, plain PyTorch Adagrad (lr 0.05, batch
+                       256), up to 3 epochs, the epoch with the best validation AUC scored on
+                       test: what learning from this many rows reaches with the right model
 
 Datasets (found beside the repository: ../shared/data from its root, or --criteo/--movielens):
 the Criteo Kaggle 10k-row sample and MovieLens 100K. Generated, only when named in
@@ -237,6 +244,61 @@ def run(name: str, work: Path, nproc: int, seeds: list[int]) -> list[dict]:
     return lines
 
 
+class _TeacherForm(torch.nn.Module):
+    """``logit = <z, h> + <z, u> + <h, v> + b`` with ``z`` the sum of the row's id vectors over
+    ``sqrt(features)`` and ``h`` a linear map of the dense features: the generator's teacher
+    (``dlrm_app.data.synthetic``; its temperature is a scale the weights absorb)."""
+
+    def __init__(self, num_ids: int, num_features: int, num_dense: int, dim: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.nn.Parameter(torch.randn(num_ids, dim, generator=gen) * 0.01)
+        self.dense = torch.nn.Linear(num_dense, dim, bias=False)
+        self.u = torch.nn.Parameter(torch.zeros(dim))
+        self.v = torch.nn.Parameter(torch.zeros(dim))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+        self.scale = num_features ** -0.5
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        z = self.ids[ids].sum(1) * self.scale  # ids [n, features], one per feature
+        h = self.dense(dense)
+        return (z * h).sum(1) + z @ self.u + h @ self.v + self.bias
+
+
+def teacher_form(data: Path, epochs: int = 3, batch: int = 256) -> dict:
+    """The ``teacher_form`` line of a generated dataset of one-hot features (see the module
+    docs): fitted on the train split, the epoch chosen on validation, scored on test."""
+    spec = DatasetSpec.load(data)
+    num_ids = sum(f.num_embeddings for f in spec.sparse_features)
+    splits = {}
+    for name in ("train", "validation", "test"):
+        dense, ids, labels = _split_tensors(data, name, spec)
+        n, features = len(labels), len(spec.sparse_features)
+        if len(ids.ids) != n * features:
+            raise SystemExit(f"{data}: teacher_form takes one-hot features only")
+        splits[name] = (dense, ids.ids.view(features, n).t().contiguous(), labels)
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model = _TeacherForm(num_ids, len(spec.sparse_features), splits["train"][0].shape[1],
+                         int(spec.parameters["teacher"]["dim"]))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    dense, ids, labels = splits["train"]
+    best: dict = {"validation_auc": -1.0}
+    for epoch in range(epochs):
+        for rows in torch.randperm(len(labels)).split(batch):
+            loss = F.binary_cross_entropy_with_logits(model(dense[rows], ids[rows]),
+                                                      labels[rows])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            val = _auc_ne(model(*splits["validation"][:2]), splits["validation"][2])
+            if val["auc"] > best["validation_auc"]:
+                best = {**_auc_ne(model(*splits["test"][:2]), splits["test"][2]),
+                        "validation_auc": val["auc"], "epochs": epoch + 1}
+    return {**best, "seconds": round(time.perf_counter() - start, 1)}
+
+
 def generated_data(name: str, data: Path, rows: int | None = None) -> DatasetSpec:
     """``name``'s generated dataset in ``data`` (``rows`` in all splits; None: its own size):
     ``dlrm-app generate --rows R`` with the generator's defaults, or the demo's data."""
@@ -272,6 +334,7 @@ def run_generated(name: str, work: Path, nproc: int, seeds: list[int], rows: int
     # the generator keeps the teacher's AUC per split, not its probabilities: no NE or logloss
     lines.append({**common, "system": "teacher", "auc": spec.parameters["teacher_auc"]["test"],
                   "ne": None, "logloss": None, "seconds": None})
+    lines.append({**common, "system": "teacher_form", **teacher_form(data)})
     return lines
 
 
