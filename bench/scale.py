@@ -33,8 +33,9 @@ process, so its peak RSS is its own.
                            dir read with O_DIRECT, sequentially (1 MiB) and at random (4 KiB, one
                            and two threads, as the cache's two copy threads).
 
-Generated data, Parquet output and backing files live under ``--work-dir`` (default
-/work/tmp_scale), which is deleted at the end unless ``--keep``.
+Generated data, Parquet output and backing files live under ``--work-dir`` (default: a new
+directory in the system's temporary directory; the full sizes need about 60 GB, so point it at
+a disk that has them), which is deleted at the end unless ``--keep``.
 
 Usage: python bench/scale.py [--preprocess-rows 1000000 10000000 50000000]
        [--preprocess-workers 1 2] [--table-caps 100000 1000000 ...] [--criteo-1tb]
@@ -52,6 +53,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -395,13 +397,16 @@ def main() -> None:
                    help="torch threads of the training process (1: what dlrm-app train picks on "
                         "a 2-core host, its 2 CPUs less the loader's thread)")
     p.add_argument("--disk-probe-gib", type=float, default=4.0)
-    p.add_argument("--work-dir", default="/work/tmp_scale")
+    p.add_argument("--work-dir", default=None,
+                   help="where data and table files go (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
     p.add_argument("--case-cap", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case_cap is not None:
         print(json.dumps(train_case(args)), flush=True)
         return
+    if args.work_dir is None:
+        args.work_dir = tempfile.mkdtemp(prefix="recsys-scale-")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     try:
