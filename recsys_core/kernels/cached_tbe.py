@@ -74,10 +74,17 @@ __all__ = [
 CACHE_ALGORITHMS = ("lru", "lfu")
 # Fast-tier bookkeeping: per table row an int32 row -> slot map, an int32 LFU count and the
 # int32 checksum of the row in its backing file; per slot an int64 row id, an int64 last-use
-# tick, an int32 lock count and a dirty flag (rounded up to 24 bytes).
+# tick, an int16 lock count, a dirty flag and (LRU) up to 1.25 int32 entries of the recency
+# queue (see ``_LruQueue``): 24 bytes.
 BOOKKEEPING_BYTES_PER_ROW = 12
 BOOKKEEPING_BYTES_PER_SLOT = 24
 _NEVER = torch.iinfo(torch.int64).max
+# A slot is locked once per batch that holds it: the unreleased batches must stay below this.
+_MAX_LOCKS = torch.iinfo(torch.int16).max
+# The recency queue is compacted when it holds more than this many entries beyond one per
+# filled slot (or a quarter of the filled slots, whichever is more); compacted chunks are
+# merged up to this many entries.
+_QUEUE_SLACK = 65536
 
 
 class CacheTooSmallError(RuntimeError):
@@ -142,8 +149,105 @@ class CacheStats:
         return self.id_hits / self.ids if self.ids else 1.0
 
 
+class _LruQueue:
+    """The filled slots of a cache in the order they were last used, so that the least recently
+    used unlocked ones are found in time proportional to the victims, not to the cache.
+
+    Every lookup appends its slots as one chunk ``(tick, tick, slots)``. A slot used again
+    leaves a stale entry behind: an entry of chunk ``(lo, hi, slots)`` is current while the
+    slot's last-use tick is within ``[lo, hi]`` (chunks cover disjoint, increasing tick ranges
+    and a chunk never holds a slot twice, so a slot has exactly one current entry). Victims are
+    taken from the front, skipping stale entries and setting locked ones aside (they keep their
+    place). When the queue holds more than a quarter of the filled slots (at least
+    ``_QUEUE_SLACK``) in stale entries, it is compacted: stale entries dropped, small chunks
+    merged; each compaction follows at least that many appended entries, so its cost is a
+    constant per lookup.
+
+    Worked example (ticks in brackets, ``*`` stale)::
+
+        lookups: t1 slots [0 1 2], t2 slots [3 1], t3 slots [0]
+        queue:   (1,1)[0* 1* 2]  (2,2)[3 1]  (3,3)[0]
+        3 victims, none locked -> 2, 3, 1 (the front chunk's current entries, then the next's)
+    """
+
+    def __init__(self) -> None:
+        self.chunks: deque[tuple[int, int, torch.Tensor]] = deque()
+        self.entries = 0
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.entries = 0
+
+    def append(self, tick: int, slots: torch.Tensor, last_used: torch.Tensor, filled: int) -> None:
+        self.chunks.append((tick, tick, slots.to(torch.int32)))
+        self.entries += slots.numel()
+        if self.entries > filled + max(filled // 4, _QUEUE_SLACK):
+            self._compact(last_used)
+
+    def _current(self, lo: int, hi: int, slots: torch.Tensor, last_used: torch.Tensor) -> torch.Tensor:
+        used = last_used[slots]
+        return slots[(used >= lo) & (used <= hi)]
+
+    def _compact(self, last_used: torch.Tensor) -> None:
+        old, self.chunks, self.entries = self.chunks, deque(), 0
+        group: list[torch.Tensor] = []
+        group_lo = group_hi = group_n = 0
+        while old:
+            lo, hi, slots = old.popleft()
+            slots = self._current(lo, hi, slots, last_used)
+            if not slots.numel():
+                continue
+            if not group:
+                group_lo = lo
+            group.append(slots)
+            group_hi, group_n = hi, group_n + slots.numel()
+            if group_n >= _QUEUE_SLACK:
+                self._push_merged(group_lo, group_hi, group)
+                group, group_n = [], 0
+        if group:
+            self._push_merged(group_lo, group_hi, group)
+
+    def _push_merged(self, lo: int, hi: int, parts: list[torch.Tensor]) -> None:
+        merged = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.chunks.append((lo, hi, merged))
+        self.entries += merged.numel()
+
+    def take(self, needed: int, last_used: torch.Tensor, locks: torch.Tensor) -> torch.Tensor:
+        """The ``needed`` least recently used unlocked slots (there are that many), removed
+        from the queue; the caller gives them a new tick and appends them again."""
+        taken: list[torch.Tensor] = []
+        aside: list[tuple[int, int, torch.Tensor]] = []  # locked current entries, in order
+        while needed > 0:
+            if not self.chunks:
+                raise RuntimeError("cache bookkeeping: fewer unlocked slots than counted")
+            lo, hi, slots = self.chunks.popleft()
+            self.entries -= slots.numel()
+            slots = self._current(lo, hi, slots, last_used)
+            free = locks[slots] == 0
+            n_free = int(free.sum())
+            if n_free > needed:
+                take = free & (free.cumsum(0) <= needed)
+                taken.append(slots[take])
+                rest = slots[~take]
+                self.chunks.appendleft((lo, hi, rest))
+                self.entries += rest.numel()
+                needed = 0
+            else:
+                taken.append(slots[free])
+                needed -= n_free
+                if n_free < slots.numel():
+                    aside.append((lo, hi, slots[~free]))
+        for lo, hi, slots in reversed(aside):
+            self.chunks.appendleft((lo, hi, slots))
+            self.entries += slots.numel()
+        return (torch.cat(taken) if len(taken) > 1 else taken[0]).long()
+
+
 class _TableState:
-    """Bookkeeping of one cached table (on the host)."""
+    """Bookkeeping of one cached table (on the host). Slots ``[filled, slots)`` have never held
+    a row since the cache was made or invalidated (slots are filled in order and only
+    :meth:`CachedTableBatchedEmbedding.invalidate` empties them); ``locked`` counts the slots
+    whose lock count is not 0."""
 
     def __init__(self, rows: int, cache: TableCache, store: BackingStore, row_bytes: int) -> None:
         self.rows, self.cache, self.store, self.row_bytes = rows, cache, store, row_bytes
@@ -151,8 +255,30 @@ class _TableState:
         self.freq = torch.zeros(rows, dtype=torch.int32) if cache.algorithm == "lfu" else None
         self.row_of_slot = torch.full((cache.slots,), -1, dtype=torch.int64)
         self.last_used = torch.zeros(cache.slots, dtype=torch.int64)
-        self.locks = torch.zeros(cache.slots, dtype=torch.int32)
+        self.locks = torch.zeros(cache.slots, dtype=torch.int16)
         self.dirty = torch.zeros(cache.slots, dtype=torch.bool)
+        self.filled = 0
+        self.locked = 0
+        self.queue = _LruQueue() if cache.algorithm == "lru" else None
+
+    def lock(self, slots: torch.Tensor) -> None:
+        """One more lock on each of ``slots`` (distinct)."""
+        self.locked += int((self.locks[slots] == 0).sum())
+        self.locks[slots] += 1
+
+    def unlock(self, slots: torch.Tensor) -> None:
+        self.locks[slots] -= 1
+        self.locked -= int((self.locks[slots] == 0).sum())
+
+    def forget(self) -> None:
+        """Every slot empty (nothing locked)."""
+        self.slot_of_row.fill_(-1)
+        self.row_of_slot.fill_(-1)
+        self.dirty.fill_(False)
+        self.last_used.zero_()
+        self.filled = 0
+        if self.queue is not None:
+            self.queue.clear()
 
 
 def _make_stores(
@@ -301,7 +427,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         weights = self.inner.split_embedding_weights()
         states = self.inner.split_optimizer_states()
         for t, ts in self._tables.items():
-            slots = torch.nonzero(ts.dirty & (ts.row_of_slot >= 0)).flatten()
+            slots = torch.nonzero(ts.dirty[: ts.filled]).flatten()
             if slots.numel():
                 self._store_rows(ts, weights[t], states[t], slots, ts.row_of_slot[slots])
                 ts.dirty[slots] = False
@@ -322,10 +448,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         self.flush(verify=False)
         for ts in self._tables.values():
             ts.store.sealed = False  # the files were written from outside: sealed anew, lazily
-            ts.slot_of_row.fill_(-1)
-            ts.row_of_slot.fill_(-1)
-            ts.dirty.fill_(False)
-            ts.last_used.zero_()
+            ts.forget()
 
     def set_row_verification(self, enabled: bool) -> None:
         """Check rows read from the backing files against their checksums (the default; off:
@@ -343,7 +466,7 @@ class CachedTableBatchedEmbedding(nn.Module):
     def occupancy(self) -> float:
         """Share of the cache slots holding a row (all cached tables together)."""
         total = sum(ts.cache.slots for ts in self._tables.values())
-        used = sum(int((ts.row_of_slot >= 0).sum()) for ts in self._tables.values())
+        used = sum(ts.filled for ts in self._tables.values())
         return used / total if total else 1.0
 
     def reset_stats(self) -> None:
@@ -408,7 +531,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         batch.released = True
         for t, slots in batch.slots.items():
             ts = self._tables[t]
-            ts.locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+            ts.unlock(slots)
             if trained:
                 ts.dirty[slots] = True
 
@@ -433,6 +556,13 @@ class CachedTableBatchedEmbedding(nn.Module):
         with the copies to do (run now, or in the worker when ``asynchronous``). A prefetch
         (``asynchronous``) that does not fit beside the batches in flight returns None and
         changes nothing; a forward that does not fit raises :class:`CacheTooSmallError`."""
+        unreleased = len(self._pending) + sum(not b.released for b in self._in_flight)
+        if unreleased >= _MAX_LOCKS:
+            raise RuntimeError(
+                f"CachedTableBatchedEmbedding: {unreleased} batches hold cache rows (prefetched "
+                "or forward run without backward); run their forwards and backwards, or "
+                "drop_prefetched(), before looking up more"
+            )
         _, bounds = feature_bounds(offsets, len(self.feature_table_map))
         host_ids = indices if indices.device.type == "cpu" else indices.cpu()
         # Pass 1, read-only: the distinct rows of each table, and whether they fit.
@@ -454,9 +584,9 @@ class CachedTableBatchedEmbedding(nn.Module):
             missing = slots < 0
             n_miss = int(missing.sum())
             if n_miss:
-                free = ts.locks == 0
-                hit_slots = slots[~missing]
-                available = int(free.sum()) - int(free[hit_slots].sum())
+                # unlocked slots (empty ones included) less the hits this batch will lock
+                hits_unlocked = int((ts.locks[slots[~missing]] == 0).sum())
+                available = ts.cache.slots - ts.locked - hits_unlocked
                 if available < n_miss:
                     if asynchronous:
                         return None
@@ -476,7 +606,7 @@ class CachedTableBatchedEmbedding(nn.Module):
         moves: list[tuple[_TableState, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for t, ts, segments, uniq, inverse, counts, slots, missing in plans:
             miss_rows = uniq[missing]
-            ts.locks[slots[~missing]] += 1
+            ts.lock(slots[~missing])
             if miss_rows.numel():
                 victims = self._victims(ts, miss_rows.numel())
                 old_rows = ts.row_of_slot[victims]
@@ -486,7 +616,7 @@ class CachedTableBatchedEmbedding(nn.Module):
                 ts.slot_of_row[miss_rows] = victims.to(torch.int32)
                 ts.row_of_slot[victims] = miss_rows
                 ts.dirty[victims] = False
-                ts.locks[victims] += 1
+                ts.lock(victims)
                 slots[missing] = victims
                 moves.append((ts, t, victims[write], old_rows[write], victims, miss_rows))
                 self.stats.misses += miss_rows.numel()
@@ -498,6 +628,8 @@ class CachedTableBatchedEmbedding(nn.Module):
             self.stats.ids += int(counts.sum())
             self.stats.id_hits += int(counts[~missing].sum())
             ts.last_used[slots] = self._tick
+            if ts.queue is not None:
+                ts.queue.append(self._tick, slots, ts.last_used, ts.filled)
             if ts.freq is not None:
                 ts.freq.index_add_(0, uniq, counts.to(torch.int32))
             slots_by_table[t] = slots
@@ -517,18 +649,26 @@ class CachedTableBatchedEmbedding(nn.Module):
 
     def _victims(self, ts: _TableState, needed: int) -> torch.Tensor:
         """``needed`` unlocked slots (pass 1 checked there are enough): empty ones first, then
-        least recently (LRU) or least frequently (LFU, ties to the least recent) used."""
-        free = ts.locks == 0
-        if ts.freq is None:
-            key = ts.last_used.clone()
-        else:
-            rows = ts.row_of_slot.clamp(min=0)
-            key = ts.freq[rows].long() * (self._tick + 1) + ts.last_used
-        key[ts.row_of_slot < 0] = -1
-        key[~free] = _NEVER
-        if needed == key.numel():
-            return torch.arange(needed)
-        return torch.topk(key, needed, largest=False, sorted=False).indices
+        least recently (LRU) or least frequently (LFU, ties to the least recent) used. Empty
+        slots cost no search; LRU victims come off the recency queue (time proportional to
+        the victims); LFU searches the filled slots."""
+        fresh = min(needed, ts.cache.slots - ts.filled)
+        parts = []
+        if fresh:
+            parts.append(torch.arange(ts.filled, ts.filled + fresh))
+        evict = needed - fresh
+        if evict:
+            filled = ts.filled
+            if ts.queue is not None:
+                parts.append(ts.queue.take(evict, ts.last_used, ts.locks))
+            else:
+                rows = ts.row_of_slot[:filled]
+                assert ts.freq is not None
+                key = ts.freq[rows].long() * (self._tick + 1) + ts.last_used[:filled]
+                key[ts.locks[:filled] != 0] = _NEVER
+                parts.append(torch.topk(key, evict, largest=False, sorted=False).indices)
+        ts.filled += fresh
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     @torch.no_grad()
     def _move(self, moves) -> None:

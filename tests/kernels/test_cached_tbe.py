@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from recsys_core.kernels import fbgemm_available
+from recsys_core.kernels import cached_tbe, fbgemm_available
 from recsys_core.kernels.cached_tbe import (
     CachedTableBatchedEmbedding,
     CacheTooSmallError,
@@ -194,6 +194,113 @@ def test_eviction_policy_by_hand(algorithm: str, resident: list[int]) -> None:
     assert kernel.resident_rows(0) == resident
     assert kernel.stats.misses == 3 and kernel.stats.evictions == 1
     assert kernel.stats.writebacks == 0  # lookups without backward train nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_a_cache_that_holds_every_row_fills_without_evicting(backend: KernelBackend) -> None:
+    # caches as large as their tables: every miss takes an empty slot, none evicts, and the
+    # results are the uncached kernel's; invalidate empties the slots and they fill again
+    data = batches(5)
+    plain = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False)
+    cached = make(backend, EmbOptimType.EXACT_ROWWISE_ADAGRAD, False, False,
+                  caches=[None, ROWS[1], ROWS[2]])
+    for a, b in zip(train(plain, data), train(cached, data), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    distinct = [set(torch.cat([d[0][d[1][lo * BATCH]:d[1][hi * BATCH]] for d in data]).tolist())
+                for lo, hi in ((1, 3), (3, 4))]  # features 1-2 read table 1, feature 3 table 2
+    assert cached.stats.evictions == 0 and cached.stats.writebacks == 0
+    assert cached.stats.misses == sum(len(d) for d in distinct)
+    assert [cached.resident_rows(t) for t in (1, 2)] == [sorted(d) for d in distinct]
+    assert cached.occupancy() == pytest.approx(sum(len(d) for d in distinct) / (ROWS[1] + ROWS[2]))
+    assert_same(snapshot(cached), snapshot(plain))
+    cached.invalidate()
+    assert cached.occupancy() == 0.0 and cached.resident_rows(1) == []
+    more = batches(3, seed=6)
+    for a, b in zip(train(plain, more), train(cached, more), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert cached.stats.evictions == 0
+    assert_same(snapshot(cached), snapshot(plain))
+
+
+def test_lru_evicts_the_least_recently_used_unlocked_rows_and_writes_them_back() -> None:
+    # 4 slots, one row per lookup (so no two resident rows share a last use)
+    kernel = build_table_batched_embedding(
+        rows=[10], dims=[4], feature_table_map=[0], pooling_mean=False,
+        optimizer=FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1),
+        device=CPU, backend=KernelBackend.TORCH, caches=[TableCache(slots=4)],
+    )
+    with torch.no_grad():
+        kernel.split_embedding_weights()[0].copy_(torch.arange(40.0).view(10, 4))
+    store = kernel.split_embedding_weights()[0]
+
+    def look(row: int, grad: bool = True) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return kernel(torch.tensor([row]), torch.tensor([0, 1]))
+
+    for row in (0, 1, 2, 3, 0):  # each trained once (SGD, lr 0.1, gradient 1), row 0 twice
+        look(row).sum().backward()
+    assert kernel.stats.evictions == 0 and kernel.occupancy() == 1.0
+    look(4).sum().backward()  # evicts row 1, the least recently used: written back at once
+    look(5).sum().backward()  # then row 2
+    assert kernel.resident_rows(0) == [0, 3, 4, 5]
+    assert kernel.stats.evictions == 2 and kernel.stats.writebacks == 2
+    torch.testing.assert_close(store[1:3], torch.arange(4.0, 12.0).view(2, 4) - 0.1)
+    torch.testing.assert_close(store[0], torch.arange(4.0))  # resident: trained in the cache only
+    # row 3 in flight (forward run, backward not yet) is locked; rows 0, 4, 5 used after it
+    out = look(3)
+    for row in (0, 4, 5):
+        look(row, grad=False)
+    look(6, grad=False)  # the least recently used row is 3, locked: row 0 goes instead
+    assert kernel.resident_rows(0) == [3, 4, 5, 6]
+    torch.testing.assert_close(store[0], torch.arange(4.0) - 0.2)  # written back on eviction
+    out.sum().backward()  # row 3 unlocked, and now the least recently used
+    look(7, grad=False)
+    assert kernel.resident_rows(0) == [4, 5, 6, 7]
+    torch.testing.assert_close(store[3], torch.arange(12.0, 16.0) - 0.2)
+    assert kernel.stats.evictions == 4 and kernel.stats.writebacks == 4
+    kernel.flush()
+    torch.testing.assert_close(store[4:6], torch.arange(16.0, 24.0).view(2, 4) - 0.1)
+
+
+@pytest.mark.parametrize("slack", [1, 8, 40, 65536], ids=lambda s: f"compact_beyond_{s}")
+def test_lru_victims_are_the_oldest_unlocked_rows_under_any_queue_compaction(
+        slack: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Against a reference that records each row's last use: every row evicted by a batch was
+    # used no later than every row that stays resident and that the batch did not use (rows
+    # used by the same batch may be evicted in either order). The recency queue is compacted
+    # after every lookup (slack 1), every few, or never; with prefetch, results stay exact.
+    monkeypatch.setattr(cached_tbe, "_QUEUE_SLACK", slack)
+    data = batches(14, seed=8)
+    plain = make(KernelBackend.TORCH, EmbOptimType.EXACT_ADAGRAD, False, False)
+    cached = make(KernelBackend.TORCH, EmbOptimType.EXACT_ADAGRAD, False, False,
+                  caches=[48, 96, 60])
+    last_use: dict[tuple[int, int], int] = {}
+    resident = {t: set() for t in range(3)}
+    for i, (indices, offsets, psw, target) in enumerate(data):
+        out = cached(indices, offsets, psw)
+        expected = plain(indices, offsets, psw)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+        used = {t: set() for t in range(3)}
+        for f, t in enumerate(FEATURE_TABLE_MAP):
+            used[t] |= set(indices[offsets[f * BATCH]:offsets[(f + 1) * BATCH]].tolist())
+        for t in range(3):
+            now = set(cached.resident_rows(t))
+            evicted, kept = resident[t] - now, (now - used[t]) & resident[t]
+            if evicted and kept:
+                assert max(last_use[t, r] for r in evicted) <= min(last_use[t, r] for r in kept)
+            for r in used[t]:
+                last_use[t, r] = i
+            resident[t] = now
+            # the recency queue holds one current entry per filled slot, no more, no less
+            ts = cached._tables[t]
+            current = [s[(ts.last_used[s] >= lo) & (ts.last_used[s] <= hi)]
+                       for lo, hi, s in ts.queue.chunks]
+            assert sorted(torch.cat(current).tolist()) == list(range(ts.filled))
+            assert ts.queue.entries == sum(s.numel() for _, _, s in ts.queue.chunks)
+        (out * target).sum().backward()
+        (expected * target).sum().backward()
+    assert cached.stats.evictions > 50
+    assert_same(snapshot(cached), snapshot(plain))
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
