@@ -222,8 +222,8 @@ def test_a_cache_that_holds_every_row_fills_without_evicting(backend: KernelBack
     assert_same(snapshot(cached), snapshot(plain))
 
 
-def test_lru_evicts_the_least_recently_used_unlocked_rows_and_writes_them_back() -> None:
-    # 4 slots, one row per lookup (so no two resident rows share a last use)
+def _four_slot_table() -> torch.nn.Module:
+    """One SGD (lr 0.1) table of 10 rows x 4, row r = 4r..4r+3, behind a cache of 4 slots."""
     kernel = build_table_batched_embedding(
         rows=[10], dims=[4], feature_table_map=[0], pooling_mean=False,
         optimizer=FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1),
@@ -231,6 +231,12 @@ def test_lru_evicts_the_least_recently_used_unlocked_rows_and_writes_them_back()
     )
     with torch.no_grad():
         kernel.split_embedding_weights()[0].copy_(torch.arange(40.0).view(10, 4))
+    return kernel
+
+
+def test_lru_evicts_the_least_recently_used_unlocked_rows_and_writes_them_back() -> None:
+    # 4 slots, one row per lookup (so no two resident rows share a last use)
+    kernel = _four_slot_table()
     store = kernel.split_embedding_weights()[0]
 
     def look(row: int, grad: bool = True) -> torch.Tensor:
@@ -318,13 +324,7 @@ def test_prefetch_keeps_results_and_in_flight_rows(backend: KernelBackend) -> No
 
 def test_prefetch_never_evicts_the_in_flight_batch() -> None:
     # table 0: 10 rows, 4 slots; batch A needs rows 0-3 (all slots), batch B rows 4-5
-    kernel = build_table_batched_embedding(
-        rows=[10], dims=[4], feature_table_map=[0], pooling_mean=False,
-        optimizer=FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1),
-        device=CPU, backend=KernelBackend.TORCH, caches=[TableCache(slots=4)],
-    )
-    with torch.no_grad():
-        kernel.split_embedding_weights()[0].copy_(torch.arange(40.0).view(10, 4))
+    kernel = _four_slot_table()
     out = kernel(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 4]))
     b = torch.tensor([4, 5])
     kernel.prefetch(b, torch.tensor([0, 2]))  # no room beside A: deferred, A untouched
