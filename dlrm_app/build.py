@@ -24,6 +24,7 @@ from recsys_core.distributed import (
     EmbeddingBagCollectionSharder,
     ShardingEnv,
     ShardingPlan,
+    shm_comm,
 )
 from recsys_core.distributed.comm_ops import set_gradient_division
 from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -57,7 +58,11 @@ def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
     """DDP comm hook: sum gradients over ranks (the default averages); see the module docs.
 
     Unannotated on purpose: DDP rejects annotations that are not literally ``dist.GradBucket``,
-    and ``from __future__ import annotations`` turns them into strings."""
+    and ``from __future__ import annotations`` turns them into strings. Ranks on one host sum
+    through shared memory (``recsys_core.distributed.shm_comm``), others through gloo/NCCL."""
+    shm = shm_comm.for_group(group, bucket.buffer().device)
+    if shm is not None and bucket.buffer().is_contiguous():
+        return shm.all_reduce_future(bucket.buffer())
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 

@@ -9,6 +9,10 @@ Each collective is a pair of autograd functions around one work handle:
 so other work (the next batch's input dist, dense compute) can run while bytes move, in both
 directions. The reverse of an all-to-all is the all-to-all with the splits swapped; the reverse
 of a reduce-scatter is an all-gather.
+
+On a gloo group whose ranks all live on this host, the all-to-alls and the all-reduce go
+through shared memory instead (:mod:`recsys_core.distributed.shm_comm`: same values, a memcpy
+instead of TCP loopback; ``RECSYS_SHM_COMM=0`` keeps them on gloo).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from recsys_core.distributed import shm_comm
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm_ops import get_gradient_division
 from recsys_core.distributed.qcomm_types import QuantizedCommCodecs
+from recsys_core.distributed.shm_comm import ShmWork
 
-Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | None"]]
+Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | ShmWork | None"]]
 
 
 @dataclass
@@ -31,8 +37,8 @@ class _InFlight:
     backward: Launch
     codecs: QuantizedCommCodecs | None = None
     group_size: int = 1  # the gradient is divided by this under gradient division
-    work: dist.Work | None = None
-    grad_work: dist.Work | None = None
+    work: dist.Work | ShmWork | None = None
+    grad_work: dist.Work | ShmWork | None = None
     grad: torch.Tensor | None = None
     input_dtype: torch.dtype | None = None
     sent_shape: torch.Size | None = None
@@ -117,10 +123,13 @@ class CollectiveAwaitable(Awaitable[torch.Tensor]):
 
 def _all_to_all(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, dist.Work | None]:
+) -> tuple[torch.Tensor, dist.Work | ShmWork | None]:
     if group is None or dist.get_world_size(group) == 1:
         return x.view_as(x), None  # nothing moves: no copy of tens of MB per step
     out = x.new_empty(sum(out_splits))
+    shm = shm_comm.for_group(group, x.device)
+    if shm is not None:  # every rank on this host: through shared memory, not TCP loopback
+        return out, shm.all_to_all_single(out, x, out_splits, in_splits)
     work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
     return out, work
 
@@ -205,7 +214,11 @@ class TensorAllToAll(Awaitable[torch.Tensor]):
 def all_reduce_sum_(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """In-place sum over the group (synchronous: used inside the fused backward)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        shm = shm_comm.for_group(group, x.device) if x.is_contiguous() else None
+        if shm is not None:
+            shm.all_reduce(x).wait()
+        else:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
