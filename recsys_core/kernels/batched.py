@@ -256,11 +256,14 @@ def _fill_in_blocks(
     kernel: nn.Module, spec: PackedKernelSpec, indices: Sequence[int], fill_rows: RowFill
 ) -> None:
     cached = isinstance(kernel, CachedTableBatchedEmbedding)
-    for index, table, view in zip(
-        indices, spec.tables, kernel.split_embedding_weights(), strict=True
+    for position, (index, table, view) in enumerate(
+        zip(indices, spec.tables, kernel.split_embedding_weights(), strict=True)
     ):
         step = FILL_BLOCK_ROWS if cached else max(table.rows, 1)
         for first in range(0, table.rows, step):
-            fill_rows(index, view[first : min(table.rows, first + step)], first)
+            last = min(table.rows, first + step)
+            fill_rows(index, view[first:last], first)
             if cached:
+                # checksummed while the block is in memory, then dropped from it
+                kernel.record_filled(position, first, last)
                 kernel.release_memory()

@@ -458,6 +458,15 @@ class CachedTableBatchedEmbedding(nn.Module):
                 ts.store.sealed = False  # checksums were not kept meanwhile: record them anew
             ts.store.check = enabled
 
+    def record_filled(self, t: int, first: int, last: int) -> None:
+        """Table ``t``'s rows ``first:last`` were just written through
+        :meth:`split_embedding_weights` (filled block by block as the table is built): their
+        checksums are recorded from memory, so the first move needs no scan of the files once
+        every row was filled in order (:meth:`BackingStore.record_written`). Nothing for a
+        table kept in memory."""
+        if t in self._tables:
+            self._tables[t].store.record_written(first, last)
+
     def release_memory(self) -> None:
         """Drop the backing files' pages from this process's resident memory."""
         for ts in self._tables.values():

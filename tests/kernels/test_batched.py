@@ -258,3 +258,70 @@ def test_prefetch_brings_a_batch_into_the_cache(tmp_path) -> None:
     batched.lookup(kjt, False).sum().backward()
     assert batched.kernels[0].stats.prefetched == 1
     grouped(KernelBackend.TORCH)[0].prefetch(make_kjt(["f0", "f3", "f1", "f2"], 2, False, 5))
+
+
+@pytest.mark.parametrize("io", ["rowio", "mapped"])
+def test_a_table_filled_in_blocks_is_sealed_without_reading_its_files_back(
+        tmp_path, monkeypatch, io: str) -> None:
+    """Checksums recorded block by block while filling equal those of a whole scan of the
+    files, and the first move then needs no scan; damage after the fill is still found."""
+    import recsys_core.kernels.batched as batched_module
+    import recsys_core.kernels.offload_store as store_module
+    from recsys_core.kernels.offload_store import BackingStore, OffloadCorruptionError
+
+    helper = store_module.ROWIO
+    if io == "rowio" and helper is None:
+        pytest.skip("the C row I/O helper is not built")
+    monkeypatch.setattr(batched_module, "FILL_BLOCK_ROWS", 3)
+    adagrad = FusedOptimizerConfig(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                   learning_rate=0.1)
+    spec = PackedKernelSpec(
+        tables=(PackedTable(name="a", rows=7, dim=4, cache=TableCache(slots=4)),),
+        feature_table_map=(0,), pooling_mean=False, weighted=False, optimizer=adagrad,
+        backend=KernelBackend.TORCH, offload_dir=str(tmp_path), features=("f0",))
+    full = torch.randn(7, 4)
+    if io == "mapped":  # hashed by torch while filling, moved through the mappings
+        monkeypatch.setattr(store_module, "ROWIO", None)
+    batched = BatchedTables([spec], CPU, fill_rows=lambda i, view, first: view.copy_(
+        full[first : first + view.shape[0]]))
+    monkeypatch.setattr(store_module, "ROWIO", helper)
+    if io == "mapped":
+        batched.kernels[0].row_io = False
+    store = batched.kernels[0]._tables[0].store
+    assert store.sealed
+    recorded = store.checksums.clone()
+    store._scan(record=True)  # what the first move would have done: read every row back
+    assert torch.equal(recorded, store.checksums)
+    scans: list[bool] = []
+    monkeypatch.setattr(BackingStore, "_scan", lambda self, record: scans.append(record))
+    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1, 5, 6]),
+                            lengths=torch.tensor([2, 1]))
+    out = batched.lookup(kjt, False)
+    torch.testing.assert_close(out, torch.stack([full[1] + full[5], full[6]]))
+    assert scans == []  # sealed at the fill: no whole-file scan before the first move
+    with torch.no_grad():  # damage a row never read yet, straight in the file
+        store.weight[3] += 1.0
+    with pytest.raises(OffloadCorruptionError, match="row 3"):
+        batched.lookup(KeyedJaggedTensor(keys=["f0"], values=torch.tensor([3]),
+                                         lengths=torch.tensor([1])), False)
+
+
+def test_rows_filled_out_of_order_leave_the_seal_to_the_first_move(tmp_path) -> None:
+    from recsys_core.kernels.offload_store import BackingStore
+
+    store = BackingStore(6, 2, {"momentum1": True}, CPU, str(tmp_path), "t")
+    try:
+        store.weight.copy_(torch.arange(12.0).view(6, 2))
+        store.record_written(0, 2)
+        store.record_written(4, 6)  # rows 2:4 were never recorded
+        assert not store.sealed
+        store.record_written(2, 4)  # out of order: still no seal (rows 4:6 may have changed)
+        assert not store.sealed
+        store.record_written(0, 3)
+        store.record_written(3, 6)
+        assert store.sealed
+        recorded = store.checksums.clone()
+        store.seal()
+        assert torch.equal(recorded, store.checksums)
+    finally:
+        store.close()
