@@ -15,8 +15,11 @@ the shards a previous run finished:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,16 +32,25 @@ from dlrm_app.data.schema import ShardFile, sha256_file
 class ShardWriter:
     """One Parquet shard in row groups of exactly ``row_group_size`` rows (the last may be
     shorter), written to a hidden temp name and renamed by ``close``. With ``label``, the sum
-    of that column over the rows written is kept in ``label_sum``."""
+    of that column over the rows written is kept in ``label_sum``.
+
+    With ``background=True`` the row groups are encoded and written by a thread (pyarrow
+    releases the GIL), at most ``IN_FLIGHT`` of them at a time, while the caller makes the next
+    rows: the same bytes, in the same order; an error of a write is raised by a later ``add``
+    or by ``close``."""
+
+    IN_FLIGHT = 2
 
     def __init__(self, directory: Path, file: str, schema: pa.Schema, row_group_size: int,
-                 label: str | None = None) -> None:
+                 label: str | None = None, *, background: bool = False) -> None:
         self.directory, self.file, self.row_group_size = directory, file, row_group_size
         self.label = label
         self.tmp = directory / f".{file}.tmp"
         self.writer: pq.ParquetWriter | None = pq.ParquetWriter(self.tmp, schema)
         self.pending: list[pa.Table] = []
         self.pending_rows = self.rows = self.label_sum = 0
+        self.thread = ThreadPoolExecutor(1, "shard-writer") if background else None
+        self.writing: deque[Future] = deque()
 
     def add(self, table: pa.Table) -> None:
         self.rows += len(table)
@@ -60,14 +72,34 @@ class ShardWriter:
         if used > 1 or any(c.num_chunks != 1 for c in table.columns):
             table = pa.concat_tables(self.pending[:used]).combine_chunks()
         assert self.writer is not None
-        self.writer.write_table(table.slice(0, n), row_group_size=n)
+        if self.thread is None:
+            self.writer.write_table(table.slice(0, n), row_group_size=n)
+        else:
+            while len(self.writing) >= self.IN_FLIGHT:
+                self.writing.popleft().result()
+            self.writing.append(self.thread.submit(self.writer.write_table, table.slice(0, n),
+                                                   row_group_size=n))
         rest = table.slice(n)
         self.pending = ([rest] if len(rest) else []) + self.pending[used:]
         self.pending_rows -= n
 
+    def _wait(self) -> None:
+        """Wait for the writes in flight; the first error is raised once all have ended."""
+        error = None
+        while self.writing:
+            try:
+                self.writing.popleft().result()
+            except BaseException as e:  # raised below, once the others have ended
+                error = error or e
+        if self.thread is not None:
+            self.thread.shutdown()
+        if error is not None:
+            raise error
+
     def close(self) -> None:
         if self.pending_rows:
             self._flush(self.pending_rows)
+        self._wait()
         assert self.writer is not None
         self.writer.close()
         self.writer = None
@@ -76,6 +108,8 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the temp file (a failed run leaves no finished-looking file)."""
         if self.writer is not None:
+            with contextlib.suppress(BaseException):
+                self._wait()  # the caller's error is the one to report
             self.writer.close()
             self.writer = None
             self.tmp.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from dlrm_app.config import DEFAULT_FREQUENCY_THRESHOLD, DEFAULT_MAX_EMBEDDINGS_PER_FEATURE
+from dlrm_app.data.criteo import fastparse
 from dlrm_app.data.criteo.format import NUM_DENSE, NUM_SPARSE, OUTPUT_SCHEMA, SplitRule
 from dlrm_app.data.criteo.lines import LineIndex
 from dlrm_app.data.criteo.parse import Rows
@@ -63,6 +64,8 @@ class Encoder:
 
     def __init__(self, num_embeddings: list[int], vocab: list[np.ndarray] | None) -> None:
         self.num_embeddings, self.vocab = num_embeddings, vocab
+        self.index = None if vocab is None or not fastparse.lookup_available() else \
+            [VocabularyIndex(v) for v in vocab]
 
     def encode(self, rows: Rows, sl: slice) -> pa.Table:
         n = len(rows.label[sl])
@@ -73,15 +76,49 @@ class Encoder:
             raw = raw[sl]
             if self.vocab is None:
                 ids = raw % self.num_embeddings[k]
+            elif self.index is not None:
+                ids = self.index[k].rows(raw)
             else:
-                v = self.vocab[k]
-                pos = _positions(v, raw)
-                hit = v[np.minimum(pos, len(v) - 1)] == raw if len(v) else np.zeros(n, bool)
-                ids = np.where(hit, pos + 1, RARE_ID).astype(np.int64)
+                ids = vocabulary_rows(self.vocab[k], raw)
             cols.append(pa.ListArray.from_arrays(offsets, pa.array(ids)))
         dense_col = pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), NUM_DENSE)
         return pa.Table.from_arrays([pa.array(rows.label[sl]), dense_col, *cols],
                                     schema=OUTPUT_SCHEMA)
+
+
+def vocabulary_rows(vocab: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """Table rows of ``raw`` ids in the sorted ``vocab`` (``i + 1`` for ``vocab[i]``, else
+    ``RARE_ID``), in numpy: the path without the C helper, and the reference for it."""
+    pos = _positions(vocab, raw)
+    hit = vocab[np.minimum(pos, len(vocab) - 1)] == raw if len(vocab) \
+        else np.zeros(len(raw), bool)
+    return np.where(hit, pos + 1, RARE_ID).astype(np.int64)
+
+
+class VocabularyIndex:
+    """One feature's sorted vocabulary with a bucket index on its ids' high bits, searched by
+    the C helper (:func:`~dlrm_app.data.criteo.fastparse.vocab_lookup`). About 2-4 ids a
+    bucket (raw ids are spread over their range), so a lookup reads an index entry and a
+    cache line of the vocabulary: at 10 M ids per table, 5x faster than sorting the keys for
+    ``np.searchsorted``. The index holds 8 bytes per bucket (at most 4 per id), built in each
+    encoding process from the shared mapped vocabulary."""
+
+    def __init__(self, vocab: np.ndarray) -> None:
+        self.vocab = np.ascontiguousarray(vocab, np.int64)
+        n, top = len(self.vocab), int(self.vocab[-1]) if len(self.vocab) else 0
+        self.shift = max(0, top.bit_length() - max(0, n.bit_length() - 2))
+        buckets = (top >> self.shift) + 1
+        self.first = np.zeros(buckets + 1, np.int64)
+        if n and self.vocab[0] >= 0:  # raw ids are never negative; else none is found
+            np.cumsum(np.bincount(self.vocab >> self.shift, minlength=buckets),
+                      out=self.first[1:])
+
+    def rows(self, raw: np.ndarray) -> np.ndarray:
+        """Table rows of the ``raw`` ids: as :func:`vocabulary_rows`."""
+        if not len(self.vocab) or self.vocab[0] < 0:
+            return vocabulary_rows(self.vocab, raw)
+        return fastparse.vocab_lookup(self.vocab, self.first, self.shift,
+                                      np.ascontiguousarray(raw, np.int64))
 
 
 _CACHED_VOCABULARY = 1 << 16  # ids (512 KB): a binary search stays in the CPU cache

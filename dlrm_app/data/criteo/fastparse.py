@@ -1,4 +1,5 @@
-"""ctypes binding of the optional C row parser ``dlrm_app/data/criteo/_fastparse.c``.
+"""ctypes binding of the optional C row parser ``dlrm_app/data/criteo/_fastparse.c`` (and of its
+id counter and vocabulary lookup, for the default vocabulary).
 
 The package's build compiles it where a C compiler exists (``optional = true`` in
 pyproject.toml). It parses only rows in the strict format and declines a block with anything
@@ -35,7 +36,36 @@ def _parse_fn(lib: ctypes.CDLL | None) -> object | None:
     return fn
 
 
-_PARSE = _parse_fn(_load())
+def _lookup_fn(lib: ctypes.CDLL | None) -> object | None:
+    fn = None if lib is None else getattr(lib, "criteo_vocab_lookup", None)
+    if fn is not None:
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+def _newlines_fn(lib: ctypes.CDLL | None) -> object | None:
+    fn = None if lib is None else getattr(lib, "criteo_count_newlines", None)
+    if fn is not None:
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    return fn
+
+
+def _count_fn(lib: ctypes.CDLL | None) -> object | None:
+    fn = None if lib is None else getattr(lib, "criteo_count_ids", None)
+    if fn is not None:
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+_LIB = _load()
+_PARSE = _parse_fn(_LIB)
+_LOOKUP = _lookup_fn(_LIB)
+_COUNT = _count_fn(_LIB)
+_NEWLINES = _newlines_fn(_LIB)
 enabled = True
 """Tests switch the helper off to compare both paths."""
 
@@ -43,6 +73,13 @@ enabled = True
 def available() -> bool:
     """Whether the helper was built with the package (CI builds it; a user may lack a compiler)."""
     return _PARSE is not None
+
+
+def count_newlines(buf: bytes) -> int:
+    """``buf.count(b"\\n")``, 10x faster where the helper is built (a vectorized loop)."""
+    if _NEWLINES is None or not isinstance(buf, bytes):
+        return buf.count(b"\n")
+    return _NEWLINES(buf, len(buf))  # type: ignore[operator]
 
 
 def parse_rows(buf: bytes, n_lines: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -58,3 +95,40 @@ def parse_rows(buf: bytes, n_lines: int) -> tuple[np.ndarray, np.ndarray, np.nda
     got = parse(buf, len(buf), n_lines, label.ctypes.data,  # type: ignore[operator]
                 dense.ctypes.data, cats.ctypes.data)
     return (label, dense, cats) if got == n_lines else None
+
+
+def lookup_available() -> bool:
+    """Whether the helper's vocabulary lookup can be used (built, and not switched off)."""
+    return _LOOKUP is not None and enabled
+
+
+def vocab_lookup(vocab: np.ndarray, first: np.ndarray, shift: int,
+                 raw: np.ndarray) -> np.ndarray:
+    """Table rows (int64) of the ``raw`` ids in the sorted int64 ``vocab``: ``p + 1`` where
+    ``vocab[p] == raw[i]``, else 0; ``first`` is the bucket index of ``vocab`` on its ids'
+    bits from ``shift`` up (``first[b]``: the first position whose id's bucket is ``b`` or
+    more; ``len(first) - 1`` buckets). Needs :func:`lookup_available`."""
+    for a, dtype in ((vocab, np.int64), (first, np.int64), (raw, np.int64)):
+        if a.dtype != dtype or not a.flags.c_contiguous:
+            raise TypeError("vocab_lookup takes C-contiguous int64 arrays")
+    out = np.empty(len(raw), np.int64)
+    if len(raw):
+        _LOOKUP(vocab.ctypes.data, first.ctypes.data, len(first) - 1,  # type: ignore[misc]
+                shift, raw.ctypes.data, len(raw), out.ctypes.data)
+    return out
+
+
+def count_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``np.unique(ids, return_counts=True)`` as uint32 ids and counts (a hash count, then a
+    sort of the distinct ids only), or None: no helper, or an id outside ``[0, 2^32)``."""
+    if _COUNT is None or not enabled:
+        return None
+    ids = np.ascontiguousarray(ids, np.int64)
+    packed = np.empty(len(ids), np.uint64)  # (id << 32 | count) per distinct id
+    d = _COUNT(ids.ctypes.data, len(ids), packed.ctypes.data)  # type: ignore[operator]
+    if d == -2:
+        raise MemoryError("counting the ids of a block (criteo_count_ids)")
+    if d < 0:
+        return None
+    packed = np.sort(packed[:d])
+    return (packed >> np.uint64(32)).astype(np.uint32), packed.astype(np.uint32)

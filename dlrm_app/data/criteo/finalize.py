@@ -30,7 +30,7 @@ def rewrite_shard(out: Path, file: str, pieces: list[tuple[str, int, int]],
                   row_group_size: int, fingerprint: str) -> tuple[str, int]:
     """Worker task: write final shard ``file`` from row ranges (stage file, first row, rows) of
     staging shards, one row group at a time; returns its checksum and label sum."""
-    w = ShardWriter(out, file, OUTPUT_SCHEMA, row_group_size, LABEL)
+    w = ShardWriter(out, file, OUTPUT_SCHEMA, row_group_size, LABEL, background=True)
     try:
         for stage, first, n in pieces:
             with pq.ParquetFile(out / STAGING_DIR / stage) as pf:

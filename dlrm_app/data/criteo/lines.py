@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from dlrm_app.data.criteo import fastparse
 from dlrm_app.data.criteo.parse import count_lines, read_blocks
 from dlrm_app.data.criteo.workers import Runner
 
@@ -59,7 +60,8 @@ def count_part(path: Path, start: int, stop: int, step: int) -> list[int]:
         return [count_lines(path)]
     with open(path, "rb") as f:
         f.seek(start)
-        return [f.read(min(step, stop - a)).count(b"\n") for a in range(start, stop, step)]
+        return [fastparse.count_newlines(f.read(min(step, stop - a)))
+                for a in range(start, stop, step)]
 
 
 def line_counts(run: Runner, paths: list[Path], which: list[bool], part: int,
@@ -112,7 +114,7 @@ def blocks(paths: Sequence[Path], block_bytes: int, start: tuple[int, int, int] 
         if max_lines is not None and max_lines[i] < line:
             continue
         for data in read_blocks(paths[i], block_bytes, offset):
-            n = data.count(b"\n")
+            n = fastparse.count_newlines(data)
             yield Block(i, offset, line, n, data)
             offset += len(data)
             line += n

@@ -115,7 +115,7 @@ def count_lines(path: Path, block_bytes: int = 16 << 20) -> int:
     try:
         with opener(path, "rb") as f:
             while chunk := f.read(max(block_bytes, 1 << 20)):
-                n += chunk.count(b"\n")
+                n += fastparse.count_newlines(chunk)
                 last = chunk[-1:]
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise _gzip_error(path, e) from None
@@ -328,7 +328,7 @@ def parse_block(buf: bytes, first_line: int, path: Path, on_bad_row: str,
     first bad row raises ValueError with file and line.
     """
     if n_lines is None:
-        n_lines = buf.count(b"\n")
+        n_lines = fastparse.count_newlines(buf)
     lines = np.arange(first_line, first_line + n_lines)
     if (fast := fastparse.parse_rows(buf, n_lines)) is not None:
         label_values, dense_values, cat_values = fast  # every row valid (the strict format)

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dlrm_app.data import shard_writer
+from dlrm_app.data.criteo import fastparse
 from dlrm_app.data.criteo.encoding import EncodeSpec, encoder
 from dlrm_app.data.criteo.format import LABEL, OUTPUT_SCHEMA, SplitRule
 from dlrm_app.data.criteo.lines import Block, LineIndex, prefetch
@@ -37,7 +38,9 @@ def write_stage_shard(staging: Path, k: int, first_row: int,
     """Worker task: read, parse, encode and write staging shard ``k`` from ``pieces`` (input,
     first 0-based line, lines, where they are: the plain input's line index, or a file the
     lines were spilled to, deleted when done); returns ``k`` and its done-marker."""
-    w = ShardWriter(staging, stage_file(k), OUTPUT_SCHEMA, row_group_size, LABEL)
+    # the row groups are written by a thread while the next block is parsed and encoded
+    w = ShardWriter(staging, stage_file(k), OUTPUT_SCHEMA, row_group_size, LABEL,
+                    background=True)
     try:
         for path, line, n, source in pieces:
             if isinstance(source, LineIndex):
@@ -47,7 +50,7 @@ def write_stage_shard(staging: Path, k: int, first_row: int,
                 reader = read_blocks(source, block_bytes)
             with contextlib.closing(prefetch(reader)) as datas:
                 for data in datas:
-                    lines = data.count(b"\n")
+                    lines = fastparse.count_newlines(data)
                     rows, _ = parse_block(data, line + 1, path, "error", lines)
                     w.add(encoder(spec).encode(rows, slice(None)))
                     line += lines

@@ -132,7 +132,8 @@ class StagingWriter:
             if self.writer is None:
                 self.first_row = self.row + a
                 self.writer = ShardWriter(self.staging, stage_file(len(self.shards)),
-                                          OUTPUT_SCHEMA, self.row_group_size, LABEL)
+                                          OUTPUT_SCHEMA, self.row_group_size, LABEL,
+                                          background=True)
             take = min(b - a, self.rows_per_shard - self.writer.rows)
             self.writer.add(table.slice(a, take))
             a += take

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dlrm_app.data.criteo import fastparse
 from dlrm_app.data.criteo.format import NUM_SPARSE, SPARSE_NAMES, SplitRule
 from dlrm_app.data.criteo.lines import Block, LineIndex, blocks, prefetch
 from dlrm_app.data.criteo.parse import no_valid_rows_error, parse_block, read_blocks
@@ -172,6 +173,13 @@ def _compact(ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return ids.astype(np.uint32), counts.astype(np.uint32)
 
 
+def distinct_counts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_counts=True)``: by the C helper's hash count where it is built
+    (3x faster on a block of Criteo ids), else numpy's sort."""
+    fast = fastparse.count_ids(ids)
+    return fast if fast is not None else np.unique(ids, return_counts=True)
+
+
 def count_ids(path: Path, block: Block, on_bad_row: str, train_lines: float
               ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Worker task of the vocabulary pass: per feature, the distinct raw ids of the block's
@@ -179,7 +187,7 @@ def count_ids(path: Path, block: Block, on_bad_row: str, train_lines: float
     of those rows."""
     rows, _ = parse_block(block.data, block.line, path, on_bad_row, block.lines)
     n_train = int(np.searchsorted(rows.lines, train_lines, side="right"))
-    return [_compact(*np.unique(c[:n_train], return_counts=True)) for c in rows.cats], n_train
+    return [_compact(*distinct_counts(c[:n_train])) for c in rows.cats], n_train
 
 
 def count_lines_of(path: Path, line: int, lines: int, index: LineIndex, block_bytes: int,
@@ -192,9 +200,9 @@ def count_lines_of(path: Path, line: int, lines: int, index: LineIndex, block_by
     n_rows = 0
     with contextlib.closing(prefetch(read_blocks(path, block_bytes, start, end))) as datas:
         for data in datas:
-            n = data.count(b"\n")
+            n = fastparse.count_newlines(data)
             rows, _ = parse_block(data, line + 1, path, on_bad_row, n)
-            parts.append([np.unique(c, return_counts=True) for c in rows.cats])
+            parts.append([distinct_counts(c) for c in rows.cats])
             n_rows += len(rows.label)
             line += n
     per_feature = [_compact(*merge_counts([p[k] for p in parts])) for k in range(NUM_SPARSE)]
