@@ -50,12 +50,10 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import importlib
 import importlib.metadata
 import json
 import os
 import shutil
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -189,12 +187,6 @@ def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, li
     return splits, encoding, input_lines, skipped
 
 
-def _import_quietly(module: str) -> None:
-    """Import ``module`` ahead of its use; a failure is raised where it is used."""
-    with contextlib.suppress(Exception):
-        importlib.import_module(module)
-
-
 def _first_skipped(paths: list[Path], input_lines: list[int], skipped: Sequence[int]) -> str:
     """``file:line`` of the first bad row (``skipped`` holds global line numbers)."""
     first, start = int(min(skipped)), 0
@@ -285,18 +277,12 @@ def preprocess_criteo(
     job = _Job(paths=paths, out=out, rule=rule, request=request, rows_per_shard=rows_per_shard,
                row_group_size=row_group_size, on_bad_row=on_bad_row, block_bytes=block_bytes,
                workers=workers, max_bad_row_fraction=max_bad_row_fraction)
-    # table_summary (below) imports torch for its memory estimate, 2-3 s: a thread imports it
-    # while the rows are processed (the C parser, numpy and Parquet release the GIL)
-    importer = threading.Thread(target=_import_quietly, args=("dlrm_app.resources",),
-                                name="import-resources", daemon=True)
-    importer.start()
     try:
         with runner(workers) as run:
             try:
                 splits, encoding, input_lines, skipped = _preprocess(run, job)
             finally:
                 encoder.cache_clear()  # this process's vocabulary, if it encoded rows itself
-                importer.join()  # never left importing while the interpreter exits
     except ValueError:
         # bad input: nothing worth resuming; leave no half-made output behind (an interrupted
         # run keeps its staging, which a rerun with the same arguments picks up)
