@@ -70,6 +70,7 @@ from recsys_core.distributed import (
     construct_module_sharding_plan,
     data_parallel,
     row_wise,
+    shm_comm,
     table_wise,
 )
 from recsys_core.distributed.sharding_plan import ParameterShardingGenerator
@@ -399,6 +400,11 @@ def main() -> None:
     common = {
         "bench": "sharded_ebc_train_step",
         "backend": dist.get_backend(),
+        # shm: the collectives go through shared memory (all ranks on this host);
+        # RECSYS_SHM_COMM=0 in the environment keeps them on the backend
+        "transport": ("shm" if world > 1 and shm_comm.for_group(dist.group.WORLD,
+                                                                torch.device("cpu")) is not None
+                      else dist.get_backend()),
         "mean_pooling_factor": args.pooling,
         "batch_size_per_rank": args.batch_size,
         "tables": len(rows),

@@ -42,6 +42,13 @@ are skipped). Rank 0 of each job prints one JSON line, which the driver relays:
                            products (forward and both gradients) on one rank's threads, alone;
                            step_over_floor = step_ms / floor_ms (1.0 would be the limit)
 
+  transport                how ranks exchanged bytes: local (one rank), shm (recsys_core's
+                           collectives and the dense all-reduce through shared memory, all ranks on
+                           this host; the baseline's DDP stays on gloo) or gloo (RECSYS_SHM_COMM=0);
+                           ``--transports shm,gloo`` runs ours once per transport, and with
+                           ``--ab-rounds N`` both in one job, taking turns every ``--steps`` steps
+                           (samples_per_s: the median round; samples_per_s_rounds: every round)
+
 Phases: data (next batch from a loader without a prefetch thread, to device), input_dist (ids
 all-to-all, start + wait), lookup (local TBE forward), output_dist (pooled all-to-all),
 dense_forward (bottom MLP + interaction + top MLP + loss), dense_backward (to the pooled
@@ -100,7 +107,8 @@ from dlrm_app.model import (
 )
 from dlrm_app.pipeline import device_batches
 from dlrm_app.runtime import autocast, init_distributed
-from recsys_core.distributed import DistributedModelParallel
+from recsys_core.distributed import DistributedModelParallel, shm_comm
+from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.optim import CombinedOptimizer, in_backward_optimizer_filter
 
 # Criteo 1TB cardinalities of the 26 categorical features (as in bench/planner.py)
@@ -114,6 +122,7 @@ QUICK = {"batch_size": 128, "rows_per_table": 1000, "dim": 16, "bottom": "32",
          "top": "64,32", "steps": 3, "warmup": 1, "phased_steps": 2}
 OURS, BASELINE = "recsys_core_dmp", "pytorch_ddp"
 PRECISIONS = ("fp32", "bf16")
+TRANSPORTS = ("shm", "gloo")
 PHASES_MEASURED = ("mean of instrumented steps on rank 0; each phase ends with a device sync and "
                    "a barrier, so phases do not overlap and include waiting for the slowest rank")
 
@@ -146,6 +155,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"job each (choices {[c.value for c in CommPrecision]}; auto: bf16 "
                         "payloads across hosts in bf16, fp32 otherwise)")
     p.add_argument("--comm-precision", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--transports", default="shm",
+                   help="comma list, one job of ours per value at each world size above 1: shm "
+                        "(gloo groups on one host exchange through shared memory, the default) "
+                        "or gloo (RECSYS_SHM_COMM=0: everything over gloo's TCP loopback)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each job this many times, interleaved (transport, then the next "
+                        "round), to see the spread on a shared machine")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="A/B the --transports inside one job instead (world sizes above 1): "
+                        "this many rounds of --steps steps per transport, order flipped every "
+                        "round; samples_per_s is the median round, samples_per_s_rounds all")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the pytorch_ddp jobs (no ratio_to_baseline)")
     p.add_argument("--threads-per-rank", type=int, default=1,
                    help="intra-op threads per rank (more than cores / world oversubscribes)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -167,6 +189,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = sorted(set(args.comm_precisions.split(",")) - {c.value for c in CommPrecision})
     if bad:
         p.error(f"--comm-precisions: unknown {bad}; choose from {[c.value for c in CommPrecision]}")
+    bad = sorted(set(args.transports.split(",")) - set(TRANSPORTS))
+    if bad:
+        p.error(f"--transports: unknown {bad}; choose from {list(TRANSPORTS)}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     bad = sorted(set(args.precisions.split(",")) - set(PRECISIONS))
     if bad:
         p.error(f"--precisions: unknown {bad}; choose from {list(PRECISIONS)}")
@@ -240,16 +267,19 @@ def forever(loader: ParquetLoader) -> Iterator[Batch]:
 
 
 def all_reduce_grads(params: list[nn.Parameter], average: bool) -> None:
-    """Dense gradients in one flat all-reduce (DDP buckets them); sparse ones one by one."""
+    """Dense gradients in one flat all-reduce (DDP buckets them); sparse ones one by one.
+    ``average``: DDP's default hook (gloo); else the sum through ``comm.all_reduce_sum_``."""
     world = dist.get_world_size()
     if world == 1:
         return
     dense = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
     if dense:
         flat = torch.cat([g.reshape(-1) for g in dense])
-        dist.all_reduce(flat)
         if average:
+            dist.all_reduce(flat)
             flat /= world
+        else:  # the sum, as dlrm_app's DDP comm hook takes it (shared memory on one host)
+            all_reduce_sum_(flat, dist.group.WORLD)
         for g, part in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
             g.copy_(part.view_as(g))
     for p in params:
@@ -492,32 +522,51 @@ def worker(args: argparse.Namespace) -> None:
 
     train_loader = loader(prefetch=2)
     first = bench.run(train_loader, args.warmup)[0]
-    dist.barrier()
-    start = time.perf_counter()
-    losses = bench.run(train_loader, args.steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    clock, phases = PhaseClock(device), []
+    # A/B: the transports take turns in one job, ``--ab-rounds`` rounds of ``--steps`` steps
+    # each (the order flips every round), so both see the same background load
+    vias: list[str | None] = [None]
+    if args.ab_rounds and world > 1 and args.impl == OURS and device.type == "cpu":
+        vias = list(args.transports.split(","))
+    slowest: dict[str | None, list[float]] = {via: [] for via in vias}
+    losses: list[float] = []
+    for round_ in range(max(args.ab_rounds, 1) if vias != [None] else 1):
+        for via in vias if round_ % 2 == 0 else vias[::-1]:
+            if via is not None:
+                shm_comm.pause(via != "shm")
+            dist.barrier()
+            start = time.perf_counter()
+            losses += bench.run(train_loader, args.steps)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            slowest[via].append(elapsed.item())
+    clock, phases = PhaseClock(device), {via: [] for via in vias}
     batches = forever(loader(prefetch=0))  # "data" is then the whole read + decode of a batch
-    for _ in range(args.phased_steps):
-        bench.phased_step(batches, clock)
-        phases.append(clock.ms)
-    slowest = torch.tensor([elapsed], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    for via in vias:
+        if via is not None:
+            shm_comm.pause(via != "shm")
+        for _ in range(args.phased_steps):
+            bench.phased_step(batches, clock)
+            phases[via].append(clock.ms)
+    shm_comm.pause(False)
     mean_loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
     dist.all_reduce(mean_loss)
     peaks = gather(round(peak_memory_mb(device), 1))
-    if rank == 0:
+    for via in vias if rank == 0 else []:
         rows = sorted({f.num_embeddings for f in spec.sparse_features})
-        phase_ms = {k: round(sum(p[k] for p in phases) / len(phases), 2) for k in phases[0]}
+        phase_ms = {k: round(sum(p[k] for p in phases[via]) / len(phases[via]), 2)
+                    for k in phases[via][0]}
+        rates = [args.steps * config.batch_size * world / t for t in slowest[via]]
+        median = sorted(slowest[via])[len(slowest[via]) // 2]
         line = {
             "bench": "dlrm_train", "impl": args.impl, "precision": args.precision,
             "comm_precision": (comm_precision(config, device, world_hosts()).value
                                if args.impl == OURS else None),
             "world_size": world,
             "device": device.type, "backend": dist.get_backend(),
+            "transport": via or transport(device),
             "batch_size_per_rank": config.batch_size, "global_batch": config.batch_size * world,
             "tables": len(spec.sparse_features),
             "rows_per_table": rows[0] if len(rows) == 1 else rows,
@@ -526,8 +575,10 @@ def worker(args: argparse.Namespace) -> None:
             "top_mlp": list(config.model.over_arch_layer_sizes),
             "steps": args.steps, "warmup": args.warmup, "phased_steps": args.phased_steps,
             "threads_per_rank": torch.get_num_threads(),
-            "samples_per_s": round(args.steps * config.batch_size * world / slowest.item(), 1),
-            "step_ms": round(slowest.item() / args.steps * 1e3, 2),
+            "samples_per_s": round(args.steps * config.batch_size * world / median, 1),
+            "step_ms": round(median / args.steps * 1e3, 2),
+            **({"ab_rounds": len(rates), "samples_per_s_rounds": [round(r, 1) for r in rates]}
+               if via is not None else {}),
             "phase_ms": phase_ms,
             "phased_step_ms": round(sum(phase_ms.values()), 2),
             "phases_measured": PHASES_MEASURED,
@@ -546,6 +597,14 @@ def worker(args: argparse.Namespace) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def transport(device: torch.device) -> str:
+    """How ranks exchange bytes: local (one rank), shm (shared memory, recsys_core's
+    collectives and dense all-reduce; the baseline's DDP stays on gloo) or the backend."""
+    if dist.get_world_size() == 1:
+        return "local"
+    return "shm" if shm_comm.for_group(dist.group.WORLD, device) is not None else dist.get_backend()
 
 
 # ---- driver -------------------------------------------------------------------------------------
@@ -594,9 +653,11 @@ def matmul_floor(args: argparse.Namespace, precision: str, device: torch.device)
 
 
 def run_job(args: argparse.Namespace, argv: list[str], data: str, world: int, impl: str,
-            cuda: bool) -> dict[str, object]:
-    """One torchrun job; its rank 0's JSON line (the job's stderr passes through)."""
+            cuda: bool, transport: str = "shm") -> list[dict[str, object]]:
+    """One torchrun job; its rank 0's JSON lines (one, or one per transport under
+    --ab-rounds; the job's stderr passes through)."""
     env = dict(os.environ)
+    env[shm_comm.ENV_SWITCH] = "1" if transport == "shm" else "0"
     env["OMP_NUM_THREADS"] = str(args.threads_per_rank)
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -605,10 +666,10 @@ def run_job(args: argparse.Namespace, argv: list[str], data: str, world: int, im
            "--worker", "--impl", impl, "--data", data]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    if proc.returncode != 0 or len(lines) != 1:
+    if proc.returncode != 0 or not lines:
         raise SystemExit(f"{impl} at world size {world}: the torchrun job failed (exit code "
                          f"{proc.returncode}; its stderr is above); stdout:\n{proc.stdout}")
-    return lines[0]
+    return lines
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> None:
@@ -641,20 +702,28 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
             if args.threads_per_rank * world > cores:
                 print(f"note: {world} ranks x {args.threads_per_rank} threads on {cores} cores",
                       file=sys.stderr, flush=True)
+            transports = args.transports.split(",") if world > 1 and not cuda else ["shm"]
             fp32_base = None
             for precision in precisions:
                 job = [*argv, "--precision", precision]
-                base = run_job(args, job, data, world, BASELINE, cuda)
+                base = None if args.no_baseline else run_job(args, job, data, world, BASELINE,
+                                                             cuda)[0]
                 fp32_base = fp32_base or (base if precision == "fp32" else None)
-                lines = [base]
-                for comm in args.comm_precisions.split(","):
-                    ours = run_job(args, [*job, "--comm-precision", comm], data, world, OURS, cuda)
-                    ours["ratio_to_baseline"] = round(
-                        ours["samples_per_s"] / base["samples_per_s"], 3)
-                    if fp32_base is not None:
-                        ours["ratio_to_fp32_baseline"] = round(
-                            ours["samples_per_s"] / fp32_base["samples_per_s"], 3)
-                    lines.append(ours)
+                lines = [] if base is None else [base]
+                jobs = transports if args.ab_rounds == 0 else ["shm"]  # A/B: all in one job
+                for repeat in range(args.repeats):
+                    for comm in args.comm_precisions.split(","):
+                        for ours in (line for via in jobs for line in run_job(
+                                args, [*job, "--comm-precision", comm], data, world, OURS, cuda,
+                                via)):
+                            ours["repeat"] = repeat
+                            if base is not None:
+                                ours["ratio_to_baseline"] = round(
+                                    ours["samples_per_s"] / base["samples_per_s"], 3)
+                            if fp32_base is not None:
+                                ours["ratio_to_fp32_baseline"] = round(
+                                    ours["samples_per_s"] / fp32_base["samples_per_s"], 3)
+                            lines.append(ours)
                 for line in lines:
                     line["floor_ms"] = floors[precision]["floor_ms"]
                     line["step_over_floor"] = round(line["step_ms"] / line["floor_ms"], 2)

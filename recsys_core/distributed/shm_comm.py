@@ -396,16 +396,27 @@ def _alive(pid: int) -> bool:
 _GROUPS: dict[int, tuple[dist.ProcessGroup, ShmGroup | None]] = {}
 
 
+_PAUSED = False
+
+
 def enabled() -> bool:
     """The env switch: ``RECSYS_SHM_COMM=0`` (or false/off/no) turns the transport off."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def pause(paused: bool) -> None:
+    """While paused, new collectives go through gloo (those in flight finish where they
+    started). Every rank must pause and resume at the same point of its collectives, e.g.
+    after a barrier: for A/B measurements of the two transports in one job."""
+    global _PAUSED
+    _PAUSED = paused
 
 
 def for_group(group: dist.ProcessGroup | None, device: torch.device) -> ShmGroup | None:
     """The transport of ``group`` for tensors on ``device``, or None: use gloo. Collective on
     the group's first call (every rank calls it at the same collective, as they issue the
     collective itself); later calls are a dict lookup."""
-    if device.type != "cpu" or _shm_sync is None:
+    if device.type != "cpu" or _shm_sync is None or _PAUSED:
         return None
     group = group if group is not None else dist.group.WORLD
     entry = _GROUPS.get(id(group))
