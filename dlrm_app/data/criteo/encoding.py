@@ -99,9 +99,12 @@ class VocabularyIndex:
     """One feature's sorted vocabulary with a bucket index on its ids' high bits, searched by
     the C helper (:func:`~dlrm_app.data.criteo.fastparse.vocab_lookup`). About 2-4 ids a
     bucket (raw ids are spread over their range), so a lookup reads an index entry and a
-    cache line of the vocabulary: at 10 M ids per table, 5x faster than sorting the keys for
-    ``np.searchsorted``. The index holds 8 bytes per bucket (at most 4 per id), built in each
-    encoding process from the shared mapped vocabulary."""
+    cache line of the vocabulary: 5x faster than sorting the keys for ``np.searchsorted`` on
+    the 9.8 M-id vocabulary of 10 M generated rows (4 M ids in its largest table; 41 against
+    200 ms a block of 126k rows). The index holds 8 bytes per bucket (at most 4 per id), built
+    in each encoding process (30 ms for 9.8 M ids) from the shared mapped vocabulary. Ids
+    clustered in a small part of the range share buckets: then a lookup is a binary search
+    within its bucket, never worse than over the whole vocabulary."""
 
     def __init__(self, vocab: np.ndarray) -> None:
         self.vocab = np.ascontiguousarray(vocab, np.int64)

@@ -26,11 +26,15 @@ at most ``2 * workers`` shards on disk. Streaming: one process about 0.2 GB + 10
 ``block_bytes``; with workers, each about 0.2 GB + 6 x ``block_bytes`` and the parent (up to
 ``2 * workers`` blocks and their encoded rows in flight) about 0.2 GB + (3 + 4 x workers) x
 ``block_bytes``. Measured with 32 MB blocks, in total: plain 0.4 GB (one process) / 0.8 GB
-(two workers), gzip 0.5 / 0.9 GB. Add the line numbers of skipped bad rows (8 bytes each),
-and for the default vocabulary: its counting pass (bounded by ``vocabulary_memory_bytes``, see
-:mod:`~dlrm_app.data.criteo.vocabulary`) and the vocabulary itself (8 bytes per id with a row):
-in this process until ``vocabulary.parquet`` is written (by a thread, during the main pass),
-and one copy in ``.staging`` that every encoding process maps (shared page cache).
+(two workers), gzip 0.5 / 0.9 GB. A shard's row groups are written by a thread of the process
+that makes them (at most 2 row groups in flight, about 15 MB each at the default 65,536 rows)
+while it parses and encodes the next block. Add the line numbers of skipped bad rows (8 bytes
+each), and for the default vocabulary: its counting pass (bounded by
+``vocabulary_memory_bytes``, see :mod:`~dlrm_app.data.criteo.vocabulary`) and the vocabulary
+itself (8 bytes per id with a row): in this process until ``vocabulary.parquet`` is written (by
+a thread, during the main pass), and one copy in ``.staging`` that every encoding process maps
+(shared page cache), plus each encoding process's bucket index of it for the C lookup (at most
+4 bytes per id, see :class:`~dlrm_app.data.criteo.encoding.VocabularyIndex`).
 
 The default vocabulary reads the train split twice (a counting pass, then the main pass); a
 kaggle vocabulary needs every input's line count first (a gzip input is decompressed once

@@ -9,7 +9,7 @@ cut by the cap, or never seen in train) shares the out-of-vocabulary row ``0``. 
 
 Counting is exact: per feature, the sorted distinct raw ids of the train split and their
 counts (16 bytes per distinct id), merged in this process from per-block counts made in the
-workers (plain inputs: each worker reads its own line ranges of about ``block_bytes``, found
+workers (a block's distinct ids by the C helper's hash count, then sorted) (plain inputs: each worker reads its own line ranges of about ``block_bytes``, found
 with the line index; gzip: this process reads the blocks and hands them out). Its memory is
 bounded by ``memory_bytes`` (default 4 GiB): the held counts (merged, and per-block ones
 waiting to be merged) plus the temporaries of the merge in progress (about 40 bytes per id
