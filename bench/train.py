@@ -42,6 +42,11 @@ are skipped). Rank 0 of each job prints one JSON line, which the driver relays:
                            products (forward and both gradients) on one rank's threads, alone;
                            step_over_floor = step_ms / floor_ms (1.0 would be the limit)
 
+  cpu_ms_per_step          CPU time (all threads of the process: compute, loader, gloo's and
+                           the transport's) per step, mean over ranks; samples_per_cpu_s = batch
+                           per rank / that: how much work a sample costs, which a loaded
+                           machine changes far less than wall time (it misses time spent idle
+                           waiting for a peer)
   transport                how ranks exchanged bytes: local (one rank), shm (recsys_core's
                            collectives and the dense all-reduce through shared memory, all ranks on
                            this host; the baseline's DDP stays on gloo) or gloo (RECSYS_SHM_COMM=0);
@@ -528,20 +533,24 @@ def worker(args: argparse.Namespace) -> None:
     if args.ab_rounds and world > 1 and args.impl == OURS and device.type == "cpu":
         vias = list(args.transports.split(","))
     slowest: dict[str | None, list[float]] = {via: [] for via in vias}
+    cpu: dict[str | None, list[float]] = {via: [] for via in vias}  # CPU s per step, rank mean
     losses: list[float] = []
     for round_ in range(max(args.ab_rounds, 1) if vias != [None] else 1):
         for via in vias if round_ % 2 == 0 else vias[::-1]:
             if via is not None:
                 shm_comm.pause(via != "shm")
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             losses += bench.run(train_loader, args.steps)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            used = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(used)
             slowest[via].append(elapsed.item())
+            cpu[via].append(used.item() / world / args.steps)
     clock, phases = PhaseClock(device), {via: [] for via in vias}
     batches = forever(loader(prefetch=0))  # "data" is then the whole read + decode of a batch
     for via in vias:
@@ -579,6 +588,11 @@ def worker(args: argparse.Namespace) -> None:
             "step_ms": round(median / args.steps * 1e3, 2),
             **({"ab_rounds": len(rates), "samples_per_s_rounds": [round(r, 1) for r in rates]}
                if via is not None else {}),
+            "cpu_ms_per_step": round(sorted(cpu[via])[len(cpu[via]) // 2] * 1e3, 2),
+            **({"cpu_ms_per_step_rounds": [round(c * 1e3, 1) for c in cpu[via]]}
+               if via is not None else {}),
+            "samples_per_cpu_s": round(config.batch_size / sorted(cpu[via])[len(cpu[via]) // 2],
+                                       1),
             "phase_ms": phase_ms,
             "phased_step_ms": round(sum(phase_ms.values()), 2),
             "phases_measured": PHASES_MEASURED,
