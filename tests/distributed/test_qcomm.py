@@ -23,7 +23,7 @@ from gloo_setup import (
 )
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, PoolingType
-from recsys_core.distributed import EmbeddingBagCollectionSharder, table_wise
+from recsys_core.distributed import EmbeddingBagCollectionSharder, shm_comm, table_wise
 from recsys_core.distributed.fbgemm_qcomm_codec import (
     CastCommCodec,
     CommType,
@@ -219,13 +219,20 @@ def qcomm_worker(rank: int, world: int, kind: str) -> dict[str, object]:
 
     sent_dtypes: list[torch.dtype] = []
     original = dist.all_to_all_single
+    original_shm = shm_comm.ShmGroup.all_to_all_single  # ranks on one host: shared memory
 
     def spy(output, input, *args, **kwargs):  # noqa: A002 (torch's names)
         if input.is_floating_point():
             sent_dtypes.append(input.dtype)
         return original(output, input, *args, **kwargs)
 
+    def shm_spy(self, output, input, *args):  # noqa: A002
+        if input.is_floating_point():
+            sent_dtypes.append(input.dtype)
+        return original_shm(self, output, input, *args)
+
     dist.all_to_all_single = spy
+    shm_comm.ShmGroup.all_to_all_single = shm_spy
     try:
         kjts = rank_batches(7, world, ["f0", "f1", "f2"], [13, 13, 7], BATCH, empty_first=True)
         out = sharded(kjts[rank]).wait()
@@ -234,6 +241,7 @@ def qcomm_worker(rank: int, world: int, kind: str) -> dict[str, object]:
         values.backward(upstream[rank_rows(rank, BATCH)])
     finally:
         dist.all_to_all_single = original
+        shm_comm.ShmGroup.all_to_all_single = original_shm
 
     ref_values = reference(concat_ranks(kjts)).values()
     expected = ref_values[rank_rows(rank, BATCH)].detach()
