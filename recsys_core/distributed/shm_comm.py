@@ -22,7 +22,8 @@ bytes outstanding, for acks), so an in-flight collective overlaps compute as glo
 
 A failure is never a hang: a mismatched call (sizes, dtype) raises on the rank that sees it and
 sets the abort word, which makes every waiting peer raise; a dead peer (its pid gone) and a
-deadline (``RECSYS_SHM_COMM_TIMEOUT_S``, default 600 s) raise too.
+deadline (the process group's timeout; ``RECSYS_SHM_COMM_TIMEOUT_S`` overrides it) raise too,
+worded as gloo's errors for the same events ("timed out", "connection closed by peer").
 
 ``RECSYS_SHM_COMM=0`` turns the transport off (everything goes through gloo).
 """
@@ -96,7 +97,7 @@ class ShmGroup:
                  rank: int) -> None:
         self.world, self.rank = world, rank
         self._group = group
-        self._timeout_s = float(os.environ.get(ENV_TIMEOUT, "600"))
+        self._timeout_s = _timeout_s(group)
         header = _round_up(8 + world, 8)
         self._slot_words = _round_up(4 + 2 * world, 8)
         self._desc0 = header
@@ -138,19 +139,22 @@ class ShmGroup:
         while True:
             if _shm_sync.wait_ge(addr, target, _SLICE_S, self._abort_addr) >= target:
                 return
+            # worded as gloo's errors for the same events, which callers already recognise
             culprit = int(self._words[2])
             if culprit:
                 raise ShmCommError(
-                    f"shm collective: rank {culprit - 1} of the group failed a collective "
-                    f"(see its error) while rank {self.rank} waited for {what}")
+                    f"shm collective: connection closed by peer: rank {culprit - 1} of the group "
+                    f"failed a collective (see its error) while rank {self.rank} waited for {what}")
             for peer in range(self.world):
                 if peer != self.rank and not _alive(int(self._words[8 + peer])):
-                    raise ShmCommError(f"shm collective: rank {peer} (pid {self._words[8 + peer]})"
-                                       f" died while rank {self.rank} waited for {what}")
+                    raise ShmCommError(
+                        f"shm collective: connection closed by peer: rank {peer} (pid "
+                        f"{self._words[8 + peer]}) exited while rank {self.rank} waited for {what}")
             if time.monotonic() > deadline:
-                self._fail(f"shm collective: rank {self.rank} waited {self._timeout_s:.0f} s for "
-                           f"{what}; a rank issued collectives in another order or stopped "
-                           f"calling them ({ENV_TIMEOUT} sets the limit, {ENV_SWITCH}=0 uses gloo)")
+                self._fail(f"shm collective: timed out after {self._timeout_s:.0f} s: rank "
+                           f"{self.rank} waited for {what}; a rank stalled, or issued collectives "
+                           f"in another order (the process group's timeout sets the limit, "
+                           f"{ENV_TIMEOUT} overrides it; {ENV_SWITCH}=0 uses gloo)")
 
     # ---- posting -------------------------------------------------------------------------
     def _reclaim(self) -> None:
@@ -379,6 +383,17 @@ class ShmGroup:
         except BufferError:  # a tensor still views it: the mapping goes with the last one
             pass
         os.close(self._fd)
+
+
+def _timeout_s(group: dist.ProcessGroup) -> float:
+    """``RECSYS_SHM_COMM_TIMEOUT_S``, else the group's own timeout (``init_process_group``'s
+    ``timeout``, e.g. ``dlrm-app train --timeout``), else gloo's default."""
+    if os.environ.get(ENV_TIMEOUT):
+        return float(os.environ[ENV_TIMEOUT])
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # torch without per-backend options
+        return dist.distributed_c10d.default_pg_timeout.total_seconds()
 
 
 def _alive(pid: int) -> bool:

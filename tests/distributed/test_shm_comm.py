@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -250,3 +251,25 @@ def test_ddp_hook_sums_to_the_same_bits_on_either_transport() -> None:
     for a, b in zip(shm, gloo, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert all(torch.equal(x, y) for x, y in zip(shm[0], shm[1], strict=True))
+
+
+def _stalled_peer(rank: int, world: int) -> tuple[float, str]:
+    shm = shm_comm.for_group(dist.group.WORLD, torch.device("cpu"))
+    assert shm is not None
+    group_timeout = shm._timeout_s  # the process group's (run_gloo's timeout_s)
+    if rank == 1:
+        time.sleep(6)  # alive, but issues nothing: a stalled rank
+        return group_timeout, ""
+    os.environ[shm_comm.ENV_TIMEOUT] = "2"
+    shm._timeout_s = shm_comm._timeout_s(dist.group.WORLD)
+    try:
+        shm.all_to_all_single(torch.empty(2), torch.ones(2), [1, 1], [1, 1]).wait()
+    except shm_comm.ShmCommError as e:
+        return group_timeout, str(e)
+    return group_timeout, "no error"
+
+
+def test_a_stalled_peer_times_out_with_gloos_wording() -> None:
+    (timeout, error), (peer_timeout, _) = run_gloo(2, _stalled_peer, timeout_s=45)
+    assert timeout == peer_timeout == 45.0  # the group's own timeout, unless overridden
+    assert "timed out after 2 s" in error and "rank 1's part of all_to_all" in error
