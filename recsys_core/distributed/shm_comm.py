@@ -243,8 +243,10 @@ class ShmGroup:
             self._words[desc + 4 + 2 * r], self._words[desc + 5 + 2 * r] = off, n
         _shm_sync.store_release(self._addr(desc), seq)
 
-    def _receive(self, seq: int, peer: int, out: torch.Tensor | None, what: str) -> None:
-        """Copy ``peer``'s part of collective ``seq`` into ``out`` (None: expect nothing)."""
+    def _receive(self, seq: int, peer: int, out: torch.Tensor | None, what: str,
+                 add: bool = False) -> None:
+        """Copy ``peer``'s part of collective ``seq`` into ``out`` (None: expect nothing), or
+        with ``add`` add it to ``out`` (read in place: no copy)."""
         desc = self._desc(peer, seq)
         self._wait_word(desc, seq, f"rank {peer}'s part of {what} (collective #{seq})")
         got = int(_shm_sync.load_acquire(self._addr(desc)))
@@ -260,7 +262,10 @@ class ShmGroup:
             self._fail(f"shm collective {what}: rank {peer} sends rank {self.rank} {n} bytes of "
                        f"{sent}, rank {self.rank} expects {want} bytes of {mine}; the ranks' "
                        f"splits or dtypes disagree")
-        if n:
+        if n and add:
+            flat = out.view(-1)
+            flat.add_(self._bytes[off : off + n].view(out.dtype))
+        elif n:
             out.reshape(-1).view(torch.uint8).copy_(self._bytes[off : off + n])
         _shm_sync.store_release(self._addr(self._ack(peer, self.rank, seq)), seq)
 
@@ -327,11 +332,22 @@ class ShmGroup:
         return ShmWork(finish)
 
     def all_reduce(self, x: torch.Tensor) -> ShmWork:
-        """In-place sum of ``x`` over the ranks: chunk r is summed by rank r (rank order, as
-        :meth:`reduce_scatter`), then gathered; every rank gets the same bits."""
+        """In-place sum of ``x`` over the ranks; every rank gets the same bits. 2 ranks: one
+        round, each adds its peer's whole tensor to its own (a + b == b + a, bit for bit).
+        More: chunk r is summed by rank r (rank order, as :meth:`reduce_scatter`), then
+        gathered."""
         if not x.is_contiguous():
             raise ValueError("all_reduce: the tensor must be contiguous")
         flat = x.view(-1)
+        if self.world == 2:
+            seq = self._next_seq()
+            self._post(seq, [flat, flat], x.dtype)
+            peer = 1 - self.rank
+
+            def add_peer() -> None:
+                self._receive(seq, peer, flat, "all_reduce", add=True)
+
+            return ShmWork(add_peer)
         q, extra = divmod(flat.numel(), self.world)
         sizes = [q + (r < extra) for r in range(self.world)]
         seq = self._next_seq(later=1)
