@@ -39,6 +39,7 @@ from recsys_core.distributed.sharding.common import (
     LocalKernels,
     ShardedTable,
     check_kernel_placement,
+    planned_caches,
     require_process_group,
     resolve_shards,
 )
@@ -143,6 +144,11 @@ class ShardedCollectionCore:
             if dense:
                 self.strategies.append(factory(family[0], dense, replace(ctx, dense=True)))
         self.lookups = nn.ModuleList([s.local for s in self.strategies])
+        # From the plan, the same on every rank: whether a prefetch waits for its input dist
+        # (cached tables somewhere). A rank deciding from its own kernels would wait while a
+        # rank without cached tables went on to the next collection's input dist, and the
+        # ranks' collectives would no longer match (two collections, caches on some ranks).
+        self._prefetches_rows = bool(planned_caches(plan))
         self.embedding_names = [n for names in names_by_table for n in names]
         # a feature shared by several tables feeds several outputs (``f@t1``, ``f@t2``)
         self.feature_of = {
@@ -277,9 +283,9 @@ class ShardedCollectionCore:
         """
         inputs = self.input_dist(features)
         self._prefetched.append((features, inputs))
-        if any(local.cached_kernels() for local in self.lookups):
-            # Cached tables: this rank's ids of that batch are needed now, to bring their rows
-            # into the caches while the current batch computes.
+        if self._prefetches_rows:
+            # Cached tables (on some rank): the ids of that batch are needed now, to bring
+            # their rows into the caches while the current batch computes.
             for local, received in zip(self.lookups, self.wait_inputs(inputs), strict=True):
                 local.prefetch(received)
 

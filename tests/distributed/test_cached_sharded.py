@@ -210,3 +210,40 @@ def test_a_checkpoint_loaded_into_a_trained_cached_module_is_not_reported_corrup
         assert len(got["state"]) == len(want["state"]) > 0
         for a, b in zip(got["outs"] + got["state"], want["outs"] + want["state"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+OTHER = [EmbeddingBagConfig(name="other", embedding_dim=4, num_embeddings=1000,
+                            feature_names=["f0"], pooling=PoolingType.SUM)]
+
+
+def two_collections_worker(rank: int, world: int, tmp: str) -> list[float]:
+    """Two sharded collections fed by one pipeline: the first's tables cached on rank 0 only,
+    the second's in memory on rank 1. The prefetches' collectives must match on both ranks."""
+    cached = shard(world, True, "table_wise", tmp)  # every table of it on rank 0, cached
+    other = EmbeddingBagCollection(OTHER, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(other, {"other": table_wise(rank=1)}, world, world)
+    sharder = EmbeddingBagCollectionSharder(fused_params=dict(FUSED),
+                                            table_init=SeededUniformInit(seed=4))
+    model = torch.nn.Module()
+    model.cached = cached
+    model.other = sharder.shard(other, plan, world_env(), torch.device("cpu"))
+    reference = EmbeddingBagCollection(TABLES + OTHER)
+    for c in TABLES + OTHER:
+        SeededUniformInit(seed=4 if c in OTHER else 3).fill(
+            reference.embedding_bags[c.name].weight.data,
+            TableRegion(table=c.name, num_rows=c.num_embeddings, dim=c.embedding_dim))
+    data = batches(world, 4)
+    lo, hi = rank * BATCH, (rank + 1) * BATCH
+    errors = []
+    for kjts in pipelined_batches(data, model, to_device=lambda b: b, features=lambda b: b[rank]):
+        got = torch.cat([model.cached(kjts[rank]).wait().values(),
+                         model.other(kjts[rank]).wait().values()], dim=1)
+        with torch.no_grad():
+            want = reference(concat_ranks(kjts)).values()[lo:hi]
+        errors.append(float((got.detach() - want).abs().max()))
+    return errors
+
+
+def test_two_collections_with_caches_on_some_ranks_prefetch_in_step(tmp_path) -> None:
+    for errors in run_gloo(2, two_collections_worker, str(tmp_path)):
+        assert len(errors) == 4 and max(errors) < 1e-6, errors
