@@ -312,8 +312,9 @@ def test_stalled_rank_ends_the_run_after_timeout(data: Path, tmp_path: Path) -> 
     import threading
 
     run = tmp_path / "stalled"
+    # epochs enough that the run is still training when rank 1 stalls (the last --epochs wins)
     args = ["train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
-            *COMMON, "--timeout", "5"]
+            *COMMON, "--epochs", "100", "--timeout", "5"]
     proc = subprocess.Popen(_cmd(2, *args), env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
