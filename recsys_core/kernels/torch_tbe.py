@@ -126,6 +126,10 @@ class TorchTableBatchedEmbedding(nn.Module):
         per_sample_weights: torch.Tensor | None,
         want_psw_grad: bool,
     ) -> torch.Tensor | None:
+        if (self.gradient_reducer is None and not want_psw_grad and len(set(self.dims)) == 1
+                and self.feature_table_map):
+            self._backward_one_dim(grad_out, indices, offsets, per_sample_weights)
+            return None
         batch, starts = feature_bounds(offsets, len(self.feature_table_map))
         tables = self.split_embedding_weights()
         dim_offsets = _cumsum([self.dims[t] for t in self.feature_table_map])
@@ -160,12 +164,52 @@ class TorchTableBatchedEmbedding(nn.Module):
         return torch.cat(psw_grads) if want_psw_grad else None
 
     @torch.no_grad()
+    def _backward_one_dim(self, grad_out: torch.Tensor, indices: torch.Tensor,
+                          offsets: torch.Tensor, per_sample_weights: torch.Tensor | None) -> None:
+        """:meth:`backward_and_update` for tables of one dim, all at once: the ids of every
+        feature as rows of the flat buffers seen as ``[total rows, dim]``, one ``unique`` and
+        one update instead of one per table (many small tables, e.g. dim-1 ones, spent most of
+        their step in the per-table loop). Each row gets the same sum, in the same order, and
+        the same update as there."""
+        dim, features = self.dims[0], len(self.feature_table_map)
+        batch, starts = feature_bounds(offsets, features)
+        count = starts[-1] - starts[0]
+        lengths = offsets[1 : features * batch + 1] - offsets[: features * batch]
+        bag_of_index = torch.repeat_interleave(
+            torch.arange(features * batch, device=grad_out.device), lengths.long(), output_size=count
+        )
+        # bag f * B + i's gradient is columns f*D:(f+1)*D of row i
+        bags = grad_out.view(batch, features, dim).transpose(0, 1).reshape(features * batch, dim)
+        g = bags.index_select(0, bag_of_index)
+        if self.pooling_mean:
+            g = g / lengths.clamp(min=1).to(g.dtype).index_select(0, bag_of_index).unsqueeze(1)
+        if per_sample_weights is not None:
+            g = g * per_sample_weights[starts[0] : starts[-1]].unsqueeze(1)
+        first_row = torch.tensor(_cumsum(self.rows)[:-1], device=grad_out.device)
+        feature_first_row = first_row[torch.tensor(self.feature_table_map, device=grad_out.device)]
+        rows = indices[starts[0] : starts[-1]].long() + feature_first_row.index_select(
+            0, torch.div(bag_of_index, max(batch, 1), rounding_mode="floor"))
+        rows, inverse = torch.unique(rows, return_inverse=True)
+        if rows.numel() == 0:
+            return
+        summed = g.new_zeros(rows.numel(), dim).index_add_(0, inverse, g)
+        opt = self.optimizer.optimizer
+        states = {name: getattr(self, name) if opt.state_is_rowwise(name)
+                  else getattr(self, name).view(-1, dim) for name in self.state_offsets}
+        self._update_rows(self.weights.view(-1, dim), states, rows, summed)
+
+    @torch.no_grad()
     def _apply_update(self, t: int, rows: torch.Tensor, g: torch.Tensor) -> None:
+        self._update_rows(self.split_embedding_weights()[t], self.split_optimizer_states()[t],
+                          rows, g)
+
+    @torch.no_grad()
+    def _update_rows(self, weight: torch.Tensor, states: dict[str, torch.Tensor],
+                     rows: torch.Tensor, g: torch.Tensor) -> None:
+        """The fused optimizer's step on ``rows`` of ``weight`` and its ``states``."""
         cfg = self.optimizer
         opt = cfg.optimizer.canonical
         lr, eps, wd = self._lr, cfg.eps, cfg.weight_decay
-        weight = self.split_embedding_weights()[t]
-        states = self.split_optimizer_states()[t]
         w = weight.index_select(0, rows)
         if opt is EmbOptimType.EXACT_SGD:
             new_w = w - lr * g

@@ -393,3 +393,38 @@ def test_rowwise_adagrad_decoupled_decay_by_hand() -> None:
     torch.testing.assert_close(w[1], expected)
     torch.testing.assert_close(kernel.split_optimizer_states()[0]["momentum1"][1], torch.tensor(1.5625))
     torch.testing.assert_close(w[0], torch.arange(4.0) / 10)  # untouched row: no decay
+
+
+@pytest.mark.parametrize("opt", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD,
+                                 EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM,
+                                 EmbOptimType.PARTIAL_ROWWISE_ADAM])
+@pytest.mark.parametrize("mean,weighted", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dim", [1, 4])
+def test_one_dim_tables_update_at_once_as_table_by_table(
+        opt: EmbOptimType, mean: bool, weighted: bool, dim: int) -> None:
+    """The torch kernel's update of tables of one dim in one pass (every feature's ids as rows
+    of the flat buffers) gives the bits of its table-by-table update (forced here through a
+    gradient reducer that changes nothing), a shared table included."""
+    from recsys_core.kernels.torch_tbe import TorchTableBatchedEmbedding
+
+    config = FusedOptimizerConfig(optimizer=opt, learning_rate=0.05, eps=1e-3)
+
+    def kernel() -> TorchTableBatchedEmbedding:
+        k = TorchTableBatchedEmbedding(rows=ROWS, dims=[dim] * 3,
+                                       feature_table_map=FEATURE_TABLE_MAP, pooling_mean=mean,
+                                       optimizer=config, device=torch.device("cpu"))
+        k.weights.copy_(torch.rand(k.weights.shape, generator=torch.Generator().manual_seed(7)))
+        return k
+
+    at_once, by_table = kernel(), kernel()
+    by_table.gradient_reducer = lambda t, rows, grads: (rows, grads)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        indices, offsets, psw = make_batch(gen, batch=6, weighted=weighted)
+        target = torch.randn(6, dim * len(FEATURE_TABLE_MAP), generator=gen)
+        for k in (at_once, by_table):
+            (k(indices, offsets, psw) * target).sum().backward()
+    assert torch.equal(at_once.weights, by_table.weights)
+    for name in at_once.state_offsets:
+        assert torch.equal(getattr(at_once, name), getattr(by_table, name)), name
+    assert not torch.equal(at_once.weights, kernel().weights)  # it did train
