@@ -276,7 +276,9 @@ def train_case(args: argparse.Namespace) -> dict:
         label="label", label_dtype="float32", created_by="bench/scale.py", parameters={},
         splits=tuple(SplitSpec(name=s, label_rate=0.5, shards=()) for s in SPLIT_NAMES))
     config = TrainConfig(data=args.work_dir, out=args.work_dir, batch_size=args.batch,
-                         model=ModelConfig(embedding_dim=args.dim), memory_per_rank=args.memory_gib,
+                         # the reference DLRM (no wide part), as in docs/scale.md
+                         model=ModelConfig(embedding_dim=args.dim, wide=False),
+                         memory_per_rank=args.memory_gib,
                          offload=True, offload_dir=str(Path(args.work_dir) / "offload"))
     device = torch.device("cpu")
     amp = amp_enabled(device, config.amp)

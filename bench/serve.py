@@ -157,7 +157,8 @@ def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], A
                       num_embeddings_per_feature=[args.rows_per_table] * NUM_SPARSE)
     model = ModelConfig(embedding_dim=args.dim,
                         dense_arch_layer_sizes=(*sizes(args.bottom), args.dim),
-                        over_arch_layer_sizes=(*sizes(args.top), 1))
+                        over_arch_layer_sizes=(*sizes(args.top), 1),
+                        wide=False)  # the reference DLRM, as in docs/serving.md
     batch = max(1, min(512, args.train_rows // (2 * args.train_steps)))
     train(TrainConfig(data=str(tmp / "data"), out=str(tmp / "run"), model=model,
                       batch_size=batch, max_steps=args.train_steps, val_batches=1),

@@ -217,9 +217,10 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     def sizes(text: str) -> tuple[int, ...]:
         return tuple(int(s) for s in text.split(",") if s)
 
+    # the reference DLRM, no wide part: the same model as the plain PyTorch baseline
     return ModelConfig(embedding_dim=args.dim,
                        dense_arch_layer_sizes=(*sizes(args.bottom), args.dim),
-                       over_arch_layer_sizes=(*sizes(args.top), 1))
+                       over_arch_layer_sizes=(*sizes(args.top), 1), wide=False)
 
 
 # ---- measurement --------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dlrm_app.config import CommPrecision, DenseOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.model import Interaction, build_dlrm, table_initializer
+from dlrm_app.model import Interaction, WideBagCollection, build_dlrm, table_initializer
 from dlrm_app.resources import planning_error_for_user, topology_for_run
 from dlrm_app.runtime import amp_enabled
 from recsys_core.distributed import (
@@ -65,6 +66,15 @@ def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
         return shm.all_reduce_future(bucket.buffer())
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class WideSharder(EmbeddingBagCollectionSharder):
+    """Shards the wide part's :class:`WideBagCollection` as the embeddings' sharder does, with
+    no ``qcomm_codecs_registry``: its dim-1 sums stay fp32 on the wire."""
+
+    @property
+    def module_type(self) -> type[nn.Module]:
+        return WideBagCollection
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -127,7 +137,11 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.num_hosts)),
         table_init=table_initializer(config.seed),
         offload_dir=None if offload_dir is None else str(offload_dir))
-    sharders: list[Any] = [sharder]
+    # the wide part's tables first (DMP takes the first sharder whose type matches): the
+    # same layouts and optimizer, their pooled sums always exchanged in fp32
+    sharders: list[Any] = [WideSharder(
+        fused_params=fused_optimizer(config), table_init=table_initializer(config.seed),
+        offload_dir=None if offload_dir is None else str(offload_dir)), sharder]
     if any(f.raw_ids for f in spec.sparse_features):
         # the raw-id tables: row-wise, in memory (--zch-rows sizes them), ids routed to the
         # rank that owns their rows

@@ -105,7 +105,8 @@ def freeze_raw_ids(model: DLRM, spec: DatasetSpec, config: ModelConfig
     plain_spec = dataclasses.replace(spec, sparse_features=tuple(
         dataclasses.replace(f, raw_ids=False, num_embeddings=rows[f"t_{f.name}"])
         if f.raw_ids else f for f in spec.sparse_features))
-    plain = build_dlrm(plain_spec, config, device="cpu")
+    wide = None if model.wide is None else model.wide.feature_names  # those it was trained with
+    plain = build_dlrm(plain_spec, config, device="cpu", wide_features=wide)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("sparse_arch.")}
     tables: dict[str, Tensor] = {}
     for collection in (model.sparse_arch.embedding_bag_collection, managed._embedding_module):

@@ -10,6 +10,7 @@ features (the reference DLRM layout)::
     dcn:  x0 = [d, e_1..e_F] flattened                     [B, (F+1)D]
           x_{l+1} = x0 * (W_l (V_l x_l) + b_l) + x_l       (low-rank cross layers, rank r)
     OverArch (top MLP, ReLU except the last layer, which gives 1 logit)   -> [B, 1]
+    wide (``ModelConfig.wide``): + sum_f w_f[id] + v . dense   (a logistic regression's terms)
 
 ``build_dlrm(spec, config, device)`` builds it from a dataset's ``dataset.json``: one table per
 sparse feature (``t_<feature>``, ``num_embeddings`` from the dataset). Build on
@@ -20,6 +21,7 @@ same seed gives the same weights under any plan and world size.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -237,6 +239,61 @@ class OverArch(nn.Module):
         return self.model(features)
 
 
+WIDE_PREFIX = "w_"
+"""Tables of the wide part are named ``w_<feature>`` (the DLRM's own ``t_<feature>``)."""
+
+
+class _ZeroLinear(nn.Linear):
+    """A linear layer that starts at zero (``reset_parameters`` too, as the sharded model's
+    materialization calls it)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class WideBagCollection(EmbeddingBagCollection):
+    """The wide part's tables: an EmbeddingBagCollection of a type of its own, so that its
+    sharder can keep their pooled sums in fp32 on the wire whatever ``--comm-precision`` does to
+    the embeddings (a rounded scalar goes straight into the logit; the bytes are 1/dim of the
+    embeddings')."""
+
+
+class WidePart(nn.Module):
+    """The wide part of wide & deep: a logistic regression's terms added to the logit, a
+    learned scalar per id of each feature (SUM-pooled dim-1 tables ``w_<feature>``) and a
+    linear term of the dense features. The DLRM sees an id only through dot products with the
+    other features; these give it each id's and each dense feature's own effect. Both start at
+    zero (:func:`table_initializer` zeroes the tables), so training starts from the plain DLRM.
+
+    ``forward(dense [B, N], sparse KJT) -> [B, 1]``; ``start``/``finish`` split it as
+    :class:`SparseArch` does (a sharded lookup in flight in between)."""
+
+    def __init__(self, features: list[tuple[str, int]], num_dense: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.feature_names = [name for name, _ in features]
+        self.tables = WideBagCollection(tables=[
+            EmbeddingBagConfig(name=WIDE_PREFIX + name, embedding_dim=1, num_embeddings=rows,
+                               feature_names=[name], pooling=PoolingType.SUM)
+            for name, rows in features], device=device) if features else None
+        self.dense = _ZeroLinear(num_dense, 1, device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return self.finish(self.start(sparse), dense)
+
+    def start(self, sparse: KeyedJaggedTensor) -> Any:
+        return None if self.tables is None else self.tables(sparse)
+
+    def finish(self, started: Any, dense: torch.Tensor) -> torch.Tensor:
+        # fp32 (the dense term is cast back where autocast ran it in bf16)
+        out = self.dense(dense).float()
+        if started is not None:
+            out = out + started.values().sum(1, keepdim=True)
+        return out
+
+
 class DLRM(nn.Module):
     """Deep Learning Recommendation Model (Naumov et al. 2019), optionally with DCN-v2.
 
@@ -255,6 +312,7 @@ class DLRM(nn.Module):
         dense_device: torch.device | str | None = None,
         managed_collision_collection: ManagedCollisionEmbeddingBagCollection | None = None,
         feature_order: list[str] | None = None,
+        wide_features: list[tuple[str, int]] | None = None,
     ) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(embedding_bag_collection, managed_collision_collection,
@@ -274,6 +332,9 @@ class DLRM(nn.Module):
                                                  dcn_low_rank_dim, dense_device)
         self.over_arch = OverArch(self.inter_arch.output_dim(dim), tuple(over_arch_layer_sizes),
                                   dense_device)
+        # built last: the other layers draw the same initial values with or without it
+        self.wide = None if wide_features is None else WidePart(
+            wide_features, dense_in_features, dense_device)
 
     overlap_exchange: bool = True
     """Run the bottom MLP while the pooled embeddings travel between ranks (sharded), in
@@ -283,14 +344,22 @@ class DLRM(nn.Module):
 
     def forward(self, dense_features: torch.Tensor,
                 sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        wide = None
         if self.overlap_exchange:
             started = self.sparse_arch.start(sparse_features)
+            if self.wide is not None:
+                wide = self.wide.start(sparse_features)
             embedded_dense = self.dense_arch(dense_features)
             embedded_sparse = self.sparse_arch.finish(started)
         else:
             embedded_dense = self.dense_arch(dense_features)
             embedded_sparse = self.sparse_arch(sparse_features)
-        return self.over_arch(self.inter_arch(embedded_dense, embedded_sparse))
+            if self.wide is not None:
+                wide = self.wide.start(sparse_features)
+        logits = self.over_arch(self.inter_arch(embedded_dense, embedded_sparse))
+        if self.wide is not None:
+            logits = logits + self.wide.finish(wide, dense_features)
+        return logits
 
 
 def table_name(feature: str) -> str:
@@ -343,11 +412,19 @@ def zch_table_rows(spec: DatasetSpec, config: ModelConfig) -> int:
 
 
 def build_dlrm(spec: DatasetSpec, config: ModelConfig,
-               device: torch.device | str = "meta") -> DLRM:
+               device: torch.device | str = "meta",
+               wide_features: list[str] | None = None) -> DLRM:
     """A DLRM for the dataset ``spec``: one SUM-pooled table per sparse feature; features with
     raw ids (``--id-mapping zch``) in a ManagedCollisionEmbeddingBagCollection whose tables
-    have ``zch_table_rows`` rows each."""
+    have ``zch_table_rows`` rows each. With ``config.wide``, a :class:`WidePart` over
+    ``wide_features`` (default: the features with encoded ids; raw-id features have none)."""
     device = torch.device(device)
+    wide = None
+    if config.wide:
+        if wide_features is None:
+            wide_features = [f.name for f in spec.sparse_features if not f.raw_ids]
+        rows = {f.name: f.num_embeddings for f in spec.sparse_features}
+        wide = [(name, rows[name]) for name in wide_features]
     tables = [
         EmbeddingBagConfig(name=table_name(f.name), embedding_dim=config.embedding_dim,
                            num_embeddings=f.num_embeddings, feature_names=[f.name],
@@ -387,6 +464,7 @@ def build_dlrm(spec: DatasetSpec, config: ModelConfig,
         dense_device=device,
         managed_collision_collection=managed,
         feature_order=[f.name for f in spec.sparse_features],
+        wide_features=wide,
     )
 
 
@@ -394,11 +472,24 @@ INIT_BLOCK_ROWS = 4096
 """Rows per independently seeded block of :func:`table_initializer`."""
 
 
+@dataclasses.dataclass(frozen=True)
+class DLRMTableInit(SeededUniformInit):
+    """:class:`SeededUniformInit`, except the wide part's tables (``w_*``), which start at
+    zero."""
+
+    def fill(self, weight: torch.Tensor, region: TableRegion) -> None:
+        if region.table.startswith(WIDE_PREFIX):
+            with torch.no_grad():
+                weight.zero_()
+            return
+        super().fill(weight, region)
+
+
 def table_initializer(seed: int) -> SeededUniformInit:
     """The plan-independent table initializer of a run: ``U(-sqrt(1/rows), sqrt(1/rows))``
-    values that depend only on (seed, table, row, column). The sharder applies it to every
-    shard (``EmbeddingBagCollectionSharder(table_init=...)``)."""
-    return SeededUniformInit(seed, block_rows=INIT_BLOCK_ROWS)
+    values that depend only on (seed, table, row, column); the wide part's tables zero. The
+    sharder applies it to every shard (``EmbeddingBagCollectionSharder(table_init=...)``)."""
+    return DLRMTableInit(seed, block_rows=INIT_BLOCK_ROWS)
 
 
 def fill_table_region(weight: torch.Tensor, table: str, num_rows: int, dim: int,

@@ -136,9 +136,13 @@ def _fixes(s: MemoryShortfall, offload: bool = True) -> list[str]:
     short = s.needed_bytes > s.usable_bytes  # False: it fits in total, one table fits nowhere
     target = SUGGESTION_HEADROOM * s.usable_bytes
     cap = _row_cap(s, target) if short else None
-    dims = {t.embedding_dim for t in s.tables}
-    dim = max(dims) if dims else 0
-    new_dim = 8 * int(dim * target / s.needed_bytes / 8) if short and len(dims) == 1 else 0
+    # --embedding-dim sizes the tables of the largest dim (the DLRM's); the others (the wide
+    # part's dim-1 tables) stay as they are
+    dim = max((t.embedding_dim for t in s.tables), default=0)
+    scaled = sum(t.needed_bytes for t in s.tables if t.embedding_dim == dim)
+    fixed = s.needed_bytes - scaled
+    new_dim = 8 * int(dim * (target - fixed) / scaled / 8) if short and scaled and \
+        target > fixed else 0
 
     rows = ("smaller tables: preprocess again with a cap on rows per feature, "
             "`dlrm-app preprocess criteo ... --max-embeddings-per-feature N`")

@@ -47,7 +47,7 @@ from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
 from dlrm_app.data.integrity import verify_file
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.id_map import FrozenIdMap, freeze_raw_ids
-from dlrm_app.model import DLRM, build_dlrm
+from dlrm_app.model import DLRM, WidePart, build_dlrm
 from dlrm_app.serving.artifact import (
     ARTIFACT_FORMAT_VERSION,
     ENCODE_PROGRAM,
@@ -59,7 +59,7 @@ from dlrm_app.serving.artifact import (
     digest_path,
     write_digest,
 )
-from dlrm_app.serving.program import LOOKUPS, EncodedPredictor, RawEncoder
+from dlrm_app.serving.program import LOOKUPS, EncodedPredictor, RawEncoder, WideLookup
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.inference import QuantEmbeddingBagCollection, quantize_inference_model
 from recsys_core.modules.embedding_configs import DataType
@@ -83,6 +83,7 @@ class ExportedDLRM(nn.Module):
         self.dense_arch = model.dense_arch
         self.inter_arch = model.inter_arch
         self.over_arch = model.over_arch
+        self.wide = model.wide  # a WideLookup (see serving_form) or None
         self.encoder = encoder
         self.num_dense = encoder.num_dense
         self.num_sparse = len(model.sparse_arch.feature_names)
@@ -95,9 +96,12 @@ class ExportedDLRM(nn.Module):
         if offsets.numel() != self.num_sparse * batch + 1:
             raise ValueError(f"offsets must have num_sparse * B + 1 = "
                              f"{self.num_sparse * batch + 1} entries, got {offsets.numel()}")
-        pooled = self.tbe(self.id_map(values, offsets, batch), offsets)
+        ids = self.id_map(values, offsets, batch)
+        pooled = self.tbe(ids, offsets)
         sparse = pooled.view(batch, self.num_sparse, self.embedding_dim)
         logits = self.over_arch(self.inter_arch(self.dense_arch(dense), sparse))
+        if self.wide is not None:
+            logits = logits + self.wide(dense, ids, offsets, batch)
         return torch.sigmoid(logits.squeeze(1))
 
     @torch.jit.export
@@ -120,6 +124,14 @@ class ExportedDLRM(nn.Module):
     def predict_raw(self, dense_raw: Tensor, cat_raw: Tensor) -> Tensor:
         dense, values, offsets = self.encode(dense_raw, cat_raw)
         return self.forward(dense, values, offsets)
+
+
+def serving_form(model: DLRM, spec: DatasetSpec) -> None:
+    """Replace the model's trained wide part (if any) by its float32 serving form, a
+    :class:`WideLookup` over the dataset's features, before the tables are quantized (its
+    dim-1 tables stay float32; quantizing one value per row would save nothing)."""
+    if isinstance(model.wide, WidePart):
+        model.wide = WideLookup(model.wide, [f.name for f in spec.sparse_features])
 
 
 def load_unsharded(run: Path, checkpoint: str | Path | None = None) -> tuple[DLRM, TrainConfig,
@@ -214,6 +226,7 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
     model, config, spec, path = load_unsharded(run, checkpoint)
     # raw ids (--id-mapping zch): a plain model plus the frozen mapping of the trained ids
     model, id_map = freeze_raw_ids(model, spec, config.model)
+    serving_form(model, spec)
     progress(f"quantizing the tables of {path.name} to {dtype}"
              + (" and the linear layers to int8" if quantize_dense else ""))
     quantize_inference_model(model, DTYPES[dtype], quantize_dense=quantize_dense)

@@ -6,6 +6,8 @@ traces with a dynamic batch and AOTInductor compiles (see :mod:`dlrm_app.serving
     ``offsets()``. Its quantized tables are looked up by :class:`QuantLookup`; raw ids of a
     model trained with ``--id-mapping zch`` are first mapped to rows by the frozen mapping
     (:class:`dlrm_app.id_map.FrozenIdMap`).
+``WideLookup``: the wide part of a DLRM trained with ``--wide`` (the default): each id's
+    learned scalar summed per row, plus the linear term of the dense features, in float32.
 ``RawEncoder``: ``(dense_raw [B, D] f32, cat_raw [B, F] i64) -> (dense, values, offsets)``
     The dataset's preprocessing for one-hot raw rows (log transform; hashing or the training
     vocabulary), producing the predictor's inputs.
@@ -31,6 +33,53 @@ encoder looks every feature up in one sorted array of ``feature << 32 | value`` 
 LOOKUPS = ("fbgemm", "torch")
 """``fbgemm``: FBGEMM's int-n-bit kernel (the loading process imports ``fbgemm_gpu``);
 ``torch``: gather + dequantize + sum in plain torch ops (the program needs torch only)."""
+
+
+def value_bags(values: Tensor, offsets: Tensor, bags: int, batch: int
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """For each value of a key-major ``(values, offsets)`` input of ``bags`` bags: its bag,
+    whether it lies in one (values past the last bag belong to none), and its feature."""
+    position = torch.arange(values.size(0), device=values.device)
+    bag = torch.bucketize(position, offsets[1:], right=True)
+    in_bag = bag < bags
+    return bag, in_bag, torch.where(in_bag, bag // batch, 0)
+
+
+class WideLookup(nn.Module):
+    """The serving form of a trained :class:`dlrm_app.model.WidePart`: ``(dense [B, N],
+    values [N'], offsets [F*B + 1], batch) -> [B, 1]`` float32, the ids' scalars summed over
+    every feature that has a wide table (all features in the model's order) plus the dense
+    linear term. Ids are checked by the main lookup (the same tables' rows)."""
+
+    def __init__(self, wide: nn.Module, feature_names: list[str]) -> None:
+        super().__init__()
+        tables = wide.tables
+        weights = {} if tables is None else {
+            c.feature_names[0]: tables.embedding_bags[c.name].weight.detach().float().reshape(-1)
+            for c in tables.embedding_bag_configs()}
+        self.num_features = len(feature_names)
+        parts, first, has, start = [], [], [], 0
+        for name in feature_names:
+            first.append(start)
+            has.append(name in weights)
+            if name in weights:
+                parts.append(weights[name])
+                start += weights[name].numel()
+        self.register_buffer("table", torch.cat(parts) if parts else torch.zeros(1))
+        self.register_buffer("first_row", torch.tensor(first, dtype=torch.int64))
+        self.register_buffer("has_table", torch.tensor(has, dtype=torch.bool))
+        self.dense = wide.dense
+
+    def forward(self, dense: Tensor, values: Tensor, offsets: Tensor, batch: int) -> Tensor:
+        bags = self.num_features * batch
+        bag, in_bag, feature = value_bags(values, offsets, bags, batch)
+        use = in_bag & self.has_table[feature]
+        row = torch.where(use, self.first_row[feature] + values, 0)
+        scalars = self.table.index_select(0, row) * use
+        sums = torch.zeros(bags, dtype=scalars.dtype, device=scalars.device)
+        sums = sums.index_add(0, bag.clamp(max=bags - 1), scalars)
+        return sums.view(self.num_features, batch).sum(0).unsqueeze(1) + \
+            self.dense(dense).float()
 
 
 class QuantLookup(nn.Module):
@@ -70,11 +119,7 @@ class QuantLookup(nn.Module):
     def forward(self, values: Tensor, offsets: Tensor, batch: int) -> Tensor:
         num_values = values.size(0)
         bags = self.num_features * batch
-        # the bag of each value; values past the last bag belong to none
-        position = torch.arange(num_values, device=values.device)
-        bag = torch.bucketize(position, offsets[1:], right=True)
-        in_bag = bag < bags
-        feature = torch.where(in_bag, bag // batch, 0)
+        bag, in_bag, feature = value_bags(values, offsets, bags, batch)
         lengths = offsets[1:] - offsets[:-1]
         torch._assert_async((offsets[0] == 0) & (lengths >= 0).all() & (offsets[-1] <= num_values),
                             "offsets must start at 0, not decrease, and end within values")
@@ -119,12 +164,15 @@ class EncodedPredictor(nn.Module):
         self.dense_arch = model.dense_arch
         self.inter_arch = model.inter_arch
         self.over_arch = model.over_arch
+        self.wide = model.wide  # a WideLookup (see serving_form) or None
 
     def forward(self, dense: Tensor, values: Tensor, offsets: Tensor) -> Tensor:
         if self.id_map is not None:
             values = self.id_map(values, offsets, dense.size(0))
         sparse = self.lookup(values, offsets, dense.size(0))
         logits = self.over_arch(self.inter_arch(self.dense_arch(dense), sparse))
+        if self.wide is not None:
+            logits = logits + self.wide(dense, values, offsets, dense.size(0))
         return torch.sigmoid(logits.squeeze(1))
 
 

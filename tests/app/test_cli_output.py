@@ -52,7 +52,8 @@ def test_train_prints_one_plan_line_and_keeps_the_tables_in_the_run(
     out, err = _train(dataset, run, capsys)
     plan_lines = [line for line in err.splitlines() if line.startswith("plan: ")]
     assert len(plan_lines) == 1, err
-    assert re.fullmatch(r"plan: 2 tables on 1 rank: (\d+ \w+/\w+, )*\d+ \w+/\w+; per table: "
+    # the 2 features' tables and their wide part's (dim 1)
+    assert re.fullmatch(r"plan: 4 tables on 1 rank: (\d+ \w+/\w+, )*\d+ \w+/\w+; per table: "
                         + re.escape(str(run / "plan.json")), plan_lines[0]), plan_lines[0]
     assert not [h for h in TABLE_HEADERS if h in err], err
     assert BAR.search(err), err  # the progress bar
@@ -65,7 +66,8 @@ def test_train_prints_one_plan_line_and_keeps_the_tables_in_the_run(
     assert f"next: dlrm-app evaluate {run}" in err
     # the tables are in the run: plan.json (what print(plan) shows) and the report's section
     plan = ShardingPlan.from_json((run / "plan.json").read_text())
-    assert sorted(t for m in plan.plan.values() for t in m) == ["t_cat_0", "t_cat_1"]
+    assert sorted(t for m in plan.plan.values() for t in m) == [
+        "t_cat_0", "t_cat_1", "w_cat_0", "w_cat_1"]
     report = (run / "report.md").read_text()
     section = report.split("## Sharding plan", 1)[1]
     assert "| t_cat_0 |" in section and "| t_cat_1 |" in section

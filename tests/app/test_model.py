@@ -3,6 +3,7 @@ and plan-independent table initialization."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -180,3 +181,121 @@ def test_init_embedding_tables_plain_ebc() -> None:
     expected = torch.empty(7, 4)
     fill_table_region(expected, "t_b", 7, 4, 0, 0, seed=0)
     assert torch.equal(ebc.embedding_bags["t_b"].weight.detach(), expected)
+
+
+def _wide_kjt(batch: int, seed: int) -> KeyedJaggedTensor:
+    """A batch of ``_spec()``'s features: u one-hot, g multi-hot (some rows empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    g_lengths = torch.randint(0, 4, (batch,), generator=gen)
+    return KeyedJaggedTensor(
+        keys=["u", "g"],
+        values=torch.cat([torch.randint(0, 100, (batch,), generator=gen),
+                          torch.randint(0, 5000, (int(g_lengths.sum()),), generator=gen)]),
+        lengths=torch.cat([torch.ones(batch, dtype=torch.int64), g_lengths]))
+
+
+def test_the_wide_part_adds_each_ids_scalar_and_the_dense_term_and_starts_at_zero() -> None:
+    spec = _spec()
+    config = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(8,), over_arch_layer_sizes=(4, 1))
+    torch.manual_seed(0)
+    model = build_dlrm(spec, config, device="cpu")
+    init_embedding_tables(model, seed=1)
+    assert [c.name for c in model.wide.tables.embedding_bag_configs()] == ["w_u", "w_g"]
+    assert all(c.embedding_dim == 1 for c in model.wide.tables.embedding_bag_configs())
+    torch.manual_seed(0)
+    plain = build_dlrm(spec, dataclasses.replace(config, wide=False), device="cpu")
+    init_embedding_tables(plain, seed=1)
+    assert plain.wide is None
+    dense, kjt = torch.rand(6, 2), _wide_kjt(6, seed=2)
+    # zero at the start: the same logits as the plain DLRM with the same initialization
+    assert torch.equal(model(dense, kjt), plain(dense, kjt))
+    with torch.no_grad():
+        for p in model.wide.parameters():
+            p.uniform_(-1, 1)
+    w_u = model.wide.tables.embedding_bags["w_u"].weight.detach().view(-1)
+    w_g = model.wide.tables.embedding_bags["w_g"].weight.detach().view(-1)
+    lin = model.wide.dense
+    parts = kjt.to_dict()
+    expected = torch.stack([
+        w_u[parts["u"].to_dense()[i]].sum() + w_g[parts["g"].to_dense()[i]].sum()
+        + dense[i] @ lin.weight[0] + lin.bias[0] for i in range(6)]).unsqueeze(1)
+    torch.testing.assert_close(model(dense, kjt) - plain(dense, kjt), expected.detach())
+
+
+def test_the_wide_parts_serving_form_equals_it() -> None:
+    from dlrm_app.model import WidePart
+    from dlrm_app.serving.program import WideLookup
+
+    torch.manual_seed(3)
+    # feature "r" (a raw-id feature, say) has no wide table: it adds nothing
+    wide = WidePart([("u", 100), ("g", 5000)], num_dense=2)
+    with torch.no_grad():
+        for p in wide.parameters():
+            p.uniform_(-1, 1)
+    serving = WideLookup(wide, ["u", "g", "r"])
+    dense, kjt = torch.rand(5, 2), _wide_kjt(5, seed=4)
+    r_values = torch.randint(0, 7, (5,))
+    values = torch.cat([kjt.values(), r_values, torch.tensor([3, 3])])  # 2 values past the bags
+    offsets = torch.cat([kjt.offsets(), kjt.offsets()[-1] + torch.arange(1, 6)])
+    got = serving(dense, values, offsets, 5)
+    torch.testing.assert_close(got, wide(dense, kjt).detach())
+    scripted = torch.jit.script(serving)
+    torch.testing.assert_close(scripted(dense, values, offsets, 5), got)
+
+
+@pytest.mark.slow
+def test_the_wide_part_learns_first_order_effects_the_plain_dlrm_misses() -> None:
+    """Labels from a logistic model of each id's own effect and a dense feature's (what a
+    logistic regression fits): with the wide part the DLRM's held-out log loss comes within
+    0.015 of a logistic regression's on the same rows; the plain DLRM, which sees ids only
+    through dot products, stays at least 0.01 further off."""
+    spec = dataclasses.replace(_spec(), sparse_features=tuple(
+        SparseFeature(name=f"f{i}", num_embeddings=40, multi_hot=False) for i in range(4)))
+    gen = torch.Generator().manual_seed(0)
+    effects = torch.randn(4, 40, generator=gen) * 1.2
+    rows = 24_000
+    ids = torch.randint(0, 40, (rows, 4), generator=gen)
+    dense = torch.rand(rows, 2, generator=gen)
+    logit = effects.gather(1, ids.t()).sum(0) + 1.5 * dense[:, 0] - 1.0
+    labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+    test = slice(20_000, rows)
+
+    def kjt(part: slice) -> KeyedJaggedTensor:
+        n = ids[part].shape[0]
+        return KeyedJaggedTensor(keys=[f"f{i}" for i in range(4)], values=ids[part].t().reshape(-1),
+                                 lengths=torch.ones(4 * n, dtype=torch.int64))
+
+    def held_out_loss(wide: bool | None) -> float:
+        """The DLRM with or without the wide part; None: the wide part alone (a logistic
+        regression on the same inputs)."""
+        torch.manual_seed(1)
+        model = build_dlrm(spec, ModelConfig(embedding_dim=4, dense_arch_layer_sizes=(8, 4),
+                                             over_arch_layer_sizes=(8, 1), wide=wide is not False),
+                           device="cpu")
+        init_embedding_tables(model, seed=1)
+        if wide is None:
+            model = model.wide
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        for _ in range(6):
+            for start in range(0, 20_000, 200):
+                part = slice(start, start + 200)
+                loss = F.binary_cross_entropy_with_logits(
+                    model(dense[part], kjt(part)).squeeze(1), labels[part])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        with torch.no_grad():
+            return float(F.binary_cross_entropy_with_logits(
+                model(dense[test], kjt(test)).squeeze(1), labels[test]))
+
+    truth = float(F.binary_cross_entropy_with_logits(logit[test], labels[test]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny products: more threads only wait on each other
+    try:
+        with_wide, plain, lr = held_out_loss(True), held_out_loss(False), held_out_loss(None)
+    finally:
+        torch.set_num_threads(threads)
+    # measured: truth 0.416, logistic regression 0.420, with the wide part 0.430, plain 0.448
+    assert lr < truth + 0.01, (lr, truth)  # the logistic regression nearly reaches the truth
+    assert with_wide < lr + 0.015, (with_wide, lr)
+    assert plain > with_wide + 0.01, (plain, with_wide)

@@ -200,22 +200,24 @@ def test_closing_the_pipeline_after_a_failed_prefetch_raises_nothing(
 
 
 def _plan(data: Path, dim: int) -> dict:
-    """Every table of the dataset table-wise on rank 0 behind a cache: the plan a run made
-    when the offload disk still had room."""
+    """Every table of the dataset table-wise on rank 0 behind a cache (the wide part's dim-1
+    tables in memory): the plan a run made when the offload disk still had room."""
     spec = json.loads((data / "dataset.json").read_text())
-    tables = {}
+    tables, wide = {}, {}
     for feature in spec["sparse_features"]:
         rows = feature["num_embeddings"]
-        tables[f"t_{feature['name']}"] = {
-            "sharding_type": "table_wise", "compute_kernel": "fused_uvm_caching", "ranks": [0],
-            "sharding_spec": [{"shard_offsets": [0, 0], "shard_sizes": [rows, dim],
-                               "placement": "rank:0/cpu"}],
-            "cache_params": {"algorithm": "lru", "load_factor": 1.0, "reserved_memory": None,
-                             "precision": None, "prefetch_pipeline": None},
-            "enforce_hbm": None, "stochastic_rounding": None, "bounds_check_mode": None,
-            "output_dtype": None,
-        }
-    return {"sparse_arch.embedding_bag_collection": tables}
+        for plan, name, width, cached in ((tables, "t_", dim, True), (wide, "w_", 1, False)):
+            plan[name + feature["name"]] = {
+                "sharding_type": "table_wise",
+                "compute_kernel": "fused_uvm_caching" if cached else "fused", "ranks": [0],
+                "sharding_spec": [{"shard_offsets": [0, 0], "shard_sizes": [rows, width],
+                                   "placement": "rank:0/cpu"}],
+                "cache_params": {"algorithm": "lru", "load_factor": 1.0, "reserved_memory": None,
+                                 "precision": None, "prefetch_pipeline": None} if cached else None,
+                "enforce_hbm": None, "stochastic_rounding": None, "bounds_check_mode": None,
+                "output_dtype": None,
+            }
+    return {"sparse_arch.embedding_bag_collection": tables, "wide.tables": wide}
 
 
 @pytest.mark.shared_data(KAGGLE_10K)

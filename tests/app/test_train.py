@@ -204,20 +204,23 @@ def test_evaluate_refuses_a_differently_encoded_dataset(data: Path, tmp_path: Pa
 
 @pytest.mark.slow
 def test_tables_beyond_the_memory_budget_train_from_disk_to_the_same_model(tmp_path: Path) -> None:
-    # One table of 100,000 rows (3.6 MB with row-wise Adagrad) and two small ones; with 3 MB per
-    # rank the planner keeps the large one in a file behind a cache of about a quarter of its rows
+    # One table of 100,000 rows (3.6 MB with row-wise Adagrad) and two small ones, and their wide
+    # part's dim-1 tables (0.8 MB for the large one); with 4 MB per rank the planner keeps the
+    # large one in a file behind a cache of a share of its rows (a dim-1 table stays in memory:
+    # a cache's bookkeeping takes more per row than its 8 bytes)
     data = tmp_path / "data"
     generate(data, rows=8_000, num_dense=4, cardinalities=[100_000, 50, 1000],
              pooling_factors=[1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0, rows_per_shard=4_000,
              row_group_size=256)
     memory = train(_config(data, tmp_path / "memory", max_steps=30, validate_every=15),
                    progress=False)
-    budget_gib = 3e6 / 2**30
+    budget_gib = 4e6 / 2**30
     disk = train(_config(data, tmp_path / "disk", max_steps=30, validate_every=15,
                          memory_per_rank=budget_gib), progress=False)
     plan = json.loads((tmp_path / "disk" / "plan.json").read_text())
     kernels = {name: ps["compute_kernel"] for module in plan.values() for name, ps in module.items()}
-    assert kernels == {"t_cat_0": "fused_uvm_caching", "t_cat_1": "fused", "t_cat_2": "fused"}
+    assert kernels == {"t_cat_0": "fused_uvm_caching", "t_cat_1": "fused", "t_cat_2": "fused",
+                       "w_cat_0": "fused", "w_cat_1": "fused", "w_cat_2": "fused"}
     (cache,) = [ps["cache_params"] for module in plan.values() for ps in module.values()
                 if ps["cache_params"]]
     assert 0.05 < cache["load_factor"] < 0.5, cache
@@ -324,13 +327,28 @@ def test_embedding_optimizer_flag_reaches_the_kernel_typed(flag: str, kernel: st
         optimizer=EmbOptimType[kernel], learning_rate=0.07, eps=1e-4)
 
 
-def test_an_old_runs_eps_stays_its_tables_eps() -> None:
-    # a config.json saved before --embedding-eps: its --eps was the tables' too
+def test_an_old_runs_eps_stays_its_tables_eps(tmp_path: Path) -> None:
+    import json
+
+    from dlrm_app.cli import build_parser, config_from_args
+
+    # a config.json saved before --embedding-eps (and before the wide part): its --eps was
+    # the tables' too, and its model had no wide part
     old = TrainConfig(data="d", out="o", eps=1e-6).to_json_dict()
     del old["embedding_eps"]
-    loaded = TrainConfig.from_json_dict(old)
+    del old["model"]["wide"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    loaded = TrainConfig.load(tmp_path / "config.json")
     assert loaded.embedding_eps == loaded.eps == 1e-6
+    assert loaded.model.wide is False
     assert TrainConfig(data="d", out="o").embedding_eps == 1e-2
+    assert TrainConfig(data="d", out="o").model.wide is True
+    # on the command line --eps alone leaves the tables' epsilon at its default
+    args = build_parser().parse_args(["train", "--data", "d", "--out", "o", "--eps", "1e-7"])
+    given = config_from_args(args)
+    assert (given.eps, given.embedding_eps, given.model.wide) == (1e-7, 1e-2, True)
+    args = build_parser().parse_args(["train", "--data", "d", "--out", "o", "--no-wide"])
+    assert config_from_args(args).model.wide is False
     with pytest.raises(ValueError, match="--embedding-eps must be > 0"):
         TrainConfig(data="d", out="o", embedding_eps=0.0)
 
