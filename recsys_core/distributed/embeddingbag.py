@@ -31,8 +31,8 @@ from recsys_core.distributed.sharding.common import (
     PooledSharding,
     ShardedTable,
     column_permutation,
+    permute_parts,
     planned_caches,
-    select_columns,
 )
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
 from recsys_core.distributed.sharding.dense_data_parallel import DpDenseSharding
@@ -123,8 +123,7 @@ class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
 
     def _wait_impl(self) -> KeyedTensor:
         outs = [p.wait() for p in self._parts]
-        values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        values = select_columns(values, self._columns)
+        values = permute_parts(outs, self._columns)
         return KeyedTensor(keys=self._keys, length_per_key=self._lengths, values=values)
 
 

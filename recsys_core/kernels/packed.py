@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from recsys_core.kernels.cached_tbe import TableCache
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
@@ -98,15 +99,48 @@ class PackedKernelSpec:
 
 
 @dataclass(frozen=True)
+class _Copy:
+    """Output columns ``[dst, dst + cols)`` are columns ``[src, src + cols)`` of part ``part``."""
+
+    part: int
+    src: int
+    dst: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """How one ColumnPermutation places parts of given widths: the fewest slice copies."""
+
+    copies: tuple[_Copy, ...]
+    """Each maximal run of output columns that is a run of one part's columns."""
+    bijective: bool
+    """Every input column lands in exactly one output column (a true permutation): the
+    backward is then copies too; otherwise it needs the zero fill and sum of index_add."""
+
+
+@dataclass(frozen=True)
 class ColumnPermutation:
     """Reorders columns in blocks of ``width``: ``x.view(B, -1, width)[:, blocks]``.
 
     Moving whole blocks (a table's or shard's columns) instead of single columns makes the
-    copy and its backward (an index_add over blocks) several times cheaper.
+    copy and its backward cheaper; :func:`permute_parts` goes further and copies each run of
+    consecutive blocks with one slice copy, straight from the parts the blocks arrive in.
     """
 
     blocks: torch.Tensor
     width: int
+    _placements: dict[tuple[int, ...], _Placement] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def placement(self, dims: Sequence[int]) -> _Placement:
+        """The slice copies that place parts of widths ``dims`` (cached per ``dims``)."""
+        key = tuple(dims)
+        found = self._placements.get(key)
+        if found is None:
+            found = self._placements[key] = _place_runs(self.blocks.tolist(), self.width, key)
+        return found
 
 
 def column_permutation(columns: Sequence[int]) -> ColumnPermutation | None:
@@ -126,10 +160,166 @@ def column_permutation(columns: Sequence[int]) -> ColumnPermutation | None:
     return ColumnPermutation(torch.tensor(blocks, dtype=torch.long), width)
 
 
-def select_columns(x: torch.Tensor, columns: ColumnPermutation | None) -> torch.Tensor:
-    """``x`` with its columns reordered by ``columns`` (``x`` itself when None)."""
+def _place_runs(blocks: list[int], width: int, dims: tuple[int, ...]) -> _Placement:
+    total = sum(dims)
+    if total != len(blocks) * width or any(not 0 <= b < len(blocks) for b in blocks):
+        raise ValueError(
+            f"ColumnPermutation of {len(blocks)} block(s) of width {width} "
+            f"({len(blocks) * width} columns, blocks {blocks}) applied to "
+            f"{total} columns (parts of widths {list(dims)}); the permutation must be built "
+            "for the same column layout (see column_permutation)"
+        )
+    # maximal runs in the concatenated input: (dst, src, cols)
+    runs: list[list[int]] = []
+    for j, b in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == b * width:
+            runs[-1][2] += width
+        else:
+            runs.append([j * width, b * width, width])
+    starts = [sum(dims[:i]) for i in range(len(dims))]
+    copies: list[_Copy] = []
+    for dst, src, cols in runs:  # split runs at part boundaries
+        while cols:
+            part = max(i for i, s in enumerate(starts) if s <= src and dims[i] > 0)
+            n = min(cols, starts[part] + dims[part] - src)
+            copies.append(_Copy(part, src - starts[part], dst, n))
+            dst, src, cols = dst + n, src + n, cols - n
+    return _Placement(tuple(copies), sorted(blocks) == list(range(len(blocks))))
+
+
+def _copy_out(parts: Sequence[torch.Tensor], copies: Sequence[_Copy], total: int) -> torch.Tensor:
+    out = parts[0].new_empty(parts[0].shape[0], total)
+    for c in copies:
+        out[:, c.dst : c.dst + c.cols].copy_(parts[c.part][:, c.src : c.src + c.cols])
+    return out
+
+
+class _PermuteParts(torch.autograd.Function):
+    """Forward: one slice copy per run. Backward: each part's gradient is the inverse copies
+    (no zero fill, no index_add: the placement is a bijection, every column is written once)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        placement: _Placement,
+        dims: tuple[int, ...],
+        *parts: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.placement, ctx.dims = placement, dims  # type: ignore[attr-defined]
+        return _copy_out(parts, placement.copies, sum(dims))
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        needs = ctx.needs_input_grad[2:]  # type: ignore[attr-defined]
+        grads: list[torch.Tensor | None] = [
+            grad.new_empty(grad.shape[0], d) if need else None
+            for d, need in zip(ctx.dims, needs, strict=True)  # type: ignore[attr-defined]
+        ]
+        for c in ctx.placement.copies:  # type: ignore[attr-defined]
+            g = grads[c.part]
+            if g is not None:
+                g[:, c.src : c.src + c.cols].copy_(grad[:, c.dst : c.dst + c.cols])
+        return (None, None, *grads)
+
+
+def _chunks(flat: torch.Tensor, rows: int, dims: Sequence[int]) -> list[torch.Tensor]:
+    return [c.view(rows, d) for c, d in zip(flat.split([rows * d for d in dims]), dims, strict=True)]
+
+
+class _PermuteReceived(torch.autograd.Function):
+    """:class:`_PermuteParts` whose parts are ``[rows, d]`` chunks of one flat buffer: the
+    backward fills one gradient buffer of the same layout, so no split backward concatenates
+    the parts' gradients again."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        flat: torch.Tensor,
+        rows: int,
+        dims: tuple[int, ...],
+        placement: _Placement,
+    ) -> torch.Tensor:
+        ctx.rows, ctx.dims, ctx.placement = rows, dims, placement  # type: ignore[attr-defined]
+        return _copy_out(_chunks(flat, rows, dims), placement.copies, sum(dims))
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        rows, dims = ctx.rows, ctx.dims  # type: ignore[attr-defined]
+        flat = grad.new_empty(rows * sum(dims))
+        parts = _chunks(flat, rows, dims)
+        for c in ctx.placement.copies:  # type: ignore[attr-defined]
+            parts[c.part][:, c.src : c.src + c.cols].copy_(grad[:, c.dst : c.dst + c.cols])
+        return flat, None, None, None
+
+
+def permute_received(
+    flat: torch.Tensor, rows: int, dims: Sequence[int], columns: ColumnPermutation | None
+) -> torch.Tensor:
+    """:func:`permute_parts` of ``flat``'s consecutive ``[rows, dims[i]]`` chunks (an
+    all-to-all's output, one chunk per source rank), its gradient one buffer like ``flat``.
+
+    Example, ``rows`` 2, ``dims`` ``[2, 1]``: ``flat`` ``[a0 a1 a2 a3 | b0 b1]`` holds parts
+    ``[[a0 a1], [a2 a3]]`` and ``[[b0], [b1]]``."""
+    if flat.dim() != 1 or flat.numel() != rows * sum(dims):
+        raise ValueError(
+            f"permute_received: a flat buffer of {rows} x {sum(dims)} = {rows * sum(dims)} "
+            f"elements (chunks of widths {list(dims)}) expected, got shape {list(flat.shape)}"
+        )
+    dims = tuple(dims)
+    if columns is None or not columns.placement(dims).bijective:
+        return permute_parts(_chunks(flat, rows, dims), columns)
+    placement = columns.placement(dims)
+    if torch.is_grad_enabled() and flat.requires_grad:
+        return _PermuteReceived.apply(flat, rows, dims, placement)
+    return _copy_out(_chunks(flat, rows, dims), placement.copies, sum(dims))
+
+
+def permute_parts(
+    parts: Sequence[torch.Tensor], columns: ColumnPermutation | None
+) -> torch.Tensor:
+    """``select_columns(torch.cat(parts, 1), columns)`` with one slice copy per run of
+    consecutive blocks, each way, and no concatenated intermediate.
+
+    Example, parts ``P = [p0 p1]`` (2 blocks) and ``Q = [q0]``, blocks ``[2, 0, 1]``: the
+    output ``[q0 p0 p1]`` is two copies, ``Q`` to columns 0:1 and ``P`` to 1:3; the backward
+    copies the gradient's column slices back the same way.
+    """
+    first = parts[0]
+    uniform = all(
+        p.dim() == 2 and p.shape[0] == first.shape[0] and p.dtype == first.dtype
+        and p.device == first.device
+        for p in parts
+    )
+    if columns is None or not uniform:  # cat's own type promotion and errors
+        x = first if len(parts) == 1 else torch.cat(list(parts), dim=1)
+        return select_columns_by_index(x, columns)
+    dims = tuple(p.shape[1] for p in parts)
+    placement = columns.placement(dims)
+    if not placement.bijective:  # repeated or missing blocks: the backward must sum / zero
+        return select_columns_by_index(torch.cat(list(parts), dim=1), columns)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        return _PermuteParts.apply(placement, dims, *parts)
+    return _copy_out(parts, placement.copies, sum(dims))
+
+
+def select_columns_by_index(x: torch.Tensor, columns: ColumnPermutation | None) -> torch.Tensor:
+    """:func:`select_columns` as one ``index_select`` over blocks (any block list, also one that
+    repeats or drops blocks; its backward is a zero fill and an ``index_add``)."""
     if columns is None:
         return x
     rows, width = x.shape[0], columns.width
     blocks = x.reshape(rows, x.shape[1] // width, width)  # not -1: a batch may have no rows
     return blocks.index_select(1, columns.blocks.to(x.device)).reshape(rows, x.shape[1])
+
+
+def select_columns(x: torch.Tensor, columns: ColumnPermutation | None) -> torch.Tensor:
+    """``x`` with its columns reordered by ``columns`` (``x`` itself when None)."""
+    if columns is None:
+        return x
+    return permute_parts([x], columns)

@@ -39,6 +39,8 @@ from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.packed import ColumnPermutation as ColumnPermutation
 from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
 from recsys_core.kernels.packed import column_permutation as column_permutation
+from recsys_core.kernels.packed import permute_parts as permute_parts
+from recsys_core.kernels.packed import permute_received as permute_received
 from recsys_core.kernels.packed import select_columns as select_columns
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType, table_dtype
 from recsys_core.plan.params import CacheParams

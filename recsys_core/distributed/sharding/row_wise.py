@@ -32,6 +32,7 @@ from recsys_core.distributed.sharding.common import (
     ShardedTable,
     Slot,
     column_permutation,
+    permute_parts,
     select_columns,
 )
 from recsys_core.distributed.sharding.sequence import (
@@ -152,10 +153,9 @@ class RwPooledSharding:
                     c.view(batch, d)
                     for c, d in zip(cross.split([batch * d for d in dims_by_domain]), dims_by_domain, strict=True)
                 ]
-                out = torch.cat(blocks, dim=1)
+                out = permute_parts(blocks, self._columns)
             else:
-                out = mine
-            out = select_columns(out, self._columns)
+                out = select_columns(mine, self._columns)
             return self._apply_mean(out, lengths, batch)
 
         return FunctionAwaitable(finish)
@@ -203,10 +203,9 @@ class RwPooledSharding:
                     c.view(batch, d)
                     for c, d in zip(cross.split([batch * d for d in dims_by_domain]), dims_by_domain, strict=True)
                 ]
-                out = torch.cat(blocks, dim=1)
+                out = permute_parts(blocks, self._columns)
             else:
-                out = summed
-            out = select_columns(out, self._columns)
+                out = select_columns(summed, self._columns)
             return self._apply_mean(out, lengths, batch)
 
         return FunctionAwaitable(finish)

@@ -30,7 +30,7 @@ from recsys_core.distributed.sharding.common import (
     ShardedTable,
     Slot,
     column_permutation,
-    select_columns,
+    permute_received,
 )
 from recsys_core.distributed.sharding.sequence import (
     SequenceBatch,
@@ -123,14 +123,8 @@ class TwPooledSharding:
         inflight = all_to_all_1d(pooled, in_splits, out_splits, self._env.pg, self._codecs)
 
         def assemble() -> torch.Tensor:
-            received = inflight.wait()
-            if len(out_splits) == 1:  # one rank: already [batch, dim], no split + cat copy
-                return select_columns(received.view(batch, self._dims[0]), self._columns)
-            blocks = [
-                chunk.view(batch, d)
-                for chunk, d in zip(received.split(out_splits), self._dims, strict=True)
-            ]
-            return select_columns(torch.cat(blocks, dim=1), self._columns)
+            # one slice copy per run of output columns, straight from the received chunks
+            return permute_received(inflight.wait(), batch, self._dims, self._columns)
 
         return FunctionAwaitable(assemble)
 

@@ -1,0 +1,156 @@
+"""permute_parts (and select_columns, which now runs on it) is bit for bit
+``index_select(cat(parts))`` forward and its zero fill + ``index_add`` backward: both are copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsys_core.kernels.packed import (
+    ColumnPermutation,
+    column_permutation,
+    permute_parts,
+    permute_received,
+    select_columns,
+    select_columns_by_index,
+)
+
+
+def _reference(parts: list[torch.Tensor], columns: ColumnPermutation | None) -> torch.Tensor:
+    return select_columns_by_index(torch.cat(parts, dim=1), columns)
+
+
+def _random_columns(dims: list[int], block: int, gen: torch.Generator) -> list[int]:
+    """A random order of ``block``-wide column groups of the concatenated parts (sometimes
+    keeping neighbours together, so runs span several blocks and cross part boundaries)."""
+    total = sum(dims)
+    groups = [list(range(s, min(s + block, total))) for s in range(0, total, block)]
+    order = torch.randperm(len(groups), generator=gen).tolist()
+    return [c for g in order for c in groups[g]]
+
+
+def _check(parts: list[torch.Tensor], columns: ColumnPermutation | None) -> None:
+    mine = [p.detach().clone().requires_grad_(True) for p in parts]
+    ref = [p.detach().clone().requires_grad_(True) for p in parts]
+    out = permute_parts(mine, columns)
+    expected = _reference(ref, columns)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape, dtype=torch.float64).to(out.dtype)
+    out.backward(grad)
+    expected.backward(grad)
+    for m, r in zip(mine, ref, strict=True):
+        assert m.grad is not None and torch.equal(m.grad, r.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "dims, block",
+    [
+        ([8, 8], 4),  # two ranks, whole tables
+        ([12, 4, 8], 4),  # three parts of different widths
+        ([6, 10], 4),  # blocks and runs that cross the part boundary
+        ([5, 3, 7], 1),  # single columns
+        ([16], 4),  # one part: select_columns
+        ([0, 12, 0, 4], 2),  # a rank with no columns
+    ],
+)
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_equals_cat_and_index_select(
+    dims: list[int], block: int, rows: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(sum(dims) * 31 + block * 7 + rows)
+    for _ in range(5):
+        columns = column_permutation(_random_columns(dims, block, gen))
+        parts = [torch.randn(rows, d, generator=gen).to(dtype) for d in dims]
+        _check(parts, columns)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims, block", [([8, 8], 4), ([6, 10, 0], 2), ([16], 4), ([5, 3], 1)])
+@pytest.mark.parametrize("rows", [0, 3])
+def test_received_buffer_equals_split_cat_and_index_select(
+    dims: list[int], block: int, rows: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(sum(dims) * 17 + rows)
+    for _ in range(5):
+        columns = column_permutation(_random_columns(dims, block, gen))
+        flat = torch.randn(rows * sum(dims), generator=gen).to(dtype)
+        mine, ref = flat.clone().requires_grad_(True), flat.clone().requires_grad_(True)
+        out = permute_received(mine, rows, dims, columns)
+        splits = ref.split([rows * d for d in dims])
+        chunks = [c.view(rows, d) for c, d in zip(splits, dims, strict=True)]
+        expected = _reference(chunks, columns)
+        assert torch.equal(out, expected)
+        grad = torch.randn(out.shape, generator=gen).to(dtype)
+        out.backward(grad)
+        expected.backward(grad)
+        assert torch.equal(mine.grad, ref.grad)
+        with torch.no_grad():
+            assert torch.equal(permute_received(flat, rows, dims, columns), expected)
+
+
+def test_received_buffer_of_the_wrong_size() -> None:
+    with pytest.raises(ValueError, match=r"2 x 6 = 12 elements .* got shape \[10\]"):
+        permute_received(torch.randn(10), 2, [4, 2], column_permutation([4, 5, 0, 1, 2, 3]))
+
+
+def test_runs_are_one_copy_each() -> None:
+    # two ranks dealt tables alternately (the reference DLRM layout, small): every table is a
+    # run of its own; two tables adjacent in both orders are one run
+    dims, width = [3 * 4, 2 * 4], 4
+    # received [a c e | b d] -> output [a b c d e]; then [a b | c d e]-style runs merge
+    perm = column_permutation([c for b in [0, 3, 1, 4, 2] for c in range(b * 4, b * 4 + 4)])
+    assert perm is not None and perm.width == width
+    assert len(perm.placement(dims).copies) == 5
+    merged = column_permutation([c for b in [3, 4, 0, 1, 2] for c in range(b * 4, b * 4 + 4)])
+    assert merged is not None
+    assert len(merged.placement(dims).copies) == 2
+    assert merged.placement(dims) is merged.placement(tuple(dims))  # cached by the widths
+
+
+def test_one_part_is_select_columns() -> None:
+    columns = column_permutation([4, 5, 6, 7, 0, 1, 2, 3])
+    x = torch.randn(3, 8, requires_grad=True)
+    y = select_columns(x, columns)
+    assert torch.equal(y, x[:, [4, 5, 6, 7, 0, 1, 2, 3]])
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3, 8))
+
+
+def test_no_grad_and_parts_without_grad() -> None:
+    columns = column_permutation([4, 5, 0, 1, 2, 3])
+    a, b = torch.randn(2, 4), torch.randn(2, 2, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(permute_parts([a, b], columns), _reference([a, b], columns))
+    out = permute_parts([a, b], columns)
+    out.backward(torch.arange(12.0).view(2, 6))
+    assert a.grad is None
+    assert torch.equal(b.grad, torch.tensor([[0.0, 1.0], [6.0, 7.0]]))
+
+
+def test_no_permutation_is_the_cat_or_the_part() -> None:
+    a, b = torch.randn(2, 3), torch.randn(2, 4)
+    assert permute_parts([a], None) is a
+    assert torch.equal(permute_parts([a, b], None), torch.cat([a, b], dim=1))
+
+
+def test_mixed_dtypes_keep_cat_promotion() -> None:
+    columns = column_permutation([3, 4, 0, 1, 2])
+    a, b = torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(2, 2)
+    out = permute_parts([a, b], columns)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, _reference([a, b], columns))
+
+
+def test_repeated_blocks_fall_back_to_index_select() -> None:
+    # not a permutation: the backward must sum the repeated block and zero the dropped one
+    columns = ColumnPermutation(torch.tensor([1, 1, 0]), 2)
+    parts = [torch.randn(3, 4), torch.randn(3, 2)]
+    _check(parts, columns)
+
+
+def test_wrong_width_names_both_layouts() -> None:
+    columns = column_permutation([2, 3, 0, 1])
+    with pytest.raises(ValueError, match=r"4 columns.*applied to 6 columns"):
+        permute_parts([torch.randn(2, 4), torch.randn(2, 2)], columns)
