@@ -564,6 +564,9 @@ def worker(args: argparse.Namespace) -> None:
     mean_loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
     dist.all_reduce(mean_loss)
     peaks = gather(round(peak_memory_mb(device), 1))
+    # on every rank: the first look sets the group's transport up, a collective (the baseline
+    # never used it before this line)
+    how = transport(device)
     for via in vias if rank == 0 else []:
         rows = sorted({f.num_embeddings for f in spec.sparse_features})
         phase_ms = {k: round(sum(p[k] for p in phases[via]) / len(phases[via]), 2)
@@ -576,7 +579,7 @@ def worker(args: argparse.Namespace) -> None:
                                if args.impl == OURS else None),
             "world_size": world,
             "device": device.type, "backend": dist.get_backend(),
-            "transport": via or transport(device),
+            "transport": via or how,
             "batch_size_per_rank": config.batch_size, "global_batch": config.batch_size * world,
             "tables": len(spec.sparse_features),
             "rows_per_table": rows[0] if len(rows) == 1 else rows,
