@@ -132,16 +132,13 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         offload_dir = Path(config.offload_dir) if config.offload_dir else Path(config.out) / "offload"
     env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
            else ShardingEnv.from_local(1, 0))
+    tables = {"fused_params": fused_optimizer(config), "table_init": table_initializer(config.seed),
+              "offload_dir": None if offload_dir is None else str(offload_dir)}
     sharder = EmbeddingBagCollectionSharder(
-        fused_params=fused_optimizer(config),
-        qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.num_hosts)),
-        table_init=table_initializer(config.seed),
-        offload_dir=None if offload_dir is None else str(offload_dir))
+        qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.num_hosts)), **tables)
     # the wide part's tables first (DMP takes the first sharder whose type matches): the
     # same layouts and optimizer, their pooled sums always exchanged in fp32
-    sharders: list[Any] = [WideSharder(
-        fused_params=fused_optimizer(config), table_init=table_initializer(config.seed),
-        offload_dir=None if offload_dir is None else str(offload_dir)), sharder]
+    sharders: list[Any] = [WideSharder(**tables), sharder]
     if any(f.raw_ids for f in spec.sparse_features):
         # the raw-id tables: row-wise, in memory (--zch-rows sizes them), ids routed to the
         # rank that owns their rows

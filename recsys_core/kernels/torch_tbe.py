@@ -57,6 +57,11 @@ class TorchTableBatchedEmbedding(nn.Module):
                 name, torch.zeros(self.state_offsets[name][-1], device=device), persistent=False
             )
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64), persistent=False)
+        # each feature's first row in the flat buffers, for tables of one dim (_backward_one_dim)
+        first_row = _cumsum(self.rows)
+        self.register_buffer("feature_first_row", torch.tensor(
+            [first_row[t] for t in self.feature_table_map], dtype=torch.int64, device=device),
+            persistent=False)
         # Optional (table, rows, summed grads) -> (rows, grads) hook run before each update;
         # data-parallel sharding sets it to sum gradients over ranks.
         self.gradient_reducer: (
@@ -185,9 +190,7 @@ class TorchTableBatchedEmbedding(nn.Module):
             g = g / lengths.clamp(min=1).to(g.dtype).index_select(0, bag_of_index).unsqueeze(1)
         if per_sample_weights is not None:
             g = g * per_sample_weights[starts[0] : starts[-1]].unsqueeze(1)
-        first_row = torch.tensor(_cumsum(self.rows)[:-1], device=grad_out.device)
-        feature_first_row = first_row[torch.tensor(self.feature_table_map, device=grad_out.device)]
-        rows = indices[starts[0] : starts[-1]].long() + feature_first_row.index_select(
+        rows = indices[starts[0] : starts[-1]].long() + self.feature_first_row.index_select(
             0, torch.div(bag_of_index, max(batch, 1), rounding_mode="floor"))
         rows, inverse = torch.unique(rows, return_inverse=True)
         if rows.numel() == 0:
