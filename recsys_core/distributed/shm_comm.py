@@ -203,6 +203,7 @@ class ShmGroup:
     def _post(self, seq: int, parts: Sequence[torch.Tensor | None], dtype: torch.dtype) -> None:
         """Publish collective ``seq``: ``parts[r]`` (a contiguous tensor) is what reader r
         gets; parts that are the same tensor object are written once."""
+        self._check_open()
         unique: dict[int, tuple[torch.Tensor, int]] = {}
         total = 0
         for r, part in enumerate(parts):
@@ -247,6 +248,7 @@ class ShmGroup:
                  add: bool = False) -> None:
         """Copy ``peer``'s part of collective ``seq`` into ``out`` (None: expect nothing), or
         with ``add`` add it to ``out`` (read in place: no copy)."""
+        self._check_open()
         desc = self._desc(peer, seq)
         self._wait_word(desc, seq, f"rank {peer}'s part of {what} (collective #{seq})")
         got = int(_shm_sync.load_acquire(self._addr(desc)))
@@ -269,11 +271,15 @@ class ShmGroup:
             out.reshape(-1).view(torch.uint8).copy_(self._bytes[off : off + n])
         _shm_sync.store_release(self._addr(self._ack(peer, self.rank, seq)), seq)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShmCommError("shm collective on a closed group (shm_comm.release or exit "
+                               "closed it while the collective was not finished)")
+
     def _next_seq(self, later: int = 0) -> int:
         """The next collective's number; ``later`` more are reserved for posts made later
         (an all-reduce's gather, posted once its reduce is in)."""
-        if self._closed:
-            raise ShmCommError("shm collective on a closed group")
+        self._check_open()
         with self._lock:
             seq = self._seq + 1
             self._seq += 1 + later
@@ -387,18 +393,23 @@ class ShmGroup:
         return fut
 
     def close(self) -> None:
-        """Release the mapping (the segment's name is long gone)."""
+        """Release the mapping (the segment's name is long gone). A DDP hook's all-reduce
+        still in flight on the helper thread finishes first (or fails: a dead peer, the
+        deadline): the thread reads and writes the mapping through raw addresses, and
+        ``torch.frombuffer`` views do not pin it, so unmapping under it would let a later
+        allocation there be overwritten. Work not yet waited for raises afterwards."""
         if self._closed:
             return
         self._closed = True
         if self._executor is not None:
-            self._executor.shutdown(wait=False)  # type: ignore[attr-defined]
-        del self._bytes, self._words
-        try:
-            self._mm.close()
-        except BufferError:  # a tensor still views it: the mapping goes with the last one
-            pass
-        os.close(self._fd)
+            self._executor.shutdown(wait=True)  # type: ignore[attr-defined]
+        with self._lock:
+            del self._bytes, self._words
+            try:
+                self._mm.close()
+            except BufferError:  # a numpy view still exports it: unmapped with the last one
+                pass
+            os.close(self._fd)
 
 
 def _timeout_s(group: dist.ProcessGroup) -> float:

@@ -253,6 +253,41 @@ def test_ddp_hook_sums_to_the_same_bits_on_either_transport() -> None:
     assert all(torch.equal(x, y) for x, y in zip(shm[0], shm[1], strict=True))
 
 
+def _close_during_hook(rank: int, world: int) -> tuple[list[float], bool, str]:
+    import time
+
+    shm = shm_comm.for_group(dist.group.WORLD, torch.device("cpu"))
+    assert shm is not None
+    x = torch.full((1000,), float(rank + 1))
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 closes while its all-reduce still waits for this part
+    fut = shm.all_reduce_future(x)
+    pending = shm.all_reduce(torch.ones(3))  # posted, never waited before close
+    if rank == 0:
+        shm.close()  # must let the hook's thread finish before it unmaps the segment
+        done_at_close = fut.done()
+    else:
+        fut.wait()
+        done_at_close = True
+        pending.wait()
+    try:
+        if rank == 0:
+            pending.wait()
+        error = ""
+    except shm_comm.ShmCommError as e:
+        error = str(e)
+    dist.barrier()
+    return sorted(set(fut.wait().tolist())), done_at_close, error
+
+
+def test_close_waits_for_the_hooks_thread_and_later_waits_raise() -> None:
+    (sums, done, error), (peer_sums, _, peer_error) = run_gloo(2, _close_during_hook,
+                                                              timeout_s=60)
+    assert sums == peer_sums == [3.0]  # 1 + 2, the all-reduce finished before the unmap
+    assert done  # close() returned only after the helper thread's all-reduce completed
+    assert "closed group" in error and peer_error == ""
+
+
 def _stalled_peer(rank: int, world: int) -> tuple[float, str]:
     shm = shm_comm.for_group(dist.group.WORLD, torch.device("cpu"))
     assert shm is not None
