@@ -20,22 +20,26 @@ from __future__ import annotations
 import errno
 import math
 import os
+import sys
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from dlrm_app.config import EmbeddingOptimizer
-from recsys_core import DataType, EmbOptimType
-from recsys_core.kernels.offload_store import FILE_PREFIX as OFFLOAD_FILE_PREFIX
-from recsys_core.kernels.offload_store import (
-    OffloadCorruptionError,
-    OffloadSpaceError,
-    format_bytes,
-)
-from recsys_core.planner import MemoryShortfall, PlannerError, Topology, detect_topology
-from recsys_core.planner.estimators import weights_and_state_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from recsys_core.planner import MemoryShortfall, PlannerError, Topology
+
+# torch and recsys_core are imported where they are used: preprocessing imports this module
+# for table_memory_bytes (plain arithmetic) and would otherwise pay 3-5 s of torch import.
 
 GIB = 1024**3
+_FP32_BYTES = 4
+_STATE_VALUES = {"EXACT_SGD": (0, 0), "EXACT_ADAGRAD": (0, 1), "EXACT_ROWWISE_ADAGRAD": (1, 0)}
+"""Per fused kernel, its fp32 state values per row and per element: the planner's
+``recsys_core.planner.estimators.weights_and_state_bytes`` for these optimizers (a test checks
+that both agree)."""
 # The suggested smaller sizes aim below the usable memory: buffers and the row-wise state do not
 # shrink in proportion, and the estimate is the planner's, not a measurement.
 SUGGESTION_HEADROOM = 0.8
@@ -60,6 +64,10 @@ def topology_for_run(
                 "rank, e.g. --memory-per-rank 16"
             )
         override = int(memory_per_rank_gib * GIB)
+    import torch
+
+    from recsys_core.planner import detect_topology
+
     device = torch.device(device)
     return detect_topology(
         world_size, device.type, local_world_size=local_world_size, memory_per_rank=override,
@@ -75,7 +83,7 @@ def table_memory_bytes(
     (rowwise_adagrad: one float per row, adagrad: one per element, sgd: none), summed. Buffers
     and dense parameters come on top (the planner keeps a reserve for them)."""
     try:
-        fused = EmbOptimType[EmbeddingOptimizer(optimizer).kernel]
+        per_row, per_element = _STATE_VALUES[EmbeddingOptimizer(optimizer).kernel]
     except ValueError:
         choices = ", ".join(o.value for o in EmbeddingOptimizer)
         raise ValueError(f"embedding optimizer {optimizer!r} is not one of {choices}") from None
@@ -84,10 +92,10 @@ def table_memory_bytes(
     bad = [n for n in num_embeddings if isinstance(n, bool) or not isinstance(n, int) or n < 1]
     if bad:
         raise ValueError(f"num_embeddings must be positive ints (rows per table), got {bad}")
-    return int(sum(
-        float(weights_and_state_bytes(rows, embedding_dim, DataType.FP32, fused))
-        for rows in num_embeddings
-    ))
+    dim = float(embedding_dim)
+    state_per_row = _FP32_BYTES * per_row + _FP32_BYTES * per_element * dim
+    return int(sum(float(rows) * dim * _FP32_BYTES + float(rows) * state_per_row
+                   for rows in num_embeddings))
 
 
 def planning_error_for_user(error: PlannerError, offload: bool = True) -> ValueError:
@@ -107,6 +115,11 @@ def offload_error_for_user(exc: BaseException) -> str | None:
     The backing files reserve their space when the model is built, so a disk without room
     fails there, before the first step; a row that reads back differently from what was
     written stops the run before it is trained on."""
+    store = sys.modules.get("recsys_core.kernels.offload_store")
+    if store is None:  # nothing was kept on disk in this process: not such an error
+        return None
+    OffloadSpaceError, OffloadCorruptionError = store.OffloadSpaceError, store.OffloadCorruptionError
+    format_bytes, OFFLOAD_FILE_PREFIX = store.format_bytes, store.FILE_PREFIX
     if isinstance(exc, OffloadSpaceError):
         if exc.free < exc.needed:
             short = f"its disk has {format_bytes(exc.free)} ({exc.free} bytes) free"
