@@ -228,6 +228,33 @@ def _place(option: Candidate, st: _State) -> Assignment | None:
     return Assignment.of(option, ranks, factor)
 
 
+def _within(a: Assignment, allowed: float, tier: Tier) -> Assignment | None:
+    """``a`` with its cache shrunk so that the table takes at most ``allowed`` bytes of ``tier``
+    over its ranks (at least its least load factor: with ``allowed`` 0, its most compact
+    form), or None: not caching there, the factor fixed by constraints, or no factor fits."""
+    option = a.option
+    if (not option.is_caching or option.load_factor is not None or option.cache_tier != tier
+            or a.load_factor is None):
+        return None
+    least = least_load_factor(option)
+    low = float(option.memory(least)[tier].sum())
+    if low > allowed:
+        return Assignment.of(option, a.ranks, least) if allowed <= 0.0 else None
+    high = float(a.memory[tier].sum())
+    if high <= allowed:
+        return a
+    # bytes are affine in the factor between least and a's (slots are ceil(lf * rows)): the
+    # estimate, then down one decimal step at a time while the rounding still overshoots
+    scale = 10.0**6
+    lf = least + (allowed - low) / (high - low) * (a.load_factor - least)
+    lf = max(least, np.floor(lf * scale) / scale)
+    while True:
+        shrunk = Assignment.of(option, a.ranks, float(lf))
+        if float(shrunk.memory[tier].sum()) <= allowed or lf <= least:
+            return shrunk
+        lf = max(least, lf - 1.0 / scale)
+
+
 class GreedyPartitioner:
     """Greedy largest-first placement, local search, cache growth (see the module docstring)."""
 
@@ -315,7 +342,7 @@ class GreedyPartitioner:
         chosen = self._pick(tiers, st, rest, keep, reserve)
         if chosen is not None:
             return chosen
-        fitting = [a for options in tiers for option in options
+        fitting = [_within(a, 0.0, keep) or a for options in tiers for option in options
                    if (a := _place(option, st)) is not None]
         if not fitting:
             return None
@@ -335,7 +362,11 @@ class GreedyPartitioner:
                 if a is None:
                     continue
                 if keep is not None and float(st.free[keep].sum() - a.memory[keep].sum()) < reserve:
-                    continue
+                    # a cache may take less than the default factor to leave the reserve (the
+                    # caches grow back into what is left once every table is placed)
+                    a = _within(a, float(st.free[keep].sum()) - reserve, keep)
+                    if a is None:
+                        continue
                 loads = st.cost[a.ranks] + a.cost
                 new_max = max(current_max, float(loads.max()))
                 total = float(a.cost.sum())

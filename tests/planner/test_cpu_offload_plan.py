@@ -388,3 +388,37 @@ def test_a_cache_holds_two_batches_of_ids_and_a_quarter() -> None:
     load_factor = sharding.plan[""]["t0"].cache_params.load_factor
     assert load_factor >= 2.5 * 1024 / 40_000
     assert math.ceil(load_factor * 40_000) >= 2560
+
+
+def test_caches_shrink_below_the_default_to_leave_memory_for_later_tables() -> None:
+    # Three 4M-row tables must all be cached. At TorchRec's default load factor 0.2 a cache
+    # takes 8 * 4M + 0.8M * 284 bytes, about 259 MB, and the least any of them can take (load
+    # factor 0.01) about 43 MB: 320 MB usable hold one cache at 0.2 but then not the other two
+    # at their least. The first caches are planned smaller so that every table gets one, and
+    # what is left after the last table goes back to them.
+    rows = [4_000_000] * 3
+    usable = 320e6
+    kjt = 3 * 512 * 8 * 20  # TorchRec's input-KJT estimate, as above
+    topology = Topology(world_size=1, compute_device="cpu", ddr_cap=(usable + kjt) / 0.85,
+                        ssd_cap=64 * GIB)
+    sharding, planner = plan(rows, topology, table_wise(3))
+    p = sharding.plan[""]
+    assert [p[f"t{i}"].compute_kernel for i in range(3)] == [CACHING] * 3
+    factors = [p[f"t{i}"].cache_params.load_factor for i in range(3)]
+    assert all(0.01 <= lf < 0.2 for lf in factors), factors
+    assert min(factors) >= 2.5 * 512 / 4_000_000
+    stats = planner.stats
+    assert stats is not None
+    assert stats.ranks[0].ddr_bytes <= usable
+    # the leftover went back to the caches: less than a few slots of each table stay free
+    assert stats.ranks[0].ddr_bytes >= usable - 3 * SLOT * (4_000_000 / 1e6 + 2)
+    assert stats.ranks[0].ddr_bytes == pytest.approx(
+        sum(hand_ddr_one_rank(4_000_000, lf) for lf in factors), rel=1e-9)
+
+
+def hand_ddr_one_rank(rows: int, load_factor: float) -> float:
+    """A cached table-wise shard's host memory on one rank of 512 samples (one id per bag):
+    512 ids and lengths (8 bytes each), 512 pooled rows and their gradients, the row index
+    (8 bytes a row) and the slots."""
+    buffers = 512 * 8 + 512 * 8 + 2 * 512 * DIM * 4
+    return buffers + 8 * rows + math.ceil(load_factor * rows) * SLOT
