@@ -74,6 +74,52 @@ def test_dot_interaction_and_its_gradient_equal_a_loop_over_pairs(grad: bool) ->
             torch.testing.assert_close(g.double(), w, rtol=0.03, atol=0.1)
 
 
+def _interaction_by_plain_ops(dense: torch.Tensor, sparse: torch.Tensor, low: torch.dtype,
+                              grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dot interaction in ``low`` and its one-product gradient for the output gradient
+    ``grad``, by plain tensor ops (no autograd): ``dz = (G + G^T) z`` for ``G`` the pairs'
+    gradient placed at (i, j) and (j, i), the dense vector's own columns added."""
+    batch, dim, n = dense.shape[0], dense.shape[1], sparse.shape[1] + 1
+    z = torch.cat([dense.to(low).unsqueeze(1), sparse.to(low)], dim=1)
+    rows, cols = torch.triu_indices(n, n, 1)
+    out = torch.cat([z[:, 0], torch.bmm(z, z.transpose(1, 2))[:, rows, cols]], dim=1)
+    sym = torch.zeros(batch, n, n, dtype=low)
+    sym[:, rows, cols] = grad[:, dim:]
+    sym[:, cols, rows] = grad[:, dim:]
+    dz = torch.bmm(sym, z)
+    return out, (dz[:, 0] + grad[:, :dim]).to(dense.dtype), dz[:, 1:].to(sparse.dtype)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("dense_needs_grad", [True, False])
+def test_dot_interaction_training_path_is_bitwise_the_plain_ops(amp: bool,
+                                                                 dense_needs_grad: bool) -> None:
+    """The training form (one buffer for z, pairs gathered into the output, slice-copy
+    scatter of their gradient) gives bitwise the values and gradients of plain cat / bmm /
+    indexing, in fp32 and under bf16 autocast (fp32 inputs, as the model feeds it), and the
+    same values as the inference path."""
+    torch.manual_seed(0)
+    batch, num_sparse, dim = 33, 6, 16
+    dense = torch.randn(batch, dim, requires_grad=dense_needs_grad)
+    sparse = torch.randn(batch, num_sparse, dim, requires_grad=True)
+    arch = InteractionArch(num_sparse_features=num_sparse)
+    low = torch.bfloat16 if amp else torch.float32
+    grad = torch.randn(batch, arch.output_dim(dim)).to(low)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        out = arch(dense, sparse)
+        with torch.no_grad():
+            inference = arch(dense, sparse)
+    inputs = (dense, sparse) if dense_needs_grad else (sparse,)
+    got = torch.autograd.grad(out, inputs, grad)
+    want_out, want_dense, want_sparse = _interaction_by_plain_ops(dense.detach(),
+                                                                  sparse.detach(), low, grad)
+    assert out.dtype == low and torch.equal(out, want_out) and torch.equal(inference, want_out)
+    want = (want_dense, want_sparse) if dense_needs_grad else (want_sparse,)
+    for g, w, x in zip(got, want, inputs, strict=True):
+        assert g.dtype == x.dtype == torch.float32
+        assert torch.equal(g, w)
+
+
 def test_dcn_interaction_matches_formula() -> None:
     torch.manual_seed(0)
     arch = InteractionDCNArch(num_sparse_features=3, embedding_dim=4, num_layers=2, low_rank=3)
