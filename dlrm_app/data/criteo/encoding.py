@@ -42,6 +42,7 @@ from dlrm_app.data.criteo import fastparse
 from dlrm_app.data.criteo.format import NUM_DENSE, NUM_SPARSE, OUTPUT_SCHEMA, SplitRule
 from dlrm_app.data.criteo.lines import LineIndex
 from dlrm_app.data.criteo.parse import Rows
+from dlrm_app.data.criteo.spill import SpillPlan
 from dlrm_app.data.criteo.vocabulary import (
     DEFAULT_VOCABULARY_MEMORY_BYTES,
     RARE_ID,
@@ -286,12 +287,14 @@ def _per_feature(value: int | Sequence[int], name: str) -> list[int]:
 
 def choose_encoding(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
                     counts: list[int | None], indexes: list[LineIndex | None],
-                    request: EncodingRequest, block_bytes: int,
-                    on_bad_row: str) -> tuple[dict, list[np.ndarray] | None]:
-    """The ``encoding`` record of dataset.json, and the vocabulary it built (None if it built
+                    request: EncodingRequest, block_bytes: int, on_bad_row: str,
+                    spill_to: Path | None = None
+                    ) -> tuple[dict, list[np.ndarray] | None, SpillPlan | None]:
+    """The ``encoding`` record of dataset.json, the vocabulary it built (None if it built
     none; its ``vocabulary_sha256`` is then None until the caller saves it with
-    :func:`~dlrm_app.data.criteo.vocabulary.save_vocabulary`); a ``like`` vocabulary is copied
-    into ``out``."""
+    :func:`~dlrm_app.data.criteo.vocabulary.save_vocabulary`), and where the vocabulary's
+    counting pass kept the rows it parsed (with ``spill_to``; see
+    :mod:`~dlrm_app.data.criteo.spill`); a ``like`` vocabulary is copied into ``out``."""
     if request.mode == "like":
         like = request.like
         assert like is not None
@@ -304,23 +307,23 @@ def choose_encoding(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
             shutil.copyfile(src, out / f".{VOCABULARY_FILE}.tmp")
             os.replace(out / f".{VOCABULARY_FILE}.tmp", out / VOCABULARY_FILE)
         encoding["like"] = str(like)
-        return encoding, None
+        return encoding, None, None
     if request.mode == "zch":
-        return {"mode": "zch", "num_embeddings": [RAW_ID_SPACE] * NUM_SPARSE}, None
+        return {"mode": "zch", "num_embeddings": [RAW_ID_SPACE] * NUM_SPARSE}, None, None
     if request.mode == "hash":
         assert request.num_embeddings_per_feature is not None
         return {"mode": "hash", "num_embeddings": _per_feature(
-            request.num_embeddings_per_feature, "num_embeddings_per_feature")}, None
+            request.num_embeddings_per_feature, "num_embeddings_per_feature")}, None, None
     threshold = DEFAULT_FREQUENCY_THRESHOLD if request.frequency_threshold is None \
         else request.frequency_threshold
     cap = _per_feature(DEFAULT_MAX_EMBEDDINGS_PER_FEATURE if request.max_embeddings_per_feature
                        is None else request.max_embeddings_per_feature,
                        "max_embeddings_per_feature")
     vocab = build_vocabulary(run, paths, rule, counts, indexes, threshold, cap, block_bytes,
-                             on_bad_row, request.vocabulary_memory_bytes)
+                             on_bad_row, request.vocabulary_memory_bytes, spill_to)
     return {"mode": "vocabulary", "frequency_threshold": threshold,
             "max_embeddings_per_feature": cap, "rare_id": RARE_ID,
             "vocabulary_sha256": None,  # the caller saves it (save_vocabulary)
             "num_embeddings": vocab.num_embeddings,
             "distinct_train_ids": vocab.distinct, "qualified_ids": vocab.qualified,
-            "train_coverage": [round(c, 6) for c in vocab.coverage]}, vocab.ids
+            "train_coverage": [round(c, 6) for c in vocab.coverage]}, vocab.ids, vocab.spill

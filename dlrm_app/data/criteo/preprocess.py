@@ -75,6 +75,7 @@ from dlrm_app.data.criteo.format import (
 from dlrm_app.data.criteo.lines import LineIndex, blocks, line_counts, prefetch
 from dlrm_app.data.criteo.parse import check_not_empty, no_valid_rows_error
 from dlrm_app.data.criteo.shard_tasks import Spiller, run_shard_tasks, stage_shards
+from dlrm_app.data.criteo.spill import SpillPlan, remove_spills, should_spill
 from dlrm_app.data.criteo.staging import STAGING_DIR, stage
 from dlrm_app.data.criteo.vocabulary import DEFAULT_VOCABULARY_MEMORY_BYTES, save_vocabulary
 from dlrm_app.data.criteo.workers import Runner, runner
@@ -111,14 +112,15 @@ class _Job:
 
 
 def _main_pass(run: Runner, job: _Job, spec: EncodeSpec, counts: list[int | None],
-               indexes: list[LineIndex | None], fingerprint: str) -> tuple[list, list, list]:
-    """Every row parsed, encoded and written to a staging shard: the shards' markers, the
-    input line counts and the skipped lines."""
+               indexes: list[LineIndex | None], fingerprint: str,
+               spill: SpillPlan | None) -> tuple[list, list, list]:
+    """Every row parsed (or read from the counting pass's ``spill``), encoded and written to
+    a staging shard: the shards' markers, the input line counts and the skipped lines."""
     paths, out, rule = job.paths, job.out, job.rule
     shard_args = (spec, job.block_bytes, job.row_group_size, fingerprint)
     if all(p.suffix != ".gz" for p in paths) and job.on_bad_row == "error":
         staged = stage_shards(run, paths, out, rule, counts, indexes,  # type: ignore[arg-type]
-                              job.rows_per_shard, *shard_args)
+                              job.rows_per_shard, *shard_args, spill=spill)
         return staged, counts, []
     if job.on_bad_row == "error" and job.workers > 1 and \
             many_shards(paths, job.rows_per_shard, job.workers):
@@ -154,8 +156,19 @@ def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, li
     if job.request.mode == "vocabulary" and all(plain):
         which = [True] * len(paths)  # the workers read their own train lines to count ids
     counts, indexes = line_counts(run, paths, which, job.block_bytes)
-    encoding, vocab = choose_encoding(run, paths, out, rule, counts, indexes, job.request,
-                                      job.block_bytes, job.on_bad_row)
+    # parse once: the vocabulary's counting pass keeps the train rows it parsed for the main
+    # pass (where the workers read line ranges, and the disk has room; see spill.py)
+    spill_to = None
+    if direct and job.request.mode == "vocabulary":
+        spill_to = out / STAGING_DIR
+        spill_to.mkdir(exist_ok=True)
+        remove_spills(spill_to)  # of a killed run
+        train = sum(min(t, n) for t, n in zip(rule.train_lines(counts), counts, strict=True))
+        if not should_spill(spill_to, int(train)):
+            spill_to = None
+    encoding, vocab, spill = choose_encoding(run, paths, out, rule, counts, indexes,
+                                             job.request, job.block_bytes, job.on_bad_row,
+                                             spill_to)
     # vocabulary.parquet is written by a thread (GIL released) while the rows are encoded
     with concurrent.futures.ThreadPoolExecutor(1) as saver:
         saved = None if vocab is None else saver.submit(save_vocabulary, out, vocab)
@@ -168,7 +181,8 @@ def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, li
                   "vocabulary": spec.vocabulary_digest, "rows_per_shard": job.rows_per_shard,
                   "row_group_size": job.row_group_size, "on_bad_row": job.on_bad_row}
         fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-        staged, input_lines, skipped = _main_pass(run, job, spec, counts, indexes, fingerprint)
+        staged, input_lines, skipped = _main_pass(run, job, spec, counts, indexes, fingerprint,
+                                                  spill)
     if saved is not None:
         encoding["vocabulary_sha256"] = saved.result()
     for p, n, m in zip(paths, counts, input_lines, strict=True):
@@ -294,9 +308,12 @@ def preprocess_criteo(
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise
-    finally:  # after the workers stopped: spilled lines of shards not written (after an error)
+    finally:  # after the workers stopped: spilled lines of shards not written (after an
+        # error), and the rows the counting pass parsed
         for spilled in (out / STAGING_DIR).glob("*.tsv"):
             spilled.unlink()
+        if (out / STAGING_DIR).is_dir():
+            remove_spills(out / STAGING_DIR)
     raw = encoding["mode"] == "zch"
     features = tuple(SparseFeature(name=n, num_embeddings=e, multi_hot=False, raw_ids=raw)
                      for n, e in zip(SPARSE_NAMES, encoding["num_embeddings"], strict=True))

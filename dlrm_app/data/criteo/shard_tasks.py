@@ -26,6 +26,7 @@ from dlrm_app.data.criteo.encoding import EncodeSpec, encoder
 from dlrm_app.data.criteo.format import LABEL, OUTPUT_SCHEMA, SplitRule
 from dlrm_app.data.criteo.lines import Block, LineIndex, prefetch
 from dlrm_app.data.criteo.parse import parse_block, read_blocks
+from dlrm_app.data.criteo.spill import SpillPlan, spilled_rows
 from dlrm_app.data.criteo.staging import STAGING_DIR, done_stage_shard, stage_file
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.shard_writer import ShardWriter
@@ -34,26 +35,24 @@ from dlrm_app.data.shard_writer import ShardWriter
 def write_stage_shard(staging: Path, k: int, first_row: int,
                       pieces: list[tuple[Path, int, int, LineIndex | Path]],
                       spec: EncodeSpec, block_bytes: int, row_group_size: int,
-                      fingerprint: str) -> tuple[int, dict]:
+                      fingerprint: str, spill: SpillPlan | None = None) -> tuple[int, dict]:
     """Worker task: read, parse, encode and write staging shard ``k`` from ``pieces`` (input,
     first 0-based line, lines, where they are: the plain input's line index, or a file the
-    lines were spilled to, deleted when done); returns ``k`` and its done-marker."""
+    lines were spilled to, deleted when done); returns ``k`` and its done-marker. Lines that
+    the counting pass kept parsed (``spill``) are read from there instead of parsed again."""
     # the row groups are written by a thread while the next block is parsed and encoded
     w = ShardWriter(staging, stage_file(k), OUTPUT_SCHEMA, row_group_size, LABEL,
                     background=True)
     try:
         for path, line, n, source in pieces:
-            if isinstance(source, LineIndex):
-                end = source.locate(path, line + n)  # the next line's start (or the file's end)
-                reader = read_blocks(path, block_bytes, source.locate(path, line), end)
-            else:
-                reader = read_blocks(source, block_bytes)
-            with contextlib.closing(prefetch(reader)) as datas:
-                for data in datas:
-                    lines = fastparse.count_newlines(data)
-                    rows, _ = parse_block(data, line + 1, path, "error", lines)
-                    w.add(encoder(spec).encode(rows, slice(None)))
-                    line += lines
+            parts = [(line, n, None)] if spill is None or not isinstance(source, LineIndex) \
+                else spill.cover(path, line, n)
+            for first, lines, spilled in parts:
+                if spilled is not None:
+                    for rows in spilled_rows(spilled, first, lines, row_group_size, w.rows):
+                        w.add(encoder(spec).encode(rows, slice(None)))
+                else:
+                    _write_text(w, spec, path, first, lines, source, block_bytes)
         w.close()
     finally:
         w.abort()
@@ -65,11 +64,30 @@ def write_stage_shard(staging: Path, k: int, first_row: int,
     return k, {"sha256": sha, "rows": w.rows, **extra}
 
 
+def _write_text(w: ShardWriter, spec: EncodeSpec, path: Path, line: int, n: int,
+                source: LineIndex | Path, block_bytes: int) -> None:
+    """Parse, encode and add the ``n`` lines from 0-based ``line`` of ``path`` (found with its
+    line index), or all lines of the spilled text file ``source``."""
+    if isinstance(source, LineIndex):
+        end = source.locate(path, line + n)  # the next line's start (or the file's end)
+        reader = read_blocks(path, block_bytes, source.locate(path, line), end)
+    else:
+        reader = read_blocks(source, block_bytes)
+    with contextlib.closing(prefetch(reader)) as datas:
+        for data in datas:
+            lines = fastparse.count_newlines(data)
+            rows, _ = parse_block(data, line + 1, path, "error", lines)
+            w.add(encoder(spec).encode(rows, slice(None)))
+            line += lines
+
+
 def stage_shards(run: Runner, paths: list[Path], out: Path, rule: SplitRule, counts: list[int],
                  indexes: list[LineIndex], rows_per_shard: int, spec: EncodeSpec,
-                 block_bytes: int, row_group_size: int, fingerprint: str) -> list[dict]:
+                 block_bytes: int, row_group_size: int, fingerprint: str,
+                 spill: SpillPlan | None = None) -> list[dict]:
     """Plain inputs: every final shard is one task (the splits are known from the line counts),
-    written to ``.staging`` by the workers in any order; a rerun skips the finished ones."""
+    written to ``.staging`` by the workers in any order; a rerun skips the finished ones. The
+    lines in ``spill`` are read from the rows the counting pass parsed."""
     edges = rule.row_edges(counts, [])
     starts = np.cumsum([0, *counts]).tolist()  # global line of each input's first line
     plan = []  # (first row = first global line, pieces)
@@ -83,12 +101,13 @@ def stage_shards(run: Runner, paths: list[Path], out: Path, rule: SplitRule, cou
     shards = [done_stage_shard(out, k, fingerprint) for k in range(len(plan))]
     tasks = ((k, first, pieces) for k, (first, pieces) in enumerate(plan) if shards[k] is None)
     return run_shard_tasks(run, out, tasks, shards, spec, block_bytes, row_group_size,
-                           fingerprint, total=edges[-1])
+                           fingerprint, total=edges[-1], spill=spill)
 
 
 def run_shard_tasks(run: Runner, out: Path, tasks: Iterable[tuple[int, int, list]],
                     shards: list[dict | None], spec: EncodeSpec, block_bytes: int,
-                    row_group_size: int, fingerprint: str, total: int | None) -> list[dict]:
+                    row_group_size: int, fingerprint: str, total: int | None,
+                    spill: SpillPlan | None = None) -> list[dict]:
     """Run (k, first row, pieces) shard tasks; ``shards`` gets each one's marker."""
     staging = out / STAGING_DIR
     staging.mkdir(exist_ok=True)
@@ -96,8 +115,8 @@ def run_shard_tasks(run: Runner, out: Path, tasks: Iterable[tuple[int, int, list
                     disable=not sys.stderr.isatty())
     try:
         for k, marker in run.map(write_stage_shard, (
-                (staging, k, first, pieces, spec, block_bytes, row_group_size, fingerprint)
-                for k, first, pieces in tasks)):
+                (staging, k, first, pieces, spec, block_bytes, row_group_size, fingerprint,
+                 spill) for k, first, pieces in tasks)):
             shards[k] = marker
             progress.update(marker["rows"])
     finally:

@@ -42,6 +42,7 @@ from dlrm_app.data.criteo import fastparse
 from dlrm_app.data.criteo.format import NUM_SPARSE, SPARSE_NAMES, SplitRule
 from dlrm_app.data.criteo.lines import Block, LineIndex, blocks, prefetch
 from dlrm_app.data.criteo.parse import no_valid_rows_error, parse_block, read_blocks
+from dlrm_app.data.criteo.spill import SpillPlan, SpillWriter, spill_file
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.schema import sha256_file
 
@@ -68,6 +69,8 @@ class Vocabulary:
     """Of those, the ids seen at least ``frequency_threshold`` times (before the cap)."""
     coverage: list[float]
     """Fraction of the train rows whose id has a row of its own, per feature."""
+    spill: SpillPlan | None = None
+    """Where the counting pass kept the train rows it parsed (None: it kept none)."""
 
     @property
     def num_embeddings(self) -> list[int]:
@@ -191,70 +194,91 @@ def count_ids(path: Path, block: Block, on_bad_row: str, train_lines: float
 
 
 def count_lines_of(path: Path, line: int, lines: int, index: LineIndex, block_bytes: int,
-                   on_bad_row: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+                   on_bad_row: str, spill: Path | None = None
+                   ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, bool]:
     """Worker task of the vocabulary pass over a plain input: reads the input's 0-based lines
     ``[line, line + lines)`` itself (found with its line ``index``; all of them train lines)
-    and returns, per feature, their distinct raw ids and counts, and the rows counted."""
+    and returns, per feature, their distinct raw ids and counts, the rows counted, and whether
+    the parsed rows were all written to ``spill`` (for the main pass,
+    :mod:`~dlrm_app.data.criteo.spill`; False without one)."""
     start, end = index.locate(path, line), index.locate(path, line + lines)
     parts: list[list[tuple[np.ndarray, np.ndarray]]] = []
     n_rows = 0
-    with contextlib.closing(prefetch(read_blocks(path, block_bytes, start, end))) as datas:
-        for data in datas:
-            n = fastparse.count_newlines(data)
-            rows, _ = parse_block(data, line + 1, path, on_bad_row, n)
-            parts.append([distinct_counts(c) for c in rows.cats])
-            n_rows += len(rows.label)
-            line += n
+    writer = None if spill is None else SpillWriter(spill)
+    try:
+        with contextlib.closing(prefetch(read_blocks(path, block_bytes, start, end))) as datas:
+            for data in datas:
+                n = fastparse.count_newlines(data)
+                rows, _ = parse_block(data, line + 1, path, on_bad_row, n)
+                parts.append([distinct_counts(c) for c in rows.cats])
+                if writer is not None:
+                    writer.add(rows)
+                n_rows += len(rows.label)
+                line += n
+        spilled = writer is not None and writer.close()
+    finally:
+        if writer is not None and not writer.file.closed:
+            writer.abort()
     per_feature = [_compact(*merge_counts([p[k] for p in parts])) for k in range(NUM_SPARSE)]
-    return per_feature, n_rows
+    return per_feature, n_rows, spilled
 
 
 def _line_tasks(paths: list[Path], counts: list[int | None], indexes: list[LineIndex | None],
                 train_lines: list[float], block_bytes: int, on_bad_row: str,
-                positions: deque[tuple[str, int]]) -> Iterator[tuple]:
+                positions: deque[tuple[str, int, tuple | None]],
+                spill_to: Path | None) -> Iterator[tuple]:
     """count_lines_of tasks of about ``block_bytes`` each over the train lines of indexed
     (plain) inputs: nothing but line numbers goes to the workers."""
-    for path, n, index, train in zip(paths, counts, indexes, train_lines, strict=True):
+    for i, (path, n, index, train) in enumerate(
+            zip(paths, counts, indexes, train_lines, strict=True)):
         assert n is not None and index is not None
         train = int(min(train, n))
         step = max(1, block_bytes * n // max(path.stat().st_size, 1))  # lines per task
         for line in range(0, train, step):
             lines = min(step, train - line)
-            positions.append((f"line {line + lines:,} of {path}", lines))
-            yield path, line, lines, index, block_bytes, on_bad_row
+            spill = None if spill_to is None else spill_file(spill_to, i, line)
+            positions.append((f"line {line + lines:,} of {path}", lines,
+                              None if spill is None else (str(path), line, lines, str(spill))))
+            yield path, line, lines, index, block_bytes, on_bad_row, spill
 
 
 def build_vocabulary(run: Runner, paths: list[Path], rule: SplitRule,
                      counts: list[int | None], indexes: list[LineIndex | None], threshold: int,
                      max_embeddings: Sequence[int], block_bytes: int, on_bad_row: str,
-                     memory_bytes: int) -> Vocabulary:
+                     memory_bytes: int, spill_to: Path | None = None) -> Vocabulary:
     """The vocabulary of the train split; only the train lines are read (kaggle: ``counts``
     has every input's line count). Inputs that all have a line index (plain ones) are read by
-    the workers, each its own line ranges; otherwise (gzip) this process reads the blocks and
-    hands them out."""
+    the workers, each its own line ranges, and with ``spill_to`` (a folder) keep the rows they
+    parsed there for the main pass (the vocabulary's ``spill``); otherwise (gzip) this process
+    reads the blocks and hands them out."""
     train_lines = rule.train_lines(counts)
     where = ", ".join(map(str, paths)) if len(paths) <= 3 else f"{paths[0]} ... {paths[-1]}"
     counter = IdCounts(memory_bytes, where)
-    # per task in flight, in task order: where it ends, and its train lines
-    positions: deque[tuple[str, int]] = deque()
+    # per task in flight, in task order: where it ends, its train lines, and its spill range
+    positions: deque[tuple[str, int, tuple | None]] = deque()
 
     def block_tasks(stream: Iterator[Block]) -> Iterator[tuple]:
         for b in stream:
             lines = int(min(b.lines, train_lines[b.input] - (b.line - 1)))
-            positions.append((f"line {b.line - 1 + b.lines:,} of {paths[b.input]}", lines))
+            positions.append((f"line {b.line - 1 + b.lines:,} of {paths[b.input]}", lines, None))
             yield paths[b.input], b, on_bad_row, train_lines[b.input]
 
     read, lines_read = "nothing", 0
+    spilled: dict[str, list[tuple[int, int, str]]] = {}
+    indexed = None not in indexes
     with contextlib.ExitStack() as stack:
-        if None not in indexes:
+        if indexed:
             results = run.map(count_lines_of, _line_tasks(
-                paths, counts, indexes, train_lines, block_bytes, on_bad_row, positions))
+                paths, counts, indexes, train_lines, block_bytes, on_bad_row, positions,
+                spill_to))
         else:
             stream = stack.enter_context(contextlib.closing(
                 prefetch(blocks(paths, block_bytes, max_lines=train_lines))))
             results = run.map(count_ids, block_tasks(stream))
-        for per_feature, n_train in results:
-            read, lines = positions.popleft()
+        for per_feature, n_train, *kept in results:
+            read, lines, spill = positions.popleft()
+            if spill is not None and kept[0]:
+                spilled.setdefault(spill[0], []).append(spill[1:])
             lines_read += lines
             counter.add(per_feature, n_train, read)
     if lines_read and not counter.rows:  # stop before a second pass over the wrong files
@@ -266,7 +290,9 @@ def build_vocabulary(run: Runner, paths: list[Path], rule: SplitRule,
         kept.append(ids[k][rows])
         coverage.append(float(id_counts[k][rows].sum() / counter.rows) if counter.rows else 0.0)
     qualified = [int((c >= threshold).sum()) for c in id_counts]
-    return Vocabulary(kept, [len(i) for i in ids], qualified, coverage)
+    spill = None if spill_to is None or not indexed else \
+        SpillPlan({p: tuple(r) for p, r in spilled.items()})
+    return Vocabulary(kept, [len(i) for i in ids], qualified, coverage, spill)
 
 
 def save_vocabulary(out: Path, vocab: list[np.ndarray]) -> str:
