@@ -38,9 +38,15 @@ are skipped). Rank 0 of each job prints one JSON line, which the driver relays:
                            between ranks (``dlrm-app train --comm-precision``, resolved; one job
                            per value of ``--comm-precisions``)
   floor_ms / step_over_floor  the machine's limit for the model's dense part: a
-                           ``dlrm_train_floor`` line per precision times exactly its matrix
-                           products (forward and both gradients) on one rank's threads, alone;
-                           step_over_floor = step_ms / floor_ms (1.0 would be the limit)
+                           ``dlrm_train_floor`` line per precision times exactly the matrix
+                           products a training step computes (each Linear's forward and weight
+                           gradient, its input gradient where the input needs one: not the
+                           first layer's; the interaction's Z Z^T and its one-product
+                           gradient) on one rank's threads, alone; step_over_floor = step_ms /
+                           floor_ms (1.0 would be the limit). floor_cpu_ms: the same products'
+                           CPU time (thread time), and cpu_over_floor = cpu_ms_per_step /
+                           floor_cpu_ms: the ratio a shared, loaded machine changes least
+                           (cpu_ms_per_step also counts the loader's and gloo's threads)
 
   cpu_ms_per_step          CPU time (all threads of the process: compute, loader, gloo's and
                            the transport's) per step, mean over ranks; samples_per_cpu_s = batch
@@ -627,10 +633,13 @@ def transport(device: torch.device) -> str:
 
 # ---- driver -------------------------------------------------------------------------------------
 def matmul_floor(args: argparse.Namespace, precision: str, device: torch.device) -> dict:
-    """The machine's limit for this model's dense part: the time of exactly its matrix
-    products (each Linear's forward, input-gradient and weight-gradient GEMM at the batch size,
-    the interaction's batched products likewise), run back to back on ``--threads-per-rank``
-    threads in ``precision``, with nothing else (no activations, loss, optimizer, data)."""
+    """The machine's limit for this model's dense part: the time of exactly the matrix
+    products its training step computes (each Linear's forward and weight-gradient GEMM at the
+    batch size, its input-gradient GEMM except the first layer's, whose input, the dense
+    features, needs none; the interaction's Z Z^T and its gradient, one product (G + G^T) Z),
+    run back to back on ``--threads-per-rank`` threads in ``precision``, with nothing else (no
+    bias, activations, loss, optimizer, embeddings, data). ``floor_ms`` is wall time,
+    ``floor_cpu_ms`` this thread's CPU time, each the second best of 7 rounds."""
     config, batch = model_config(args), args.batch_size
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     sizes = [args.num_dense, *config.dense_arch_layer_sizes]
@@ -638,10 +647,12 @@ def matmul_floor(args: argparse.Namespace, precision: str, device: torch.device)
     top = [config.embedding_dim + pairs, *config.over_arch_layer_sizes]
     gemms = []  # (m, k, n) of each product: [m, k] @ [k, n]
     for widths in (sizes, top):
-        for k, n in zip(widths, widths[1:], strict=False):
-            gemms += [(batch, k, n), (batch, n, k), (k, batch, n)]  # forward, dX, dW
+        for i, (k, n) in enumerate(zip(widths, widths[1:], strict=False)):
+            gemms += [(batch, k, n), (k, batch, n)]  # forward, dW
+            if widths is top or i > 0:  # dX (the dense features need no gradient)
+                gemms.append((batch, n, k))
     f, d = args.tables + 1, config.embedding_dim
-    bmms = [(f, d, f), (f, f, d), (f, f, d)]  # Z Z^T forward and its two gradients, per row
+    bmms = [(f, d, f), (f, f, d)]  # Z Z^T and its gradient (G + G^T) Z, per row
     operands = [(torch.randn(m, k, dtype=dtype, device=device),
                  torch.randn(k, n, dtype=dtype, device=device)) for m, k, n in gemms]
     operands += [(torch.randn(batch, m, k, dtype=dtype, device=device),
@@ -651,20 +662,22 @@ def matmul_floor(args: argparse.Namespace, precision: str, device: torch.device)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads_per_rank)
     try:
-        times = []
+        times, cpu_times = [], []
         for _ in range(7):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             for a, b in operands:
                 torch.matmul(a, b)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.thread_time() - cpu_start)
     finally:
         torch.set_num_threads(threads)
     best = sorted(times)[1]  # second best of 7: the floor, not a lucky outlier
     return {"bench": "dlrm_train_floor", "precision": precision, "device": device.type,
             "threads": args.threads_per_rank, "batch_size_per_rank": batch,
-            "floor_ms": round(best * 1e3, 3), "gflop_per_step": round(flops / 1e9, 4),
+            "floor_ms": round(best * 1e3, 3), "floor_cpu_ms": round(sorted(cpu_times)[1] * 1e3, 3),
+            "gflop_per_step": round(flops / 1e9, 4),
             "gflop_per_s": float(f"{flops / best / 1e9:.3g}"),
             "measures": "the dense part's matrix products alone, per rank and step"}
 
@@ -745,6 +758,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
                 for line in lines:
                     line["floor_ms"] = floors[precision]["floor_ms"]
                     line["step_over_floor"] = round(line["step_ms"] / line["floor_ms"], 2)
+                    line["floor_cpu_ms"] = floors[precision]["floor_cpu_ms"]
+                    line["cpu_over_floor"] = round(
+                        line["cpu_ms_per_step"] / line["floor_cpu_ms"], 2)
                     print(json.dumps(line), flush=True)
 
 

@@ -56,13 +56,15 @@ def test_floor_lines(output: list[dict]) -> None:
     assert set(floors) == set(bench.PRECISIONS)
     quick, tables = bench.QUICK, 4
     # the quick model's products by hand: bottom 13-32-16, top (16 + 4*5/2)-64-32-1, batch 128,
-    # each as forward + two gradients (3 GEMMs of 2*B*k*n flops), and Z Z^T of [B, 5, 16]
+    # each as forward + two gradients (3 GEMMs of 2*B*k*n flops) but the first layer's (no
+    # input gradient: 2), and Z Z^T of [B, 5, 16] + its one-product gradient
     widths = [(13, 32), (32, 16), (16 + 10, 64), (64, 32), (32, 1)]
     flops = 3 * sum(2 * quick["batch_size"] * k * n for k, n in widths)
-    flops += 3 * 2 * quick["batch_size"] * (tables + 1) ** 2 * 16
+    flops -= 2 * quick["batch_size"] * 13 * 32
+    flops += 2 * 2 * quick["batch_size"] * (tables + 1) ** 2 * 16
     for line in floors.values():
         assert line["gflop_per_step"] == pytest.approx(flops / 1e9, abs=1e-4)
-        assert line["floor_ms"] > 0 and line["threads"] == 1
+        assert line["floor_ms"] > 0 and line["floor_cpu_ms"] > 0 and line["threads"] == 1
         assert line["gflop_per_s"] == pytest.approx(flops / 1e6 / line["floor_ms"], rel=0.02)
 
 
@@ -75,6 +77,8 @@ def test_line(lines: dict[tuple[str, int, str], dict], impl: str, world: int,
     quick = bench.QUICK
     assert line["bench"] == "dlrm_train" and line["device"] == "cpu" and line["backend"] == "gloo"
     assert line["step_over_floor"] == pytest.approx(line["step_ms"] / line["floor_ms"], abs=0.01)
+    assert line["cpu_over_floor"] == pytest.approx(
+        line["cpu_ms_per_step"] / line["floor_cpu_ms"], abs=0.01)
     assert line["tables"] == 4 and line["rows_per_table"] == quick["rows_per_table"]
     assert line["batch_size_per_rank"] == quick["batch_size"]
     assert line["global_batch"] == world * quick["batch_size"]
