@@ -226,6 +226,8 @@ class _PermuteParts(torch.autograd.Function):
 
 
 def _chunks(flat: torch.Tensor, rows: int, dims: Sequence[int]) -> list[torch.Tensor]:
+    if len(dims) == 1:  # a view: a one-chunk split's backward would copy the whole gradient
+        return [flat.view(rows, dims[0])]
     return [c.view(rows, d) for c, d in zip(flat.split([rows * d for d in dims]), dims, strict=True)]
 
 

@@ -90,6 +90,23 @@ def test_received_buffer_equals_split_cat_and_index_select(
             assert torch.equal(permute_received(flat, rows, dims, columns), expected)
 
 
+def test_one_received_chunk_without_permutation_is_a_view_of_the_buffer() -> None:
+    # one rank: the all-to-all's output is the pooled buffer; its [rows, dim] view goes on,
+    # and the buffer's gradient is the output's (no one-chunk split whose backward copies it)
+    flat = torch.randn(3 * 8, requires_grad=True)
+    out = permute_received(flat, 3, [8], None)
+    assert out.data_ptr() == flat.data_ptr() and torch.equal(out, flat.detach().view(3, 8))
+    nodes, todo = [], [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        nodes.append(type(node).__name__)
+        todo += [f for f, _ in node.next_functions if f is not None]
+    assert nodes == ["ViewBackward0", "AccumulateGrad"]
+    grad = torch.randn(3, 8)
+    out.backward(grad)
+    assert torch.equal(flat.grad, grad.view(-1))
+
+
 def test_received_buffer_of_the_wrong_size() -> None:
     with pytest.raises(ValueError, match=r"2 x 6 = 12 elements .* got shape \[10\]"):
         permute_received(torch.randn(10), 2, [4, 2], column_permutation([4, 5, 0, 1, 2, 3]))
