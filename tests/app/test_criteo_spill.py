@@ -203,3 +203,21 @@ def test_spilled_rows_round_trip_and_end_row_groups(tmp_path: Path) -> None:
                           cats[:, 3:15])
     assert all(r.dense.dtype == np.int64 and r.cats[0].dtype == np.int64 for r in got)
     assert np.concatenate([r.lines for r in got]).tolist() == list(range(104, 116))
+
+
+def test_spill_files_go_as_the_shards_that_read_them_are_written(
+        tmp_path: Path, inputs: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    staging = tmp_path / "out" / ".staging"
+    present: list[int] = []  # spill files there as each shard task starts
+    write = shard_tasks.write_stage_shard
+
+    def counted(*args, **kwargs):
+        present.append(len(list(staging.glob(spill.SPILL_GLOB))))
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(shard_tasks, "write_stage_shard", counted)
+    got = spill_counter(monkeypatch)
+    preprocess_criteo(inputs, tmp_path / "out", block_bytes=4096, rows_per_shard=300)
+    assert sum(got) == 1157  # train rows: 4 shards (300, 300, 300, 257), then validation, test
+    assert len(present) == 6 and present[0] > present[1] > present[2] > present[3] > 0
+    assert present[4:] == [0, 0]

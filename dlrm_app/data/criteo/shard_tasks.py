@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -100,15 +100,40 @@ def stage_shards(run: Runner, paths: list[Path], out: Path, rule: SplitRule, cou
                                  if max(first, s) < min(last, s + n)]))
     shards = [done_stage_shard(out, k, fingerprint) for k in range(len(plan))]
     tasks = ((k, first, pieces) for k, (first, pieces) in enumerate(plan) if shards[k] is None)
+    release = None if spill is None else \
+        _spill_release(spill, [[] if shards[k] else pieces for k, (_, pieces) in enumerate(plan)])
     return run_shard_tasks(run, out, tasks, shards, spec, block_bytes, row_group_size,
-                           fingerprint, total=edges[-1], spill=spill)
+                           fingerprint, total=edges[-1], spill=spill, written=release)
+
+
+def _spill_release(spill: SpillPlan, pieces: list[list]) -> Callable[[int], None]:
+    """A callback for each staging shard written: deletes the spill files that no shard still
+    to be written reads (the disk the spill holds shrinks as the main pass goes; files that
+    only finished shards read go now)."""
+    readers: dict[str, set[int]] = {f: set() for r in spill.ranges.values() for *_, f in r}
+    for k, shard in enumerate(pieces):
+        for path, line, n, _ in shard:
+            for *_, spilled in spill.cover(path, line, n):
+                if spilled is not None:
+                    readers[spilled[2]].add(k)
+    for f in [f for f, ks in readers.items() if not ks]:
+        Path(f).unlink(missing_ok=True)
+
+    def written(k: int) -> None:
+        for f in [f for f, ks in readers.items() if k in ks]:
+            readers[f].discard(k)
+            if not readers[f]:
+                Path(f).unlink(missing_ok=True)
+    return written
 
 
 def run_shard_tasks(run: Runner, out: Path, tasks: Iterable[tuple[int, int, list]],
                     shards: list[dict | None], spec: EncodeSpec, block_bytes: int,
                     row_group_size: int, fingerprint: str, total: int | None,
-                    spill: SpillPlan | None = None) -> list[dict]:
-    """Run (k, first row, pieces) shard tasks; ``shards`` gets each one's marker."""
+                    spill: SpillPlan | None = None,
+                    written: Callable[[int], None] | None = None) -> list[dict]:
+    """Run (k, first row, pieces) shard tasks; ``shards`` gets each one's marker (and
+    ``written`` is called with each ``k`` once its shard is written)."""
     staging = out / STAGING_DIR
     staging.mkdir(exist_ok=True)
     progress = tqdm(total=total, unit="rows", unit_scale=True, desc="criteo",
@@ -119,6 +144,8 @@ def run_shard_tasks(run: Runner, out: Path, tasks: Iterable[tuple[int, int, list
                  spill) for k, first, pieces in tasks)):
             shards[k] = marker
             progress.update(marker["rows"])
+            if written is not None:
+                written(k)
     finally:
         progress.close()
     return shards  # type: ignore[return-value]

@@ -14,11 +14,12 @@ dense to int32) and widened back when read, so the rows read are the rows parsed
 value, and the encoder writes the same bytes. About 160 bytes a row (a Criteo row has about
 260 bytes of text); reading it back costs a fraction of parsing.
 
-Disk: the files of the whole train split exist when the main pass starts and are removed when
-preprocessing ends (or fails). Spilling is skipped up front when the disk of ``--out`` has
-less than twice their estimated size free, and a task whose file hits a full disk deletes its
-file and leaves that range to be parsed again: spilling never turns into an error of its own,
-and the output is the same either way.
+Disk: the files of the whole train split exist when the main pass starts; each is deleted
+once the shards that read it are written, and any left when preprocessing ends (or fails)
+then. Spilling is skipped up front when the disk of ``--out`` has less than twice their
+estimated size free, and a task whose file hits a full disk deletes its file and leaves that
+range to be parsed again: a full disk while spilling is no error of its own, and the output is
+the same either way.
 """
 
 from __future__ import annotations
