@@ -679,7 +679,8 @@ def matmul_floor(args: argparse.Namespace, precision: str, device: torch.device)
             "floor_ms": round(best * 1e3, 3), "floor_cpu_ms": round(sorted(cpu_times)[1] * 1e3, 3),
             "gflop_per_step": round(flops / 1e9, 4),
             "gflop_per_s": float(f"{flops / best / 1e9:.3g}"),
-            "measures": "the dense part's matrix products alone, per rank and step"}
+            "measures": "the matrix products of the dense part's training step alone, per rank and "
+                        "step"}
 
 
 
