@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--encodings", nargs="+", choices=("hash", "vocabulary"),
                         default=["hash", "vocabulary"])
     args = parser.parse_args()
-    table_summary([])  # its one-time import (torch, the planner) is not preprocessing time
+    table_summary([])  # its one-time import is not preprocessing time (no torch since issue 30)
     sizing = {"hash": {"num_embeddings_per_feature": 1000}, "vocabulary": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tsv = Path(tmp) / "day_0.tsv"

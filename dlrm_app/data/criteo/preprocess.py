@@ -36,7 +36,9 @@ a thread, during the main pass), and one copy in ``.staging`` that every encodin
 (shared page cache), plus each encoding process's bucket index of it for the C lookup (at most
 4 bytes per id, see :class:`~dlrm_app.data.criteo.encoding.VocabularyIndex`).
 
-The default vocabulary reads the train split twice (a counting pass, then the main pass); a
+The default vocabulary reads the train split twice (a counting pass, then the main pass), but
+with plain inputs and bad rows as errors parses it once: the counting tasks keep the rows they
+parsed in ``.staging`` and the main pass reads those (:mod:`~dlrm_app.data.criteo.spill`); a
 kaggle vocabulary needs every input's line count first (a gzip input is decompressed once
 more to count them). Plain inputs are counted (and indexed) in any case, so that in the
 counting pass too each worker reads its own line ranges: only line numbers go to the workers
