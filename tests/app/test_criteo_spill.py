@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_criteo_count_ranges import rows_text
 
-from dlrm_app.data.criteo import preprocess, preprocess_criteo, shard_tasks, spill
+from dlrm_app.data.criteo import fastparse, preprocess, preprocess_criteo, shard_tasks, spill
 from dlrm_app.data.criteo.parse import Rows
 from dlrm_app.data.criteo.spill import SpillPlan, SpillWriter, spilled_rows
 from dlrm_app.data.schema import DatasetSpec
@@ -201,7 +201,8 @@ def test_spilled_rows_round_trip_and_end_row_groups(tmp_path: Path) -> None:
     assert np.array_equal(np.concatenate([r.dense for r in got]), dense[3:15])
     assert np.array_equal(np.concatenate([np.asarray(r.cats) for r in got], axis=1),
                           cats[:, 3:15])
-    assert all(r.dense.dtype == np.int64 and r.cats[0].dtype == np.int64 for r in got)
+    # narrowed where a block's values fit: the first row group's rows all come from block 0
+    assert got[0].dense.dtype == np.int32 and got[0].cats[0].dtype == np.uint32
     assert np.concatenate([r.lines for r in got]).tolist() == list(range(104, 116))
 
 
@@ -221,3 +222,17 @@ def test_spill_files_go_as_the_shards_that_read_them_are_written(
     assert sum(got) == 1157  # train rows: 4 shards (300, 300, 300, 257), then validation, test
     assert len(present) == 6 and present[0] > present[1] > present[2] > present[3] > 0
     assert present[4:] == [0, 0]
+
+
+def test_spilled_rows_without_the_c_helper(tmp_path: Path, inputs: list[Path],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's parse and lookup read the narrowed spill the same way (one process)."""
+    monkeypatch.setattr(fastparse, "enabled", False)
+    kwargs = dict(block_bytes=4096, rows_per_shard=300, row_group_size=64)
+    with monkeypatch.context() as patch:
+        patch.setattr(preprocess, "should_spill", lambda *a: False)
+        preprocess_criteo(inputs, tmp_path / "twice", **kwargs)
+    got = spill_counter(monkeypatch)
+    preprocess_criteo(inputs, tmp_path / "once", **kwargs)
+    assert sum(got) == train_rows(tmp_path / "once")
+    assert outputs(tmp_path / "once") == outputs(tmp_path / "twice")

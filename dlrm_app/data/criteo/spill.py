@@ -10,8 +10,8 @@ whose workers read their own line ranges; validation and test lines are read as 
 A file holds, per parsed block: a header (rows, and which arrays were narrowed), the labels,
 the dense ints ``[n, 13]`` and the categorical ids ``[26, n]``, each in the ``.npy`` format.
 Ints are narrowed where the block's values fit (ids to uint32: Criteo ids have 8 hex digits;
-dense to int32) and widened back when read, so the rows read are the rows parsed, value for
-value, and the encoder writes the same bytes. About 160 bytes a row (a Criteo row has about
+dense to int32) and read back as they are: the rows read are the rows parsed, value for value,
+and the encoder writes the same bytes from either width. About 160 bytes a row (a Criteo row has about
 260 bytes of text); reading it back costs a fraction of parsing.
 
 Disk: the files of the whole train split exist when the main pass starts; each is deleted
@@ -115,7 +115,9 @@ class SpillWriter:
 
 
 def read_spill(path: Path) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(labels, dense ``[n, 13]``, ids ``[26, n]``) per block of a spill file, as parsed."""
+    """(labels, dense ``[n, 13]``, ids ``[26, n]``) per block of a spill file: the values
+    parsed, in the narrow ints they were stored in (the encoder's results do not depend on the
+    width: it takes ``log1p`` of the dense values in float64 and looks the ids up as int64)."""
     with open(path, "rb") as f:
         while True:
             try:
@@ -127,8 +129,7 @@ def read_spill(path: Path) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]
             cats = np.lib.format.read_array(f, allow_pickle=False)
             if header[0] != len(label) or cats.shape != (NUM_SPARSE, len(label)):
                 raise RuntimeError(f"{path}: damaged spill of parsed rows; rerun")
-            yield (label, dense.astype(np.int64) if header[1] else dense,
-                   cats.astype(np.int64) if header[2] else cats)
+            yield label, dense, cats
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
