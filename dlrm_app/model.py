@@ -30,6 +30,12 @@ from torch import nn
 from dlrm_app.config import ZCH_EVICTION_INTERVAL, ZCH_MEMORY_BYTES, Interaction, ModelConfig
 from dlrm_app.data.schema import DatasetSpec, SparseFeature
 from recsys_core.distributed.table_init import SeededUniformInit, TableRegion
+from recsys_core.models._dot_interaction import DotInteraction as _DotInteraction  # noqa: F401
+from recsys_core.models._dot_interaction import (
+    dot_interaction_with_grad as _dot_interaction_with_grad,
+)
+from recsys_core.models._dot_interaction import flat_pair_indices
+from recsys_core.models._dot_interaction import pair_runs as _pair_runs
 from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
@@ -117,76 +123,6 @@ class SparseArch(nn.Module):
         return pooled if self._order is None else pooled.index_select(1, self._order)
 
 
-def _pair_runs(n: int) -> list[tuple[int, int, int]]:
-    """Row ``i`` of the ``[n, n]`` Gram matrix holds the pairs ``(i, i+1..n-1)``, which are the
-    output's ``n-1-i`` consecutive columns from ``offset``: ``(i, offset, n-1-i)`` per row."""
-    runs, offset = [], 0
-    for i in range(n - 1):
-        runs.append((i, offset, n - 1 - i))
-        offset += n - 1 - i
-    return runs
-
-
-class _DotInteraction(torch.autograd.Function):
-    """Training form of the dot interaction, ``[dense, pairs]`` from ``dense [B, D]`` and
-    ``sparse [B, F, D]`` in ``dtype`` (bf16 under autocast), with each intermediate written
-    once:
-
-    * forward: ``z = [dense, e_1..e_F]`` is one ``[B, n, D]`` buffer of ``dtype`` that both
-      inputs are copied into (the fp32 embeddings are rounded in that copy: no separate cast,
-      no cat); ``z z^T`` is one batched product, whose entries above the diagonal are gathered
-      straight into the output after the dense vector (no index_select, no second cat).
-    * backward: ``dz = (G + G^T) z``, one batched product, for ``G`` the pairs' gradient
-      placed in ``[n, n]`` by one slice copy per row and per column (autograd's own backward
-      of ``bmm(z, z^T)`` does two products, a strided copy of the transpose and a sum); the
-      dense vector's two gradients (its own output columns and row 0 of ``dz``) are added
-      here, and the embeddings' gradient is cast back to their dtype.
-
-    The values and the gradients are bitwise those of ``cat``, ``bmm``, ``index_select`` with
-    the one-product backward (``tests/app/test_model.py``)."""
-
-    @staticmethod
-    def forward(ctx: Any, dense: torch.Tensor, sparse: torch.Tensor, dtype: torch.dtype,
-                flat: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
-        batch, n, dim = sparse.shape[0], sparse.shape[1] + 1, dense.shape[1]
-        z = dense.new_empty((batch, n, dim), dtype=dtype)
-        z[:, 0].copy_(dense)
-        z[:, 1:].copy_(sparse)
-        gram = torch.bmm(z, z.transpose(1, 2))
-        out = z.new_empty((batch, dim + flat.numel()))
-        out[:, :dim].copy_(dense)
-        torch.gather(gram.view(batch, n * n), 1, flat.expand(batch, -1), out=out[:, dim:])
-        ctx.save_for_backward(z)
-        ctx.runs, ctx.dtypes = runs, (dense.dtype, sparse.dtype)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (z,) = ctx.saved_tensors
-        batch, n, dim = z.shape
-        sym = grad.new_empty((batch, n, n))
-        sym.diagonal(dim1=1, dim2=2).zero_()
-        for i, offset, count in ctx.runs:  # G at (i, j) and (j, i): every entry written once
-            pairs = grad[:, dim + offset: dim + offset + count]
-            sym[:, i, i + 1:].copy_(pairs)
-            sym[:, i + 1:, i].copy_(pairs)
-        dz = torch.bmm(sym, z.to(grad.dtype))
-        dense_dtype, sparse_dtype = ctx.dtypes
-        d_dense = d_sparse = None
-        if ctx.needs_input_grad[0]:
-            d_dense = (dz[:, 0] + grad[:, :dim]).to(dense_dtype)
-        if ctx.needs_input_grad[1]:
-            d_sparse = dz[:, 1:].to(sparse_dtype)
-        return d_dense, d_sparse, None, None, None
-
-
-@torch.jit.unused
-def _dot_interaction_with_grad(dense: torch.Tensor, sparse: torch.Tensor, dtype: torch.dtype,
-                               flat: torch.Tensor,
-                               runs: list[tuple[int, int, int]]) -> torch.Tensor:
-    return _DotInteraction.apply(dense, sparse, dtype, flat, runs)
-
-
 class InteractionArch(nn.Module):
     """Dot interaction: the dense vector, then every pairwise dot product of
     ``[dense, e_1, ..., e_F]`` above the diagonal: ``[B, D + F(F+1)/2]``.
@@ -203,8 +139,7 @@ class InteractionArch(nn.Module):
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
         n = num_sparse_features + 1
-        rows, cols = torch.triu_indices(n, n, 1)
-        self.register_buffer("flat", rows * n + cols, persistent=False)
+        self.register_buffer("flat", flat_pair_indices(n), persistent=False)
         self.runs = _pair_runs(n)
 
     def output_dim(self, embedding_dim: int) -> int:

@@ -14,8 +14,14 @@ keeps the pairwise dot products above the diagonal, in row-major order
 
 import torch
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_tracing
 
 from recsys_core.datasets.utils import Batch
+from recsys_core.models._dot_interaction import (
+    dot_interaction_with_grad,
+    flat_pair_indices,
+    pair_runs,
+)
 from recsys_core.modules.crossnet import LowRankCrossNet
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.modules.mlp import MLP
@@ -56,8 +62,15 @@ class SparseArch(nn.Module):
         self.F: int = len(self._sparse_feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features).to_dict()
-        values = [pooled[name] for name in self._sparse_feature_names]
+        pooled = self.embedding_bag_collection(features)
+        if not torch.jit.is_scripting() and not is_fx_tracing() and (
+            pooled.keys() == self._sparse_feature_names
+        ):
+            # already in feature order (an unsharded collection's output, and a sharded one's):
+            # its values are the stack, no per-feature copy
+            return pooled.values().reshape(-1, self.F, self.D)
+        by_name = pooled.to_dict()
+        values = [by_name[name] for name in self._sparse_feature_names]
         return torch.cat(values, dim=1).reshape(-1, self.F, self.D)
 
     @property
@@ -80,6 +93,13 @@ class DenseArch(nn.Module):
         return self.model(features)
 
 
+@torch.jit.unused
+def _eager_training(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
+    """Eager (not scripted, traced or exported) with a gradient to compute."""
+    return (not is_fx_tracing() and not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and (dense.requires_grad or sparse.requires_grad))
+
+
 class InteractionArch(nn.Module):
     """Dot interaction: ``[B, D], [B, F, D] -> [B, D + F(F+1)/2]`` (dense, then the dot product
     of every pair among the F + 1 vectors, upper triangle row-major)."""
@@ -92,10 +112,22 @@ class InteractionArch(nn.Module):
             torch.triu_indices(self.F + 1, self.F + 1, offset=1),
             persistent=False,
         )
+        self.register_buffer("_flat_pairs", flat_pair_indices(self.F + 1), persistent=False)
+        self._pair_runs: list[tuple[int, int, int]] = pair_runs(self.F + 1)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
+        if not torch.jit.is_scripting() and _eager_training(dense_features, sparse_features):
+            # the same values (the stack in the dtype autocast's product would use, the pairs
+            # above the diagonal, the output in cat's promoted dtype), each buffer written
+            # once, a one-product backward
+            kind = sparse_features.device.type
+            stacked = torch.promote_types(dense_features.dtype, sparse_features.dtype)
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else stacked
+            return dot_interaction_with_grad(dense_features, sparse_features, dtype,
+                                             self._flat_pairs, self._pair_runs,
+                                             torch.promote_types(dense_features.dtype, dtype))
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
         gram = torch.bmm(combined, combined.transpose(1, 2))
         pairs = gram[:, self.triu_indices[0], self.triu_indices[1]]
