@@ -30,12 +30,11 @@ from torch import nn
 from dlrm_app.config import ZCH_EVICTION_INTERVAL, ZCH_MEMORY_BYTES, Interaction, ModelConfig
 from dlrm_app.data.schema import DatasetSpec, SparseFeature
 from recsys_core.distributed.table_init import SeededUniformInit, TableRegion
-from recsys_core.models._dot_interaction import DotInteraction as _DotInteraction  # noqa: F401
 from recsys_core.models._dot_interaction import (
-    dot_interaction_with_grad as _dot_interaction_with_grad,
+    dot_interaction_with_grad,
+    flat_pair_indices,
+    pair_runs,
 )
-from recsys_core.models._dot_interaction import flat_pair_indices
-from recsys_core.models._dot_interaction import pair_runs as _pair_runs
 from recsys_core.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
@@ -129,7 +128,7 @@ class InteractionArch(nn.Module):
 
     Under autocast the vectors are cast before they are stacked (autocast would cast the
     product's two operands separately, one of them a strided transpose). Training runs
-    :class:`_DotInteraction`. Forward + backward at B=2048, 26 features, dim 128 on one core:
+    :class:`~recsys_core.models._dot_interaction.DotInteraction`. Forward + backward at B=2048, 26 features, dim 128 on one core:
     the one-product backward took it from 38 to 17 ms in bf16 and 46 to 31 ms in fp32; writing
     each buffer once then took bf16 21.9 -> 18.5 ms CPU time (fp32 38.4 -> 38.2: there the
     products dominate), medians of 25 interleaved runs on a shared 2-core AMD EPYC with
@@ -140,7 +139,7 @@ class InteractionArch(nn.Module):
         super().__init__()
         n = num_sparse_features + 1
         self.register_buffer("flat", flat_pair_indices(n), persistent=False)
-        self.runs = _pair_runs(n)
+        self.runs = pair_runs(n)
 
     def output_dim(self, embedding_dim: int) -> int:
         return embedding_dim + self.flat.numel()
@@ -151,7 +150,7 @@ class InteractionArch(nn.Module):
             low = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else \
                 dense.dtype
             if torch.is_grad_enabled() and (dense.requires_grad or sparse.requires_grad):
-                return _dot_interaction_with_grad(dense, sparse, low, self.flat, self.runs)
+                return dot_interaction_with_grad(dense, sparse, low, self.flat, self.runs)
             dense, sparse = dense.to(low), sparse.to(low)  # a cat of mixed dtypes is 3-6x slower
         combined = torch.cat([dense.unsqueeze(1), sparse.to(dense.dtype)], dim=1)
         products = torch.bmm(combined, combined.transpose(1, 2))

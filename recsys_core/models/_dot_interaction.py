@@ -43,7 +43,8 @@ class DotInteraction(torch.autograd.Function):
       here, and the embeddings' gradient is cast back to their dtype.
 
     The values and the gradients are bitwise those of ``cat``, ``bmm``, ``index_select`` with
-    the one-product backward (``tests/app/test_model.py``; ``tests/models/test_dlrm_interaction.py`` against autograd's own backward)."""
+    the one-product backward (``tests/app/test_model.py``); against autograd's own two-product
+    backward the gradients agree within rounding (``tests/models/test_dlrm_interaction.py``)."""
 
     @staticmethod
     def forward(ctx: Any, dense: torch.Tensor, sparse: torch.Tensor, dtype: torch.dtype,

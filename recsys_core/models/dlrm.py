@@ -25,7 +25,7 @@ from recsys_core.models._dot_interaction import (
 from recsys_core.modules.crossnet import LowRankCrossNet
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.modules.mlp import MLP
-from recsys_core.sparse import KeyedJaggedTensor
+from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 
 
 class ModelConfigError(ValueError, AssertionError):
@@ -43,6 +43,12 @@ def choose(n: int, k: int) -> int:
         num *= n - t + 1
         den *= t
     return num // den
+
+
+@torch.jit.unused
+def _eager_in_order(pooled: KeyedTensor, names: list[str]) -> bool:
+    """Eager (not traced) and the collection's keys already in feature order."""
+    return not is_fx_tracing() and pooled.keys() == names
 
 
 class SparseArch(nn.Module):
@@ -63,9 +69,7 @@ class SparseArch(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.embedding_bag_collection(features)
-        if not torch.jit.is_scripting() and not is_fx_tracing() and (
-            pooled.keys() == self._sparse_feature_names
-        ):
+        if not torch.jit.is_scripting() and _eager_in_order(pooled, self._sparse_feature_names):
             # already in feature order (an unsharded collection's output, and a sharded one's):
             # its values are the stack, no per-feature copy
             return pooled.values().reshape(-1, self.F, self.D)

@@ -236,23 +236,17 @@ def _within(a: Assignment, allowed: float, tier: Tier) -> Assignment | None:
     if (not option.is_caching or option.load_factor is not None or option.cache_tier != tier
             or a.load_factor is None):
         return None
-    least = least_load_factor(option)
-    low = float(option.memory(least)[tier].sum())
-    if low > allowed:
-        return Assignment.of(option, a.ranks, least) if allowed <= 0.0 else None
-    high = float(a.memory[tier].sum())
-    if high <= allowed:
+    if float(a.memory[tier].sum()) <= allowed:
         return a
-    # bytes are affine in the factor between least and a's (slots are ceil(lf * rows)): the
-    # estimate, then down one decimal step at a time while the rounding still overshoots
-    scale = 10.0**6
-    lf = least + (allowed - low) / (high - low) * (a.load_factor - least)
-    lf = max(least, np.floor(lf * scale) / scale)
-    while True:
-        shrunk = Assignment.of(option, a.ranks, float(lf))
-        if float(shrunk.memory[tier].sum()) <= allowed or lf <= least:
-            return shrunk
-        lf = max(least, lf - 1.0 / scale)
+    least = least_load_factor(option)
+    # the room the cache may take, shared by the shards as their slots are (by rows); one
+    # factor for the table: the smallest any shard allows
+    rows = np.asarray(option.shard_rows, dtype=np.float64)
+    room = (allowed - float(option.memory()[tier].sum())) * rows / max(float(rows.sum()), 1.0)
+    factor = float(fitting_load_factor(room, rows, option.slot_bytes).min())
+    if factor < least:
+        return Assignment.of(option, a.ranks, least) if allowed <= 0.0 else None
+    return Assignment.of(option, a.ranks, min(factor, a.load_factor))
 
 
 class GreedyPartitioner:

@@ -134,3 +134,10 @@ def test_dlrm_trains_to_the_plain_forms_gradients() -> None:
     logits.sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sparse_arch_scripts_to_the_eager_values() -> None:
+    collection = ebc()
+    arch = SparseArch(collection)
+    scripted = torch.jit.script(arch)
+    assert torch.equal(scripted(kjt()), arch(kjt()))
