@@ -762,7 +762,13 @@ class CachedTableBatchedEmbedding(nn.Module):
         )
 
     def __del__(self) -> None:
+        # No join here: a finalizer may run from the garbage collector inside any thread, even
+        # one being started while threading's shutdown lock is held, and joining a worker then
+        # needs that lock (a full test run hung so: the main thread in Thread.start, the new
+        # thread in this join). Nothing is left to wait for: a queued move holds a bound
+        # method of this kernel, so while one is pending the kernel is not garbage. The idle
+        # workers exit on their own.
         for name in ("_mover", "_table_movers"):
             mover = getattr(self, name, None)
             if mover is not None:
-                mover.shutdown(wait=True)
+                mover.shutdown(wait=False)

@@ -230,3 +230,26 @@ def test_files_are_named_after_their_table_and_cost_4_bytes_a_row(tmp_path) -> N
     assert names[1].startswith("recsys_offload_t_cat_3_momentum1_")
     assert store.checksums.dtype == torch.int32 and store.checksums.numel() == 1000
     assert list(tmp_path.iterdir()) == []  # unlinked at once
+
+
+def test_finalizer_does_not_join_its_workers(tmp_path) -> None:
+    # The garbage collector can run a finalizer inside a thread being started, while threading
+    # holds its shutdown lock; a finalizer that joins the cache's workers then waits for that
+    # lock forever. Run the finalizer with the lock held: it must return.
+    import threading
+
+    kernel = make(True, offload_dir=str(tmp_path))
+    step(kernel, 0)  # the movers' worker threads exist now
+    assert kernel._mover._threads
+    done = threading.Event()
+
+    def finalize() -> None:
+        with threading._shutdown_locks_lock:  # what a starting thread holds (CPython 3.11-3.13)
+            kernel.__del__()
+        done.set()
+
+    t = threading.Thread(target=finalize, daemon=True)
+    t.start()
+    assert done.wait(30), "the finalizer blocked on joining the cache's worker threads"
+    kernel._mover.shutdown(wait=True)  # the workers still finish and exit
+    assert not any(th.is_alive() for th in kernel._mover._threads)
