@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from recsys_core.kernels.cached_tbe import TableCache
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.kernels.tbe import build_table_batched_embedding
+from recsys_core.sparse import _native_lib
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,9 +100,9 @@ class PackedKernelSpec:
         )
 
 
-@dataclass(frozen=True)
-class _Copy:
-    """Output columns ``[dst, dst + cols)`` are columns ``[src, src + cols)`` of part ``part``."""
+class _Copy(NamedTuple):
+    """Output columns ``[dst, dst + cols)`` are columns ``[src, src + cols)`` of part ``part``
+    (a tuple in the order :func:`recsys_core.sparse._native_lib.copy_column_runs` takes)."""
 
     part: int
     src: int
@@ -189,9 +191,22 @@ def _place_runs(blocks: list[int], width: int, dims: tuple[int, ...]) -> _Placem
 
 def _copy_out(parts: Sequence[torch.Tensor], copies: Sequence[_Copy], total: int) -> torch.Tensor:
     out = parts[0].new_empty(parts[0].shape[0], total)
-    for c in copies:
-        out[:, c.dst : c.dst + c.cols].copy_(parts[c.part][:, c.src : c.src + c.cols])
+    if not _native_lib.copy_column_runs(out, parts, copies, to_parts=False):
+        for c in copies:
+            out[:, c.dst : c.dst + c.cols].copy_(parts[c.part][:, c.src : c.src + c.cols])
     return out
+
+
+def _copy_back(
+    grad: torch.Tensor, parts: Sequence[torch.Tensor | None], copies: Sequence[_Copy]
+) -> None:
+    """The inverse of :func:`_copy_out`: each copy's output columns of ``grad`` into its part
+    (None: not needed)."""
+    if not _native_lib.copy_column_runs(grad, parts, copies, to_parts=True):
+        for c in copies:
+            g = parts[c.part]
+            if g is not None:
+                g[:, c.src : c.src + c.cols].copy_(grad[:, c.dst : c.dst + c.cols])
 
 
 class _PermuteParts(torch.autograd.Function):
@@ -218,10 +233,7 @@ class _PermuteParts(torch.autograd.Function):
             grad.new_empty(grad.shape[0], d) if need else None
             for d, need in zip(ctx.dims, needs, strict=True)  # type: ignore[attr-defined]
         ]
-        for c in ctx.placement.copies:  # type: ignore[attr-defined]
-            g = grads[c.part]
-            if g is not None:
-                g[:, c.src : c.src + c.cols].copy_(grad[:, c.dst : c.dst + c.cols])
+        _copy_back(grad, grads, ctx.placement.copies)  # type: ignore[attr-defined]
         return (None, None, *grads)
 
 
@@ -254,9 +266,7 @@ class _PermuteReceived(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         rows, dims = ctx.rows, ctx.dims  # type: ignore[attr-defined]
         flat = grad.new_empty(rows * sum(dims))
-        parts = _chunks(flat, rows, dims)
-        for c in ctx.placement.copies:  # type: ignore[attr-defined]
-            parts[c.part][:, c.src : c.src + c.cols].copy_(grad[:, c.dst : c.dst + c.cols])
+        _copy_back(grad, _chunks(flat, rows, dims), ctx.placement.copies)  # type: ignore[attr-defined]
         return flat, None, None, None
 
 

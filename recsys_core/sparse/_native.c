@@ -1,6 +1,7 @@
-/* Two host-side passes over a KeyedJaggedTensor, called through ctypes (GIL released) by
- * recsys_core.sparse._native_lib; the module object exists only so that the package's build can
- * compile this file as an (optional) extension. Without it the same work runs as torch ops.
+/* Host-side passes over a KeyedJaggedTensor (and the column-run copy of pooled embeddings),
+ * called through ctypes (GIL released) by recsys_core.sparse._native_lib; the module object
+ * exists only so that the package's build can compile this file as an (optional) extension.
+ * Without it the same work runs as torch ops.
  *
  * recsys_key_sums_*: one pass over the lengths for recsys_core.sparse._safety: each key's sum,
  * and whether every length lies in [0, max_length] (read as unsigned, a negative length is
@@ -10,6 +11,7 @@
  *
  * recsys_offsets_diff_*: the lengths of a KJT given only offsets.
  * recsys_permute_blocks: KeyedJaggedTensor.permute's copies (see its comment below).
+ * recsys_copy_column_runs: recsys_core.kernels.packed's column-run copies (see below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -416,6 +418,38 @@ int64_t recsys_permute_blocks(const int64_t *meta) {
     return 0;
 }
 
+/* recsys_copy_column_runs(meta): the column-run copies of recsys_core.kernels.packed (a
+ * table-wise output dist's received chunks into feature order, and its gradient back), meta
+ * int64:
+ *   [0] rows  [1] R runs  [2] direction: 0 parts -> wide, 1 wide -> parts
+ *   [3] wide address  [4] wide row stride in bytes
+ *   then 5 per run: part address, part row stride in bytes, the run's byte offset in a part
+ *                   row, its byte offset in a wide row, its bytes
+ * Row by row, every run of a row before the next row: each wide row is read or written once,
+ * front to back. One strided slice copy per run over all rows (torch's copy_) came back to each
+ * row R times; on 2048 x 3328 fp32 from two chunks in 26 runs it took 4.8 ms, this loop 1.8
+ * (AVX-512 EPYC, one thread). The caller checked that every run lies inside its rows. */
+int64_t recsys_copy_column_runs(const int64_t *meta) {
+    const int64_t rows = meta[0], R = meta[1], to_parts = meta[2];
+    char *wide = (char *)(intptr_t)meta[3];
+    const int64_t wide_stride = meta[4];
+    const int64_t *run = meta + 5;
+    if (rows < 0 || R < 0) return 1;
+    for (int64_t i = 0; i < rows; i++) {
+        char *w = wide + i * wide_stride;
+        for (int64_t k = 0; k < R; k++) {
+            const int64_t *q = run + 5 * k;
+            char *p = (char *)(intptr_t)q[0] + i * q[1] + q[2];
+            if (q[4] <= 0) continue;
+            if (to_parts)
+                recsys_copy(p, w + q[3], (size_t)q[4]);
+            else
+                recsys_copy(w + q[3], p, (size_t)q[4]);
+        }
+    }
+    return 0;
+}
+
 /* key_sums(address, element_size, num_keys, stride, max_length[, offsets_address])
  *   -> (sums, offsets) | None
  *
@@ -575,7 +609,8 @@ static PyMethodDef native_methods[] = {
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "_native",
-    "KJT host passes (per-key sums and range check, offsets to lengths, permute copies): "
+    "KJT host passes (per-key sums and range check, offsets to lengths, permute copies) "
+    "and column-run copies: "
     "key_sums and offsets_diff from Python, the rest through ctypes",
     -1, native_methods,
 };

@@ -11,7 +11,7 @@ import contextlib
 import ctypes
 import importlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -63,8 +63,16 @@ def _permute_fn(lib: ctypes.CDLL | None) -> object | None:
     return fn
 
 
+def _column_runs_fn(lib: ctypes.CDLL | None) -> object | None:
+    fn = None if lib is None else getattr(lib, "recsys_copy_column_runs", None)
+    if fn is not None:
+        fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_void_p]
+    return fn
+
+
 _KEY_SUMS = _key_sums_fns(_LIB)
 _PERMUTE = _permute_fn(_LIB)
+_COLUMN_RUNS = _column_runs_fn(_LIB)
 _enabled = True
 
 
@@ -210,3 +218,50 @@ def _row_bytes(t: torch.Tensor) -> int:
     for s in t.shape[1:]:
         row *= s
     return row * t.element_size()
+
+
+def _row_major(t: torch.Tensor, rows: int, dtype: torch.dtype) -> bool:
+    return (type(t) is torch.Tensor and t.is_cpu and t.dim() == 2 and t.shape[0] == rows
+            and t.dtype == dtype and (t.stride(1) == 1 or t.shape[1] <= 1))
+
+
+def copy_column_runs(
+    wide: torch.Tensor,
+    parts: Sequence[torch.Tensor | None],
+    runs: Sequence[tuple[int, int, int, int]],
+    to_parts: bool,
+) -> bool:
+    """Copy column runs between ``wide`` and ``parts`` (2-D host tensors of the same rows and
+    dtype, each row contiguous): run ``(part, part_col, wide_col, cols)`` is
+    ``wide[:, wide_col:wide_col + cols]`` and ``parts[part][:, part_col:part_col + cols]``,
+    copied into ``parts`` with ``to_parts``, else into ``wide``; runs of a None part are
+    skipped. One C loop, row by row (see ``recsys_copy_column_runs``). Returns False without
+    copying when the helper is absent or switched off or a tensor does not qualify (the caller
+    then copies with torch); a run outside its tensors raises."""
+    fn = _COLUMN_RUNS if _enabled else None
+    if fn is None or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    rows, dtype = wide.shape[0] if wide.dim() == 2 else -1, wide.dtype
+    if not _row_major(wide, rows, dtype) or any(
+        p is not None and not _row_major(p, rows, dtype) for p in parts
+    ):
+        return False
+    size = wide.element_size()
+    meta = [rows, 0, int(to_parts), wide.data_ptr(), wide.stride(0) * size]
+    for part, part_col, wide_col, cols in runs:
+        p = parts[part]
+        if p is None or cols == 0:
+            continue
+        if not (0 <= part_col <= p.shape[1] - cols and 0 <= wide_col <= wide.shape[1] - cols
+                and cols > 0):
+            raise ValueError(
+                f"copy_column_runs: run of {cols} column(s) at column {part_col} of part {part} "
+                f"(width {p.shape[1]}) and column {wide_col} of the wide tensor (width "
+                f"{wide.shape[1]}) lies outside them")
+        meta += [p.data_ptr(), p.stride(0) * size, part_col * size, wide_col * size, cols * size]
+        meta[1] += 1
+    if rows == 0 or meta[1] == 0:
+        return True
+    if fn((ctypes.c_int64 * len(meta))(*meta)) != 0:  # type: ignore[operator]
+        raise RuntimeError("copy_column_runs: the C helper refused its arguments")
+    return True

@@ -1,7 +1,12 @@
 """permute_parts (and select_columns, which now runs on it) is bit for bit
-``index_select(cat(parts))`` forward and its zero fill + ``index_add`` backward: both are copies."""
+``index_select(cat(parts))`` forward and its zero fill + ``index_add`` backward: both are copies.
+Every test runs through the C helper's column-run copy (recsys_core/sparse/_native.c) with its
+vector builds, where it was built, and through the torch copies it falls back to."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,6 +19,28 @@ from recsys_core.kernels.packed import (
     select_columns,
     select_columns_by_index,
 )
+from recsys_core.sparse import _native_lib
+
+
+@contextlib.contextmanager
+def _path(level: int | None) -> Iterator[None]:
+    if level is None:
+        with _native_lib.torch_path_only():
+            yield
+        return
+    if not _native_lib.available():
+        pytest.skip("recsys_core/sparse/_native.c was not built")
+    with _native_lib.vector_level(level) as in_use:
+        if in_use != level:
+            pytest.skip(f"this CPU has no vector build {level}")
+        yield
+
+
+# the C helper with its AVX-512 build and with memcpy (level 0), and the torch path
+@pytest.fixture(autouse=True, params=[2, 0, None], ids=["native", "native_vec128", "torch_path"])
+def copy_path(request: pytest.FixtureRequest) -> Iterator[int | None]:
+    with _path(request.param):
+        yield request.param
 
 
 def _reference(parts: list[torch.Tensor], columns: ColumnPermutation | None) -> torch.Tensor:
@@ -171,3 +198,45 @@ def test_wrong_width_names_both_layouts() -> None:
     columns = column_permutation([2, 3, 0, 1])
     with pytest.raises(ValueError, match=r"4 columns.*applied to 6 columns"):
         permute_parts([torch.randn(2, 4), torch.randn(2, 2)], columns)
+
+
+def test_strided_rows_and_a_strided_gradient(copy_path: int | None) -> None:
+    # parts that are column slices of wider tensors (row stride > width) and a gradient that
+    # is itself a slice: the copies follow each tensor's row stride
+    gen = torch.Generator().manual_seed(5)
+    wide_a, wide_b = torch.randn(7, 20, generator=gen), torch.randn(7, 9, generator=gen)
+    columns = column_permutation(_random_columns([12, 8], 4, gen))
+    grad = torch.randn(7, 30, generator=gen)[:, 5:25]
+    mine = [w.clone().requires_grad_(True) for w in (wide_a, wide_b)]
+    ref = [w.clone().requires_grad_(True) for w in (wide_a, wide_b)]
+    out = permute_parts([mine[0][:, 3:15], mine[1][:, 1:9]], columns)
+    expected = _reference([ref[0][:, 3:15], ref[1][:, 1:9]], columns)
+    assert torch.equal(out, expected)
+    out.backward(grad)
+    expected.backward(grad)
+    for m, r in zip(mine, ref, strict=True):
+        assert torch.equal(m.grad, r.grad)
+
+
+def test_the_c_helper_copies_where_built(copy_path: int | None) -> None:
+    # the helper takes the copies (not the torch fallback) on row-major host tensors
+    a, b = torch.randn(4, 6), torch.randn(4, 2)
+    wide = torch.empty(4, 8)
+    runs = [(1, 0, 0, 2), (0, 0, 2, 6)]
+    took = _native_lib.copy_column_runs(wide, [a, b], runs, to_parts=False)
+    assert took == (copy_path is not None)
+    if took:
+        assert torch.equal(wide, torch.cat([b, a], dim=1))
+        back = [torch.zeros(4, 6), None]
+        assert _native_lib.copy_column_runs(wide * 2, back, runs, to_parts=True)
+        assert torch.equal(back[0], a * 2)
+
+
+def test_a_run_outside_its_tensors_raises(copy_path: int | None) -> None:
+    if copy_path is None:
+        pytest.skip("the bounds are the C helper's wrapper's")
+    a, wide = torch.randn(3, 4), torch.empty(3, 4)
+    with pytest.raises(ValueError, match="outside them"):
+        _native_lib.copy_column_runs(wide, [a], [(0, 2, 0, 4)], to_parts=False)
+    with pytest.raises(ValueError, match="outside them"):
+        _native_lib.copy_column_runs(wide, [a], [(0, 0, 1, 4)], to_parts=True)
