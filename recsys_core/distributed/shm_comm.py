@@ -203,13 +203,48 @@ class ShmGroup:
     def _post(self, seq: int, parts: Sequence[torch.Tensor | None], dtype: torch.dtype) -> None:
         """Publish collective ``seq``: ``parts[r]`` (a contiguous tensor) is what reader r
         gets; parts that are the same tensor object are written once."""
-        self._check_open()
         unique: dict[int, tuple[torch.Tensor, int]] = {}
         total = 0
         for r, part in enumerate(parts):
             if r != self.rank and part is not None and id(part) not in unique:
                 unique[id(part)] = (part, total)
                 total += _round_up(part.numel() * part.element_size(), ALIGN)
+        at = self._allocate(seq, total)
+        for part, off in unique.values():
+            n = part.numel() * part.element_size()
+            self._bytes[at + off : at + off + n].copy_(part.reshape(-1).view(torch.uint8))
+        spans = [(0, 0) if r == self.rank or part is None or not part.numel()
+                 else (at + unique[id(part)][1], part.numel() * part.element_size())
+                 for r, part in enumerate(parts)]
+        self._publish(seq, dtype, spans)
+
+    def post_filled(self, seq: int, counts: Sequence[int], dtype: torch.dtype,
+                    fill: Callable[[int, torch.Tensor], None]) -> None:
+        """Publish collective ``seq`` whose part for reader r is ``counts[r]`` elements of
+        ``dtype``, written by ``fill(r, part)`` straight into the segment (``part``: a 1-D
+        tensor over the shared bytes, valid only during the call; no staging copy). This
+        rank's own count is ignored."""
+        size = torch.empty((), dtype=dtype).element_size()
+        offsets, total = [], 0
+        for r, count in enumerate(counts):
+            offsets.append(total)
+            if r != self.rank:
+                total += _round_up(count * size, ALIGN)
+        at = self._allocate(seq, total)
+        spans = []
+        for r, count in enumerate(counts):
+            if r == self.rank or not count:
+                spans.append((0, 0))
+                continue
+            start = at + offsets[r]
+            fill(r, self._bytes[start : start + count * size].view(dtype))
+            spans.append((start, count * size))
+        self._publish(seq, dtype, spans)
+
+    def _allocate(self, seq: int, total: int) -> int:
+        """Bytes of this rank's region for collective ``seq`` (waiting for peers' acks when
+        the slot or the region is still in use)."""
+        self._check_open()
         if total > REGION_BYTES:
             self._fail(f"shm collective: {total} bytes to send exceed the {REGION_BYTES}-byte "
                        f"region of a rank; set {ENV_SWITCH}=0 to use gloo")
@@ -219,7 +254,7 @@ class ShmGroup:
                 at = self._try_allocate(max(total, ALIGN), seq)
                 if isinstance(at, int):
                     self._unposted.discard(seq)
-                    break
+                    return at
             # waited outside the lock: a DDP hook's thread may need it to post what we wait for
             old, peer = at
             if peer is None:  # read meanwhile
@@ -231,23 +266,23 @@ class ShmGroup:
             else:
                 self._wait_word(self._ack(self.rank, peer, old), old,
                                 f"rank {peer} to read collective #{old} (#{seq} needs its space)")
+
+    def _publish(self, seq: int, dtype: torch.dtype, spans: Sequence[tuple[int, int]]) -> None:
+        """Fill ``seq``'s slot (reader r's part: ``spans[r]``, byte offset and bytes) and
+        release it to the readers."""
         desc = self._desc(self.rank, seq)
-        for part, off in unique.values():
-            n = part.numel() * part.element_size()
-            self._bytes[at + off : at + off + n].copy_(part.reshape(-1).view(torch.uint8))
         self._words[desc + 1] = _DTYPES[dtype]
-        for r, part in enumerate(parts):
-            if r == self.rank:
-                continue
-            n = 0 if part is None else part.numel() * part.element_size()
-            off = at + unique[id(part)][1] if n else 0
-            self._words[desc + 4 + 2 * r], self._words[desc + 5 + 2 * r] = off, n
+        for r, (off, n) in enumerate(spans):
+            if r != self.rank:
+                self._words[desc + 4 + 2 * r], self._words[desc + 5 + 2 * r] = off, n
         _shm_sync.store_release(self._addr(desc), seq)
 
-    def _receive(self, seq: int, peer: int, out: torch.Tensor | None, what: str,
-                 add: bool = False) -> None:
-        """Copy ``peer``'s part of collective ``seq`` into ``out`` (None: expect nothing), or
-        with ``add`` add it to ``out`` (read in place: no copy)."""
+    def read_part(self, seq: int, peer: int, count: int, dtype: torch.dtype, what: str,
+                  use: Callable[[torch.Tensor], None]) -> None:
+        """Wait for ``peer``'s part of collective ``seq``, check that it is ``count``
+        elements of ``dtype``, call ``use(part)`` on it in place (a 1-D tensor over the
+        shared bytes, valid only during the call; not called for an empty part) and
+        acknowledge it."""
         self._check_open()
         desc = self._desc(peer, seq)
         self._wait_word(desc, seq, f"rank {peer}'s part of {what} (collective #{seq})")
@@ -256,20 +291,30 @@ class ShmGroup:
             self._fail(f"shm collective: rank {peer}'s slot holds collective #{got}, rank "
                        f"{self.rank} expected #{seq} ({what}); the ranks' calls are out of step")
         off, n = int(self._words[desc + 4 + 2 * self.rank]), int(self._words[desc + 5 + 2 * self.rank])
-        want = 0 if out is None else out.numel() * out.element_size()
+        want = count * torch.empty((), dtype=dtype).element_size()
         code = int(self._words[desc + 1])
-        if n != want or (out is not None and n and code != _DTYPES[out.dtype]):
+        if n != want or (n and code != _DTYPES[dtype]):
             sent = next((str(k).removeprefix("torch.") for k, v in _DTYPES.items() if v == code), "?")
-            mine = "-" if out is None else str(out.dtype).removeprefix("torch.")
+            mine = str(dtype).removeprefix("torch.")
             self._fail(f"shm collective {what}: rank {peer} sends rank {self.rank} {n} bytes of "
                        f"{sent}, rank {self.rank} expects {want} bytes of {mine}; the ranks' "
                        f"splits or dtypes disagree")
-        if n and add:
-            flat = out.view(-1)
-            flat.add_(self._bytes[off : off + n].view(out.dtype))
-        elif n:
-            out.reshape(-1).view(torch.uint8).copy_(self._bytes[off : off + n])
+        if n:
+            use(self._bytes[off : off + n].view(dtype))
         _shm_sync.store_release(self._addr(self._ack(peer, self.rank, seq)), seq)
+
+    def _receive(self, seq: int, peer: int, out: torch.Tensor | None, what: str,
+                 add: bool = False) -> None:
+        """Copy ``peer``'s part of collective ``seq`` into ``out`` (None: expect nothing), or
+        with ``add`` add it to ``out`` (read in place: no copy)."""
+        if out is None:
+            self.read_part(seq, peer, 0, torch.uint8, what, lambda part: None)
+            return
+        flat = out.view(-1) if add else out.reshape(-1)
+        if add:
+            self.read_part(seq, peer, out.numel(), out.dtype, what, flat.add_)
+        else:
+            self.read_part(seq, peer, out.numel(), out.dtype, what, flat.copy_)
 
     def _check_open(self) -> None:
         if self._closed:
