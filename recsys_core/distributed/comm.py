@@ -27,7 +27,8 @@ from recsys_core.distributed import shm_comm
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm_ops import get_gradient_division
 from recsys_core.distributed.qcomm_types import QuantizedCommCodecs
-from recsys_core.distributed.shm_comm import ShmWork
+from recsys_core.distributed.shm_comm import ShmGroup, ShmWork
+from recsys_core.sparse import _native_lib
 
 Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | ShmWork | None"]]
 
@@ -153,6 +154,145 @@ def all_to_all_1d(
         codecs=codecs,
         group_size=1 if group is None else dist.get_world_size(group),
     )
+
+
+Run = tuple[int, int, int, int]
+"""A column run: (source rank, its first column, the output's first column, columns)."""
+
+
+def _runs_between(wide: torch.Tensor, part: torch.Tensor, runs: Sequence[Run],
+                  to_part: bool) -> None:
+    """Copy ``runs`` (all of one part) between ``wide`` and ``part``, in C where it can."""
+    pieces = [(0, src, dst, cols) for _, src, dst, cols in runs]
+    if _native_lib.copy_column_runs(wide, [part], pieces, to_parts=to_part):
+        return
+    for _, src, dst, cols in pieces:
+        if to_part:
+            part[:, src : src + cols].copy_(wide[:, dst : dst + cols])
+        else:
+            wide[:, dst : dst + cols].copy_(part[:, src : src + cols])
+
+
+@dataclass
+class _Exchange:
+    """One pooled exchange through shared memory, forward and backward."""
+
+    shm: ShmGroup
+    send_rows: list[int]  # rows of the input that go to each rank (rank order)
+    batch: int  # rows received from every rank: this rank's batch
+    dims: list[int]  # columns received from each rank
+    runs: list[list[Run]]  # per source rank, its runs into the output
+    total: int
+    group_size: int
+    seq: int = 0
+    local: torch.Tensor | None = None  # this rank's own rows of the input (forward)
+    grad: torch.Tensor | None = None  # the input's gradient, filled in backward
+    grad_seq: int = 0
+
+
+class _ExchangeStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: _Exchange, pooled: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        shm, rank = state.shm, state.shm.rank
+        blocks = list(pooled.contiguous().split(state.send_rows))
+        state.seq = shm._next_seq()
+        shm._post(state.seq, [None if r == rank else b for r, b in enumerate(blocks)],
+                  pooled.dtype)
+        state.local = blocks[rank]
+        ctx.state = state
+        return pooled.new_empty(0)  # orders the wait after this start in the graph
+
+    @staticmethod
+    def backward(ctx, _token: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        state: _Exchange = ctx.state
+        grad, state.grad = state.grad, None
+        assert grad is not None
+        blocks = grad.split(state.send_rows)
+        for peer in state.shm._peers():
+            state.shm._receive(state.grad_seq, peer, blocks[peer],
+                               "all_to_all (pooled gradients)")
+        if state.group_size > 1 and get_gradient_division():
+            grad.div_(state.group_size)
+        return None, grad
+
+
+class _ExchangeWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: _Exchange, token: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        shm, rank = state.shm, state.shm.rank
+        local, state.local = state.local, None
+        assert local is not None
+        out = local.new_empty(state.batch, state.total)
+        _runs_between(out, local, state.runs[rank], to_part=False)
+        for peer in shm._peers():
+            shape = (state.batch, state.dims[peer])
+            shm.read_part(state.seq, peer, state.batch * state.dims[peer], local.dtype,
+                          "all_to_all (pooled embeddings)",
+                          lambda part, p=peer, shape=shape: _runs_between(
+                              out, part.view(shape), state.runs[p], to_part=False))
+        ctx.state = state
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        state: _Exchange = ctx.state
+        shm, rank = state.shm, state.shm.rank
+        state.grad = grad.new_empty(sum(state.send_rows), state.dims[rank])
+        own = state.grad.split(state.send_rows)[rank]
+        _runs_between(grad, own, state.runs[rank], to_part=True)
+        state.grad_seq = shm._next_seq()
+        shm.post_filled(
+            state.grad_seq, [state.batch * d for d in state.dims], grad.dtype,
+            lambda peer, part: _runs_between(
+                grad, part.view(state.batch, state.dims[peer]), state.runs[peer], to_part=True))
+        return None, grad.new_empty(0)
+
+
+class _ExchangeAwaitable(Awaitable[torch.Tensor]):
+    def __init__(self, state: _Exchange, pooled: torch.Tensor) -> None:
+        super().__init__()
+        if torch.is_grad_enabled() and not pooled.requires_grad:
+            pooled = pooled.detach().requires_grad_()  # the reverse exchange must still run
+        self._state = state
+        self._token = _ExchangeStart.apply(state, pooled)
+
+    def _wait_impl(self) -> torch.Tensor:
+        return _ExchangeWait.apply(self._state, self._token)
+
+
+def pooled_all_to_all_assembled(
+    pooled: torch.Tensor,
+    send_rows: Sequence[int],
+    batch: int,
+    dims: Sequence[int],
+    runs: Sequence[Run],
+    group: dist.ProcessGroup | None,
+) -> Awaitable[torch.Tensor] | None:
+    """The table-wise output dist in one step, or None where it does not apply (the caller
+    then runs :func:`all_to_all_1d` and assembles the received buffer).
+
+    ``pooled`` (``[sum(send_rows), dims[rank]]``) sends its ``send_rows[r]`` rows (in rank
+    order) to rank r; rank p's ``[batch, dims[p]]`` part lands in the ``[batch, sum(dims)]``
+    output by ``runs`` (``(p, p's column, output column, columns)``; together they must cover
+    every output column once). Through shared memory (every rank of ``group`` on this host),
+    a peer's part is read in place and copied straight to its output columns, and the
+    gradient's columns go straight into the segment: no received buffer and no staging copy,
+    two of the four copies of the pooled bytes each way. The values are those of the
+    all-to-all followed by the assembly, bit for bit."""
+    if group is None or dist.get_world_size(group) == 1 or not pooled.is_cpu:
+        return None
+    shm = shm_comm.for_group(group, pooled.device)
+    if shm is None:
+        return None
+    if pooled.dim() != 2 or tuple(pooled.shape) != (sum(send_rows), dims[shm.rank]):
+        raise ValueError(f"pooled all-to-all: rank {shm.rank} sends {sum(send_rows)} rows of "
+                         f"{dims[shm.rank]} columns, got a tensor of shape {list(pooled.shape)}")
+    by_rank: list[list[Run]] = [[] for _ in range(shm.world)]
+    for run in runs:
+        by_rank[run[0]].append(run)
+    state = _Exchange(shm=shm, send_rows=list(send_rows), batch=batch, dims=list(dims),
+                      runs=by_rank, total=sum(dims), group_size=shm.world)
+    return _ExchangeAwaitable(state, pooled)
 
 
 def reduce_scatter_dim0(

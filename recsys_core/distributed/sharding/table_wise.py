@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
-from recsys_core.distributed.comm import all_to_all_1d
+from recsys_core.distributed.comm import all_to_all_1d, pooled_all_to_all_assembled
 from recsys_core.distributed.dist_data import send_whole_bags
 from recsys_core.distributed.sharding.common import (
     ColumnPermutation,
@@ -120,6 +120,9 @@ class TwPooledSharding:
         sizes = [batch] * world if batch_size_per_rank is None else batch_size_per_rank
         in_splits = [b * self.local.output_dim for b in sizes]
         out_splits = [batch * d for d in self._dims]
+        direct = self._direct_exchange(pooled, sizes, batch)
+        if direct is not None:
+            return direct
         inflight = all_to_all_1d(pooled, in_splits, out_splits, self._env.pg, self._codecs)
 
         def assemble() -> torch.Tensor:
@@ -127,6 +130,28 @@ class TwPooledSharding:
             return permute_received(inflight.wait(), batch, self._dims, self._columns)
 
         return FunctionAwaitable(assemble)
+
+
+    def _direct_exchange(
+        self, pooled: torch.Tensor, sizes: Sequence[int], batch: int
+    ) -> Awaitable[torch.Tensor] | None:
+        """Through shared memory, unencoded: the received parts go straight to their output
+        columns (:func:`pooled_all_to_all_assembled`); None elsewhere."""
+        if self._codecs is not None and not self._codecs.is_identity():
+            return None
+        dims = tuple(self._dims)
+        if self._columns is None:
+            starts = [sum(dims[:p]) for p in range(len(dims))]
+            runs = [(p, 0, starts[p], d) for p, d in enumerate(dims) if d]
+        else:
+            placement = self._columns.placement(dims)
+            if not placement.bijective:
+                return None
+            runs = list(placement.copies)
+        return pooled_all_to_all_assembled(
+            pooled if pooled.dim() == 2 else pooled.view(sum(sizes), self.local.output_dim),
+            sizes, batch, dims, runs, self._env.pg,
+        )
 
 
 class TwSequenceSharding:
