@@ -116,7 +116,7 @@ class ShmGroup:
         self._unposted: set[int] = set()  # reserved numbers not yet posted
         self._reserved = 0
         self._executor: object = None
-        self._closed = False
+        self._closed = self._closing = False
 
     # ---- words ---------------------------------------------------------------------------
     def _addr(self, word: int) -> int:
@@ -442,12 +442,15 @@ class ShmGroup:
         still in flight on the helper thread finishes first (or fails: a dead peer, the
         deadline): the thread reads and writes the mapping through raw addresses, and
         ``torch.frombuffer`` views do not pin it, so unmapping under it would let a later
-        allocation there be overwritten. Work not yet waited for raises afterwards."""
-        if self._closed:
+        allocation there be overwritten. Work not yet waited for raises afterwards (the
+        group counts as closed only once the thread is done: marked before, a hook that had
+        not yet started its wait raised instead of finishing)."""
+        if self._closed or self._closing:
             return
-        self._closed = True
+        self._closing = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)  # type: ignore[attr-defined]
+        self._closed = True
         with self._lock:
             del self._bytes, self._words
             try:
