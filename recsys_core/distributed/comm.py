@@ -195,8 +195,8 @@ class _ExchangeStart(torch.autograd.Function):
     def forward(ctx, state: _Exchange, pooled: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         shm, rank = state.shm, state.shm.rank
         blocks = list(pooled.contiguous().split(state.send_rows))
-        state.seq = shm._next_seq()
-        shm._post(state.seq, [None if r == rank else b for r, b in enumerate(blocks)],
+        state.seq = shm.next_seq()
+        shm.post(state.seq, [None if r == rank else b for r, b in enumerate(blocks)],
                   pooled.dtype)
         state.local = blocks[rank]
         ctx.state = state
@@ -208,8 +208,8 @@ class _ExchangeStart(torch.autograd.Function):
         grad, state.grad = state.grad, None
         assert grad is not None
         blocks = grad.split(state.send_rows)
-        for peer in state.shm._peers():
-            state.shm._receive(state.grad_seq, peer, blocks[peer],
+        for peer in state.shm.peers():
+            state.shm.receive(state.grad_seq, peer, blocks[peer],
                                "all_to_all (pooled gradients)")
         if state.group_size > 1 and get_gradient_division():
             grad.div_(state.group_size)
@@ -224,7 +224,7 @@ class _ExchangeWait(torch.autograd.Function):
         assert local is not None
         out = local.new_empty(state.batch, state.total)
         _runs_between(out, local, state.runs[rank], to_part=False)
-        for peer in shm._peers():
+        for peer in shm.peers():
             shape = (state.batch, state.dims[peer])
             shm.read_part(state.seq, peer, state.batch * state.dims[peer], local.dtype,
                           "all_to_all (pooled embeddings)",
@@ -240,7 +240,7 @@ class _ExchangeWait(torch.autograd.Function):
         state.grad = grad.new_empty(sum(state.send_rows), state.dims[rank])
         own = state.grad.split(state.send_rows)[rank]
         _runs_between(grad, own, state.runs[rank], to_part=True)
-        state.grad_seq = shm._next_seq()
+        state.grad_seq = shm.next_seq()
         shm.post_filled(
             state.grad_seq, [state.batch * d for d in state.dims], grad.dtype,
             lambda peer, part: _runs_between(
@@ -287,11 +287,23 @@ def pooled_all_to_all_assembled(
     if pooled.dim() != 2 or tuple(pooled.shape) != (sum(send_rows), dims[shm.rank]):
         raise ValueError(f"pooled all-to-all: rank {shm.rank} sends {sum(send_rows)} rows of "
                          f"{dims[shm.rank]} columns, got a tensor of shape {list(pooled.shape)}")
+    total = sum(dims)
     by_rank: list[list[Run]] = [[] for _ in range(shm.world)]
-    for run in runs:
-        by_rank[run[0]].append(run)
+    covered = 0
+    for run in sorted(runs, key=lambda r: r[2]):
+        p, src, dst, cols = run
+        if not (0 <= p < shm.world and 0 <= src <= dims[p] - cols and dst == covered
+                and cols > 0):
+            raise ValueError(f"pooled all-to-all: the runs {list(runs)} do not place the "
+                             f"received columns (widths {list(dims)}) on every output column "
+                             f"once (at run {run})")
+        covered += cols
+        by_rank[p].append(run)
+    if covered != total:
+        raise ValueError(f"pooled all-to-all: the runs {list(runs)} cover {covered} of the "
+                         f"{total} output columns")
     state = _Exchange(shm=shm, send_rows=list(send_rows), batch=batch, dims=list(dims),
-                      runs=by_rank, total=sum(dims), group_size=shm.world)
+                      runs=by_rank, total=total, group_size=shm.world)
     return _ExchangeAwaitable(state, pooled)
 
 

@@ -91,7 +91,12 @@ class ShmWork:
 
 
 class ShmGroup:
-    """The shared-memory transport of one process group (made by :func:`for_group`)."""
+    """The shared-memory transport of one process group (made by :func:`for_group`).
+
+    Besides the collectives, its building blocks compose collectives of a caller's own (as
+    ``comm.pooled_all_to_all_assembled`` does): :meth:`next_seq` numbers one (every rank in
+    the same order), :meth:`post` / :meth:`post_filled` publish this rank's parts,
+    :meth:`receive` / :meth:`read_part` take a peer's part, :meth:`peers` lists the others."""
 
     def __init__(self, group: dist.ProcessGroup, path: str, fd: int, world: int,
                  rank: int) -> None:
@@ -164,7 +169,7 @@ class ShmGroup:
 
     def _unread_by(self, seq: int) -> int | None:
         """A peer that has not acked my collective ``seq`` yet (None: all have)."""
-        for peer in self._peers():
+        for peer in self.peers():
             if _shm_sync.load_acquire(self._addr(self._ack(self.rank, peer, seq))) < seq:
                 return peer
         return None
@@ -200,7 +205,7 @@ class ShmGroup:
         self._live.append((start, end, seq))
         return self._data0 + self.rank * REGION_BYTES + start
 
-    def _post(self, seq: int, parts: Sequence[torch.Tensor | None], dtype: torch.dtype) -> None:
+    def post(self, seq: int, parts: Sequence[torch.Tensor | None], dtype: torch.dtype) -> None:
         """Publish collective ``seq``: ``parts[r]`` (a contiguous tensor) is what reader r
         gets; parts that are the same tensor object are written once."""
         unique: dict[int, tuple[torch.Tensor, int]] = {}
@@ -303,7 +308,7 @@ class ShmGroup:
             use(self._bytes[off : off + n].view(dtype))
         _shm_sync.store_release(self._addr(self._ack(peer, self.rank, seq)), seq)
 
-    def _receive(self, seq: int, peer: int, out: torch.Tensor | None, what: str,
+    def receive(self, seq: int, peer: int, out: torch.Tensor | None, what: str,
                  add: bool = False) -> None:
         """Copy ``peer``'s part of collective ``seq`` into ``out`` (None: expect nothing), or
         with ``add`` add it to ``out`` (read in place: no copy)."""
@@ -321,7 +326,7 @@ class ShmGroup:
             raise ShmCommError("shm collective on a closed group (shm_comm.release or exit "
                                "closed it while the collective was not finished)")
 
-    def _next_seq(self, later: int = 0) -> int:
+    def next_seq(self, later: int = 0) -> int:
         """The next collective's number; ``later`` more are reserved for posts made later
         (an all-reduce's gather, posted once its reduce is in)."""
         self._check_open()
@@ -331,7 +336,7 @@ class ShmGroup:
             self._unposted.update(range(seq + 1, seq + 1 + later))
             return seq
 
-    def _peers(self) -> list[int]:
+    def peers(self) -> list[int]:
         return [(self.rank + i) % self.world for i in range(1, self.world)]
 
     # ---- collectives ---------------------------------------------------------------------
@@ -344,28 +349,28 @@ class ShmGroup:
                              f"out-splits for {self.world} ranks")
         if x.dtype != out.dtype:
             raise ValueError(f"all_to_all: input {x.dtype} and output {out.dtype} differ")
-        x, seq = x.contiguous().view(-1), self._next_seq()
+        x, seq = x.contiguous().view(-1), self.next_seq()
         sends = list(x.split(list(in_splits)))
         recvs = list(out.view(-1).split(list(out_splits)))
         recvs[self.rank].copy_(sends[self.rank])
-        self._post(seq, sends, x.dtype)
+        self.post(seq, sends, x.dtype)
 
         def finish() -> None:
-            for peer in self._peers():
-                self._receive(seq, peer, recvs[peer], "all_to_all")
+            for peer in self.peers():
+                self.receive(seq, peer, recvs[peer], "all_to_all")
 
         return ShmWork(finish)
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> ShmWork:
         """``out`` (``[world * n]`` elements) gets every rank's ``x``, rank order."""
-        x, seq = x.contiguous().view(-1), self._next_seq()
+        x, seq = x.contiguous().view(-1), self.next_seq()
         recvs = list(out.view(-1).split(x.numel()))
         recvs[self.rank].copy_(x)
-        self._post(seq, [x] * self.world, x.dtype)
+        self.post(seq, [x] * self.world, x.dtype)
 
         def finish() -> None:
-            for peer in self._peers():
-                self._receive(seq, peer, recvs[peer], "all_gather")
+            for peer in self.peers():
+                self.receive(seq, peer, recvs[peer], "all_gather")
 
         return ShmWork(finish)
 
@@ -391,30 +396,30 @@ class ShmGroup:
             raise ValueError("all_reduce: the tensor must be contiguous")
         flat = x.view(-1)
         if self.world == 2:
-            seq = self._next_seq()
-            self._post(seq, [flat, flat], x.dtype)
+            seq = self.next_seq()
+            self.post(seq, [flat, flat], x.dtype)
             peer = 1 - self.rank
 
             def add_peer() -> None:
-                self._receive(seq, peer, flat, "all_reduce", add=True)
+                self.receive(seq, peer, flat, "all_reduce", add=True)
 
             return ShmWork(add_peer)
         q, extra = divmod(flat.numel(), self.world)
         sizes = [q + (r < extra) for r in range(self.world)]
-        seq = self._next_seq(later=1)
+        seq = self.next_seq(later=1)
         chunks = list(flat.split(sizes))
         mine = sizes[self.rank]
         stacked = flat.new_empty(self.world * mine).view(self.world, mine)
-        self._post(seq, chunks, x.dtype)
+        self.post(seq, chunks, x.dtype)
 
         def finish() -> None:
             stacked[self.rank].copy_(chunks[self.rank])
-            for peer in self._peers():
-                self._receive(seq, peer, stacked[peer], "all_reduce (reduce)")
+            for peer in self.peers():
+                self.receive(seq, peer, stacked[peer], "all_reduce (reduce)")
             torch.sum(stacked, dim=0, out=chunks[self.rank])
-            self._post(seq + 1, [chunks[self.rank]] * self.world, x.dtype)
-            for peer in self._peers():
-                self._receive(seq + 1, peer, chunks[peer], "all_reduce (gather)")
+            self.post(seq + 1, [chunks[self.rank]] * self.world, x.dtype)
+            for peer in self.peers():
+                self.receive(seq + 1, peer, chunks[peer], "all_reduce (gather)")
 
         return ShmWork(finish)
 

@@ -125,6 +125,13 @@ def _not_applicable(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"sends 4 rows of 3 columns, got .* \[4, 2\]"):
         comm.pooled_all_to_all_assembled(torch.randn(4, 2), [2, 2], 2, [3, 3],
                                          [(0, 0, 0, 3), (1, 0, 3, 3)], dist.group.WORLD)
+    # runs that leave an output column unwritten, overlap, or read past a part: refused
+    # before anything is sent (the same on every rank, so no rank is left waiting)
+    for runs in ([(0, 0, 0, 3), (1, 0, 3, 2)], [(0, 0, 0, 3), (1, 0, 2, 3)],
+                 [(0, 1, 0, 3), (1, 0, 3, 3)]):
+        with pytest.raises(ValueError, match="pooled all-to-all: the runs"):
+            comm.pooled_all_to_all_assembled(torch.randn(4, 3), [2, 2], 2, [3, 3], runs,
+                                             dist.group.WORLD)
 
 
 def test_not_applicable_without_the_transport_and_a_wrong_shape() -> None:
