@@ -13,6 +13,7 @@ from recsys_core.modules.embedding_configs import (
     EmbeddingConfig,
     check_table_names,
     get_embedding_names_by_table,
+    meta_weight,
     table_dtype,
 )
 from recsys_core.modules.lookup import (
@@ -81,7 +82,7 @@ class EmbeddingCollection(nn.Module):
         for config in tables:
             self.embeddings[config.name] = nn.Embedding(
                 config.num_embeddings, config.embedding_dim, device=device,
-                dtype=table_dtype(config),
+                dtype=table_dtype(config), _weight=meta_weight(config, device),
             )
         self._device = torch.device(device) if device is not None else torch.empty(0).device
         self._feature_names: list[list[str]] = [list(c.feature_names) for c in tables]

@@ -452,3 +452,16 @@ class FeatureL2NormBasedEvictionPolicy(VirtualTableEvictionPolicy):
 @dataclass
 class NoEvictionPolicy(VirtualTableEvictionPolicy):
     """Never evict."""
+
+
+def meta_weight(config: BaseEmbeddingConfig, device: torch.device | str | None) -> torch.Tensor | None:
+    """An empty meta weight for a table built on meta (``device``, or the default device
+    without one), else None. Given as ``_weight``, it spares ``nn.EmbeddingBag`` /
+    ``nn.Embedding`` their ``normal_`` initialization, which on meta runs a Python
+    decomposition whose first call in a process took 0.45 s (every ``dlrm-app train`` paid
+    it building its model); the values of a meta table do not exist either way."""
+    where = torch.device(device) if device is not None else torch.empty(0).device
+    if where.type != "meta":
+        return None
+    return torch.empty(config.num_embeddings, config.embedding_dim, device="meta",
+                       dtype=table_dtype(config))

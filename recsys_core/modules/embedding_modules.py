@@ -18,6 +18,7 @@ from recsys_core.modules.embedding_configs import (
     PoolingType,
     check_table_names,
     get_embedding_names_by_table,
+    meta_weight,
     table_dtype,
 )
 from recsys_core.modules.lookup import (
@@ -128,6 +129,7 @@ class EmbeddingBagCollection(nn.Module):
                 device=device,
                 include_last_offset=True,
                 dtype=table_dtype(config),
+                _weight=meta_weight(config, device),
             )
         # As TorchRec: without a device, the one the tables landed on (a device context counts).
         self._device = torch.device(device) if device is not None else _default_device()
@@ -230,5 +232,6 @@ class EmbeddingBagCollection(nn.Module):
 
 def _default_device() -> torch.device:
     return torch.empty(0).device
+
 
 
