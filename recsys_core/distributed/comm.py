@@ -17,6 +17,7 @@ instead of TCP loopback; ``RECSYS_SHM_COMM=0`` keeps them on gloo).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm_ops import get_gradient_division
 from recsys_core.distributed.qcomm_types import QuantizedCommCodecs
 from recsys_core.distributed.shm_comm import ShmGroup, ShmWork
-from recsys_core.sparse import _native_lib
+from recsys_core.kernels.packed import copy_runs
 
 Launch = Callable[[torch.Tensor], tuple[torch.Tensor, "dist.Work | ShmWork | None"]]
 
@@ -162,15 +163,29 @@ Run = tuple[int, int, int, int]
 
 def _runs_between(wide: torch.Tensor, part: torch.Tensor, runs: Sequence[Run],
                   to_part: bool) -> None:
-    """Copy ``runs`` (all of one part) between ``wide`` and ``part``, in C where it can."""
-    pieces = [(0, src, dst, cols) for _, src, dst, cols in runs]
-    if _native_lib.copy_column_runs(wide, [part], pieces, to_parts=to_part):
-        return
-    for _, src, dst, cols in pieces:
-        if to_part:
-            part[:, src : src + cols].copy_(wide[:, dst : dst + cols])
-        else:
-            wide[:, dst : dst + cols].copy_(part[:, src : src + cols])
+    """Copy ``runs`` (all of one part) between ``wide`` and ``part``."""
+    copy_runs(wide, [part], [(0, src, dst, cols) for _, src, dst, cols in runs], to_part)
+
+
+@functools.lru_cache(maxsize=64)
+def _runs_by_rank(runs: tuple[Run, ...], dims: tuple[int, ...]) -> tuple[tuple[Run, ...], ...]:
+    """``runs`` grouped by source rank, once checked to place every output column once and
+    read inside their parts (a layout is checked once, not every batch)."""
+    by_rank: list[list[Run]] = [[] for _ in dims]
+    covered = 0
+    for run in sorted(runs, key=lambda r: r[2]):
+        p, src, dst, cols = run
+        if not (0 <= p < len(dims) and 0 <= src <= dims[p] - cols and dst == covered
+                and cols > 0):
+            raise ValueError(f"pooled all-to-all: the runs {list(runs)} do not place the "
+                             f"received columns (widths {list(dims)}) on every output column "
+                             f"once (at run {run})")
+        covered += cols
+        by_rank[p].append(run)
+    if covered != sum(dims):
+        raise ValueError(f"pooled all-to-all: the runs {list(runs)} cover {covered} of the "
+                         f"{sum(dims)} output columns")
+    return tuple(tuple(r) for r in by_rank)
 
 
 @dataclass
@@ -181,7 +196,7 @@ class _Exchange:
     send_rows: list[int]  # rows of the input that go to each rank (rank order)
     batch: int  # rows received from every rank: this rank's batch
     dims: list[int]  # columns received from each rank
-    runs: list[list[Run]]  # per source rank, its runs into the output
+    runs: tuple[tuple[Run, ...], ...]  # per source rank, its runs into the output
     total: int
     group_size: int
     seq: int = 0
@@ -287,23 +302,9 @@ def pooled_all_to_all_assembled(
     if pooled.dim() != 2 or tuple(pooled.shape) != (sum(send_rows), dims[shm.rank]):
         raise ValueError(f"pooled all-to-all: rank {shm.rank} sends {sum(send_rows)} rows of "
                          f"{dims[shm.rank]} columns, got a tensor of shape {list(pooled.shape)}")
-    total = sum(dims)
-    by_rank: list[list[Run]] = [[] for _ in range(shm.world)]
-    covered = 0
-    for run in sorted(runs, key=lambda r: r[2]):
-        p, src, dst, cols = run
-        if not (0 <= p < shm.world and 0 <= src <= dims[p] - cols and dst == covered
-                and cols > 0):
-            raise ValueError(f"pooled all-to-all: the runs {list(runs)} do not place the "
-                             f"received columns (widths {list(dims)}) on every output column "
-                             f"once (at run {run})")
-        covered += cols
-        by_rank[p].append(run)
-    if covered != total:
-        raise ValueError(f"pooled all-to-all: the runs {list(runs)} cover {covered} of the "
-                         f"{total} output columns")
+    by_rank = _runs_by_rank(tuple(tuple(r) for r in runs), tuple(dims))  # type: ignore[misc]
     state = _Exchange(shm=shm, send_rows=list(send_rows), batch=batch, dims=list(dims),
-                      runs=by_rank, total=total, group_size=shm.world)
+                      runs=by_rank, total=sum(dims), group_size=shm.world)
     return _ExchangeAwaitable(state, pooled)
 
 

@@ -229,7 +229,7 @@ class ShmGroup:
         ``dtype``, written by ``fill(r, part)`` straight into the segment (``part``: a 1-D
         tensor over the shared bytes, valid only during the call; no staging copy). This
         rank's own count is ignored."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         offsets, total = [], 0
         for r, count in enumerate(counts):
             offsets.append(total)
@@ -296,7 +296,7 @@ class ShmGroup:
             self._fail(f"shm collective: rank {peer}'s slot holds collective #{got}, rank "
                        f"{self.rank} expected #{seq} ({what}); the ranks' calls are out of step")
         off, n = int(self._words[desc + 4 + 2 * self.rank]), int(self._words[desc + 5 + 2 * self.rank])
-        want = count * torch.empty((), dtype=dtype).element_size()
+        want = count * dtype.itemsize
         code = int(self._words[desc + 1])
         if n != want or (n and code != _DTYPES[dtype]):
             sent = next((str(k).removeprefix("torch.") for k, v in _DTYPES.items() if v == code), "?")

@@ -189,24 +189,32 @@ def _place_runs(blocks: list[int], width: int, dims: tuple[int, ...]) -> _Placem
     return _Placement(tuple(copies), sorted(blocks) == list(range(len(blocks))))
 
 
+def copy_runs(
+    wide: torch.Tensor,
+    parts: Sequence[torch.Tensor | None],
+    runs: Sequence[tuple[int, int, int, int]],
+    to_parts: bool,
+) -> None:
+    """Copy column runs ``(part, part column, wide column, columns)`` between ``wide`` and
+    ``parts`` (into the parts with ``to_parts``, else into ``wide``; runs of a None part are
+    skipped): in C row by row where the helper takes the tensors
+    (:func:`recsys_core.sparse._native_lib.copy_column_runs`), else one slice copy per run."""
+    if _native_lib.copy_column_runs(wide, parts, runs, to_parts=to_parts):
+        return
+    for part, src, dst, cols in runs:
+        p = parts[part]
+        if p is None:
+            continue
+        if to_parts:
+            p[:, src : src + cols].copy_(wide[:, dst : dst + cols])
+        else:
+            wide[:, dst : dst + cols].copy_(p[:, src : src + cols])
+
+
 def _copy_out(parts: Sequence[torch.Tensor], copies: Sequence[_Copy], total: int) -> torch.Tensor:
     out = parts[0].new_empty(parts[0].shape[0], total)
-    if not _native_lib.copy_column_runs(out, parts, copies, to_parts=False):
-        for c in copies:
-            out[:, c.dst : c.dst + c.cols].copy_(parts[c.part][:, c.src : c.src + c.cols])
+    copy_runs(out, parts, copies, to_parts=False)
     return out
-
-
-def _copy_back(
-    grad: torch.Tensor, parts: Sequence[torch.Tensor | None], copies: Sequence[_Copy]
-) -> None:
-    """The inverse of :func:`_copy_out`: each copy's output columns of ``grad`` into its part
-    (None: not needed)."""
-    if not _native_lib.copy_column_runs(grad, parts, copies, to_parts=True):
-        for c in copies:
-            g = parts[c.part]
-            if g is not None:
-                g[:, c.src : c.src + c.cols].copy_(grad[:, c.dst : c.dst + c.cols])
 
 
 class _PermuteParts(torch.autograd.Function):
@@ -233,7 +241,7 @@ class _PermuteParts(torch.autograd.Function):
             grad.new_empty(grad.shape[0], d) if need else None
             for d, need in zip(ctx.dims, needs, strict=True)  # type: ignore[attr-defined]
         ]
-        _copy_back(grad, grads, ctx.placement.copies)  # type: ignore[attr-defined]
+        copy_runs(grad, grads, ctx.placement.copies, to_parts=True)  # type: ignore[attr-defined]
         return (None, None, *grads)
 
 
@@ -266,7 +274,8 @@ class _PermuteReceived(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         rows, dims = ctx.rows, ctx.dims  # type: ignore[attr-defined]
         flat = grad.new_empty(rows * sum(dims))
-        _copy_back(grad, _chunks(flat, rows, dims), ctx.placement.copies)  # type: ignore[attr-defined]
+        copy_runs(grad, _chunks(flat, rows, dims), ctx.placement.copies,  # type: ignore[attr-defined]
+                  to_parts=True)
         return flat, None, None, None
 
 

@@ -5,7 +5,6 @@ vector builds, where it was built, and through the torch copies it falls back to
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -20,26 +19,13 @@ from recsys_core.kernels.packed import (
     select_columns_by_index,
 )
 from recsys_core.sparse import _native_lib
-
-
-@contextlib.contextmanager
-def _path(level: int | None) -> Iterator[None]:
-    if level is None:
-        with _native_lib.torch_path_only():
-            yield
-        return
-    if not _native_lib.available():
-        pytest.skip("recsys_core/sparse/_native.c was not built")
-    with _native_lib.vector_level(level) as in_use:
-        if in_use != level:
-            pytest.skip(f"this CPU has no vector build {level}")
-        yield
+from tests.native_paths import native_path
 
 
 # the C helper with its AVX-512 build and with memcpy (level 0), and the torch path
 @pytest.fixture(autouse=True, params=[2, 0, None], ids=["native", "native_vec128", "torch_path"])
 def copy_path(request: pytest.FixtureRequest) -> Iterator[int | None]:
-    with _path(request.param):
+    with native_path(request.param):
         yield request.param
 
 
@@ -232,9 +218,8 @@ def test_the_c_helper_copies_where_built(copy_path: int | None) -> None:
         assert torch.equal(back[0], a * 2)
 
 
+@pytest.mark.parametrize("copy_path", [2, 0], indirect=True)  # the C helper checks the bounds
 def test_a_run_outside_its_tensors_raises(copy_path: int | None) -> None:
-    if copy_path is None:
-        pytest.skip("the bounds are the C helper's wrapper's")
     a, wide = torch.randn(3, 4), torch.empty(3, 4)
     with pytest.raises(ValueError, match="outside them"):
         _native_lib.copy_column_runs(wide, [a], [(0, 2, 0, 4)], to_parts=False)

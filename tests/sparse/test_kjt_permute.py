@@ -5,13 +5,11 @@ built and through the torch path it falls back to."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from recsys_core.sparse import KeyedJaggedTensor, _native_lib
+from tests.native_paths import native_path
 
 # the C helper with each of its vector builds (2: AVX-512, 1: AVX2, 0: 16-byte vectors and
 # memcpy), and the torch path
@@ -21,20 +19,6 @@ NATIVE = [
     pytest.param(0, id="native_vec128"),
     pytest.param(None, id="torch_path"),
 ]
-
-
-@contextlib.contextmanager
-def _path(level: int | None) -> Iterator[None]:
-    if level is None:
-        with _native_lib.torch_path_only():
-            yield
-        return
-    if not _native_lib.available():
-        pytest.skip("recsys_core/sparse/_native.c was not built")
-    with _native_lib.vector_level(level) as in_use:
-        if in_use != level:
-            pytest.skip(f"this CPU has no vector build {level}")
-        yield
 
 
 def _reference(
@@ -108,7 +92,7 @@ def test_permute_equals_per_key_reference(seed: int, native: int | None) -> None
     kjt = KeyedJaggedTensor(
         keys, values, weights=weights, lengths=lengths, stride_per_key_per_rank=spkpr
     )
-    with _path(native):
+    with native_path(native):
         permuted = kjt.permute(order)
     ref_keys, ref_lengths, ref_values, ref_weights = _reference(
         keys, lengths.tolist(), values, weights, strides, order
@@ -140,7 +124,7 @@ def test_permute_indices_tensor_and_negative_indices(native: int | None) -> None
     kjt = KeyedJaggedTensor.from_lengths_sync(
         ["a", "b", "c"], torch.arange(10, 17), torch.tensor([1, 2, 0, 1, 3, 0])
     )
-    with _path(native):
+    with native_path(native):
         permuted = kjt.permute([-1, 0, 2], indices_tensor=torch.tensor([2, 0, 2], dtype=torch.int32))
     assert permuted.keys() == ["c", "a", "c"]
     assert permuted.lengths().tolist() == [3, 0, 1, 2, 3, 0]

@@ -148,10 +148,7 @@ class TwPooledSharding:
             if not placement.bijective:
                 return None
             runs = list(placement.copies)
-        return pooled_all_to_all_assembled(
-            pooled if pooled.dim() == 2 else pooled.view(sum(sizes), self.local.output_dim),
-            sizes, batch, dims, runs, self._env.pg,
-        )
+        return pooled_all_to_all_assembled(pooled, sizes, batch, dims, runs, self._env.pg)
 
 
 class TwSequenceSharding:
