@@ -28,6 +28,7 @@ from torch import nn
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.batched_embedding_kernel import DenseTableBatchedEmbedding
 from recsys_core.distributed.sharded_state import (
+    GlobalLayouts,
     LocalShard,
     ShardedFusedOptimizer,
     export_tensor,
@@ -163,6 +164,10 @@ class ShardedCollectionCore:
         self._input_orders: dict[tuple[str, ...], list[list[int] | None]] = {}
         self._ids = IdRangeCheck(rows, f"{spec.name}, rank {env.rank}")
         self._prefetched: deque[tuple[KeyedJaggedTensor, DistInputs]] = deque()
+        optimizer = ctx.optimizer.optimizer
+        self.layouts = GlobalLayouts(self.tables, self.table_shards, env, optimizer.state_names,
+                                     optimizer.state_is_rowwise)
+        """The global layout of every exported tensor, gathered once (see GlobalLayouts)."""
         self.fused_optimizer = self._build_optimizer()
 
     # ---- optimizer and state -----------------------------------------------------------------
@@ -187,7 +192,7 @@ class ShardedCollectionCore:
                 kernels.append(kernel)
         return ShardedFusedOptimizer(
             CombinedOptimizer(optims), self.tables, self.table_shards, self.env,
-            self.ctx.optimizer, kernels, self.spec.state_prefix,
+            self.ctx.optimizer, kernels, self.spec.state_prefix, self.layouts,
         )
 
     def table_parameters(self) -> nn.ModuleDict:
@@ -217,7 +222,7 @@ class ShardedCollectionCore:
         for table in self.tables:
             name = table.config.name
             state_dict[f"{prefix}{self.spec.state_prefix}.{name}.weight"] = export_tensor(
-                table, shards.get(name, []), self.env, None, False
+                table, shards.get(name, []), self.env, None, False, self.layouts
             )
 
     def _import_tables(

@@ -20,8 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.utils import (
+    build_global_metadata,
+    build_metadata_from_local_shards,
+)
 
 from recsys_core.distributed.sharding.common import ShardedTable, ShardSpec
 from recsys_core.distributed.types import ShardingEnv, ShardingType
@@ -63,13 +69,86 @@ def _pick(name: str | None) -> Callable[[LocalShard], torch.Tensor]:
     return (lambda s: s.weight) if name is None else (lambda s: s.state[name])
 
 
+def _local_shards(
+    table: ShardedTable, shards: list[LocalShard], env: ShardingEnv, name: str | None,
+) -> list[Shard]:
+    """This rank's parts of the table's weight (``name=None``) or state ``name``, each placed
+    at its offsets in the global tensor (placements name global ranks, as torch's do)."""
+    pick = _pick(name)
+    assert env.pg is not None
+    rank = dist.get_global_rank(env.pg, env.rank)
+    local = []
+    for s in shards:
+        if s.spec.rows == 0 or s.spec.cols == 0:
+            continue  # an empty row block owns no part of the table
+        offsets, sizes, view = _region(s.spec, table, pick(s))
+        local.append(Shard(view, TorchShardMetadata(offsets, sizes, f"rank:{rank}/{view.device}")))
+    return local
+
+
+class GlobalLayouts:
+    """The global ``ShardedTensorMetadata`` of each table's weight and optimizer states of one
+    sharded collection, gathered from the ranks in one collective the first time any of them
+    is exported, and reused by every export after it.
+
+    ``init_from_local_shards`` gathers a tensor's metadata from every rank each time it is
+    called: two collectives per table and state, for every ``state_dict()`` (a checkpoint of
+    52 tables with one optimizer state each: 104 ``all_gather_object`` calls, most of a 2-rank
+    save's time). The layout of a sharded collection's tensors does not change after
+    sharding, so this gathers the same per-rank metadata once, for all of them, and merges it
+    with torch's own ``build_global_metadata`` (the same checks: no overlaps, the whole tensor
+    covered, the same dtype everywhere). ``ShardedTensor._init_from_local_shards_and_global_metadata``
+    then builds each tensor without communication, checking the local shards against it.
+
+    Collective on first use, like ``init_from_local_shards``: every rank exports in the same
+    order, so every rank reaches the one gather together."""
+
+    def __init__(self, tables: list[ShardedTable], shards: Callable[[], dict[str, list[LocalShard]]],
+                 env: ShardingEnv, state_names: Iterable[str],
+                 rowwise: Callable[[str], bool]) -> None:
+        self._tables, self._shards, self._env = tables, shards, env
+        self._states = [(None, False)] + [(n, rowwise(n)) for n in state_names]
+        self._metadata: dict[tuple[str, str | None], ShardedTensorMetadata] | None = None
+
+    def get(self, table: str, name: str | None) -> ShardedTensorMetadata | None:
+        """The metadata of ``table``'s weight (``name=None``) or state ``name``; None where no
+        rank holds any part of it (the caller then builds it the collective way)."""
+        if self._metadata is None:
+            self._metadata = self._gather()
+        return self._metadata.get((table, name))
+
+    def _gather(self) -> dict[tuple[str, str | None], ShardedTensorMetadata]:
+        env, shards = self._env, self._shards()
+        assert env.pg is not None
+        rank = dist.get_global_rank(env.pg, env.rank)
+        mine: dict[tuple[str, str | None], ShardedTensorMetadata] = {}
+        for table in self._tables:
+            if table.sharding.sharding_type is ShardingType.DATA_PARALLEL:
+                continue
+            held = shards.get(table.config.name, [])
+            for name, rowwise in self._states:
+                if name is not None and any(name not in s.state for s in held):
+                    continue  # not kept for this table: exported (and refused) as before
+                local = _local_shards(table, held, env, name)
+                if local:
+                    size = torch.Size(global_size(table, rowwise))
+                    mine[(table.config.name, name)] = build_metadata_from_local_shards(
+                        local, size, rank, env.pg)
+        gathered: list[Any] = [None] * env.world_size
+        dist.all_gather_object(gathered, mine, group=env.pg)
+        keys = dict.fromkeys(k for part in gathered for k in part)
+        return {k: build_global_metadata([part.get(k) for part in gathered]) for k in keys}
+
+
 def export_tensor(
     table: ShardedTable, shards: list[LocalShard], env: ShardingEnv, name: str | None,
-    rowwise_state: bool,
+    rowwise_state: bool, layouts: GlobalLayouts | None = None,
 ) -> torch.Tensor:
     """The table's weight (``name=None``) or optimizer state ``name`` as one global tensor.
 
-    Collective (``init_from_local_shards``): every rank calls it for every table in order.
+    Collective: every rank calls it for every table in order. With ``layouts`` the metadata
+    comes from there (one gather for all tables, on the first export); without, from
+    ``init_from_local_shards`` (a gather per call).
     """
     pick = _pick(name)
     size = global_size(table, rowwise_state)
@@ -81,15 +160,13 @@ def export_tensor(
             f"table {table.config.name!r}: a single-process environment must hold the whole "
             "table; build the ShardingEnv from a process group"
         )
-    local = []
-    for s in shards:
-        if s.spec.rows == 0 or s.spec.cols == 0:
-            continue  # an empty row block owns no part of the table
-        offsets, sizes, view = _region(s.spec, table, pick(s))
-        placement = f"rank:{env.rank}/{view.device}"
-        local.append(Shard(view, TorchShardMetadata(offsets, sizes, placement)))
+    local = _local_shards(table, shards, env, name)
+    metadata = None if layouts is None else layouts.get(table.config.name, name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice; DCP reads it
+        if metadata is not None:
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                local, metadata, process_group=env.pg)
         return init_from_local_shards(local, size, process_group=env.pg)
 
 
@@ -173,9 +250,11 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         optimizer: FusedOptimizerConfig,
         kernels: list[torch.nn.Module],
         state_prefix: str = "embedding_bags",
+        layouts: GlobalLayouts | None = None,
     ) -> None:
         self._inner, self._tables, self._shards, self._env = kernels_optimizer, tables, shards, env
         self._config, self._kernels, self._prefix = optimizer, kernels, state_prefix
+        self._layouts = layouts
         params = dict(kernels_optimizer.params)
         group = {"params": list(params.values()), "lr": optimizer.learning_rate}
         super().__init__(params, {}, [group])
@@ -200,7 +279,7 @@ class ShardedFusedOptimizer(KeyedOptimizer):
             state[f"{self._prefix}.{name}.weight"] = {
                 f"{name}.{s}": export_tensor(
                     table, shards.get(name, []), self._env, s,
-                    self._config.optimizer.state_is_rowwise(s),
+                    self._config.optimizer.state_is_rowwise(s), self._layouts,
                 )
                 for s in names
             }

@@ -1,0 +1,126 @@
+"""The global layouts of a sharded collection's exported tensors, gathered once: a state dict
+holds the same ShardedTensors (metadata, local shards) as torch's ``init_from_local_shards``
+builds, and a second ``state_dict()`` sends nothing between the ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_setup import two_table_plans, world_env
+from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
+
+from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
+from recsys_core.distributed import (
+    EmbeddingBagCollectionSharder,
+    ShardingEnv,
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    sharded_state,
+    table_wise,
+)
+from recsys_core.testing import run_gloo
+
+TABLES = [
+    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=11, feature_names=["fa"]),
+    EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=7, feature_names=["fb"]),
+]
+
+
+def _plans(world: int) -> dict[str, dict]:
+    plans = two_table_plans("a", "b", world)
+    plans["mixed"] = {"a": column_wise(ranks=[world - 1, 0], compute_kernel="fused"),
+                      "b": row_wise(compute_kernel="fused")}
+    plans["one_rank"] = {"a": table_wise(rank=0, compute_kernel="fused"),
+                         "b": table_wise(rank=0, compute_kernel="fused")}
+    return plans
+
+
+def _collective_reference(value: ShardedTensor) -> ShardedTensor:
+    """The same local shards through torch's collective constructor (a gather per tensor)."""
+    return init_from_local_shards(value.local_shards(), list(value.size()),
+                                  process_group=dist.group.WORLD)
+
+
+def _same(value: object, reference: ShardedTensor, key: str) -> int:
+    assert isinstance(value, ShardedTensor), key
+    assert value.metadata() == reference.metadata(), key
+    mine, theirs = value.local_shards(), reference.local_shards()
+    assert [s.metadata for s in mine] == [s.metadata for s in theirs], key
+    assert [s.tensor.data_ptr() for s in mine] == [s.tensor.data_ptr() for s in theirs], key
+    return len(value.metadata().shards_metadata)
+
+
+def layouts_worker(rank: int, world: int, optimizer: str) -> dict:
+    counted = {"gathers": 0}
+    real = dist.all_gather_object
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counted["gathers"] += 1
+        return real(*args, **kwargs)
+
+    out: dict = {}
+    for kind, generators in _plans(world).items():
+        torch.manual_seed(0)
+        ebc = EmbeddingBagCollection(tables=TABLES)
+        plan = construct_module_sharding_plan(ebc, generators, world)
+        sharded = EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": EmbOptimType[optimizer], "learning_rate": 0.1},
+        ).shard(ebc, plan, world_env(), torch.device("cpu"))
+        dist.all_gather_object = counting
+        try:
+            counted["gathers"] = 0
+            weights = sharded.state_dict()
+            states = sharded.fused_optimizer.state_dict()["state"]
+            first = counted["gathers"]
+            counted["gathers"] = 0
+            sharded.state_dict()
+            sharded.fused_optimizer.state_dict()
+            again = counted["gathers"]
+        finally:
+            dist.all_gather_object = real
+        exported = {k: v for k, v in weights.items() if k.endswith(".weight")}
+        exported |= {k: v for per_table in states.values() for k, v in per_table.items()}
+        shards = 0
+        for key, value in exported.items():
+            if kind == "data_parallel":
+                assert not isinstance(value, ShardedTensor), key
+                continue
+            shards += _same(value, _collective_reference(value), f"{kind}: {key}")
+        out[kind] = {"gathers": first, "gathers_again": again, "tensors": len(exported),
+                     "global_shards": shards}
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["EXACT_ROWWISE_ADAGRAD", "ADAM"])
+def test_state_dict_matches_the_collective_construction_with_one_gather(optimizer: str) -> None:
+    results = run_gloo(2, layouts_worker, optimizer)
+    assert results[0] == results[1]
+    states = {"EXACT_ROWWISE_ADAGRAD": 1, "ADAM": 2}[optimizer]
+    for kind, found in results[0].items():
+        # two weights and their states; sharded kinds: one gather on the first export of the
+        # collection, none after it; data-parallel tables are plain tensors (no gather)
+        assert found["tensors"] == 2 * (1 + states), kind
+        assert found["gathers"] == (0 if kind == "data_parallel" else 1), kind
+        assert found["gathers_again"] == 0, kind
+    # the global shard lists are the plans' (table a, table b; per tensor, over both ranks)
+    shards_per_tensor = {"table_wise": 1 + 1, "row_wise": 2 + 2, "column_wise": 2 + 1,
+                         "table_row_wise": 2 + 2, "table_column_wise": 2 + 1, "mixed": 2 + 2,
+                         "one_rank": 1 + 1}
+    for kind, per_tensor in shards_per_tensor.items():
+        assert results[0][kind]["global_shards"] == per_tensor * (1 + states), kind
+
+
+def test_layouts_gather_nothing_for_a_single_process_environment() -> None:
+    # a plan-only / one-process environment exports plain tensors and never gathers
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=TABLES)
+    plan = construct_module_sharding_plan(ebc, {"a": table_wise(rank=0), "b": table_wise(rank=0)},
+                                          1)
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan, ShardingEnv.from_local(1, 0),
+                                                    torch.device("cpu"))
+    state = sharded.state_dict()
+    assert not isinstance(state["embedding_bags.a.weight"], ShardedTensor)
+    assert sharded._core.layouts._metadata is None
+    assert isinstance(sharded._core.layouts, sharded_state.GlobalLayouts)
