@@ -36,14 +36,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable, LazyAwaitable, NoWait
 from recsys_core.distributed.comm import TensorAllToAll
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
 from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
+from recsys_core.distributed.sharded_state import gather_global_metadata, sharded_tensor
 from recsys_core.distributed.sharding.common import resolve_shards
 from recsys_core.distributed.types import (
     ParameterSharding,
@@ -295,6 +298,8 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._input_sizes = {t: m.input_size() for t, m in self._managed_collision_modules.items()}
         self._features_order: dict[tuple[str, ...], list[int] | None] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._export_metadata: dict[tuple[str, str], ShardedTensorMetadata] | None = None
+        """The state dict's ShardedTensor layouts, gathered on the first export."""
         self._register_state_dict_hook(_export_state)
         self._register_load_state_dict_pre_hook(_import_state, with_module=True)
 
@@ -540,6 +545,8 @@ def _export_state(
     _meta: Any,
 ) -> None:
     env = module._env
+    local: dict[tuple[str, str], tuple[list[Shard], torch.Size]] = {}
+    keys: list[tuple[str, tuple[str, str]]] = []
     for table, mcm in module._managed_collision_modules.items():
         offset, rows, total = module._mc_module_name_shard_metadata[table]
         state = module.row_state(table)
@@ -552,14 +559,22 @@ def _export_state(
         for name in mcm._mch_metadata:
             tensors["_mch_" + name] = state[name].clone()
         base = f"{prefix}_managed_collision_modules.{table}."
+        if env.pg is None:
+            destination.update((base + name, tensor) for name, tensor in tensors.items())
+            continue
+        rank = dist.get_global_rank(env.pg, env.rank)
         for name, tensor in tensors.items():
-            if env.pg is None:
-                destination[base + name] = tensor
-                continue
-            shard = Shard(tensor, ShardMetadata([offset], [rows], f"rank:{env.rank}/{tensor.device}"))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice
-                destination[base + name] = init_from_local_shards([shard], [total], process_group=env.pg)
+            shard = Shard(tensor, ShardMetadata([offset], [rows], f"rank:{rank}/{tensor.device}"))
+            local[(table, name)] = ([shard], torch.Size([total]))
+            keys.append((base + name, (table, name)))
+    if local:
+        # one gather of every tensor's layout, the first time (the rows each rank holds do not
+        # change after sharding), instead of one init_from_local_shards gather per tensor
+        if module._export_metadata is None:
+            module._export_metadata = gather_global_metadata(local, env)
+        for key, layout in keys:
+            destination[key] = sharded_tensor(local[layout][0], module._export_metadata[layout],
+                                              env)
 
 
 def _import_state(

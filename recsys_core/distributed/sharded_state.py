@@ -119,9 +119,7 @@ class GlobalLayouts:
 
     def _gather(self) -> dict[tuple[str, str | None], ShardedTensorMetadata]:
         env, shards = self._env, self._shards()
-        assert env.pg is not None
-        rank = dist.get_global_rank(env.pg, env.rank)
-        mine: dict[tuple[str, str | None], ShardedTensorMetadata] = {}
+        local: dict[Any, tuple[list[Shard], torch.Size]] = {}
         for table in self._tables:
             if table.sharding.sharding_type is ShardingType.DATA_PARALLEL:
                 continue
@@ -129,15 +127,36 @@ class GlobalLayouts:
             for name, rowwise in self._states:
                 if name is not None and any(name not in s.state for s in held):
                     continue  # not kept for this table: exported (and refused) as before
-                local = _local_shards(table, held, env, name)
-                if local:
-                    size = torch.Size(global_size(table, rowwise))
-                    mine[(table.config.name, name)] = build_metadata_from_local_shards(
-                        local, size, rank, env.pg)
-        gathered: list[Any] = [None] * env.world_size
-        dist.all_gather_object(gathered, mine, group=env.pg)
-        keys = dict.fromkeys(k for part in gathered for k in part)
-        return {k: build_global_metadata([part.get(k) for part in gathered]) for k in keys}
+                local[(table.config.name, name)] = (
+                    _local_shards(table, held, env, name), torch.Size(global_size(table, rowwise)))
+        return gather_global_metadata(local, env)
+
+
+def gather_global_metadata(
+    local: Mapping[Any, tuple[list[Shard], torch.Size]], env: ShardingEnv,
+) -> dict[Any, ShardedTensorMetadata]:
+    """Global ``ShardedTensorMetadata`` of several tensors in one ``all_gather_object``: for
+    each key, this rank's local shards (possibly none) and the global size. The result is what
+    ``init_from_local_shards`` would compute for each (torch's own merge and checks); keys no
+    rank holds a shard of are absent. Collective: every rank calls it with the same keys."""
+    assert env.pg is not None
+    rank = dist.get_global_rank(env.pg, env.rank)
+    mine = {key: build_metadata_from_local_shards(shards, size, rank, env.pg)
+            for key, (shards, size) in local.items() if shards}
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, mine, group=env.pg)
+    keys = dict.fromkeys(k for part in gathered for k in part)
+    return {k: build_global_metadata([part.get(k) for part in gathered]) for k in keys}
+
+
+def sharded_tensor(local: list[Shard], metadata: ShardedTensorMetadata,
+                   env: ShardingEnv) -> ShardedTensor:
+    """A ShardedTensor of this rank's ``local`` shards and known global ``metadata``, built
+    without communication (torch checks the local shards against the metadata)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice; DCP reads it
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, metadata, process_group=env.pg)
 
 
 def export_tensor(
@@ -162,11 +181,10 @@ def export_tensor(
         )
     local = _local_shards(table, shards, env, name)
     metadata = None if layouts is None else layouts.get(table.config.name, name)
+    if metadata is not None:
+        return sharded_tensor(local, metadata, env)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice; DCP reads it
-        if metadata is not None:
-            return ShardedTensor._init_from_local_shards_and_global_metadata(
-                local, metadata, process_group=env.pg)
         return init_from_local_shards(local, size, process_group=env.pg)
 
 

@@ -124,3 +124,52 @@ def test_layouts_gather_nothing_for_a_single_process_environment() -> None:
     assert not isinstance(state["embedding_bags.a.weight"], ShardedTensor)
     assert sharded._core.layouts._metadata is None
     assert isinstance(sharded._core.layouts, sharded_state.GlobalLayouts)
+
+
+def mc_worker(rank: int, world: int) -> dict:
+    from test_mc_sharded import FUSED, batch, build_mc, plan_for
+
+    from recsys_core.distributed.mc_embeddingbag import (
+        ManagedCollisionEmbeddingBagCollectionSharder,
+    )
+
+    mc = build_mc({"t0": 48, "t1": 48})
+    sharded = ManagedCollisionEmbeddingBagCollectionSharder(
+        EmbeddingBagCollectionSharder(fused_params=FUSED)).shard(mc, plan_for(mc, world), world_env())
+    pooled, _ = sharded(batch(rank, 0))  # ids enter: the remapping state is not all empty
+    pooled.wait().values().sum().backward()
+    counted = {"gathers": 0}
+    real = dist.all_gather_object
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counted["gathers"] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        first = sharded.state_dict()
+        gathers_first = counted["gathers"]
+        counted["gathers"] = 0
+        again = sharded.state_dict()
+        gathers_again = counted["gathers"]
+    finally:
+        dist.all_gather_object = real
+    remap = [k for k in first if "_managed_collision_modules." in k
+             and isinstance(first[k], ShardedTensor)]
+    for key in remap:
+        _same(first[key], _collective_reference(first[key]), key)
+        assert again[key].metadata() == first[key].metadata(), key
+        torch.testing.assert_close(again[key].local_shards()[0].tensor,
+                                   first[key].local_shards()[0].tensor)
+    return {"remap_tensors": len(remap), "gathers": gathers_first, "gathers_again": gathers_again,
+            "sharded_entries": sum(isinstance(v, ShardedTensor) for v in first.values())}
+
+
+def test_managed_collision_state_dict_gathers_its_layouts_once() -> None:
+    results = run_gloo(2, mc_worker)
+    assert results[0] == results[1]
+    found = results[0]
+    # per table: sorted raw ids, the remapped-id mapping and the eviction metadata
+    assert found["remap_tensors"] >= 2 * 3
+    # one gather for the remapping state, one for the tables' weights; none the second time
+    assert found["gathers"] == 2 and found["gathers_again"] == 0
