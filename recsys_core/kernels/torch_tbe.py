@@ -62,11 +62,17 @@ class TorchTableBatchedEmbedding(nn.Module):
         self.register_buffer("feature_first_row", torch.tensor(
             [first_row[t] for t in self.feature_table_map], dtype=torch.int64, device=device),
             persistent=False)
-        # Optional (table, rows, summed grads) -> (rows, grads) hook run before each update;
-        # data-parallel sharding sets it to sum gradients over ranks.
+        # Optional hook run once per backward before the updates: given (rows of the table,
+        # touched rows, their summed grads) per table, or once for all tables seen as one of
+        # sum(rows) rows when they share a dim, returns each entry's (rows, grads) to apply;
+        # data-parallel sharding sets it to sum the gradients over ranks (all at once).
         self.gradient_reducer: (
-            Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+            Callable[[list[tuple[int, torch.Tensor, torch.Tensor]]],
+                     list[tuple[torch.Tensor, torch.Tensor]]] | None
         ) = None
+        # Tables of one dim are updated in one pass (``_backward_one_dim``); False forces the
+        # table-by-table update, which gives the same bits (tests compare the two).
+        self.one_dim_pass = True
         # Gives autograd a leaf to differentiate so that backward (and the fused update) runs. A
         # buffer, not a Parameter: the kernel exposes no parameters of its own (the collection
         # exposes per-table weight views).
@@ -131,7 +137,7 @@ class TorchTableBatchedEmbedding(nn.Module):
         per_sample_weights: torch.Tensor | None,
         want_psw_grad: bool,
     ) -> torch.Tensor | None:
-        if (self.gradient_reducer is None and not want_psw_grad and len(set(self.dims)) == 1
+        if (self.one_dim_pass and not want_psw_grad and len(set(self.dims)) == 1
                 and self.feature_table_map):
             self._backward_one_dim(grad_out, indices, offsets, per_sample_weights)
             return None
@@ -155,17 +161,19 @@ class TorchTableBatchedEmbedding(nn.Module):
             if per_sample_weights is not None:
                 g = g * per_sample_weights[lo:hi].unsqueeze(1)
             per_table.setdefault(t, []).append((idx, g))
+        touched = []
         for t, parts in per_table.items():
             idx = torch.cat([p[0] for p in parts])
             grads = torch.cat([p[1] for p in parts])
             rows, inverse = torch.unique(idx, return_inverse=True)
-            summed = grads.new_zeros(rows.numel(), grads.shape[1]).index_add_(0, inverse, grads)
-            if self.gradient_reducer is not None:
-                # collective: every rank reaches this for every table, even with no ids
-                rows, summed = self.gradient_reducer(t, rows, summed)
-            if rows.numel() == 0:
-                continue
-            self._apply_update(t, rows, summed)
+            touched.append((self.rows[t], rows, grads.new_zeros(rows.numel(), grads.shape[1])
+                            .index_add_(0, inverse, grads)))
+        # collective when set: every rank reaches it once per backward, tables in feature order
+        reduced = (self.gradient_reducer(touched) if self.gradient_reducer is not None
+                   else [(rows, summed) for _, rows, summed in touched])
+        for t, (rows, summed) in zip(per_table, reduced, strict=True):
+            if rows.numel():
+                self._apply_update(t, rows, summed)
         return torch.cat(psw_grads) if want_psw_grad else None
 
     @torch.no_grad()
@@ -193,9 +201,11 @@ class TorchTableBatchedEmbedding(nn.Module):
         rows = indices[starts[0] : starts[-1]].long() + self.feature_first_row.index_select(
             0, torch.div(bag_of_index, max(batch, 1), rounding_mode="floor"))
         rows, inverse = torch.unique(rows, return_inverse=True)
+        summed = g.new_zeros(rows.numel(), dim).index_add_(0, inverse, g)
+        if self.gradient_reducer is not None:  # collective: reached even without ids
+            ((rows, summed),) = self.gradient_reducer([(sum(self.rows), rows, summed)])
         if rows.numel() == 0:
             return
-        summed = g.new_zeros(rows.numel(), dim).index_add_(0, inverse, g)
         opt = self.optimizer.optimizer
         states = {name: getattr(self, name) if opt.state_is_rowwise(name)
                   else getattr(self, name).view(-1, dim) for name in self.state_offsets}

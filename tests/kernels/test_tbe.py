@@ -403,8 +403,9 @@ def test_rowwise_adagrad_decoupled_decay_by_hand() -> None:
 def test_one_dim_tables_update_at_once_as_table_by_table(
         opt: EmbOptimType, mean: bool, weighted: bool, dim: int) -> None:
     """The torch kernel's update of tables of one dim in one pass (every feature's ids as rows
-    of the flat buffers) gives the bits of its table-by-table update (forced here through a
-    gradient reducer that changes nothing), a shared table included."""
+    of the flat buffers) gives the bits of its table-by-table update, a shared table
+    included; so does either with a gradient reducer that changes nothing (the hook
+    data-parallel sharding sets), which sees one entry per table or one for all."""
     from recsys_core.kernels.torch_tbe import TorchTableBatchedEmbedding
 
     config = FusedOptimizerConfig(optimizer=opt, learning_rate=0.05, eps=1e-3)
@@ -416,15 +417,29 @@ def test_one_dim_tables_update_at_once_as_table_by_table(
         k.weights.copy_(torch.rand(k.weights.shape, generator=torch.Generator().manual_seed(7)))
         return k
 
-    at_once, by_table = kernel(), kernel()
-    by_table.gradient_reducer = lambda t, rows, grads: (rows, grads)
+    at_once, by_table, reduced_at_once, reduced_by_table = (kernel() for _ in range(4))
+    by_table.one_dim_pass = reduced_by_table.one_dim_pass = False
+    seen: dict[int, list[list[int]]] = {id(reduced_at_once): [], id(reduced_by_table): []}
+
+    def unchanged(k):  # type: ignore[no-untyped-def]
+        def reduce(entries):  # type: ignore[no-untyped-def]
+            seen[id(k)].append([rows for rows, _, _ in entries])
+            return [(touched, grads) for _, touched, grads in entries]
+        return reduce
+
+    for k in (reduced_at_once, reduced_by_table):
+        k.gradient_reducer = unchanged(k)
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):
         indices, offsets, psw = make_batch(gen, batch=6, weighted=weighted)
         target = torch.randn(6, dim * len(FEATURE_TABLE_MAP), generator=gen)
-        for k in (at_once, by_table):
+        for k in (at_once, by_table, reduced_at_once, reduced_by_table):
             (k(indices, offsets, psw) * target).sum().backward()
-    assert torch.equal(at_once.weights, by_table.weights)
-    for name in at_once.state_offsets:
-        assert torch.equal(getattr(at_once, name), getattr(by_table, name)), name
+    # the reducer sees one entry of all rows at once, or one per table in feature order
+    assert seen[id(reduced_at_once)] == [[sum(ROWS)]] * 3
+    assert seen[id(reduced_by_table)] == [[ROWS[0], ROWS[1], ROWS[2]]] * 3
+    for other in (by_table, reduced_at_once, reduced_by_table):
+        assert torch.equal(at_once.weights, other.weights)
+        for name in at_once.state_offsets:
+            assert torch.equal(getattr(at_once, name), getattr(other, name)), name
     assert not torch.equal(at_once.weights, kernel().weights)  # it did train

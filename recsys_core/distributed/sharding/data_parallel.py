@@ -3,9 +3,10 @@
 No input or output communication: each rank looks up its own batch. In backward, the torch
 kernel sums each table's gradient (and which rows were touched) over all ranks before the fused
 update, so every replica applies the same exact update as the unsharded module on the global
-batch: by all-gathering the touched rows when few rows are touched (world * rows touched <
-table rows), else by all-reducing a dense [rows, dim + 1] buffer. Replicas start equal: rank
-0's weights are broadcast at construction.
+batch: by gathering the touched rows when few rows are touched (world * rows touched <
+table rows), else by summing a dense [rows, dim + 1] buffer; all tables of a kernel in one
+exchange per backward (a sum of the row counts, then one of the payloads). Replicas start
+equal: rank 0's weights are broadcast at construction.
 """
 
 from __future__ import annotations
@@ -89,32 +90,24 @@ class DpPooledSharding:
 
     def _make_reducer(
         self, kernel: TorchTableBatchedEmbedding
-    ) -> Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Callable[[list[tuple[int, torch.Tensor, torch.Tensor]]],
+                  list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The kernel's ``gradient_reducer``: (table rows, touched rows, summed grads) entries
+        -> the same rows' gradients summed over the ranks (see :func:`_sum_over_ranks`)."""
         group = self._env.pg
-        world = self._env.world_size
+        world, rank = self._env.world_size, self._env.rank
 
         def reduce(
-            table: int, rows: torch.Tensor, grads: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if group is None or world == 1:
-                return rows, grads
-            num_rows, dim = kernel.rows[table], kernel.dims[table]
-            most = torch.tensor([rows.numel()], dtype=torch.int64)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-            most_rows = int(most.item())  # same value on every rank: same path everywhere
+            touched: list[tuple[int, torch.Tensor, torch.Tensor]],
+        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            if group is None or world == 1 or not touched:
+                return [(rows, grads) for _, rows, grads in touched]
             # The replicas step on the MEAN of the ranks' gradients, as DistributedDataParallel
             # averages the dense part's (and TorchRec's data-parallel tables, which DDP wraps);
             # on the sum with gradient division off (comm_ops).
             scale = 1.0 / world if get_gradient_division() else 1.0
-            if world * most_rows < num_rows:
-                touched, summed = _sparse_sum(rows, grads, most_rows, world, group)
-                return touched, summed.mul_(scale)
-            dense = grads.new_zeros(num_rows, dim + 1)
-            dense[rows, :dim] = grads
-            dense[rows, dim] = 1.0  # touched on this rank
-            all_reduce_sum_(dense, group)
-            touched = dense[:, dim].nonzero().squeeze(1)
-            return touched, dense.index_select(0, touched)[:, :dim].mul_(scale)
+            most = _most_rows([rows.numel() for _, rows, _ in touched], world, rank, group)
+            return _sum_over_ranks(touched, most, world, rank, group, scale)
 
         return reduce
 
@@ -133,22 +126,70 @@ class DpPooledSharding:
         return self._layout.output_dist(pooled)
 
 
-def _sparse_sum(
-    rows: torch.Tensor, grads: torch.Tensor, most_rows: int, world: int,
-    group: dist.ProcessGroup,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum row gradients over ranks by gathering only the touched rows (padded to the largest
-    count; padding rows carry id -1 and are dropped)."""
-    padded_rows = rows.new_full((most_rows,), -1)
-    padded_rows[: rows.numel()] = rows
-    padded_grads = grads.new_zeros(most_rows, grads.shape[1])
-    padded_grads[: rows.numel()] = grads
-    all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
-    all_grads = [torch.empty_like(padded_grads) for _ in range(world)]
-    dist.all_gather(all_rows, padded_rows, group=group)
-    dist.all_gather(all_grads, padded_grads, group=group)
-    gathered_rows, gathered_grads = torch.cat(all_rows), torch.cat(all_grads)
-    keep = gathered_rows >= 0
-    unique, inverse = torch.unique(gathered_rows[keep], return_inverse=True)
-    summed = grads.new_zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, gathered_grads[keep])
-    return unique, summed
+def _most_rows(counts: list[int], world: int, rank: int, group: dist.ProcessGroup) -> list[int]:
+    """Each table's largest touched-row count over the ranks (the same list on every rank, so
+    every rank takes the same path per table): one sum of a [world, tables] buffer in which
+    each rank fills its own row."""
+    every = torch.zeros(world, len(counts), dtype=torch.int64)
+    every[rank] = torch.tensor(counts, dtype=torch.int64)
+    return all_reduce_sum_(every, group).amax(0).tolist()
+
+
+def _sum_over_ranks(
+    touched: list[tuple[int, torch.Tensor, torch.Tensor]], most: list[int], world: int,
+    rank: int, group: dist.ProcessGroup, scale: float,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every entry's (a table of ``rows`` rows, its touched rows and their gradients) rows and
+    gradients summed over the ranks, all entries in one float sum (and one int64 sum for the ids of sparse tables) instead of collectives per table.
+
+    A table whose ranks touch few rows (world * most < its rows) is gathered: each rank writes
+    its rows (padded with id -1 to ``most``) and their gradients into its own slot of a buffer
+    that is zero elsewhere, so the sum hands every rank every rank's part unchanged; the parts
+    are then added rank by rank in row order. Any other table is summed densely: a [rows, dim +
+    1] buffer of its gradients and a touched flag per row."""
+    grads0 = touched[0][2]
+    floats, ids = [], []  # per table: (offset, length) in the float / id buffer
+    float_size = id_size = 0
+    for (rows, _, grads), n in zip(touched, most, strict=True):
+        dim = grads.shape[1]
+        if world * n < rows:
+            floats.append((float_size, world * n * dim))
+            ids.append((id_size, world * n))
+            id_size += world * n
+        else:
+            floats.append((float_size, rows * (dim + 1)))
+            ids.append(None)
+        float_size += floats[-1][1]
+    flat = grads0.new_zeros(float_size)
+    flat_ids = torch.zeros(id_size, dtype=torch.int64, device=grads0.device)
+    for (num_rows, rows, grads), n, (f0, fn), id_at in zip(touched, most, floats, ids,
+                                                           strict=True):
+        dim = grads.shape[1]
+        if id_at is None:
+            dense = flat[f0:f0 + fn].view(num_rows, dim + 1)
+            dense[rows, :dim] = grads
+            dense[rows, dim] = 1.0  # touched on this rank
+            continue
+        mine = slice(id_at[0] + rank * n, id_at[0] + (rank + 1) * n)
+        flat_ids[mine] = -1
+        flat_ids[mine][: rows.numel()] = rows
+        flat[f0 + rank * n * dim:f0 + (rank + 1) * n * dim].view(n, dim)[: rows.numel()] = grads
+    all_reduce_sum_(flat, group)
+    if id_size:
+        all_reduce_sum_(flat_ids, group)
+    out = []
+    for (num_rows, _, grads), n, (f0, fn), id_at in zip(touched, most, floats, ids,
+                                                        strict=True):
+        dim = grads.shape[1]
+        if id_at is None:
+            dense = flat[f0:f0 + fn].view(num_rows, dim + 1)
+            rows = dense[:, dim].nonzero().squeeze(1)
+            out.append((rows, dense.index_select(0, rows)[:, :dim].mul_(scale)))
+            continue
+        gathered_rows = flat_ids[id_at[0]:id_at[0] + id_at[1]]
+        gathered_grads = flat[f0:f0 + fn].view(world * n, dim)
+        keep = gathered_rows >= 0
+        unique, inverse = torch.unique(gathered_rows[keep], return_inverse=True)
+        summed = grads.new_zeros(unique.numel(), dim).index_add_(0, inverse, gathered_grads[keep])
+        out.append((unique, summed.mul_(scale)))
+    return out
