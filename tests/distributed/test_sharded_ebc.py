@@ -64,7 +64,7 @@ OPTIMIZERS = {
 
 def parity_worker(
     rank: int, world: int, kind: str, weighted: bool, optimizer: str, big: bool = False,
-    division: bool = True,
+    division: bool = True, one_dim: bool = False,
 ) -> int:
     """Each rank's loss is its slice's; the reference steps on the MEAN of the ranks' losses
     (TorchRec's default gradient division) or, with ``division=False``, on their sum."""
@@ -73,6 +73,11 @@ def parity_worker(
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(0)
     tables = BIG_TABLES if big else TABLES
+    if one_dim:  # both tables of dim 8: the torch kernel updates them in one pass
+        tables = [EmbeddingBagConfig(name=c.name, embedding_dim=8, num_embeddings=c.num_embeddings,
+                                     feature_names=c.feature_names, pooling=c.pooling)
+                  for c in tables]
+    width = sum(c.embedding_dim * len(c.feature_names) for c in tables)
     rows = [1000, 1000, 7] if big else ROWS
     fused_params, make_opt, ref_state, state_key = OPTIMIZERS[optimizer]
     sharded, reference = shard_beside_reference(
@@ -81,7 +86,7 @@ def parity_worker(
     ref_opt = make_opt(list(reference.parameters()))
     for step in range(STEPS):
         kjts = global_batch(100 + step, world, weighted, rows)
-        target = torch.randn(world * BATCH, 20, generator=torch.Generator().manual_seed(step))
+        target = torch.randn(world * BATCH, width, generator=torch.Generator().manual_seed(step))
         values = sharded(kjts[rank]).wait().values()
         ref_values = reference(concat_ranks(kjts)).values()
         pooled_step(values, ref_values, rank_rows(rank, BATCH), target, ref_opt, scale)
@@ -115,6 +120,16 @@ def test_sharded_equals_unsharded(kind: str, world: int, weighted: bool) -> None
 def test_data_parallel_large_table_exchanges_touched_rows(world: int) -> None:
     checked = run_gloo(world, parity_worker, "data_parallel", True, "rowwise_adagrad", True)
     assert sum(checked) == len(BIG_TABLES) * world
+
+
+# Tables of one dim: the replicas' gradients cross the ranks as one entry of all their rows
+# (gathered rows when few are touched, big tables; a dense sum otherwise, small ones).
+@pytest.mark.parametrize("world, big", [(2, False), (2, True), (3, True), (4, False)])
+@pytest.mark.slow
+def test_data_parallel_tables_of_one_dim(world: int, big: bool) -> None:
+    checked = run_gloo(world, parity_worker, "data_parallel", False, "rowwise_adagrad", big,
+                       True, True)
+    assert sum(checked) == len(TABLES) * world
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
