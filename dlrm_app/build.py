@@ -38,8 +38,9 @@ from recsys_core.distributed.fbgemm_qcomm_codec import (
 from recsys_core.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from recsys_core.distributed.types import QuantizedCommCodecs
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
-from recsys_core.planner import PlannerError, plan_for_env
+from recsys_core.planner import ParameterConstraints, PlannerError, plan_for_env
 
 
 def fused_optimizer(config: TrainConfig) -> FusedOptimizerConfig:
@@ -48,6 +49,56 @@ def fused_optimizer(config: TrainConfig) -> FusedOptimizerConfig:
     return FusedOptimizerConfig(optimizer=EmbOptimType[config.embedding_optimizer.kernel],
                                 learning_rate=config.embedding_learning_rate,
                                 eps=config.embedding_eps)
+
+
+REPLICATE_COLLECTION_BYTES = 4 * 1024**2
+"""On several ranks of one CPU host, an embedding collection whose tables take at most this many
+bytes in all (weights and fused optimizer state) is replicated on every rank: see
+:func:`replicated_collections`."""
+REPLICATE_MEMORY_FRACTION = 0.01
+"""... as long as the replicas take at most this fraction of a rank's memory."""
+
+
+def collection_bytes(collection: EmbeddingBagCollection, optimizer: EmbOptimType) -> int:
+    """Bytes of a collection's fp32 weights and its fused optimizer's fp32 state."""
+    rowwise = [optimizer.state_is_rowwise(name) for name in optimizer.state_names]
+    per_row, per_element = sum(rowwise), len(rowwise) - sum(rowwise)
+    return sum(4 * c.num_embeddings * (c.embedding_dim * (1 + per_element) + per_row)
+               for c in collection.embedding_bag_configs())
+
+
+def replicated_collections(model: nn.Module, env: ShardingEnv, device: torch.device,
+                           optimizer: EmbOptimType, memory_per_rank: float,
+                           ) -> dict[str, ParameterConstraints]:
+    """Planner constraints that make the DLRM's small collections data-parallel.
+
+    This applies to the embeddings and the wide part, on several ranks of one CPU host. A
+    collection of at most REPLICATE_COLLECTION_BYTES gets a full replica on every rank, and so
+    does no exchange of ids or pooled embeddings at all. Each backward then does one exchange of
+    its tables' touched rows' gradients. The planner's cost model counts bytes and prefers to
+    spread such tables table-wise; at small batches a step is then bound by the ranks waiting
+    on each other in every collective, not by bytes. Measured at 2 ranks on a 2-core EPYC:
+    Kaggle sample (64 rows per rank), 5.9k -> 8.1k samples/s; MovieLens 100K, 51-54k -> 66k;
+    the demo's data (26 tables of 1,000 rows, 1,024 rows per rank), level (40.9k and 40.7k).
+    Collections are replicated in that order while the replicas take at most
+    REPLICATE_MEMORY_FRACTION of ``memory_per_rank`` (bytes), so that where memory is tight the
+    planner keeps its freedom to spread them. Tables of raw ids (zero-collision hashing) keep
+    their row-wise plan. ``--plan`` overrides this."""
+    if env.world_size == 1 or device.type != "cpu" or env.num_hosts > 1:
+        return {}
+    constraints, replicated = {}, 0
+    for collection in (model.sparse_arch.embedding_bag_collection,
+                       None if model.wide is None else model.wide.tables):
+        if collection is None:
+            continue
+        size = collection_bytes(collection, optimizer)
+        if size > REPLICATE_COLLECTION_BYTES or \
+                replicated + size > REPLICATE_MEMORY_FRACTION * memory_per_rank:
+            continue
+        replicated += size
+        constraints.update((c.name, ParameterConstraints(sharding_types=["data_parallel"]))
+                           for c in collection.embedding_bag_configs())
+    return constraints
 
 
 DEFAULT_PLAN_BATCH = 512
@@ -150,8 +201,12 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
         topology = topology_for_run(env.world_size, env.local_world_size, device,
                                     config.memory_per_rank, disk)
         try:
+            constraints = replicated_collections(
+                model, env, device, EmbOptimType[config.embedding_optimizer.kernel],
+                topology.ddr_per_rank)
             plan = plan_for_env(model, env, sharders, device, topology=topology,
-                                batch_size=config.batch_size or DEFAULT_PLAN_BATCH)
+                                batch_size=config.batch_size or DEFAULT_PLAN_BATCH,
+                                constraints=constraints or None)
         except PlannerError as e:
             raise planning_error_for_user(e, config.offload) from None
     if offload_dir is not None and any(

@@ -275,13 +275,16 @@ def test_launch_cpu_script_equals_two_rank_run(data: Path, two_rank_run: tuple[P
 @pytest.mark.slow
 def test_two_node_rendezvous_equals_two_rank_run(data: Path, two_rank_run: tuple[Path, dict],
                                                  tmp_path: Path) -> None:
-    """Two 'nodes' (two torchrun agents, one rank each) meeting at a c10d endpoint."""
+    """Two 'nodes' (two torchrun agents, one rank each) meeting at a c10d endpoint. Given the
+    one-host run's plan (on one host the small tables are replicated, across hosts the planner
+    spreads them), they train exactly as it did."""
     run2, _ = two_rank_run
     run = tmp_path / "run"
     endpoint = f"127.0.0.1:{find_free_port()}"
     nodes = [subprocess.Popen(
         [str(LAUNCH / "train_multinode.sh"), "2", str(node), endpoint, "1", str(data), str(run),
-         "--batch-size", str(BATCH), "--max-steps", "30", *COMMON],
+         "--batch-size", str(BATCH), "--max-steps", "30", "--plan", str(run2 / "plan.json"),
+         *COMMON],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_script_env())
         for node in (0, 1)]
     outputs = [n.communicate(timeout=300) for n in nodes]
