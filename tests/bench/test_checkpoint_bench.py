@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("sharding, world", [("table_wise", 2), ("row_wise", 3)])
+@pytest.mark.slow
 def test_checkpoint_bench_lines(sharding: str, world: int) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "checkpoint.py"), "--tables", "4", "--rows", "100",
