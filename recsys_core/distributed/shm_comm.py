@@ -122,6 +122,7 @@ class ShmGroup:
         self._reserved = 0
         self._executor: object = None
         self._closed = self._closing = False
+        self._failure: str | None = None  # this rank's first failure (any of its threads)
 
     # ---- words ---------------------------------------------------------------------------
     def _addr(self, word: int) -> int:
@@ -136,6 +137,8 @@ class ShmGroup:
     def _fail(self, message: str) -> None:
         if self._words[2] == 0:
             self._words[2] = self.rank + 1
+        if self._failure is None:
+            self._failure = message
         raise ShmCommError(message)
 
     def _wait_word(self, word: int, target: int, what: str) -> None:
@@ -146,6 +149,10 @@ class ShmGroup:
                 return
             # worded as gloo's errors for the same events, which callers already recognise
             culprit = int(self._words[2])
+            if culprit == self.rank + 1 and self._failure is not None:
+                # this rank's other thread (the DDP hook's) failed first: its reason, not a
+                # peer's, is why this wait cannot finish
+                raise ShmCommError(self._failure)
             if culprit:
                 raise ShmCommError(
                     f"shm collective: connection closed by peer: rank {culprit - 1} of the group "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import threading
 import time
 
 import pytest
@@ -308,3 +309,39 @@ def test_a_stalled_peer_times_out_with_gloos_wording() -> None:
     (timeout, error), (peer_timeout, _) = run_gloo(2, _stalled_peer, timeout_s=45)
     assert timeout == peer_timeout == 45.0  # the group's own timeout, unless overridden
     assert "timed out after 2 s" in error and "rank 1's part of all_to_all" in error
+
+
+def _own_thread_failed(rank: int, world: int) -> str:
+    shm = shm_comm.for_group(dist.group.WORLD, torch.device("cpu"))
+    assert shm is not None
+    if rank == 1:
+        time.sleep(4)  # alive, issues nothing
+        return ""
+    os.environ[shm_comm.ENV_TIMEOUT] = "1"
+    shm._timeout_s = shm_comm._timeout_s(dist.group.WORLD)
+    failed: list[str] = []
+
+    def hook() -> None:  # as the DDP hook's thread: its wait times out first
+        try:
+            shm.all_reduce(torch.ones(2)).wait()
+        except shm_comm.ShmCommError as e:
+            failed.append(str(e))
+
+    thread = threading.Thread(target=hook)
+    thread.start()
+    thread.join()
+    shm._timeout_s = 30.0  # the main thread's own wait would end much later
+    try:
+        shm.all_to_all_single(torch.empty(2), torch.ones(2), [1, 1], [1, 1]).wait()
+    except shm_comm.ShmCommError as e:
+        return failed[0] + " | " + str(e)
+    return "no error"
+
+
+def test_a_wait_after_this_ranks_other_thread_failed_gives_that_reason() -> None:
+    # the main thread reports the hook thread's timeout, not "connection closed by peer"
+    # (which would send the user looking for another rank's error)
+    (error, _) = run_gloo(2, _own_thread_failed, timeout_s=45)
+    first, then = error.split(" | ")
+    assert "timed out after 1 s" in first
+    assert then == first and "closed by peer" not in then
