@@ -34,7 +34,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
+from torchrec_program import cpu_name  # the sibling bench's (lscpu model + vector extension)
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
 from recsys_core.distributed import (
@@ -57,16 +57,6 @@ from recsys_core.distributed import (
 from recsys_core.testing import run_gloo
 
 IMPLS = ("layouts", "per_tensor")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def worker(rank: int, world: int, args: dict, out_dir: str) -> dict[str, dict[str, list[float]]]:

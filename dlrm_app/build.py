@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlrm_app.config import CommPrecision, DenseOptimizer, TrainConfig
+from dlrm_app.config import CommPrecision, DenseOptimizer, EmbeddingOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.model import Interaction, WideBagCollection, build_dlrm, table_initializer
-from dlrm_app.resources import planning_error_for_user, topology_for_run
+from dlrm_app.resources import planning_error_for_user, table_memory_bytes, topology_for_run
 from dlrm_app.runtime import amp_enabled
 from recsys_core.distributed import (
     DistributedModelParallel,
@@ -59,16 +59,15 @@ REPLICATE_MEMORY_FRACTION = 0.01
 """... as long as the replicas take at most this fraction of a rank's memory."""
 
 
-def collection_bytes(collection: EmbeddingBagCollection, optimizer: EmbOptimType) -> int:
-    """Bytes of a collection's fp32 weights and its fused optimizer's fp32 state."""
-    rowwise = [optimizer.state_is_rowwise(name) for name in optimizer.state_names]
-    per_row, per_element = sum(rowwise), len(rowwise) - sum(rowwise)
-    return sum(4 * c.num_embeddings * (c.embedding_dim * (1 + per_element) + per_row)
+def collection_bytes(collection: EmbeddingBagCollection, optimizer: EmbeddingOptimizer) -> int:
+    """Bytes of a collection's fp32 weights and its fused optimizer's state
+    (:func:`dlrm_app.resources.table_memory_bytes` of each table)."""
+    return sum(table_memory_bytes([c.num_embeddings], c.embedding_dim, optimizer)
                for c in collection.embedding_bag_configs())
 
 
 def replicated_collections(model: nn.Module, env: ShardingEnv, device: torch.device,
-                           optimizer: EmbOptimType, memory_per_rank: float,
+                           optimizer: EmbeddingOptimizer, memory_per_rank: float,
                            ) -> dict[str, ParameterConstraints]:
     """Planner constraints that make the DLRM's small collections data-parallel.
 
@@ -202,7 +201,7 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
                                     config.memory_per_rank, disk)
         try:
             constraints = replicated_collections(
-                model, env, device, EmbOptimType[config.embedding_optimizer.kernel],
+                model, env, device, config.embedding_optimizer,
                 topology.ddr_per_rank)
             plan = plan_for_env(model, env, sharders, device, topology=topology,
                                 batch_size=config.batch_size or DEFAULT_PLAN_BATCH,

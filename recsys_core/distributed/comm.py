@@ -163,14 +163,15 @@ Run = tuple[int, int, int, int]
 
 def _runs_between(wide: torch.Tensor, part: torch.Tensor, runs: Sequence[Run],
                   to_part: bool) -> None:
-    """Copy ``runs`` (all of one part) between ``wide`` and ``part``."""
-    copy_runs(wide, [part], [(0, src, dst, cols) for _, src, dst, cols in runs], to_part)
+    """Copy ``runs`` (all of one part, given as part 0) between ``wide`` and ``part``."""
+    copy_runs(wide, [part], runs, to_part)
 
 
 @functools.lru_cache(maxsize=64)
 def _runs_by_rank(runs: tuple[Run, ...], dims: tuple[int, ...]) -> tuple[tuple[Run, ...], ...]:
-    """``runs`` grouped by source rank, once checked to place every output column once and
-    read inside their parts (a layout is checked once, not every batch)."""
+    """``runs`` grouped by source rank, each group's runs naming their part as part 0 (the
+    form :func:`_runs_between` copies), once checked to place every output column once and
+    read inside their parts (a layout is checked and grouped once, not every batch)."""
     by_rank: list[list[Run]] = [[] for _ in dims]
     covered = 0
     for run in sorted(runs, key=lambda r: r[2]):
@@ -181,7 +182,7 @@ def _runs_by_rank(runs: tuple[Run, ...], dims: tuple[int, ...]) -> tuple[tuple[R
                              f"received columns (widths {list(dims)}) on every output column "
                              f"once (at run {run})")
         covered += cols
-        by_rank[p].append(run)
+        by_rank[p].append((0, src, dst, cols))
     if covered != sum(dims):
         raise ValueError(f"pooled all-to-all: the runs {list(runs)} cover {covered} of the "
                          f"{sum(dims)} output columns")
@@ -302,7 +303,7 @@ def pooled_all_to_all_assembled(
     if pooled.dim() != 2 or tuple(pooled.shape) != (sum(send_rows), dims[shm.rank]):
         raise ValueError(f"pooled all-to-all: rank {shm.rank} sends {sum(send_rows)} rows of "
                          f"{dims[shm.rank]} columns, got a tensor of shape {list(pooled.shape)}")
-    by_rank = _runs_by_rank(tuple(tuple(r) for r in runs), tuple(dims))  # type: ignore[misc]
+    by_rank = _runs_by_rank(tuple(map(tuple, runs)), tuple(dims))  # type: ignore[arg-type]
     state = _Exchange(shm=shm, send_rows=list(send_rows), batch=batch, dims=list(dims),
                       runs=by_rank, total=sum(dims), group_size=shm.world)
     return _ExchangeAwaitable(state, pooled)

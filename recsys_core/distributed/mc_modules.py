@@ -545,6 +545,7 @@ def _export_state(
     _meta: Any,
 ) -> None:
     env = module._env
+    rank = None if env.pg is None else dist.get_global_rank(env.pg, env.rank)
     local: dict[tuple[str, str], tuple[list[Shard], torch.Size]] = {}
     keys: list[tuple[str, tuple[str, str]]] = []
     for table, mcm in module._managed_collision_modules.items():
@@ -562,7 +563,6 @@ def _export_state(
         if env.pg is None:
             destination.update((base + name, tensor) for name, tensor in tensors.items())
             continue
-        rank = dist.get_global_rank(env.pg, env.rank)
         for name, tensor in tensors.items():
             shard = Shard(tensor, ShardMetadata([offset], [rows], f"rank:{rank}/{tensor.device}"))
             local[(table, name)] = ([shard], torch.Size([total]))

@@ -460,7 +460,7 @@ def meta_weight(config: BaseEmbeddingConfig, device: torch.device | str | None) 
     ``nn.Embedding`` their ``normal_`` initialization, which on meta runs a Python
     decomposition whose first call in a process took 0.45 s (every ``dlrm-app train`` paid
     it building its model); the values of a meta table do not exist either way."""
-    where = torch.device(device) if device is not None else torch.empty(0).device
+    where = torch.device(device) if device is not None else torch.get_default_device()
     if where.type != "meta":
         return None
     return torch.empty(config.num_embeddings, config.embedding_dim, device="meta",

@@ -10,14 +10,14 @@ import torch
 from test_resources import SHARDERS, dlrm_spec
 
 from dlrm_app.build import REPLICATE_COLLECTION_BYTES, collection_bytes, replicated_collections
+from dlrm_app.config import EmbeddingOptimizer
 from dlrm_app.model import ModelConfig, build_dlrm
-from recsys_core import EmbOptimType
 from recsys_core.distributed import ShardingEnv
 from recsys_core.planner import plan_for_env
 
 CPU = torch.device("cpu")
 ONE_HOST = ShardingEnv(world_size=2, rank=0, local_world_size=2)
-ROWWISE = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+ROWWISE = EmbeddingOptimizer.ROWWISE_ADAGRAD
 MEMORY = 8 * 1024**3  # a rank's memory, bytes
 
 
@@ -27,9 +27,9 @@ def test_collection_bytes_by_hand() -> None:
     # 150 rows: weights 150 x 16 fp32, row-wise Adagrad one fp32 per row
     assert collection_bytes(main, ROWWISE) == 4 * 150 * 16 + 4 * 150
     assert collection_bytes(wide, ROWWISE) == 4 * 150 * 1 + 4 * 150
-    assert collection_bytes(main, EmbOptimType.EXACT_SGD) == 4 * 150 * 16
-    # Adam: two states per element
-    assert collection_bytes(main, EmbOptimType.ADAM) == 4 * 150 * 16 * 3
+    assert collection_bytes(main, EmbeddingOptimizer.SGD) == 4 * 150 * 16
+    # Adagrad: one state per element
+    assert collection_bytes(main, EmbeddingOptimizer.ADAGRAD) == 4 * 150 * 16 * 2
 
 
 def test_small_collections_on_one_host_are_data_parallel() -> None:

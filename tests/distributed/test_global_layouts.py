@@ -52,14 +52,27 @@ def _same(value: object, reference: ShardedTensor, key: str) -> int:
     return len(value.metadata().shards_metadata)
 
 
-def layouts_worker(rank: int, world: int, optimizer: str) -> dict:
-    counted = {"gathers": 0}
-    real = dist.all_gather_object
+def _gathers(export):  # type: ignore[no-untyped-def]
+    """(what ``export()`` returned, the ``all_gather_object`` calls it made)."""
+    real, calls = dist.all_gather_object, [0]
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        counted["gathers"] += 1
+        calls[0] += 1
         return real(*args, **kwargs)
 
+    dist.all_gather_object = counting
+    try:
+        return export(), calls[0]
+    finally:
+        dist.all_gather_object = real
+
+
+def _both(sharded):  # type: ignore[no-untyped-def]
+    """The module's and its fused optimizer's state dicts."""
+    return sharded.state_dict(), sharded.fused_optimizer.state_dict()
+
+
+def layouts_worker(rank: int, world: int, optimizer: str) -> dict:
     out: dict = {}
     for kind, generators in _plans(world).items():
         torch.manual_seed(0)
@@ -68,20 +81,10 @@ def layouts_worker(rank: int, world: int, optimizer: str) -> dict:
         sharded = EmbeddingBagCollectionSharder(
             fused_params={"optimizer": EmbOptimType[optimizer], "learning_rate": 0.1},
         ).shard(ebc, plan, world_env(), torch.device("cpu"))
-        dist.all_gather_object = counting
-        try:
-            counted["gathers"] = 0
-            weights = sharded.state_dict()
-            states = sharded.fused_optimizer.state_dict()["state"]
-            first = counted["gathers"]
-            counted["gathers"] = 0
-            sharded.state_dict()
-            sharded.fused_optimizer.state_dict()
-            again = counted["gathers"]
-        finally:
-            dist.all_gather_object = real
+        (weights, states), first = _gathers(lambda s=sharded: _both(s))
+        _, again = _gathers(lambda s=sharded: _both(s))
         exported = {k: v for k, v in weights.items() if k.endswith(".weight")}
-        exported |= {k: v for per_table in states.values() for k, v in per_table.items()}
+        exported |= {k: v for per_table in states["state"].values() for k, v in per_table.items()}
         shards = 0
         for key, value in exported.items():
             if kind == "data_parallel":
@@ -138,22 +141,8 @@ def mc_worker(rank: int, world: int) -> dict:
         EmbeddingBagCollectionSharder(fused_params=FUSED)).shard(mc, plan_for(mc, world), world_env())
     pooled, _ = sharded(batch(rank, 0))  # ids enter: the remapping state is not all empty
     pooled.wait().values().sum().backward()
-    counted = {"gathers": 0}
-    real = dist.all_gather_object
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        counted["gathers"] += 1
-        return real(*args, **kwargs)
-
-    dist.all_gather_object = counting
-    try:
-        first = sharded.state_dict()
-        gathers_first = counted["gathers"]
-        counted["gathers"] = 0
-        again = sharded.state_dict()
-        gathers_again = counted["gathers"]
-    finally:
-        dist.all_gather_object = real
+    first, gathers_first = _gathers(sharded.state_dict)
+    again, gathers_again = _gathers(sharded.state_dict)
     remap = [k for k in first if "_managed_collision_modules." in k
              and isinstance(first[k], ShardedTensor)]
     for key in remap:

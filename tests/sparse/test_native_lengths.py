@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from native_paths import native_path
 
 from recsys_core import KeyedJaggedTensor
 from recsys_core.sparse import _native_lib, _safety
@@ -30,12 +31,8 @@ def _sums(lengths: torch.Tensor, num_values: int, native: bool) -> list[int] | s
 @pytest.fixture(params=[2, 1, 0], ids=["avx512", "avx2", "vec128"])
 def vector_build(request: pytest.FixtureRequest) -> Iterator[int]:
     """Each vector build of the helper's loops (64-, 32-, 16-byte vectors) that this CPU runs."""
-    if not _safety.native_available():
-        pytest.skip("recsys_core/sparse/_native.c was not built")
-    with _native_lib.vector_level(request.param) as level:
-        if level != request.param:
-            pytest.skip(f"this CPU has no vector build {request.param}")
-        yield level
+    with native_path(request.param):
+        yield request.param
 
 
 def test_the_helper_is_built_where_ci_runs() -> None:

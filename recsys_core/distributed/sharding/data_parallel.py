@@ -140,13 +140,16 @@ def _sum_over_ranks(
     rank: int, group: dist.ProcessGroup, scale: float,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every entry's (a table of ``rows`` rows, its touched rows and their gradients) rows and
-    gradients summed over the ranks, all entries in one float sum (and one int64 sum for the ids of sparse tables) instead of collectives per table.
+    gradients summed over the ranks: all entries in one float sum, plus one int64 sum for the
+    ids of gathered entries, instead of collectives per table.
 
-    A table whose ranks touch few rows (world * most < its rows) is gathered: each rank writes
+    An entry whose ranks touch few rows (world * most < its rows) is gathered: each rank writes
     its rows (padded with id -1 to ``most``) and their gradients into its own slot of a buffer
     that is zero elsewhere, so the sum hands every rank every rank's part unchanged; the parts
-    are then added rank by rank in row order. Any other table is summed densely: a [rows, dim +
-    1] buffer of its gradients and a touched flag per row."""
+    are then added rank by rank in row order. (A gather through the sum, rather than the
+    transport's all-gather, keeps gathered and summed entries in the same collective.) Any
+    other entry is summed densely: a [rows, dim + 1] buffer of its gradients and a touched flag
+    per row."""
     grads0 = touched[0][2]
     floats, ids = [], []  # per table: (offset, length) in the float / id buffer
     float_size = id_size = 0

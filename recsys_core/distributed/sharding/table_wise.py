@@ -142,12 +142,12 @@ class TwPooledSharding:
         dims = tuple(self._dims)
         if self._columns is None:
             starts = [sum(dims[:p]) for p in range(len(dims))]
-            runs = [(p, 0, starts[p], d) for p, d in enumerate(dims) if d]
+            runs = tuple((p, 0, starts[p], d) for p, d in enumerate(dims) if d)
         else:
             placement = self._columns.placement(dims)
             if not placement.bijective:
                 return None
-            runs = list(placement.copies)
+            runs = placement.copies
         return pooled_all_to_all_assembled(pooled, sizes, batch, dims, runs, self._env.pg)
 
 
