@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
 import numpy as np
 
-from dlrm_app.reporting.report import LEARNING_CURVE, Run, _column, _fmt
+from dlrm_app.reporting.report import Run, _column, _fmt, learning_curve
 
 
 def write_plots(run: Run) -> dict[str, Path]:
@@ -109,15 +108,17 @@ def write_plots(run: Run) -> dict[str, Path]:
             ax_count.set(xlabel="mean predicted probability (per bin)", ylabel="rows")
             save(fig, f"Calibration: {name}", f"calibration_{name}.png")
 
-    try:
-        curve = json.loads((run.path / LEARNING_CURVE).read_text())
-    except (OSError, ValueError):
-        curve = None
-    if isinstance(curve, list) and curve and all(isinstance(p, dict) for p in curve):
+    curve = learning_curve(run.path)
+    if curve is not None:
         rows = [int(p["rows"]) for p in curve]
         fig = Figure(figsize=(7, 4))
         ax = fig.add_subplot()
         ax.plot(rows, [p["test_auc"] for p in curve], "o-", color="C0", label="default DLRM")
+        form = [(r, p["teacher_form_auc"]) for r, p in zip(rows, curve, strict=True)
+                if "teacher_form_auc" in p]
+        if form:
+            ax.plot(*zip(*form, strict=True), "s:", color="C1",
+                    label="teacher's form, fitted to the same rows")
         ax.plot(rows, [p["teacher_auc"] for p in curve], "--", color="C2",
                 label="teacher (best achievable)")
         ax.set(xscale="log", xlabel="generated rows", ylabel="test AUC",

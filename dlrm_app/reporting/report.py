@@ -231,6 +231,31 @@ def _column(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nda
             np.array([_float(r.get(key)) for r in records], dtype=np.float64))
 
 
+def learning_curve(run_dir: Path) -> list[dict[str, Any]] | None:
+    """The points bench/learning_curve.py stored in the run (``LEARNING_CURVE``), or None."""
+    try:
+        curve = json.loads((run_dir / LEARNING_CURVE).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(curve, list) and curve and all(
+        isinstance(p, dict) and "rows" in p and "test_auc" in p and "teacher_auc" in p
+        for p in curve)
+    return curve if ok else None
+
+
+def _curve_table(curve: list[dict[str, Any]]) -> list[str]:
+    form = any("teacher_form_auc" in p for p in curve)
+    head = ["generated rows", "train rows", "epochs", "default DLRM"] \
+        + (["teacher's form, fitted"] if form else []) + ["teacher", "gap"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for p in curve:
+        cells = [_count(p["rows"]), _count(p.get("train_rows")), _count(p.get("epochs")),
+                 _fmt(p["test_auc"])] + ([_fmt(p.get("teacher_form_auc"))] if form else []) \
+            + [_fmt(p["teacher_auc"]), _fmt(_float(p["teacher_auc"]) - _float(p["test_auc"]))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 # ---- report.md ----------------------------------------------------------------------------------
 def write_report(run_dir: str | Path) -> Path:
     """(Re)write RUN/report.md and RUN/plots/*.png from what the run holds now; the md path."""
@@ -251,6 +276,13 @@ def write_report(run_dir: str | Path) -> Path:
             lines.append(f"| {name} | {_count(rows)} | "
                          + " | ".join(_fmt(m.get(k)) for k in _METRIC_KEYS) + " |")
         lines.append("")
+    if (curve := learning_curve(run.path)) is not None:
+        intro = "Test AUC of the defaults on more rows of this data's generator " \
+            "(`bench/learning_curve.py`)."
+        if any("teacher_form_auc" in p for p in curve):
+            intro += " The teacher's form, fitted: the generator's own model fitted to the " \
+                "same rows, what that many rows allow."
+        lines += ["## Learning curve", "", intro, "", *_curve_table(curve), ""]
     lines += ["## Plots", ""]
     lines += [f"![{title}](plots/{path.name})\n" for title, path in plots.items()] or [
         "Nothing logged to plot yet.", ""]

@@ -399,3 +399,34 @@ def test_learning_curve_is_plotted_when_the_bench_stored_one(run: Path) -> None:
     text = write_report(run).read_text()
     assert "![Learning curve](plots/learning_curve.png)" in text
     assert (run / "plots" / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| 1,000 | ? | ? | 0.7000 | 0.8000 | 0.1000 |" in text
+    assert "teacher's form" not in text  # the bench's older lines carry no fitted form
+
+
+def test_learning_curve_table_and_plot_show_the_fitted_teacher_form(
+        run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    (run / "learning_curve.json").write_text(json.dumps([
+        {"rows": 500_000, "train_rows": 400_000, "epochs": 3, "test_auc": 0.7656,
+         "teacher_auc": 0.8207, "teacher_form_auc": 0.7697},
+        {"rows": 4_000_000, "train_rows": 3_200_000, "epochs": 1, "test_auc": 0.7994,
+         "teacher_auc": 0.8218, "teacher_form_auc": 0.7961}]))
+    figures: dict[str, Figure] = {}
+    savefig = Figure.savefig
+
+    def keep(fig: Figure, path: Path, **kwargs: object) -> None:
+        figures[Path(path).name] = fig
+        savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    text = write_report(run).read_text()
+    section = text.split("## Learning curve")[1].split("## Plots")[0]
+    assert ("| generated rows | train rows | epochs | default DLRM | teacher's form, fitted | "
+            "teacher | gap |") in section
+    assert "| 500,000 | 400,000 | 3 | 0.7656 | 0.7697 | 0.8207 | 0.0551 |" in section
+    assert "| 4,000,000 | 3,200,000 | 1 | 0.7994 | 0.7961 | 0.8218 | 0.0224 |" in section
+    ax = figures[".learning_curve.png.tmp"].axes[0]
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert lines["default DLRM"] == [0.7656, 0.7994]
+    assert lines["teacher's form, fitted to the same rows"] == [0.7697, 0.7961]
