@@ -172,10 +172,11 @@ def test_truncated_gzip_and_empty_file_raise(tmp_path: Path) -> None:
 
 
 @needs_data
-def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch, threads: int) -> None:
     src = [DATA / "kaggle_head_10k.tsv"]
     kwargs = dict(num_embeddings_per_feature=N, rows_per_shard=2000, row_group_size=500,
-                  block_bytes=100_000)
+                  block_bytes=100_000, threads=threads)
     preprocess_criteo(src, tmp_path / "full", **kwargs)
 
     real = shard_writer.finish_shard
@@ -195,7 +196,13 @@ def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
     assert not (resumed / "dataset.json").exists()
     # nothing finished-looking: the one finished shard waits in the hidden staging folder
     assert not list(resumed.glob("*.parquet"))
-    assert [p.name for p in resumed.rglob("*.parquet")] == ["stage-00000.parquet"]
+    staged = sorted(p.name for p in resumed.rglob("*.parquet"))
+    if threads == 1:
+        assert staged == ["stage-00000.parquet"]
+    else:  # tasks in flight beside the killed one (at most 2 x threads) finished their shards
+        assert staged[0] == "stage-00000.parquet" and len(staged) <= 2 * threads, staged
+    for name in staged:  # every shard left is complete: recorded in its done-marker
+        assert (resumed / criteo.STAGING_DIR / f".{name}.done").is_file(), name
     first = (resumed / criteo.STAGING_DIR / "stage-00000.parquet").stat().st_mtime_ns
 
     parsed = []
@@ -211,7 +218,8 @@ def test_kill_and_resume_is_byte_identical(tmp_path: Path, monkeypatch) -> None:
     # re-parsed: the rerun starts at the block holding the shard's last row
     assert (resumed / "train-00000.parquet").stat().st_mtime_ns == first
     assert calls.count("stage-00000.parquet") == 1
-    assert 10_000 - 2000 <= sum(parsed) < 10_000 - 2000 + 100_000 // 200
+    redo = 10_000 - 2000 * len(staged)  # the finished shards' rows are not parsed again
+    assert redo <= sum(parsed) < redo + 100_000 // 200
     assert not (resumed / criteo.STAGING_DIR).exists()
     full = {p.name: p.read_bytes() for p in (tmp_path / "full").iterdir()
             if p.suffix in (".parquet", ".json")}
