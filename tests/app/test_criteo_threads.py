@@ -94,12 +94,10 @@ def test_one_thread_runs_the_tasks_in_the_callers_thread() -> None:
 
 
 def test_default_threads_follow_the_usable_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dlrm_app import threads
-
     for cpus, quota, want in [(8, None, 2), (2, None, 2), (1, None, 1), (8, 1.5, 1),
                               (8, 0.5, 1), (4, 3.0, 2)]:
-        monkeypatch.setattr(threads, "allowed_cpus", lambda cpus=cpus: cpus)
-        monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda quota=quota: quota)
+        monkeypatch.setattr(workers, "allowed_cpus", lambda cpus=cpus: cpus)
+        monkeypatch.setattr(workers, "cgroup_cpu_quota", lambda quota=quota: quota)
         assert default_threads() == want, (cpus, quota)
 
 

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
+
 
 class Runner(Protocol):
     """Runs tasks in order: in this process or in worker processes."""
@@ -43,8 +45,6 @@ worker processes (``workers``) for more cores."""
 def default_threads() -> int:
     """Threads for tasks in this process: ``IN_PROCESS_THREADS``, at most the CPUs usable
     (affinity mask and cgroup quota)."""
-    from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
-
     quota = cgroup_cpu_quota()
     usable = allowed_cpus() if quota is None else min(allowed_cpus(), max(1, int(quota)))
     return max(1, min(IN_PROCESS_THREADS, usable))
@@ -55,7 +55,6 @@ class InProcess:
     at most ``2 * threads`` tasks in flight, results in task order."""
 
     def __init__(self, threads: int = 1) -> None:
-        self.threads = threads
         self.pool = ThreadPoolExecutor(threads, "preprocess") if threads > 1 else None
         self.depth = 2 * threads
 
