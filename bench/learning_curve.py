@@ -47,8 +47,9 @@ def point(rows: int, work: Path, epochs: int | None = None, form: bool = True) -
         config = dataclasses.replace(config, epochs=epochs)
     summary = train(config, progress=False)
     test = evaluate_checkpoint(run, split="test")
-    teacher = DatasetSpec.load(data).parameters["teacher_auc"]["test"]
-    line = {"rows": rows, "train_rows": DatasetSpec.load(data).split("train").rows,
+    spec = DatasetSpec.load(data)
+    teacher = spec.parameters["teacher_auc"]["test"]
+    line = {"rows": rows, "train_rows": spec.split("train").rows,
             "epochs": config.epochs, "test_auc": test["auc"], "teacher_auc": teacher,
             "gap": teacher - test["auc"], "steps": summary["steps"],
             "stopped": summary["stopped"], "seconds": round(time.perf_counter() - start, 1)}

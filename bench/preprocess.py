@@ -6,9 +6,10 @@ into a temp dir, then prints one JSON line per (input, impl, encoding):
   ours          dlrm_app.data.criteo.preprocess_criteo (parse + transform + Parquet shards),
                 once per ``--workers`` count (``rows_per_s_per_worker`` is rows_per_s /
                 workers; ``threads``: tasks at a time per process, two in one process where
-                two CPUs are usable, one for gzip input) and encoding: ``hash`` (num_embeddings_per_feature=1000) and ``vocabulary``
-                (the default: a counting pass over the train split, then tables sized from
-                it; ``ratio_to_hash`` compares the two, ``table_rows`` is the rows it made)
+                two CPUs are usable, one for gzip input) and encoding: ``hash``
+                (num_embeddings_per_feature=1000) and ``vocabulary`` (the default: a counting
+                pass over the train split, then tables sized from it; ``ratio_to_hash``
+                compares the two, ``table_rows`` is the rows it made)
   pyarrow_bare  pyarrow.csv.read_csv of the same file, no transforms (the parse limit)
   plain_python  line.split('\\t') + int()/log1p/int(h, 16) per field (reference DLRM style)
 
@@ -42,7 +43,7 @@ import numpy as np
 import pyarrow.csv as pacsv
 
 from dlrm_app.data.criteo import preprocess_criteo
-from dlrm_app.data.criteo.workers import default_threads
+from dlrm_app.data.criteo.workers import task_threads
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.tables import table_summary
 
@@ -86,11 +87,6 @@ def bare_pyarrow(path: Path) -> int:
     opts = pacsv.ParseOptions(delimiter="\t", quote_char=False)
     read = pacsv.ReadOptions(column_names=[f"c{i}" for i in range(40)])
     return pacsv.read_csv(path, read, opts).num_rows
-
-
-def _threads(workers: int, path: Path) -> int:
-    """Tasks at a time per process: one process runs default_threads() (one for gzip)."""
-    return default_threads() if workers == 1 and path.suffix != ".gz" else 1
 
 
 def _line(path: Path, name: str, rows: int, seconds: float, mb: float) -> dict:
@@ -153,7 +149,7 @@ def main() -> None:
                     rows_of[key] = rows
                     line = {**_line(path, key[0], rows, seconds, mb), "run": run}
                     if spec is not None:
-                        line |= {"workers": key[1], "threads": _threads(key[1], path),
+                        line |= {"workers": key[1], "threads": task_threads([path], key[1]),
                                  "encoding": key[2],
                                  "table_rows": spec.parameters["tables"]["total_rows"]}
                     print(json.dumps(line), flush=True)

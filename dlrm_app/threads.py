@@ -85,13 +85,9 @@ def choose_threads(*, requested: int | None, preset: int | None, env: Mapping[st
         if count is not None:
             note = "; torchrun sets 1 per rank when it is unset" if name == "OMP_NUM_THREADS" else ""
             return _same(count, f"{name}={env[name]} in the environment{note}")
-    cpus = max(1, affinity)
-    limits = f"affinity {affinity}, "
-    if quota is not None:
-        cpus = min(cpus, max(1, math.floor(quota)))
-        limits += f"cgroup quota {quota:g} CPUs"
-    else:
-        limits += "no cgroup quota"
+    cpus = usable_cpus(affinity, quota)
+    limits = f"affinity {affinity}, " + (
+        "no cgroup quota" if quota is None else f"cgroup quota {quota:g} CPUs")
     ranks = max(1, local_world_size)
     per_rank = max(1, cpus // ranks)
     count = max(1, per_rank - loader_threads)
@@ -118,6 +114,13 @@ def env_threads(value: str | None) -> int | None:
     except ValueError:
         return None
     return count if count >= 1 else None
+
+
+def usable_cpus(affinity: int, quota: float | None) -> int:
+    """CPUs a process may keep busy: its ``affinity`` mask's, capped by the cgroup ``quota``
+    rounded down (None: no quota); at least 1."""
+    cpus = max(1, affinity)
+    return cpus if quota is None else min(cpus, max(1, math.floor(quota)))
 
 
 def allowed_cpus() -> int:

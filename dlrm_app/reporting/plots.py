@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_app.reporting.report import Run, _column, _fmt, learning_curve
+from dlrm_app.reporting.report import Run, _column, _fmt
 
 
 def write_plots(run: Run) -> dict[str, Path]:
@@ -108,7 +108,7 @@ def write_plots(run: Run) -> dict[str, Path]:
             ax_count.set(xlabel="mean predicted probability (per bin)", ylabel="rows")
             save(fig, f"Calibration: {name}", f"calibration_{name}.png")
 
-    curve = learning_curve(run.path)
+    curve = run.learning_curve
     if curve is not None:
         rows = [int(p["rows"]) for p in curve]
         fig = Figure(figsize=(7, 4))

@@ -129,6 +129,8 @@ class Run:
     dataset: DatasetSpec | None
     notes: list[str]
     """What could not be read, for the report's last section."""
+    learning_curve: list[dict[str, Any]] | None
+    """The points bench/learning_curve.py stored in the run (``LEARNING_CURVE``), or None."""
 
     def last(self, event: str) -> dict[str, Any] | None:
         records = self.events.get(event)
@@ -195,7 +197,8 @@ def read_run(run_dir: str | Path) -> Run:
                          "teacher AUC come from the log only")
     return Run(path=path, config=config, train=_by_step(events.get("train", [])),
                validation=_by_step(events.get("validation", [])), events=events, lines=lines,
-               skipped_lines=skipped, evaluations=evaluations, dataset=dataset, notes=notes)
+               skipped_lines=skipped, evaluations=evaluations, dataset=dataset, notes=notes,
+               learning_curve=_read_learning_curve(path))
 
 
 def _read_json(file: Path, notes: list[str]) -> dict[str, Any]:
@@ -231,8 +234,7 @@ def _column(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.nda
             np.array([_float(r.get(key)) for r in records], dtype=np.float64))
 
 
-def learning_curve(run_dir: Path) -> list[dict[str, Any]] | None:
-    """The points bench/learning_curve.py stored in the run (``LEARNING_CURVE``), or None."""
+def _read_learning_curve(run_dir: Path) -> list[dict[str, Any]] | None:
     try:
         curve = json.loads((run_dir / LEARNING_CURVE).read_text())
     except (OSError, ValueError):
@@ -243,17 +245,24 @@ def learning_curve(run_dir: Path) -> list[dict[str, Any]] | None:
     return curve if ok else None
 
 
-def _curve_table(curve: list[dict[str, Any]]) -> list[str]:
+def _curve_section(curve: list[dict[str, Any]]) -> list[str]:
+    """The report's Learning curve section: a sentence and a table, a row per row count."""
     form = any("teacher_form_auc" in p for p in curve)
+    intro = "Test AUC of the defaults on more rows of this data's generator " \
+        "(`bench/learning_curve.py`)."
+    if form:
+        intro += " The teacher's form, fitted: the generator's own model fitted to the same " \
+            "rows, what that many rows allow."
     head = ["generated rows", "train rows", "epochs", "default DLRM"] \
         + (["teacher's form, fitted"] if form else []) + ["teacher", "gap"]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    lines = ["## Learning curve", "", intro, "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for p in curve:
         cells = [_count(p["rows"]), _count(p.get("train_rows")), _count(p.get("epochs")),
                  _fmt(p["test_auc"])] + ([_fmt(p.get("teacher_form_auc"))] if form else []) \
             + [_fmt(p["teacher_auc"]), _fmt(_float(p["teacher_auc"]) - _float(p["test_auc"]))]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    return [*lines, ""]
 
 
 # ---- report.md ----------------------------------------------------------------------------------
@@ -276,13 +285,8 @@ def write_report(run_dir: str | Path) -> Path:
             lines.append(f"| {name} | {_count(rows)} | "
                          + " | ".join(_fmt(m.get(k)) for k in _METRIC_KEYS) + " |")
         lines.append("")
-    if (curve := learning_curve(run.path)) is not None:
-        intro = "Test AUC of the defaults on more rows of this data's generator " \
-            "(`bench/learning_curve.py`)."
-        if any("teacher_form_auc" in p for p in curve):
-            intro += " The teacher's form, fitted: the generator's own model fitted to the " \
-                "same rows, what that many rows allow."
-        lines += ["## Learning curve", "", intro, "", *_curve_table(curve), ""]
+    if run.learning_curve is not None:
+        lines += _curve_section(run.learning_curve)
     lines += ["## Plots", ""]
     lines += [f"![{title}](plots/{path.name})\n" for title, path in plots.items()] or [
         "Nothing logged to plot yet.", ""]

@@ -14,7 +14,7 @@ import pytest
 from test_criteo_workers import write_rows
 
 from dlrm_app.data.criteo import preprocess, preprocess_criteo, workers
-from dlrm_app.data.criteo.workers import InProcess, default_threads, runner
+from dlrm_app.data.criteo.workers import InProcess, default_threads, runner, task_threads
 
 SMALL = dict(rows_per_shard=700, row_group_size=256, block_bytes=20_000)
 
@@ -119,7 +119,8 @@ def test_gzip_input_runs_on_one_thread(tmp_path: Path, monkeypatch: pytest.Monke
     preprocess_criteo([gz], tmp_path / "gz", **SMALL)
     preprocess_criteo([plain], tmp_path / "plain", **SMALL)
     preprocess_criteo([gz], tmp_path / "gz2", threads=2, **SMALL)
-    assert seen == [1, None, 2]  # None: default_threads(), chosen by the runner
+    assert seen == [1, default_threads(), 2]
+    assert task_threads([plain], workers=2) == 1  # each worker process runs one task at a time
 
 
 def test_runner_waits_for_its_threads() -> None:
@@ -142,3 +143,15 @@ def test_threads_must_be_positive(tmp_path: Path) -> None:
     write_rows(path, 10, seed=7)
     with pytest.raises(ValueError, match="threads must be a positive int or None"):
         preprocess_criteo([path], tmp_path / "out", threads=0)
+
+
+def test_results_closed_after_the_runner_ended_do_not_wait_forever() -> None:
+    # a consumer that raised leaves its results open until they are collected, after the
+    # runner shut its pool down: the tasks it cancelled must not be waited for
+    with runner(1, 2) as run:
+        it = run.map(time.sleep, [(0.05,)] * 6)
+        next(it)
+    closer = threading.Thread(target=it.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive()

@@ -8,8 +8,7 @@ Engineering: input is read in blocks of ``block_bytes`` of whole lines; each blo
 transform is vectorized. ``workers=N > 1`` runs that work in N processes (a fork server: no
 state of the parent is inherited); with one worker this process runs up to ``threads`` tasks
 at once (two where two CPUs are usable; one for gzip input, whose decompression sets the
-pace). Every path writes the same rows in the same order through
-one shard writer, so the bytes are the same for every N and path. Shards are written to
+pace). Every path writes the same rows in the same order through one shard writer, so the bytes are the same for every N and path. Shards are written to
 ``.staging/stage-*.parquet`` and renamed (or cut) to their final names at the end
 (:mod:`~dlrm_app.data.criteo.finalize`), so a failed run leaves nothing finished-looking.
 Three paths:
@@ -28,9 +27,9 @@ at most ``2 * workers`` shards on disk. Streaming: one process about 0.2 GB + 10
 ``block_bytes``; with workers, each about 0.2 GB + 6 x ``block_bytes`` and the parent (up to
 ``2 * workers`` blocks and their encoded rows in flight) about 0.2 GB + (3 + 4 x workers) x
 ``block_bytes``. Measured with 32 MB blocks, in total: plain 0.4 GB (one process) / 0.8 GB
-(two workers), gzip 0.5 / 0.9 GB. Two threads in one process hold two tasks' blocks: peak RSS
-on 1M rows 0.23 -> 0.35 GB hashed, 0.32 -> 0.45-0.48 GB with the default vocabulary. A shard's row groups are written by a thread of the process
-that makes them (at most 2 row groups in flight, about 15 MB each at the default 65,536 rows)
+(two workers), gzip 0.5 / 0.9 GB. Two threads in one process hold two tasks' blocks: peak
+RSS on 1M rows 0.23 -> 0.35 GB hashed, 0.32 -> 0.45-0.48 GB with the default vocabulary. A
+shard's row groups are written by a thread of the process that makes them (at most 2 row groups in flight, about 15 MB each at the default 65,536 rows)
 while it parses and encodes the next block. Add the line numbers of skipped bad rows (8 bytes
 each), and for the default vocabulary: its counting pass (bounded by
 ``vocabulary_memory_bytes``, see :mod:`~dlrm_app.data.criteo.vocabulary`) and the vocabulary
@@ -83,7 +82,7 @@ from dlrm_app.data.criteo.shard_tasks import Spiller, run_shard_tasks, stage_sha
 from dlrm_app.data.criteo.spill import SpillPlan, remove_spills, should_spill
 from dlrm_app.data.criteo.staging import STAGING_DIR, stage
 from dlrm_app.data.criteo.vocabulary import DEFAULT_VOCABULARY_MEMORY_BYTES, save_vocabulary
-from dlrm_app.data.criteo.workers import Runner, runner
+from dlrm_app.data.criteo.workers import Runner, runner, task_threads
 from dlrm_app.data.schema import (
     DatasetKind,
     DatasetSpec,
@@ -264,9 +263,9 @@ def preprocess_criteo(
     ``parameters["skipped_rows"]``; inputs of bad rows only, empty or truncated (gzip) inputs
     always raise. ``workers > 1`` runs the parsing, encoding and (plain input) shard writing
     in that many processes; with ``workers=1`` this process runs up to ``threads`` tasks at
-    once (None: two where two CPUs are usable, see
-    :func:`~dlrm_app.data.criteo.workers.default_threads`; one for gzip input). The output is byte-identical for
-    every ``workers`` and ``threads``. As with any multiprocessing, a script that passes
+    once (None: :func:`~dlrm_app.data.criteo.workers.task_threads`, two where two CPUs are
+    usable, one for gzip input). The output is byte-identical for every ``workers`` and
+    ``threads``. As with any multiprocessing, a script that passes
     ``workers > 1`` needs the ``if __name__ == "__main__":`` guard.
     """
     paths = [Path(p) for p in inputs]
@@ -306,13 +305,10 @@ def preprocess_criteo(
     job = _Job(paths=paths, out=out, rule=rule, request=request, rows_per_shard=rows_per_shard,
                row_group_size=row_group_size, on_bad_row=on_bad_row, block_bytes=block_bytes,
                workers=workers, max_bad_row_fraction=max_bad_row_fraction)
-    if threads is None and any(p.suffix == ".gz" for p in paths):
-        # one gzip stream, decompressed by one thread, sets the pace: a second task thread
-        # only competes with it for the cores (1M rows: 2.05-2.26 s on one, 2.3-2.6 on two)
-        threads = 1
     try:
         try:
-            with runner(workers, threads) as run:  # its threads have ended when it exits
+            with runner(workers, task_threads(paths, workers) if threads is None
+                        else threads) as run:  # its threads have ended when it exits
                 splits, encoding, input_lines, skipped = _preprocess(run, job)
         finally:
             encoder.cache_clear()  # this process's vocabulary, if it encoded rows itself
