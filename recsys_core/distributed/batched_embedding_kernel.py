@@ -8,9 +8,9 @@ optimizer outside the module steps it, e.g. the dense optimizer of a training lo
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: torch.optim.SGD(params, lr=0.1))
 
-A data-parallel DENSE table is a replica per rank; ``DistributedModelParallel`` puts its
-weights into the DistributedDataParallel of the dense part, which averages their gradients
-over ranks (used standalone, a sharded module leaves that to the caller, as TorchRec's).
+A data-parallel DENSE table is a replica per rank; its strategy
+(``sharding.dense_data_parallel``) averages the replicas' gradients over the ranks at the end
+of each backward, as TorchRec's per-lookup DistributedDataParallel does.
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ class DenseTableBatchedEmbedding(nn.Module):
         self.rows, self.dims = list(rows), list(dims)
         self.feature_table_map = list(feature_table_map)
         self.pooling_mean = pooling_mean
-        self.replicated = False
-        """A data-parallel replica (set by its strategy)."""
         dtypes = [torch.float32] * len(self.rows) if dtypes is None else list(dtypes)
         for t, (r, d, dt) in enumerate(zip(rows, dims, dtypes, strict=True)):
             self.register_parameter(
@@ -108,12 +106,3 @@ def dense_kernel_builder(
 
     return build
 
-
-def data_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The weights of ``module``'s data-parallel DENSE tables (replicas whose gradients must
-    be averaged over ranks, as DDP does for the dense part)."""
-    return [
-        p for sub in module.modules()
-        if isinstance(sub, DenseTableBatchedEmbedding) and sub.replicated
-        for p in sub.parameters()
-    ]

@@ -43,7 +43,7 @@ from recsys_core.distributed.types import (
 )
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_modules import EmbeddingCollection
-from recsys_core.optim.optimizers import recorded_fused_config
+from recsys_core.optim.optimizers import sharder_fused_config
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
 _TW_FAMILY = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE)
@@ -200,9 +200,7 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
         table_init: TableInitializer | None = None,
     ) -> None:
         super().__init__(fused_params, qcomm_codecs_registry)
-        self._fused = (
-            None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
-        )
+        FusedOptimizerConfig.from_fused_params(fused_params)  # unknown keys fail here, not later
         self._backend = backend
         self._table_init = table_init
 
@@ -217,9 +215,9 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
         return [EmbeddingComputeKernel.FUSED.value]
 
     def optimizer_config(self, module: EmbeddingCollection) -> FusedOptimizerConfig:
-        if self._fused is not None:
-            return self._fused
-        return recorded_fused_config(module) or FusedOptimizerConfig()
+        """TorchRec's rule: ``fused_params``, updated by an optimizer applied in backward to
+        the tables (see :func:`~recsys_core.optim.optimizers.sharder_fused_config`)."""
+        return sharder_fused_config(module, self.fused_params)
 
     def shard(
         self,

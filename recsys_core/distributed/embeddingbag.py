@@ -49,7 +49,7 @@ from recsys_core.distributed.types import (
 )
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
-from recsys_core.optim.optimizers import recorded_fused_config
+from recsys_core.optim.optimizers import sharder_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 from recsys_core.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
@@ -265,7 +265,7 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
     ) -> None:
         super().__init__(fused_params, qcomm_codecs_registry)
         self._offload_dir = offload_dir
-        self._fused = None if fused_params is None else FusedOptimizerConfig.from_fused_params(fused_params)
+        FusedOptimizerConfig.from_fused_params(fused_params)  # unknown keys fail here, not later
         self._backend = backend
         self._table_init = table_init
 
@@ -277,9 +277,9 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
         return cached_or_fused(sharding_type)
 
     def optimizer_config(self, module: EmbeddingBagCollection) -> FusedOptimizerConfig:
-        if self._fused is not None:
-            return self._fused
-        return recorded_fused_config(module) or FusedOptimizerConfig()
+        """TorchRec's rule: ``fused_params``, updated by an optimizer applied in backward to
+        the tables (see :func:`~recsys_core.optim.optimizers.sharder_fused_config`)."""
+        return sharder_fused_config(module, self.fused_params)
 
     def shard(
         self,

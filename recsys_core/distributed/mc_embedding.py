@@ -75,10 +75,14 @@ class ManagedCollisionEmbeddingCollectionSharder(
         self,
         ec_sharder: EmbeddingCollectionSharder | None = None,
         mc_sharder: ManagedCollisionCollectionSharder | None = None,
+        fused_params: Mapping[str, Any] | None = None,
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
+        # TorchRec's signature: ``fused_params`` goes to the default inner sharder
         super().__init__(
-            ec_sharder or EmbeddingCollectionSharder(qcomm_codecs_registry=qcomm_codecs_registry),
+            ec_sharder or EmbeddingCollectionSharder(
+                fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry
+            ),
             mc_sharder or ManagedCollisionCollectionSharder(),
             qcomm_codecs_registry=qcomm_codecs_registry,
         )

@@ -71,10 +71,14 @@ class ManagedCollisionEmbeddingBagCollectionSharder(
         self,
         ebc_sharder: EmbeddingBagCollectionSharder | None = None,
         mc_sharder: ManagedCollisionCollectionSharder | None = None,
+        fused_params: Mapping[str, Any] | None = None,
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
+        # TorchRec's signature: ``fused_params`` goes to the default inner sharder
         super().__init__(
-            ebc_sharder or EmbeddingBagCollectionSharder(qcomm_codecs_registry=qcomm_codecs_registry),
+            ebc_sharder or EmbeddingBagCollectionSharder(
+                fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry
+            ),
             mc_sharder or ManagedCollisionCollectionSharder(),
             qcomm_codecs_registry=qcomm_codecs_registry,
         )

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys_core.distributed.batched_embedding_kernel import data_parallel_parameters
 from recsys_core.distributed.embedding import (
     ShardedEmbeddingCollection,
 )
@@ -160,14 +159,13 @@ class DistributedModelParallel(nn.Module):
                 sub._apply(lambda t: t.to(self._device), recurse=False)
 
     def _wrap_ddp(self, module: nn.Module) -> nn.Module:
-        # replicas of data-parallel DENSE tables train like the dense part: DDP averages them
-        replicas = {id(p) for p in data_parallel_parameters(module)}
+        # Everything of the sharded collections stays out of DDP, data-parallel DENSE replicas
+        # included: their strategy averages their gradients itself (dense_data_parallel).
         ignore = [
             # every alias (a table weight is registered under its table name and its kernel)
-            name for name, t in list(module.named_parameters(remove_duplicate=False))
+            name for name, _ in list(module.named_parameters(remove_duplicate=False))
             + list(module.named_buffers(remove_duplicate=False))
             if any(name == p or name.startswith(p + ".") or not p for p in self._sharded_paths)
-            and id(t) not in replicas
         ]
         dense = [
             p for name, p in module.named_parameters() if name not in set(ignore) and p.requires_grad

@@ -197,7 +197,7 @@ class FusedOptimizerConfig:
             config = cls(
                 optimizer=EmbOptimType.EXACT_ADAGRAD,
                 learning_rate=lr,
-                eps=take("eps", 1e-10),
+                eps=take("eps", 1e-8),  # the fused kernel's default, as TorchRec (torch: 1e-10)
                 weight_decay=wd,
             )
         elif name == "RowWiseAdagrad":
@@ -205,7 +205,7 @@ class FusedOptimizerConfig:
             config = cls(
                 optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                 learning_rate=lr,
-                eps=take("eps", 1e-10),
+                eps=take("eps", 1e-8),
                 weight_decay=wd,
                 weight_decay_mode=WeightDecayMode.L2 if wd else WeightDecayMode.NONE,
             )
@@ -237,3 +237,14 @@ class FusedOptimizerConfig:
                 "supported for fused embeddings"
             )
         return config
+
+    @staticmethod
+    def fields_given(optimizer_class: type, optimizer_kwargs: Mapping[str, Any]) -> list[str]:
+        """The fields that ``from_torch_optimizer(optimizer_class, optimizer_kwargs)`` takes from
+        arguments given (or from the class itself: AdamW's decay), not from defaults."""
+        names = {"lr": ["learning_rate"], "eps": ["eps"], "betas": ["beta1", "beta2"],
+                 "weight_decay": ["weight_decay", "weight_decay_mode"]}
+        given = [f for key in optimizer_kwargs for f in names.get(key, [])]
+        if getattr(optimizer_class, "__name__", "") == "AdamW" and "weight_decay" not in given:
+            given.append("weight_decay")
+        return given

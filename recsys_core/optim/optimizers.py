@@ -17,6 +17,7 @@ __all__ = [
     "LAMB", "SGD", "Adagrad", "Adam", "LarsSGD", "PartialRowWiseAdam", "PartialRowWiseLAMB",
     "RowWiseAdagrad", "apply_optimizer_in_backward", "in_backward_optimizer_config",
     "in_backward_optimizer_filter", "recorded_fused_config",
+    "recorded_in_backward", "sharder_fused_config",
 ]
 
 
@@ -52,9 +53,9 @@ def in_backward_optimizer_config(param: torch.Tensor) -> tuple[type, dict[str, A
     return classes[0], dict(kwargs[0])
 
 
-def recorded_fused_config(module: torch.nn.Module) -> FusedOptimizerConfig | None:
-    """The fused optimizer recorded on ``module``'s tables by :func:`apply_optimizer_in_backward`,
-    or None when no table has one. All tables must carry the same optimizer."""
+def recorded_in_backward(module: torch.nn.Module) -> tuple[type, dict[str, Any]] | None:
+    """The (class, kwargs) that :func:`apply_optimizer_in_backward` recorded on ``module``'s
+    tables, or None when no table has one. All tables must carry the same optimizer."""
     recorded = {name: in_backward_optimizer_config(p) for name, p in module.named_parameters()}
     if not recorded or all(c is None for c in recorded.values()):
         return None
@@ -70,8 +71,36 @@ def recorded_fused_config(module: torch.nn.Module) -> FusedOptimizerConfig | Non
             "tables carry different in-backward optimizers; a fused collection applies one "
             "optimizer to all its tables"
         )
-    optimizer_class, kwargs = next(c for c in recorded.values() if c is not None)
-    return FusedOptimizerConfig.from_torch_optimizer(optimizer_class, kwargs)
+    return next(c for c in recorded.values() if c is not None)
+
+
+def recorded_fused_config(module: torch.nn.Module) -> FusedOptimizerConfig | None:
+    """The fused optimizer recorded on ``module``'s tables by :func:`apply_optimizer_in_backward`,
+    or None when no table has one. All tables must carry the same optimizer."""
+    recorded = recorded_in_backward(module)
+    return None if recorded is None else FusedOptimizerConfig.from_torch_optimizer(*recorded)
+
+
+def sharder_fused_config(
+    module: torch.nn.Module, fused_params: Mapping[str, Any] | None
+) -> FusedOptimizerConfig:
+    """The fused optimizer a sharder gives ``module``'s tables, by TorchRec's rule: the
+    sharder's ``fused_params``, updated by the optimizer applied in backward to the tables (its
+    class, and each argument given to it, win key by key). So ``Adagrad(lr=0.1)`` applied in
+    backward with a sharder given ``{"eps": 1e-8}`` trains Adagrad at lr 0.1 with eps 1e-8, and
+    a sharder's ``{"optimizer": EXACT_SGD, "learning_rate": 0.05}`` cannot replace it; without
+    either, EXACT_SGD at lr 0.01 (TorchRec's default)."""
+    recorded = recorded_in_backward(module)
+    if recorded is None:
+        return FusedOptimizerConfig.from_fused_params(fused_params)
+    in_backward = FusedOptimizerConfig.from_torch_optimizer(*recorded)
+    if fused_params is None:
+        return in_backward
+    merged = dict(fused_params)
+    merged["optimizer"] = in_backward.optimizer
+    for name in FusedOptimizerConfig.fields_given(*recorded):
+        merged[name] = getattr(in_backward, name)
+    return FusedOptimizerConfig.from_fused_params(merged)
 
 
 class _FusedPlaceholder(torch.optim.Optimizer):

@@ -1,9 +1,13 @@
 """Data-parallel tables on the DENSE kernel: replicas whose weights are parameters.
 
-Each rank looks up its own batch in its replica; no communication in forward. The replicas'
-gradients are averaged over ranks by the DistributedDataParallel that
-``DistributedModelParallel`` wraps the dense part in (TorchRec's data-parallel tables); a
-sharded module used without it leaves that to the caller, as TorchRec's does.
+Each rank looks up its own batch in its replica; no communication in forward. The strategy
+averages the replicas' gradients itself, once per backward, after autograd has accumulated
+them (one sum of all its tables' gradients, divided by the world size): the replicas take the
+step of the MEAN of the ranks' losses and stay bitwise equal, with or without
+``DistributedModelParallel`` around them. This is what TorchRec does by wrapping each
+data-parallel lookup in its own DistributedDataParallel; ``DistributedModelParallel``'s DDP
+leaves these weights alone (its output may hold no tensor DDP can see, e.g. a lone
+collection's ``KeyedTensor``, and then DDP's static graph never reduces anything).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.distributed.sharding.common import KernelContext, LocalKernels, ShardedTable
 from recsys_core.distributed.sharding.data_parallel import ReplicaLayout
 from recsys_core.distributed.types import ShardingEnv
@@ -22,8 +28,9 @@ from recsys_core.sparse import KeyedJaggedTensor
 
 class DpDenseSharding:
     """DATA_PARALLEL tables on the DENSE kernel: each rank looks up its own batch in its
-    replica; no communication (the replicas' gradients are averaged by DDP, see the module
-    docstring). Replicas start equal: rank 0's weights are broadcast at construction."""
+    replica; no communication in forward; the replicas' gradients are averaged over the ranks
+    at the end of each backward (see the module docstring). Replicas start equal: rank 0's
+    weights are broadcast at construction."""
 
     def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         self._is_weighted = ctx.is_weighted
@@ -31,18 +38,50 @@ class DpDenseSharding:
         self.output_features = self._layout.output_features
         configs = {t.config.name: t.config for t in tables}
         self.local = LocalKernels(self._layout.slots, ctx, configs)
-        for kernel in self.local.kernels:
-            kernel.replicated = True
-        if env.pg is not None and env.world_size > 1 and ctx.device.type != "meta":
+        self._group = env.pg if env.world_size > 1 else None
+        self._averaging_queued = False
+        if self._group is not None and ctx.device.type != "meta":
             for kernel in self.local.kernels:
                 for w in kernel.split_embedding_weights():
-                    dist.broadcast(w, src=0, group=env.pg)
+                    dist.broadcast(w, src=0, group=self._group)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
         return self._layout.input_dist(features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.local.lookup(features, self._is_weighted)
+        pooled = self.local.lookup(features, self._is_weighted)
+        if self._group is not None and pooled.requires_grad:
+            pooled.register_hook(self._queue_averaging)
+        return pooled
+
+    def _queue_averaging(self, grad: torch.Tensor) -> None:
+        # Runs in backward when the pooled output's gradient is known; the weights' gradients
+        # are accumulated later in the same backward, so the averaging waits for its end.
+        # Once per backward, however many lookups fed it (every rank does the same count).
+        if not self._averaging_queued:
+            self._averaging_queued = True
+            Variable._execution_engine.queue_callback(self._average_gradients)
+
+    def _average_gradients(self) -> None:
+        self._averaging_queued = False
+        weights = [w for kernel in self.local.kernels for w in kernel.parameters()]
+        for w in weights:
+            if w.grad is None:  # untouched on this rank: its share of the sum is zero
+                w.grad = torch.zeros_like(w)
+        world = dist.get_world_size(self._group)
+        for dtype in dict.fromkeys(w.dtype for w in weights):
+            grads = [w.grad for w in weights if w.dtype == dtype]
+            if any(g.is_sparse for g in grads):
+                raise ValueError(
+                    "data-parallel DENSE tables need dense gradients; build the module without "
+                    "sparse gradients"
+                )
+            flat = all_reduce_sum_(torch.cat([g.reshape(-1) for g in grads]), self._group)
+            flat.div_(world)
+            start = 0
+            for g in grads:
+                g.copy_(flat[start:start + g.numel()].view_as(g))
+                start += g.numel()
 
     def output_dist(
         self,
