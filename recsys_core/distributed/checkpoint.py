@@ -52,10 +52,28 @@ def _checkpoint_state(
     """The dict DCP writes or fills in place (model and optimizer state are views)."""
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+        with _param_groups_saved(optimizer):
+            state["optimizer"] = optimizer.state_dict()
     if extra:
         state["extra"] = dict(extra)
     return state
+
+
+@contextlib.contextmanager
+def _param_groups_saved(optimizer: Any) -> Iterator[None]:
+    """A checkpoint keeps the learning rates and the fused optimizers' step (Adam's bias
+    correction): a KeyedOptimizer's ``param_groups`` are saved and loaded here whatever its
+    ``save_param_groups`` says (TorchRec's default, off, is what a raw ``state_dict()`` gives)."""
+    toggle = getattr(optimizer, "save_param_groups", None)
+    before = getattr(optimizer, "defaults", {}).get("_save_param_groups")
+    if not callable(toggle) or before is None:
+        yield
+        return
+    toggle(True)
+    try:
+        yield
+    finally:
+        toggle(before)
 
 
 @contextlib.contextmanager
@@ -116,5 +134,6 @@ def load(
         ) from error
     model.load_state_dict(state["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        with _param_groups_saved(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
     return dict(state.get("extra", {}))

@@ -5,8 +5,10 @@ Each table is exposed under its unsharded name (``embedding_bags.<table>.weight`
 ``dcp.load`` writes straight into the kernels and a checkpoint saved with one plan or world size
 loads into another (DCP reshards). Data-parallel tables are plain (replicated) tensors.
 Optimizer state follows the weights' sharding; a row-wise state (one value per row) of a table
-split by columns keeps one column per column shard (global shape ``[rows, num_column_shards]``),
-as each column shard has its own accumulator.
+split by columns keeps one accumulator per column shard, laid out as TorchRec lays it out: a
+1-D tensor of ``rows * num_column_shards`` values, column shard ``j`` (by column offset) at
+``j * rows``. The fused optimizer's state dict lists the tables this rank holds a part of, as
+TorchRec's does (``torch.distributed.checkpoint`` loads it on any plan).
 
 ``load_state_dict`` also takes full, unsharded tensors (e.g. an EmbeddingBagCollection's
 state dict): every rank copies its slices.
@@ -52,7 +54,7 @@ def _region(
         return [spec.row_offset, spec.col_offset], [spec.rows, spec.cols], tensor
     if table.sharding.sharding_type in _COLUMN_TYPES:  # row-wise state of a column shard
         column = sorted({s.col_offset for s in table.shards}).index(spec.col_offset)
-        return [spec.row_offset, column], [spec.rows, 1], tensor.unsqueeze(1)
+        return [column * table.config.num_embeddings + spec.row_offset], [spec.rows], tensor
     return [spec.row_offset], [spec.rows], tensor
 
 
@@ -61,7 +63,7 @@ def global_size(table: ShardedTable, rowwise_state: bool) -> list[int]:
     if not rowwise_state:
         return [rows, dim]
     if table.sharding.sharding_type in _COLUMN_TYPES:
-        return [rows, len({s.col_offset for s in table.shards})]
+        return [rows * len({s.col_offset for s in table.shards})]
     return [rows]
 
 
@@ -110,6 +112,11 @@ class GlobalLayouts:
         self._states = [(None, False)] + [(n, rowwise(n)) for n in state_names]
         self._metadata: dict[tuple[str, str | None], ShardedTensorMetadata] | None = None
 
+    def gather(self) -> None:
+        """Gather the layouts now if not yet done (collective: every rank calls it together)."""
+        if self._metadata is None:
+            self._metadata = self._gather()
+
     def get(self, table: str, name: str | None) -> ShardedTensorMetadata | None:
         """The metadata of ``table``'s weight (``name=None``) or state ``name``; None where no
         rank holds any part of it (the caller then builds it the collective way)."""
@@ -118,6 +125,8 @@ class GlobalLayouts:
         return self._metadata.get((table, name))
 
     def _gather(self) -> dict[tuple[str, str | None], ShardedTensorMetadata]:
+        if all(t.sharding.sharding_type is ShardingType.DATA_PARALLEL for t in self._tables):
+            return {}  # replicas only: plain tensors, nothing to gather (the same on every rank)
         env, shards = self._env, self._shards()
         local: dict[Any, tuple[list[Shard], torch.Size]] = {}
         for table in self._tables:
@@ -289,11 +298,21 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         return None
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"state": {<prefix>.<table>.weight: {<table>.<state>: tensor}}}`` for the tables
+        this rank holds a part of (TorchRec's layout); ``"param_groups"`` (``lr``, ``step``)
+        only after ``save_param_groups(True)``, as in TorchRec."""
         shards = self._shards()
         names = self._config.optimizer.state_names
         state = {}
+        # a rank may skip a table only where the tensors' layouts come from one gather done
+        # by every rank here (the collective construction needs every rank for every table)
+        skip = self._layouts is not None and self._env.pg is not None
+        if skip:
+            self._layouts.gather()
         for table in self._tables:
             name = table.config.name
+            if skip and name not in shards:
+                continue
             state[f"{self._prefix}.{name}.weight"] = {
                 f"{name}.{s}": export_tensor(
                     table, shards.get(name, []), self._env, s,
@@ -301,6 +320,8 @@ class ShardedFusedOptimizer(KeyedOptimizer):
                 )
                 for s in names
             }
+        if not self.defaults["_save_param_groups"]:
+            return {"state": state}
         group = {
             "lr": self.param_groups[0]["lr"],
             "step": int(self._kernels[0].iter.item()) if self._kernels else 0,
@@ -314,6 +335,8 @@ class ShardedFusedOptimizer(KeyedOptimizer):
             name = table.config.name
             key = f"{self._prefix}.{name}.weight"
             saved = state_dict["state"].get(key)
+            if saved is None and name not in shards:
+                continue  # no part of it here (TorchRec's state dicts leave such tables out)
             if saved is None:
                 raise ValueError(f"optimizer state_dict has no state for table {name!r} ({key})")
             for s in self._config.optimizer.state_names:

@@ -57,10 +57,10 @@ class EmbOptimType(Enum):
             EmbOptimType.EXACT_SGD: (),
             EmbOptimType.EXACT_ADAGRAD: ("momentum1",),
             EmbOptimType.EXACT_ROWWISE_ADAGRAD: ("momentum1",),
-            EmbOptimType.ADAM: ("momentum1", "momentum2"),
-            EmbOptimType.PARTIAL_ROWWISE_ADAM: ("momentum1", "momentum2"),
-            EmbOptimType.LAMB: ("momentum1", "momentum2"),
-            EmbOptimType.PARTIAL_ROWWISE_LAMB: ("momentum1", "momentum2"),
+            EmbOptimType.ADAM: ("momentum1", "exp_avg_sq"),
+            EmbOptimType.PARTIAL_ROWWISE_ADAM: ("momentum1", "exp_avg_sq"),
+            EmbOptimType.LAMB: ("momentum1", "exp_avg_sq"),
+            EmbOptimType.PARTIAL_ROWWISE_LAMB: ("momentum1", "exp_avg_sq"),
         }[self.canonical]
 
     def state_is_rowwise(self, name: str) -> bool:
@@ -69,7 +69,7 @@ class EmbOptimType(Enum):
         if canonical is EmbOptimType.EXACT_ROWWISE_ADAGRAD:
             return True
         if canonical in (EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.PARTIAL_ROWWISE_LAMB):
-            return name == "momentum2"
+            return name == "exp_avg_sq"
         return False
 
 

@@ -262,8 +262,8 @@ class TorchTableBatchedEmbedding(nn.Module):
         m1 = b1 * states["momentum1"].index_select(0, rows) + (1.0 - b1) * g
         states["momentum1"].index_copy_(0, rows, m1)
         g2 = (g * g).mean(dim=1) if rowwise else g * g
-        m2 = b2 * states["momentum2"].index_select(0, rows) + (1.0 - b2) * g2
-        states["momentum2"].index_copy_(0, rows, m2)
+        m2 = b2 * states["exp_avg_sq"].index_select(0, rows) + (1.0 - b2) * g2
+        states["exp_avg_sq"].index_copy_(0, rows, m2)
         v_hat = m2 / (1.0 - b2**step)
         if rowwise:
             v_hat = v_hat.unsqueeze(1)

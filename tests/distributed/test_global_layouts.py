@@ -85,13 +85,23 @@ def layouts_worker(rank: int, world: int, optimizer: str) -> dict:
         _, again = _gathers(lambda s=sharded: _both(s))
         exported = {k: v for k, v in weights.items() if k.endswith(".weight")}
         exported |= {k: v for per_table in states["state"].values() for k, v in per_table.items()}
+        # the optimizer lists only the tables this rank holds a part of (TorchRec's layout):
+        # the reference construction runs over every rank's keys, empty where a rank has none
+        sizes: list = [None] * world
+        dist.all_gather_object(sizes, {k: list(v.size()) for k, v in exported.items()})
+        every = {k: size for part in sizes for k, size in part.items()}
         shards = 0
-        for key, value in exported.items():
+        for key in sorted(every):
+            value = exported.get(key)
             if kind == "data_parallel":
                 assert not isinstance(value, ShardedTensor), key
                 continue
+            if value is None:
+                empty = init_from_local_shards([], every[key], process_group=dist.group.WORLD)
+                shards += len(empty.metadata().shards_metadata)
+                continue
             shards += _same(value, _collective_reference(value), f"{kind}: {key}")
-        out[kind] = {"gathers": first, "gathers_again": again, "tensors": len(exported),
+        out[kind] = {"gathers": first, "gathers_again": again, "tensors": len(every),
                      "global_shards": shards}
     return out
 

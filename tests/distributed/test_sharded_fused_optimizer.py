@@ -61,9 +61,12 @@ def test_update_hyper_parameters_sets_the_rate_backward_applies() -> None:
 def test_set_optimizer_step_and_load_without_param_groups() -> None:
     dmp = _sharded(EmbOptimType.ADAM, lr=0.01)
     dmp.fused_optimizer.set_optimizer_step(7)
+    assert "param_groups" not in dmp.fused_optimizer.state_dict()  # TorchRec's default
+    dmp.fused_optimizer.save_param_groups(True)
     saved = dmp.fused_optimizer.state_dict()
     assert saved["param_groups"][0]["step"] == 7
     other = _sharded(EmbOptimType.ADAM, lr=0.02)
+    other.fused_optimizer.save_param_groups(True)
     other.fused_optimizer.set_optimizer_step(3)
     other.fused_optimizer.load_state_dict({"state": saved["state"]})  # no param groups
     kept = other.fused_optimizer.state_dict()["param_groups"][0]

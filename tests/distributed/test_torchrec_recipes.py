@@ -100,8 +100,9 @@ def _batches(step: int, world: int, names: list[str], weighted: bool) -> list[Ke
                         BATCH, weighted=weighted)
 
 
-def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool) -> None:
-    set_gradient_division(True)
+def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool,
+                   division: bool = True) -> None:
+    set_gradient_division(division)
     torch.manual_seed(0)
     module = _module(kind, weighted)
     names = list(_generators(kind, world, None))
@@ -153,7 +154,7 @@ def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool
         if dense_opt is not None:
             dense_opt.step()
         ref_opt.zero_grad()
-        ref_loss = sum(_loss(reference(b), kind) for b in batches) / world
+        ref_loss = sum(_loss(reference(b), kind) for b in batches) / (world if division else 1)
         ref_loss.backward()
         ref_opt.step()
         state = dmp.state_dict()
@@ -210,3 +211,9 @@ def test_lone_ec_trains_like_the_unsharded_module(world: int, recipe: str) -> No
 @pytest.mark.parametrize("recipe", ["dense", "in_backward"])
 def test_weighted_ebc_at_four_ranks(recipe: str) -> None:
     run_gloo(4, _recipe_worker, "ebc", recipe, True)
+
+
+def test_without_gradient_division_every_table_steps_on_the_summed_losses() -> None:
+    """``set_gradient_division(False)`` (what dlrm-app train runs with): every table, DENSE
+    data-parallel replicas included, steps on the gradient of the SUM of the ranks' losses."""
+    run_gloo(2, _recipe_worker, "ebc", "dense", False, False)

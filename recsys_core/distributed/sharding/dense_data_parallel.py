@@ -1,10 +1,11 @@
 """Data-parallel tables on the DENSE kernel: replicas whose weights are parameters.
 
 Each rank looks up its own batch in its replica; no communication in forward. The strategy
-averages the replicas' gradients itself, once per backward, after autograd has accumulated
-them (one sum of all its tables' gradients, divided by the world size): the replicas take the
-step of the MEAN of the ranks' losses and stay bitwise equal, with or without
-``DistributedModelParallel`` around them. This is what TorchRec does by wrapping each
+sums the replicas' gradients over the ranks itself, once per backward, after autograd has
+accumulated them (one sum of all its tables' gradients), and divides by the world size under
+gradient division (``comm_ops``, on by default): the replicas take the step of the MEAN of the
+ranks' losses, like every other table, and stay bitwise equal, with or without
+``DistributedModelParallel`` around them. TorchRec gets the mean by wrapping each
 data-parallel lookup in its own DistributedDataParallel; ``DistributedModelParallel``'s DDP
 leaves these weights alone (its output may hold no tensor DDP can see, e.g. a lone
 collection's ``KeyedTensor``, and then DDP's static graph never reduces anything).
@@ -20,6 +21,7 @@ from torch.autograd import Variable
 
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.comm import all_reduce_sum_
+from recsys_core.distributed.comm_ops import get_gradient_division
 from recsys_core.distributed.sharding.common import KernelContext, LocalKernels, ShardedTable
 from recsys_core.distributed.sharding.data_parallel import ReplicaLayout
 from recsys_core.distributed.types import ShardingEnv
@@ -28,8 +30,8 @@ from recsys_core.sparse import KeyedJaggedTensor
 
 class DpDenseSharding:
     """DATA_PARALLEL tables on the DENSE kernel: each rank looks up its own batch in its
-    replica; no communication in forward; the replicas' gradients are averaged over the ranks
-    at the end of each backward (see the module docstring). Replicas start equal: rank 0's
+    replica; no communication in forward; the replicas' gradients are summed over the ranks
+    (and divided by their number under gradient division) at the end of each backward. Replicas start equal: rank 0's
     weights are broadcast at construction."""
 
     def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
@@ -68,7 +70,7 @@ class DpDenseSharding:
         for w in weights:
             if w.grad is None:  # untouched on this rank: its share of the sum is zero
                 w.grad = torch.zeros_like(w)
-        world = dist.get_world_size(self._group)
+        scale = 1.0 / dist.get_world_size(self._group) if get_gradient_division() else 1.0
         for dtype in dict.fromkeys(w.dtype for w in weights):
             grads = [w.grad for w in weights if w.dtype == dtype]
             if any(g.is_sparse for g in grads):
@@ -77,7 +79,8 @@ class DpDenseSharding:
                     "sparse gradients"
                 )
             flat = all_reduce_sum_(torch.cat([g.reshape(-1) for g in grads]), self._group)
-            flat.div_(world)
+            if scale != 1.0:
+                flat.mul_(scale)
             start = 0
             for g in grads:
                 g.copy_(flat[start:start + g.numel()].view_as(g))
