@@ -52,6 +52,7 @@ from recsys_core.plan.shard_sizes import (
     placement,
     placement_helper,
 )
+from recsys_core.plan.sharder import register_default_sharders
 from recsys_core.plan.validation import (
     TRAINING_KERNELS,
     EmbeddingModule,
@@ -83,6 +84,9 @@ def get_executable_default_sharders() -> list[ModuleSharder[nn.Module]]:
     """DistributedModelParallel's default sharders: every default one executes here (the same
     list as :func:`get_default_sharders`)."""
     return get_default_sharders()
+
+
+register_default_sharders(get_default_sharders)  # the planner's default (collective_plan)
 
 
 def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder[nn.Module]]:

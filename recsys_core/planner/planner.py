@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys_core.plan.env import ShardingEnv
-from recsys_core.plan.sharder import Sharder
+from recsys_core.plan.sharder import Sharder, default_sharders
 from recsys_core.plan.types import ShardingPlan
 from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.enumerators import UVM_KERNELS, enumerate_options, planner_kernels
@@ -148,11 +148,18 @@ class EmbeddingShardingPlanner:
         return self._plan(module, sharders, self._topology or detect_topology(world))
 
     def collective_plan(
-        self, module: nn.Module, sharders: Sequence[Sharder], pg: dist.ProcessGroup | None = None
+        self,
+        module: nn.Module,
+        sharders: Sequence[Sharder] | None = None,
+        pg: dist.ProcessGroup | None = None,
     ) -> ShardingPlan:
         """Rank 0 plans and broadcasts the plan; every rank returns the identical plan.
+        ``sharders`` default to TorchRec's default list (``get_default_sharders()``); ``pg`` to
+        the default process group.
 
         A planning error on rank 0 is raised on every rank (no rank is left waiting)."""
+        if sharders is None:
+            sharders = default_sharders()
         if not dist.is_initialized():
             raise RuntimeError(
                 "collective_plan needs an initialized process group; call "

@@ -15,7 +15,11 @@ from recsys_core import (
     EmbOptimType,
     PoolingType,
 )
-from recsys_core.distributed import EmbeddingBagCollectionSharder, validate_module_sharding_plan
+from recsys_core.distributed import (
+    EmbeddingBagCollectionSharder,
+    get_default_sharders,
+    validate_module_sharding_plan,
+)
 from recsys_core.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
@@ -99,3 +103,17 @@ def test_planner_plan_shards_and_trains_like_the_unsharded_module() -> None:
     assert layouts[0] == layouts[1]
     assert {"t_mid:row_wise", "t_cw:column_wise", "t_tw:table_wise",
             "t_mean:data_parallel"} <= set(layouts[0])
+
+
+def default_sharders_worker(rank: int, world: int) -> tuple[str, str]:
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       constraints=CONSTRAINTS)
+    ebc = EmbeddingBagCollection(TABLES, device="meta")
+    implicit = planner.collective_plan(ebc)  # TorchRec: sharders and pg are optional
+    explicit = planner.collective_plan(ebc, get_default_sharders(), dist.group.WORLD)
+    return implicit.to_json(), explicit.to_json()
+
+
+def test_collective_plan_defaults_to_the_default_sharders() -> None:
+    for implicit, explicit in run_gloo(2, default_sharders_worker):
+        assert implicit == explicit and '"t_big"' in implicit
