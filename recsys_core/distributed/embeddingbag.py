@@ -297,9 +297,11 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
 
 def cached_or_fused(sharding_type: str) -> list[str]:
     """The kernels a pooled sharder runs: FUSED, and FUSED_UVM_CACHING (the cached kernel, on
-    CPU and CUDA) for every sharding type but data-parallel."""
+    CPU and CUDA) for every sharding type but data-parallel, which runs FUSED (this library's
+    fused replicas, the planner's choice) and DENSE (TorchRec's: the replica's weights are
+    parameters that the dense optimizer steps; chosen when constraints ask for it)."""
     if ShardingType(sharding_type) is ShardingType.DATA_PARALLEL:
-        return [EmbeddingComputeKernel.FUSED.value]
+        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
     return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
 
 

@@ -23,6 +23,7 @@ from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection, cached_or_fused
 from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
+    EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
@@ -93,7 +94,9 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[FusedEmbeddingBagC
         return [t.value for t in types]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return cached_or_fused(sharding_type)
+        # the fused collection's optimizer lives in its kernels: never DENSE
+        dense = EmbeddingComputeKernel.DENSE.value
+        return [k for k in cached_or_fused(sharding_type) if k != dense]
 
     def shardable_parameters(self, module: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:
         """Table name -> weight, as in the module's state dict."""

@@ -44,6 +44,7 @@ from recsys_core.inference.sharding import (
 )
 from recsys_core.inference.sharding import shard_quant_model as _shard_quant_model
 from recsys_core.modules.embedding_collection import EmbeddingCollection
+from recsys_core.modules.embedding_configs import QuantConfig
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from recsys_core.plan.params import BoundsCheckMode
@@ -221,6 +222,35 @@ def quantize_inference_model(
     return _quantize.quantize_inference_model(model, quantization_dtype, table_dtypes=per_table)
 
 
+def quantize_embeddings(
+    module: nn.Module,
+    dtype: torch.dtype,
+    inplace: bool,
+    additional_qconfig_spec_keys: list[type[nn.Module]] | None = None,
+    additional_mapping: dict[type[nn.Module], type[nn.Module]] | None = None,
+    output_dtype: torch.dtype = torch.float,
+    per_table_weight_dtype: dict[str, torch.dtype] | None = None,
+) -> nn.Module:
+    """TorchRec's helper: ``torch.ao.quantization.quantize_dynamic`` of every
+    EmbeddingBagCollection of ``module`` into a quantized one (weights ``dtype``, e.g.
+    ``torch.qint8``, or ``per_table_weight_dtype`` per table; outputs ``output_dtype``).
+    ``additional_qconfig_spec_keys`` / ``additional_mapping`` quantize more module types the
+    same way (``{float type: quantized type}``)."""
+    qconfig = QuantConfig(
+        activation=torch.ao.quantization.PlaceholderObserver.with_args(dtype=output_dtype),
+        weight=torch.ao.quantization.PlaceholderObserver.with_args(dtype=dtype),
+        per_table_weight_dtype=per_table_weight_dtype,
+    )
+    qconfig_spec: dict[type[nn.Module], QuantConfig] = {EmbeddingBagCollection: qconfig}
+    mapping: dict[type[nn.Module], type[nn.Module]] = {
+        EmbeddingBagCollection: QuantEmbeddingBagCollection}
+    for key in additional_qconfig_spec_keys or []:
+        qconfig_spec[key] = qconfig
+    mapping.update(additional_mapping or {})
+    return torch.ao.quantization.quantize_dynamic(
+        module, qconfig_spec=qconfig_spec, mapping=mapping, inplace=inplace)  # type: ignore[arg-type]
+
+
 def shard_quant_model(
     model: nn.Module,
     world_size: int = 1,
@@ -318,6 +348,7 @@ __all__ = [
     "QualNameMetadata",
     "assign_weights_to_tbe",
     "get_table_to_weights_from_tbe",
+    "quantize_embeddings",
     "quantize_inference_model",
     "set_pruning_data",
     "shard_quant_model",

@@ -22,7 +22,7 @@ import numpy as np
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
 from recsys_core.plan.sharder import Sharder
-from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
+from recsys_core.plan.types import EmbeddingComputeKernel, ShardingPlan, ShardingType
 from recsys_core.planner.constraints import CacheAlgorithm, CacheParams, ParameterConstraints
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage, Tier
@@ -37,6 +37,7 @@ from recsys_core.planner.topology import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ShardingPlan",  # TorchRec's planner.types re-exports it
     "DeviceHardware",
     "Perf",
     "PlannerErrorType",

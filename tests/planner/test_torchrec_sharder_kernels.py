@@ -105,3 +105,17 @@ def test_default_sharder_plans_are_unchanged_on_one_rank() -> None:
     plan = planner.plan(model(), [EmbeddingBagCollectionSharder()]).plan[""]
     assert {ps.sharding_type for ps in plan.values()} <= {ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL}
     assert {ps.compute_kernel for ps in plan.values()} == {EmbeddingComputeKernel.FUSED}
+
+
+def test_default_sharder_plans_a_dense_constraint_data_parallel_on_dense() -> None:
+    """TorchRec's golden data-parallel program: ``ParameterConstraints(compute_kernels=
+    ["dense"])`` on one table with the default sharder makes that table a DENSE data-parallel
+    replica; the others keep the fused kernels."""
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=2, compute_device="cpu"),
+        constraints={"t0": ParameterConstraints(compute_kernels=["dense"])},
+    )
+    plan = planner.plan(model(), [EmbeddingBagCollectionSharder()]).plan[""]
+    assert (plan["t0"].sharding_type, plan["t0"].compute_kernel) == (
+        ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE)
+    assert plan["t1"].compute_kernel is EmbeddingComputeKernel.FUSED
