@@ -64,7 +64,7 @@ class EmbeddingCollectionAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
         part_features: list[list[str]],
         features: KeyedJaggedTensor,
         feature_of: dict[str, str],
-        need_indices: bool,
+        need_indices: bool = False,
     ) -> None:
         super().__init__()
         self._parts, self._part_features = parts, part_features
@@ -111,13 +111,15 @@ class ShardedEmbeddingCollection(nn.Module):
         module: EmbeddingCollection,
         plan: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device,
-        optimizer: FusedOptimizerConfig,
+        device: torch.device | None = None,
+        optimizer: FusedOptimizerConfig | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
+        device = torch.device(device or "cpu")  # TorchRec: optional
+        optimizer = optimizer or sharder_fused_config(module, None)  # in-backward, else SGD
         configs = module.embedding_configs()
         source = None
         state = module.state_dict()  # EC or FusedEC: the same keys

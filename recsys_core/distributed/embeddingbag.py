@@ -141,14 +141,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         module: EmbeddingBagCollection,
         plan: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device,
-        optimizer: FusedOptimizerConfig,
+        device: torch.device | None = None,
+        optimizer: FusedOptimizerConfig | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
         offload_dir: str | None = None,
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
+        device = torch.device(device or "cpu")  # TorchRec: optional
+        optimizer = optimizer or sharder_fused_config(module, None)  # in-backward, else SGD
         configs = module.embedding_bag_configs()
         source = None
         state = module.state_dict()  # EBC or FusedEBC: the same keys

@@ -92,7 +92,7 @@ class SequenceShardingContext:
 class EmbeddingCollectionContext:
     """TorchRec's forward context of (managed-collision) embedding collections."""
 
-    sharding_contexts: list[SequenceShardingContext]
+    sharding_contexts: list[SequenceShardingContext] = field(default_factory=list)
     input_features: list[KeyedJaggedTensor] = field(default_factory=list)
     inverse_indices: tuple[list[str], torch.Tensor] | None = None
     variable_batch_per_feature: bool = False

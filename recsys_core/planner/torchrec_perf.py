@@ -97,8 +97,9 @@ class HardwarePerfConfig:
             "table_row_wise" if sharding_type == "grid_shard" else sharding_type)
         return self.coefficients_by_type.get(kind, EstimatorPerfCoefficients())
 
-    def get_device_bw(self, topology: Topology, compute_kernel: str, caching_ratio: float | None,
-                      prefetch_pipeline: bool) -> float:
+    def get_device_bw(self, topology: Topology, compute_kernel: str,
+                      caching_ratio: float | None = None,
+                      prefetch_pipeline: bool = False) -> float:
         device = topology.compute_device
         kernel = compute_kernel
         if prefetch_pipeline and device == "cuda" and kernel == "fused_uvm_caching":
