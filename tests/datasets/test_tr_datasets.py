@@ -69,8 +69,25 @@ def test_criteo_rows(tmp_path) -> None:  # noqa: ANN001
     assert len(DEFAULT_INT_NAMES) == 13 and len(DEFAULT_CAT_NAMES) == 26
 
 
-def test_batch_to_and_pin() -> None:
+def test_batch_to_moves_every_field() -> None:
     ds = RandomRecDataset(keys=["a"], batch_size=2, num_batches=1, num_dense=3)
     batch = next(iter(ds))
-    moved = batch.to(torch.device("cpu"))
-    assert isinstance(moved, Batch) and torch.equal(moved.dense_features, batch.dense_features)
+    moved = batch.to(torch.device("meta"))  # another device that exists everywhere
+    assert isinstance(moved, Batch)
+    tensors = [moved.dense_features, moved.labels, moved.sparse_features.values(),
+               moved.sparse_features.lengths()]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert moved.dense_features.shape == batch.dense_features.shape
+    assert moved.sparse_features.keys() == ["a"]
+    assert batch.dense_features.device.type == "cpu"  # the original stays
+
+
+@pytest.mark.gpu
+def test_batch_pin_memory_pins_every_field() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("pinned memory needs a CUDA device")
+    batch = next(iter(RandomRecDataset(keys=["a"], batch_size=2, num_batches=1, num_dense=3)))
+    pinned = batch.pin_memory()
+    assert pinned.dense_features.is_pinned() and pinned.labels.is_pinned()
+    assert pinned.sparse_features.values().is_pinned()
+    assert torch.equal(pinned.dense_features, batch.dense_features)

@@ -96,12 +96,23 @@ def test_dlrm_predict_factory_serves_probabilities() -> None:
         num_embeddings=None, over_arch_layer_sizes=[4, 1], sample_input=batch,
     )
     module = DLRMPredictFactory(config).create_predict_module(world_size=1, device="cpu")
-    out = module({
-        "float_features": batch.dense_features,
-        "id_list_features.lengths": batch.sparse_features.lengths(),
-        "id_list_features.values": batch.sparse_features.values(),
-    })["default"]
-    assert out.shape == (3,) and ((out > 0) & (out < 1)).all()
+
+    def serve(dense: torch.Tensor) -> torch.Tensor:
+        return module({
+            "float_features": dense,
+            "id_list_features.lengths": batch.sparse_features.lengths(),
+            "id_list_features.values": batch.sparse_features.values(),
+        })["default"]
+
+    out = serve(batch.dense_features)
+    # the probabilities of the served DLRM's logits on this batch's dense and sparse features
+    kjt = KeyedJaggedTensor(keys=DEFAULT_CAT_NAMES, lengths=batch.sparse_features.lengths(),
+                            values=batch.sparse_features.values())
+    logits = module.predict_module(batch.dense_features, kjt).detach()
+    assert out.dtype == torch.float32 and out.shape == (3,)
+    torch.testing.assert_close(out, torch.sigmoid(logits).reshape(3))
+    # the dense features reach the model (the tables, built on meta, are zero)
+    assert not torch.allclose(serve(batch.dense_features + 1.0), out)
 
 
 def test_feature_processed_collection_keeps_processors_and_quantizes_tables() -> None:
