@@ -82,7 +82,14 @@ def test_dcn_and_projection_variants() -> None:
     ).reshape(2, -1)
     torch.testing.assert_close(dcn(dense, kjt), dcn.over_arch(dcn.inter_arch.crossnet(stack)))
     proj = DLRM_Projection(_ebc(), 3, [4], [5, 1], [8], [12])
-    assert proj(dense, kjt).shape == (2, 1)
+    # TorchRec's projection interaction: branch 1 gives I1=8/4 rows of dim D=4, branch 2 gives
+    # D x I2=12/4; their product per sample (B x I1 x I2) goes flat after the dense features
+    d = proj.dense_arch(dense)
+    flat = torch.cat([d.unsqueeze(1), proj.sparse_arch(kjt)], dim=1).reshape(2, -1)
+    left = proj.inter_arch.interaction_branch1(flat).reshape(2, 2, 4)
+    right = proj.inter_arch.interaction_branch2(flat).reshape(2, 4, 3)
+    pairs = torch.einsum("bik,bkj->bij", left, right).reshape(2, 6)
+    torch.testing.assert_close(proj(dense, kjt), proj.over_arch(torch.cat([d, pairs], dim=1)))
     with pytest.raises(ValueError, match="multiple of embedding size"):
         DLRM_Projection(_ebc(), 3, [4], [5, 1], [7], [8])
 

@@ -261,9 +261,13 @@ def test_plans_every_collection_of_a_model() -> None:
 
 def test_plan_for_env_without_process_group() -> None:
     module = ebc([1000, 2000, 3000])
-    plan = plan_for_env(module, ShardingEnv(world_size=2, rank=0, local_world_size=2),
-                        [EmbeddingBagCollectionSharder()], "cpu")
-    validate_module_sharding_plan(module, plan.plan[""], 2, 2)
+    plans = [plan_for_env(module, ShardingEnv(world_size=2, rank=r, local_world_size=2),
+                          [EmbeddingBagCollectionSharder()], "cpu") for r in (0, 1)]
+    plan = plans[0].plan[""]
+    validate_module_sharding_plan(module, plan, 2, 2)
+    assert plans[0].to_json() == plans[1].to_json()  # every rank plans alike, no gather
+    assert set(plan) == {"t0", "t1", "t2"}
+    assert {r for ps in plan.values() for r in ps.ranks} == {0, 1}  # both ranks used
 
 
 class _FusedOnlySharder(EmbeddingBagCollectionSharder):
