@@ -19,15 +19,22 @@ shard equals the reference: the unsharded module's gradient of the MEAN of the r
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from gloo_setup import assert_sharded_tensor_blocks, rank_batches
 
-from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
+from recsys_core import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+)
 from recsys_core.distributed import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
+    EmbeddingCollectionSharder,
     ShardingPlan,
 )
 from recsys_core.distributed.comm_ops import set_gradient_division
@@ -114,43 +121,59 @@ class _Reference:
         self.w[touched] = w
 
 
-def _worker(rank: int, world: int, opt_name: str, decay: float) -> None:
+def _loss(out: Any) -> torch.Tensor:
+    if isinstance(out, dict):  # an EmbeddingCollection's JaggedTensors
+        return sum((jt.values() ** 2).sum() for jt in out.values()) * 0.5
+    return (out.values() ** 2).sum() * 0.5
+
+
+def _worker(rank: int, world: int, opt_name: str, decay: float, kind: str = "ebc") -> None:
     set_gradient_division(True)
     opt = EmbOptimType[opt_name]
     torch.manual_seed(0)
-    names = list(ROWS)
-    ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
-                           embedding_dim=DIM) for n in names])
+    if kind == "ec":  # the sequence collection's sharding types: table-, column-, row-wise
+        names = ["tw", "rw", "cw"]
+        ebc = EmbeddingCollection([
+            EmbeddingConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
+                            embedding_dim=DIM) for n in names])
+        sharder: Any = EmbeddingCollectionSharder
+        prefix = "embeddings"
+    else:
+        names = list(ROWS)
+        ebc = EmbeddingBagCollection([
+            EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
+                               embedding_dim=DIM) for n in names])
+        sharder = EmbeddingBagCollectionSharder
+        prefix = "embedding_bags"
     unsharded = copy.deepcopy(ebc)
+    tables = getattr(unsharded, prefix)
     params = {"optimizer": opt, "learning_rate": LR, "eps": EPS, "beta1": B1, "beta2": B2,
               "weight_decay": decay}
     if decay and opt is EmbOptimType.EXACT_ROWWISE_ADAGRAD:
         params["weight_decay_mode"] = WeightDecayMode.L2
-    plan = construct_module_sharding_plan(ebc, _plan(world), world)
+    plan = construct_module_sharding_plan(ebc, {n: _plan(world)[n] for n in names}, world)
     dmp = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}),
-                                   sharders=[EmbeddingBagCollectionSharder(fused_params=params)])
-    refs = {n: _Reference(opt, decay, unsharded.embedding_bags[n].weight.detach(),
-                          _column_blocks(n, world)) for n in names}
+                                   sharders=[sharder(fused_params=params)])
+    refs = {n: _Reference(opt, decay, tables[n].weight.detach(), _column_blocks(n, world))
+            for n in names}
     for step in range(STEPS):
         batches = rank_batches(300 + step, world, [f"f_{n}" for n in names],
                                [ROWS[n] for n in names], BATCH)
-        out = dmp(batches[rank]).wait()
-        ((out.values() ** 2).sum() * 0.5).backward()
+        _loss(dmp(batches[rank]).wait()).backward()
         # the reference's gradient: autograd through the unsharded module at the current weights
         with torch.no_grad():
             for n in names:
-                unsharded.embedding_bags[n].weight.copy_(refs[n].w)
+                tables[n].weight.copy_(refs[n].w)
         unsharded.zero_grad()
-        (sum((unsharded(b).values() ** 2).sum() * 0.5 for b in batches) / world).backward()
+        (sum(_loss(unsharded(b)) for b in batches) / world).backward()
         for n in names:
             touched = torch.zeros(ROWS[n], dtype=torch.bool)
             for b in batches:
                 touched[b.to_dict()[f"f_{n}"].values()] = True
-            refs[n].step(unsharded.embedding_bags[n].weight.grad, touched, step + 1)
+            refs[n].step(tables[n].weight.grad, touched, step + 1)
         state = dmp.state_dict()
         for n in names:
-            value = state[f"embedding_bags.{n}.weight"]
+            value = state[f"{prefix}.{n}.weight"]
             if n == "dp":
                 torch.testing.assert_close(value, refs[n].w, atol=1e-5, rtol=1e-4)
             else:
@@ -167,6 +190,12 @@ CASES = [
 @pytest.mark.parametrize(("opt", "decay"), CASES)
 def test_every_fused_optimizer_sharded_every_way_follows_its_rule(opt: str, decay: float) -> None:
     run_gloo(2, _worker, opt, decay)
+
+
+@pytest.mark.parametrize(("opt", "decay"), [("EXACT_ROWWISE_ADAGRAD", 0.1), ("ADAM", 0.1),
+                                            ("PARTIAL_ROWWISE_LAMB", 0.1)])
+def test_sequence_collection_too(opt: str, decay: float) -> None:
+    run_gloo(2, _worker, opt, decay, "ec")
 
 
 @pytest.mark.slow

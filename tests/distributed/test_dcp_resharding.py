@@ -1,0 +1,150 @@
+"""Checkpoints resharded through raw ``torch.distributed.checkpoint``, as TorchRec users call
+it: saved on N ranks with one plan, loaded on M ranks (growing and shrinking) with another,
+training continued, compared with the run that never stopped.
+
+Each rank's loss is its rows' summed loss over the GLOBAL batch, gradient division off (what
+dlrm-app runs), so a step is the same step on any world size and the continued run must
+reach the uninterrupted run's tables. Right after the load the tables are the saved ones
+bit for bit; two steps later they match within float tolerance (another sharding sums in
+another order). The optimizer state goes along: Adam's two moments and step (its bias
+correction), row-wise Adagrad's per-row sums; a lost state would move the tables elsewhere.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from gloo_setup import concat_ranks, rank_batches
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
+from recsys_core.distributed import (
+    DistributedModelParallel,
+    EmbeddingBagCollectionSharder,
+    ShardingPlan,
+)
+from recsys_core.distributed.comm_ops import set_gradient_division
+from recsys_core.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+from recsys_core.kernels.config import EmbOptimType
+from recsys_core.testing import run_gloo
+
+NAMES, ROWS, DIM, GLOBAL = ["a", "b", "c", "d"], 20, 8, 8
+
+
+def _generators(world: int, column_shards: bool) -> dict[str, Any]:
+    """A plan per world size, different for each (every sharding type appears somewhere).
+    Without ``column_shards`` no table is split by columns: a row-wise state of a column
+    shard has another layout (TorchRec's too), which only loads into column shards."""
+    k = {"compute_kernel": "fused"}
+    last = world - 1
+    if world == 1:
+        return {"a": table_wise(rank=0, **k), "b": row_wise(**k), "c": table_wise(rank=0, **k),
+                "d": data_parallel(**k)}
+    if world == 2:
+        return {"a": table_wise(rank=1, **k), "b": row_wise(**k),
+                "c": column_wise(ranks=[0, 1], **k) if column_shards
+                else table_row_wise(host_index=0, **k),
+                "d": data_parallel(**k)}
+    return {"a": row_wise(**k), "b": table_wise(rank=last, **k),
+            "c": table_column_wise(host_index=0, **k) if column_shards
+            else table_row_wise(host_index=0, **k),
+            "d": data_parallel(**k)}
+
+
+def _dmp(world: int, optimizer: EmbOptimType, seed: int) -> DistributedModelParallel:
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection([
+        EmbeddingBagConfig(name=n, feature_names=[f"f{n}"], num_embeddings=ROWS, embedding_dim=DIM)
+        for n in NAMES])
+    column_shards = optimizer is not EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    plan = construct_module_sharding_plan(ebc, _generators(world, column_shards), world)
+    sharder = EmbeddingBagCollectionSharder(fused_params={
+        "optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-3})
+    dmp = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder])
+    dmp.fused_optimizer.save_param_groups(True)  # Adam's step travels in param_groups
+    return dmp
+
+
+def _steps(dmp: DistributedModelParallel, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        rows = rank_batches(70 + step, GLOBAL, [f"f{n}" for n in NAMES], [ROWS] * 4, 1)
+        per_rank = GLOBAL // world
+        mine = concat_ranks(rows[rank * per_rank:(rank + 1) * per_rank])
+        out = dmp(mine).wait().values()
+        ((out ** 2).sum() / GLOBAL).backward()
+
+
+def _tables(dmp: DistributedModelParallel, rank: int) -> dict[str, torch.Tensor] | None:
+    """Every table whole on rank 0 (None elsewhere); collective."""
+    state, out = dmp.state_dict(), {}
+    for n in NAMES:
+        value = state[f"embedding_bags.{n}.weight"]
+        if isinstance(value, ShardedTensor):
+            full = torch.zeros(ROWS, DIM) if rank == 0 else None
+            value.gather(0, full)
+            out[n] = full
+        else:
+            out[n] = value.detach().clone()
+    return out if rank == 0 else None
+
+
+def _save_and_go_on(rank: int, world: int, optimizer: str, path: str) -> Any:
+    set_gradient_division(False)
+    dmp = _dmp(world, EmbOptimType[optimizer], 0)
+    _steps(dmp, rank, world, range(2))
+    dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()},
+             checkpoint_id=path)
+    saved = _tables(dmp, rank)
+    _steps(dmp, rank, world, range(2, 4))
+    return saved, _tables(dmp, rank)
+
+
+def _load_and_continue(rank: int, world: int, optimizer: str, path: str) -> Any:
+    set_gradient_division(False)
+    dmp = _dmp(world, EmbOptimType[optimizer], 1)  # other initial weights
+    state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=path,
+             planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+    dmp.load_state_dict(state["model"])
+    dmp.fused_optimizer.load_state_dict(state["optim"])
+    loaded = _tables(dmp, rank)
+    _steps(dmp, rank, world, range(2, 4))
+    dist.barrier()
+    return loaded, _tables(dmp, rank)
+
+
+def _reshard(saved_on: int, loaded_on: int, optimizer: str) -> None:
+    with tempfile.TemporaryDirectory() as path:
+        (at_save, uninterrupted), *_ = run_gloo(saved_on, _save_and_go_on, optimizer, path)
+        (at_load, continued), *_ = run_gloo(loaded_on, _load_and_continue, optimizer, path)
+    for n in NAMES:
+        assert torch.equal(at_load[n], at_save[n]), n
+        assert not torch.equal(continued[n], at_load[n]), n  # it trained on
+        torch.testing.assert_close(continued[n], uninterrupted[n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["ADAM", "EXACT_ROWWISE_ADAGRAD"])
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 1), (1, 2)])
+def test_reshard_and_continue(saved_on: int, loaded_on: int, optimizer: str) -> None:
+    _reshard(saved_on, loaded_on, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["ADAM", "EXACT_ROWWISE_ADAGRAD"])
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 4), (4, 2)])
+def test_reshard_to_and_from_four_ranks(saved_on: int, loaded_on: int, optimizer: str) -> None:
+    _reshard(saved_on, loaded_on, optimizer)
