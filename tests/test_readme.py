@@ -37,6 +37,8 @@ def test_setup_and_test_commands_are_what_ci_runs() -> None:
     assert 'pip install torch==2.13.0 && pip install -e ".[cpu,test]"' in ci
     tests = README.split("## Tests", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
     assert tests in ci
+    without_fbgemm = 'pip uninstall -y fbgemm-gpu-cpu && python -m pytest -q -m "not slow"'
+    assert without_fbgemm in README.split("## Tests", 1)[1] and without_fbgemm in ci
 
 
 def test_readme_stays_a_door() -> None:

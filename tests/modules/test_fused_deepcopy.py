@@ -16,6 +16,7 @@ from recsys_core import (
     FusedEmbeddingBagCollection,
     KeyedJaggedTensor,
 )
+from recsys_core.kernels import fbgemm_available
 from recsys_core.kernels.config import KernelBackend
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingCollection
 
@@ -32,7 +33,11 @@ def _rows_seq(module: FusedEmbeddingCollection) -> torch.Tensor:
     return module(ALL_IDS)["f"].values().detach()
 
 
-@pytest.mark.parametrize("backend", [KernelBackend.FBGEMM, KernelBackend.TORCH])
+@pytest.mark.parametrize("backend", [
+    pytest.param(KernelBackend.FBGEMM, marks=pytest.mark.skipif(
+        not fbgemm_available(), reason="fbgemm_gpu is not importable")),
+    KernelBackend.TORCH,
+])
 @pytest.mark.parametrize("kind", ["bag", "sequence"])
 def test_deepcopy_keeps_parameters_on_the_copied_kernels(kind: str, backend: KernelBackend) -> None:
     torch.manual_seed(0)

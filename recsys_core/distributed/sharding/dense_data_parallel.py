@@ -41,7 +41,7 @@ class DpDenseSharding:
         configs = {t.config.name: t.config for t in tables}
         self.local = LocalKernels(self._layout.slots, ctx, configs)
         self._group = env.pg if env.world_size > 1 else None
-        self._averaging_queued = False
+        self._sum_queued = False
         if self._group is not None and ctx.device.type != "meta":
             for kernel in self.local.kernels:
                 for w in kernel.split_embedding_weights():
@@ -53,19 +53,19 @@ class DpDenseSharding:
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.local.lookup(features, self._is_weighted)
         if self._group is not None and pooled.requires_grad:
-            pooled.register_hook(self._queue_averaging)
+            pooled.register_hook(self._queue_gradient_sum)
         return pooled
 
-    def _queue_averaging(self, grad: torch.Tensor) -> None:
+    def _queue_gradient_sum(self, grad: torch.Tensor) -> None:
         # Runs in backward when the pooled output's gradient is known; the weights' gradients
-        # are accumulated later in the same backward, so the averaging waits for its end.
+        # are accumulated later in the same backward, so the sum waits for its end.
         # Once per backward, however many lookups fed it (every rank does the same count).
-        if not self._averaging_queued:
-            self._averaging_queued = True
-            Variable._execution_engine.queue_callback(self._average_gradients)
+        if not self._sum_queued:
+            self._sum_queued = True
+            Variable._execution_engine.queue_callback(self._sum_gradients)
 
-    def _average_gradients(self) -> None:
-        self._averaging_queued = False
+    def _sum_gradients(self) -> None:
+        self._sum_queued = False
         weights = [w for kernel in self.local.kernels for w in kernel.parameters()]
         for w in weights:
             if w.grad is None:  # untouched on this rank: its share of the sum is zero
