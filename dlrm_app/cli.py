@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import platform
 import sys
@@ -22,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dlrm_app import jsonline
 from dlrm_app.config import (
     CriteoConfig,
     DemoConfig,
@@ -76,7 +76,7 @@ def _cmd_info(args: InfoConfig) -> int:
 
     report = environment_report(torch.device(args.device))
     if args.json:
-        print(json.dumps(report))
+        print(jsonline.dumps(report))
         return 0
     for key, value in report.items():
         if isinstance(value, dict):
@@ -116,7 +116,7 @@ def _cmd_generate(args: GenerateConfig) -> int:
         rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
     )
     seconds = time.perf_counter() - start
-    print(json.dumps({
+    print(jsonline.dumps({
         "out": str(args.out),
         "rows": sum(s.rows for s in spec.splits),
         "shards": sum(len(s.shards) for s in spec.splits),
@@ -128,10 +128,16 @@ def _cmd_generate(args: GenerateConfig) -> int:
 
 
 def _tables_report(spec: DatasetSpec) -> None:
-    """The table sizes and the memory they need, for a person (stderr; stdout stays JSON)."""
+    """The table sizes and the memory they need, for a person (stderr; stdout stays JSON); a
+    warning for each split whose rows all carry one label."""
     from dlrm_app.data.tables import format_table_summary
 
     print(format_table_summary(spec.parameters["tables"]), file=sys.stderr)
+    for split in spec.splits:
+        if (note := split.one_label_note()) is not None:
+            refused = " (`dlrm-app train` refuses it)" if split.name == "validation" else ""
+            print(f"warning: {note}{refused}; preprocess more rows (more of the input) so "
+                  "that every split has both labels", file=sys.stderr)
 
 
 def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
@@ -155,7 +161,7 @@ def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
     _tables_report(spec)
     seconds = time.perf_counter() - start
     rows = sum(s.rows for s in spec.splits)
-    print(json.dumps({
+    print(jsonline.dumps({
         "out": str(args.out),
         "rows": rows,
         "skipped": spec.parameters["skipped_rows"],
@@ -177,7 +183,7 @@ def _cmd_preprocess_movielens(args: MovieLensConfig) -> int:
         id_mapping=args.id_mapping, num_embeddings_per_feature=args.num_embeddings_per_feature)
     _tables_report(spec)
     seconds = time.perf_counter() - start
-    print(json.dumps({
+    print(jsonline.dumps({
         "out": str(args.out),
         "release": spec.parameters["release"],
         "rows": {s.name: s.rows for s in spec.splits},
@@ -214,7 +220,7 @@ def _cmd_train(command: TrainCommand) -> int:
     if world()[0] == 0:
         if not command.quiet:  # for a person (stderr); stdout keeps the one JSON line
             print(train_summary(summary, config.out), file=sys.stderr)
-        print(json.dumps(summary))
+        print(jsonline.dumps(summary))
     shutdown_distributed()
     return 0
 
@@ -249,7 +255,7 @@ def _cmd_evaluate(args: EvaluateConfig) -> int:
     result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,
                                  data=args.data, batch_size=args.batch_size)
     if world()[0] == 0:
-        print(json.dumps(result))
+        print(jsonline.dumps(result))
     shutdown_distributed()
     return 0
 
@@ -260,7 +266,7 @@ def _cmd_export(args: ExportConfig) -> int:
     meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
                         quantize_dense=args.quantize_dense, fmt=args.format,
                         lookup=args.lookup, progress=stage_printer("dlrm-app export"))
-    print(json.dumps({k: meta.get(k) for k in ("path", "bytes", "format", "embedding_dtype",
+    print(jsonline.dumps({k: meta.get(k) for k in ("path", "bytes", "format", "embedding_dtype",
                                                  "dense_dtype", "lookup", "raw_input",
                                                  "needs_fbgemm", "checkpoint", "sha256")}))
     return 0
@@ -271,7 +277,7 @@ def _cmd_demo(args: DemoConfig) -> int:
 
     result = run_demo(Path(args.out), rows=args.rows, steps=args.max_steps,
                       progress=not args.quiet, threads=args.threads)
-    print(json.dumps(result))
+    print(jsonline.dumps(result))
     return 0
 
 

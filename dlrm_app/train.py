@@ -89,6 +89,7 @@ class Trainer:
         if self.rank == 0 and progress:
             print(threads.describe(), file=sys.stderr)
         self.spec = spec = DatasetSpec.load(config.data)
+        check_validation_labels(spec, config.data)
         previous_data = resumed_data(config)
         new_data = previous_data is not None and not same_path(previous_data, config.data)
         if new_data:
@@ -248,6 +249,18 @@ class Trainer:
         if self.rank == 0:
             summary["report"] = str(write_report(self.out))
         return summary
+
+
+def check_validation_labels(spec: DatasetSpec, data: str) -> None:
+    """Refuse a validation split on which no AUC can be computed: no model could be kept as
+    the best, early stopping could not work, and the run would end with a NaN."""
+    if "validation" not in {s.name for s in spec.splits}:
+        return
+    note = spec.split("validation").one_label_note()
+    if note is not None:
+        raise ValueError(
+            f"--data {data}: {note}, so no checkpoint could be kept as the best; preprocess "
+            "more rows (more of the input file) so that the validation split has both labels")
 
 
 def resumed_data(config: TrainConfig) -> str | None:

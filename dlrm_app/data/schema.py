@@ -171,6 +171,14 @@ class SplitSpec:
         """Total rows over all shards."""
         return sum(s.rows for s in self.shards)
 
+    def one_label_note(self) -> str | None:
+        """Why no AUC can be computed on this split (its rows all carry one label), or None."""
+        if self.rows == 0 or 0.0 < self.label_rate < 1.0:
+            return None
+        kind = "negative (0)" if self.label_rate == 0.0 else "positive (1)"
+        return (f"the {self.name} split ({self.rows} rows) holds only {kind} labels: no AUC "
+                "can be computed on it")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DatasetSpec:

@@ -41,7 +41,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dlrm_app.checkpoint import resolve_run, verify_checkpoint
+from dlrm_app.checkpoint import (
+    BEST,
+    best_checkpoint,
+    latest_checkpoint,
+    resolve_run,
+    verify_checkpoint,
+)
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
 from dlrm_app.data.integrity import verify_file
@@ -199,6 +205,20 @@ FORMATS = ("pt2", "torchscript")
 LOOKUP_CHOICES = ("auto",) + LOOKUPS
 
 
+def _check_chosen(run: Path, checkpoint: str | Path | None) -> None:
+    """The default (``best``) needs a checkpoint that validation chose: a run whose
+    validations gave no AUC (a split of one label) has none, and shipping its newest
+    checkpoint must be asked for."""
+    if str(checkpoint or BEST) != BEST or not (run / "config.json").is_file():
+        return
+    root = run / "checkpoints"
+    if best_checkpoint(root) is None and latest_checkpoint(root) is not None:
+        raise ValueError(
+            f"{run}: no validation of this run gave an AUC, so no checkpoint was chosen as the "
+            "best; to export the newest one anyway pass --checkpoint latest (or a step_* "
+            "directory)")
+
+
 def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
                  checkpoint: str | Path | None = None, quantize_dense: bool = False,
                  fmt: str = "pt2", lookup: str = "auto",
@@ -215,6 +235,7 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
     if lookup not in LOOKUP_CHOICES:
         raise ValueError(f"--lookup must be one of {LOOKUP_CHOICES}, got {lookup!r}")
     run, out = Path(run), Path(out)
+    _check_chosen(run, checkpoint)
     if fmt == "pt2":
         if out.suffix != ".pt2":
             raise ValueError(f"--out {out}: a .pt2 artifact's name must end in .pt2 (for a "
