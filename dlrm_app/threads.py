@@ -12,7 +12,9 @@ calls :func:`configure_threads` once as the run starts::
 
 What decides, first match wins (:func:`choose_threads`, pure, so tested with faked facts):
 
-1. ``--threads N`` (``TrainConfig.threads``);
+1. ``--threads N`` (``TrainConfig.threads``), capped at the usable CPUs shared by the ranks on
+   this host, with a warning (more threads than CPUs only wait on each other: 999 on 2 CPUs
+   trained 124x slower and loaded the host for everyone);
 2. a count set in this process before the run (``torch.set_num_threads``), e.g. by a program
    that calls ``train`` or by ``recsys_core.testing.run_gloo``;
 3. ``OMP_NUM_THREADS`` (then ``MKL_NUM_THREADS``) in the environment: the user's, or torchrun's
@@ -55,6 +57,8 @@ class ThreadChoice:
     intra_op: int
     inter_op: int
     reason: str
+    warning: str | None = None
+    """One line for the user when the request was not followed as given (capped)."""
 
     def describe(self) -> str:
         """The one line ``train`` prints (stderr, rank 0)."""
@@ -77,7 +81,16 @@ def choose_threads(*, requested: int | None, preset: int | None, env: Mapping[st
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ValueError(f"--threads must be a positive int, got {requested!r}")
-        return _same(requested, f"--threads {requested}")
+        cpus, ranks = usable_cpus(affinity, quota), max(1, local_world_size)
+        cap = max(1, cpus // ranks)
+        if requested <= cap:
+            return _same(requested, f"--threads {requested}")
+        where = f"{cpus} CPU{'s' if cpus > 1 else ''} usable, {ranks} rank" + (
+            "s" if ranks > 1 else "") + " on this host"
+        return dataclasses.replace(
+            _same(cap, f"--threads {requested} capped to {cap}: {where}"),
+            warning=f"warning: --threads {requested} capped to {cap} ({where}): more threads "
+                    "than CPUs only wait on each other")
     if preset is not None:
         return _same(preset, f"torch.set_num_threads({preset}) was called before the run: kept")
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -88,6 +88,8 @@ class Trainer:
         world_size = self.world_size
         if self.rank == 0 and progress:
             print(threads.describe(), file=sys.stderr)
+        if self.rank == 0 and threads.warning:
+            print(threads.warning, file=sys.stderr)
         self.spec = spec = DatasetSpec.load(config.data)
         check_validation_labels(spec, config.data)
         previous_data = resumed_data(config)

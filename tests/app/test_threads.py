@@ -88,6 +88,28 @@ def test_the_flag_wins_then_a_count_set_before_the_run() -> None:
     assert preset.reason == "torch.set_num_threads(2) was called before the run: kept"
 
 
+@pytest.mark.parametrize(("facts", "expected"), [
+    (dict(requested=999, affinity=2), 2),
+    (dict(requested=3, affinity=8, quota=2.5), 2),  # the quota rounded down
+    (dict(requested=4, affinity=8, local_world_size=4), 2),  # 8 CPUs shared by 4 ranks
+    (dict(requested=5, affinity=1), 1),
+])
+def test_a_flag_above_the_usable_cpus_is_capped_with_a_warning(
+        facts: dict, expected: int) -> None:
+    choice = _choose(**facts)
+    assert (choice.intra_op, choice.inter_op) == (expected, expected)
+    requested = facts["requested"]
+    assert choice.reason.startswith(f"--threads {requested} capped to {expected}: ")
+    assert choice.warning is not None and choice.warning.startswith(
+        f"warning: --threads {requested} capped to {expected} (")
+    assert "\n" not in choice.warning
+
+
+def test_a_flag_within_the_usable_cpus_is_kept_without_a_warning() -> None:
+    choice = _choose(requested=4, affinity=8, local_world_size=2)
+    assert (choice.intra_op, choice.reason, choice.warning) == (4, "--threads 4", None)
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0])
 def test_a_bad_flag_is_an_error(bad: object) -> None:
     with pytest.raises(ValueError, match="--threads must be a positive int"):
