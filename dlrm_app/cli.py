@@ -204,7 +204,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given = config_values(args, TrainConfig)
     saved = Path(given["out"]) / "config.json"
     if given.get("resume") and saved.is_file():
-        return resume_config(TrainConfig.load(saved), given, where=str(saved))
+        from dlrm_app.run_dir import trained
+
+        if trained(saved.parent):  # a start that failed before its first step is no base
+            return resume_config(TrainConfig.load(saved), given, where=str(saved))
     if "data" not in given:
         raise ValueError("--data is required (it may be left out only with --resume of an "
                          "existing run, whose config names its data)")

@@ -8,7 +8,10 @@
     RUN/report.md, RUN/plots/   the report (``dlrm-app report RUN`` regenerates it)
 
 An existing run is never overwritten by accident: without ``--resume`` (continue it) or
-``--overwrite`` (start over) training refuses to start in it.
+``--overwrite`` (start over) training refuses to start in it. A start that failed before its
+first step (a batch size too large for memory, a bad plan) is not a run: it trained nothing
+and saved no checkpoint, so the next start replaces what it left (``config.json``,
+``plan.json``, its ``start`` event) with or without ``--resume``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,16 @@ RUN_FILES = (CONFIG, "plan.json", "metrics.jsonl", "report.md")
 RUN_DIRS = ("checkpoints", "evaluations", "plots")
 
 
-def holds_run(out: Path) -> bool:
-    return any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
+def trained(out: Path) -> bool:
+    """A checkpoint saved or a training step logged in ``out``."""
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return True
+    metrics = out / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    with open(metrics, encoding="utf-8", errors="replace") as f:
+        return any('"event": "train"' in line for line in f)
 
 
 def prepare_run_dir(config: TrainConfig, rank: int) -> TrainConfig:
@@ -37,9 +48,10 @@ def prepare_run_dir(config: TrainConfig, rank: int) -> TrainConfig:
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory for the run")
-    existing = holds_run(out)
+    leftovers = any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
+    existing = leftovers and trained(out)
     saved_path = out / CONFIG
-    if config.resume and saved_path.is_file():
+    if config.resume and saved_path.is_file() and existing:
         saved = TrainConfig.load(saved_path)
         given = {k: v for k, v in config.to_json_dict().items() if k not in ("resume", "overwrite")}
         config = resume_config(saved, given, where=str(saved_path))
@@ -50,7 +62,7 @@ def prepare_run_dir(config: TrainConfig, rank: int) -> TrainConfig:
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        if config.overwrite and existing:
+        if leftovers and (config.overwrite or not existing):  # a failed start's too
             for name in RUN_FILES:
                 (out / name).unlink(missing_ok=True)
             for name in RUN_DIRS:

@@ -163,3 +163,29 @@ def test_a_model_that_does_not_fit_fails_at_planning_with_the_flags(data: Path, 
                                          r"--embedding-dim.*--memory-per-rank"):
         train(_config(data, tmp_path / "run", memory_per_rank=1e-5), progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_a_start_that_failed_before_its_first_step_is_not_a_run(
+        data: Path, tmp_path: Path) -> None:
+    """What a failed start leaves (config.json, plan.json, its start event; here a batch size
+    larger than the train split) does not block the retry, with or without --resume, and the
+    retry's flags are used, not the failed start's config."""
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match="fewer than --batch-size"):
+        train(_config(data, run, batch_size=100_000), progress=False)
+    assert (run / "config.json").is_file()  # what the failed start left
+    assert json.loads((run / "config.json").read_text())["batch_size"] == 100_000
+    # the same command with a fixed flag: no --overwrite needed
+    summary = train(_config(data, run, max_steps=4), progress=False)
+    assert summary["steps"] == 4 and json.loads((run / "config.json").read_text())["batch_size"] == 64
+    assert len(_events(run, "start")) == 1  # the failed start's log went with it
+    # --resume after a failed start: the given flags, not the failed config
+    other = tmp_path / "other"
+    with pytest.raises(ValueError, match="fewer than --batch-size"):
+        train(_config(data, other, batch_size=100_000), progress=False)
+    resumed = config_from_args(_parse("train", "--data", str(data), "--out", str(other),
+                                      "--resume", "--max-steps", "3"))
+    assert resumed.batch_size != 100_000
+    # a run that trained a step is still refused without --resume / --overwrite
+    with pytest.raises(ValueError, match="already holds a training run"):
+        train(_config(data, run, max_steps=4), progress=False)
