@@ -49,6 +49,7 @@ from dlrm_app.components import (
     TrainingDiverged,
     TrainState,
     Validator,
+    checkpoint_step,
 )
 from dlrm_app.config import TrainConfig, lr_scale
 from dlrm_app.data.loader import ParquetLoader
@@ -137,6 +138,8 @@ class Trainer:
                 self.state = TrainState(step=self.state.step)
                 self.total_steps += self.state.step
         self.start_step = self.state.step
+        self.new_data_from = self.start_step + 1 if new_data and resumed_from else 0
+        """The first step on new data (0: not continued on new data)."""
         self.global_batch = config.batch_size * world_size
         self.metrics = MetricsLogger(
             out / "metrics.jsonl", writer=self.rank == 0, progress=progress, config=config,
@@ -150,7 +153,8 @@ class Trainer:
             "comm_precision": comm_precision(config, device, world_hosts()).value,
             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
             "validate_every": self.validator.every, "resumed_from": resumed_from,
-            "continued_on_new_data": previous_data if new_data and resumed_from else None,
+            "continued_on_new_data": config.data if new_data and resumed_from else None,
+            "previous_data": previous_data if new_data and resumed_from else None,
             "start_step": self.start_step, "threads": threads.intra_op,
             "interop_threads": threads.inter_op, "threads_reason": threads.reason})
         if self.rank == 0 and (message := amp_warning(device, config.amp)) is not None:
@@ -223,7 +227,15 @@ class Trainer:
             state.stop_reason = ("max steps reached" if config.max_steps is not None
                                  and state.step >= config.max_steps else "epochs done")
         self.checkpointer.at_end(state, self.start_step)
-        kept = self.checkpointer.keep_best()
+        # continued on new data: a best chosen on the old data's validation is not kept
+        kept = self.checkpointer.keep_best(chosen_from=self.new_data_from)
+        if self.rank == 0 and kept is not None and self.new_data_from and \
+                state.best_step < self.new_data_from:
+            why = ("the newest" if checkpoint_step(kept) >= self.new_data_from
+                   else f"from before this run, which trained no step on {config.data}")
+            print(f"kept {kept.name}, {why}: no validation on {config.data} chose a "
+                  "checkpoint (a best of the earlier data is not kept for new data)",
+                  file=sys.stderr)
         final = self.validator.final(self.out)
         trained = state.step - self.start_step
         summary = {

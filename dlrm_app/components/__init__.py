@@ -11,10 +11,10 @@ its own schedule.
 - ``TrainState`` (``state``): where training is, in a few numbers, saved in every checkpoint.
 """
 
-from dlrm_app.components.checkpointer import Checkpointer
+from dlrm_app.components.checkpointer import Checkpointer, checkpoint_step
 from dlrm_app.components.metrics_logger import PHASES, MetricsLogger
 from dlrm_app.components.state import TrainingDiverged, TrainState, diverged
 from dlrm_app.components.validator import Validator
 
-__all__ = ["PHASES", "Checkpointer", "MetricsLogger", "TrainState", "TrainingDiverged",
+__all__ = ["PHASES", "Checkpointer", "MetricsLogger", "checkpoint_step", "TrainState", "TrainingDiverged",
            "Validator", "diverged"]

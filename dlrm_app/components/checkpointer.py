@@ -46,10 +46,14 @@ class Checkpointer:
         if state.step > start_step and self._saved_at != state.step:
             self.save(state)
 
-    def keep_best(self) -> Path | None:
+    def keep_best(self, chosen_from: int = 0) -> Path | None:
         """Load the best checkpoint back into the model (the one training keeps; the newest
-        where no validation could rank the model, e.g. one class only) and return it."""
+        where no validation could rank the model) and return it. A best chosen before step
+        ``chosen_from`` does not count: a run continued on new data keeps a model of the new
+        data, the newest, until a validation on it chooses one."""
         best, latest = best_checkpoint(self.directory), latest_checkpoint(self.directory)
+        if best is not None and checkpoint_step(best) < chosen_from:
+            best = None
         if best is not None and best != latest:
             load_checkpoint(best, model=self._model, optimizer=None, extra={})
         return best or latest
@@ -83,3 +87,8 @@ class Checkpointer:
                           epoch_batches=batches, best_auc=float(extra["best_auc"]),
                           best_step=int(extra["best_step"]),
                           stale_validations=int(extra["stale_validations"])), path
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a ``step_NNNNNNNN`` checkpoint directory."""
+    return int(path.name.removeprefix("step_"))

@@ -189,3 +189,24 @@ def test_a_start_that_failed_before_its_first_step_is_not_a_run(
     # a run that trained a step is still refused without --resume / --overwrite
     with pytest.raises(ValueError, match="already holds a training run"):
         train(_config(data, run, max_steps=4), progress=False)
+
+
+def test_a_best_chosen_before_a_continuation_on_new_data_is_not_kept(tmp_path: Path) -> None:
+    """Checkpointer.keep_best(chosen_from=N): a best of step < N (the earlier data's) gives
+    way to the newest checkpoint; one of step >= N is kept (and loaded)."""
+    from dlrm_app.components import Checkpointer
+
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        (root / f"step_{step:08d}" / ".metadata").write_text("")
+    (root / "best").write_text("step_00000010")
+    (root / "latest").write_text("step_00000020")
+    keeper = Checkpointer.__new__(Checkpointer)
+    keeper.directory = root
+    assert keeper.keep_best(chosen_from=15) == root / "step_00000020"  # not the old best
+    (root / "step_00000030").mkdir()
+    (root / "step_00000030" / ".metadata").write_text("")
+    (root / "best").write_text("step_00000030")
+    (root / "latest").write_text("step_00000030")
+    assert keeper.keep_best(chosen_from=15) == root / "step_00000030"  # chosen on new data

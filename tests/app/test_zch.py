@@ -200,8 +200,11 @@ def test_resume_on_a_file_of_new_ids_gives_them_rows(kaggle_zch: tuple[Path, Pat
     after, _ = _rows_of(run, db, "train")
     start = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()
              if '"start"' in s][-1]
-    assert start["start_step"] == first["steps"] and start["continued_on_new_data"] == str(da)
+    assert start["start_step"] == first["steps"]
+    assert (start["continued_on_new_data"], start["previous_data"]) == (str(db), str(da))
     assert second["steps"] == first["steps"] + second["trained_steps"] > first["steps"]
+    # the model kept is one of the new data (not the first run's best)
+    assert int(Path(second["checkpoint"]).name.removeprefix("step_")) > first["steps"]
     assert 0.5 < (before == fallback).float().mean() < 0.6  # unseen by the first run
     assert (after == fallback).float().mean() < 0.1
     assert second["validation"]["auc"] > 0.6
