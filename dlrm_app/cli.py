@@ -327,6 +327,7 @@ function that runs it with the parsed config."""
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0],
                                      formatter_class=HELP_FORMAT)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for name, (help_text, cls, func) in COMMANDS.items():
@@ -342,6 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_flags(command, cls)
         command.set_defaults(func=func, config_cls=cls)
     return parser
+
+
+def _version() -> str:
+    """The installed project's version (no torch needed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("recsys-dlrm")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
 
 
 def parsed_config(args: argparse.Namespace) -> object:
@@ -423,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get(TRACEBACK_ENV) == "1":
             raise
         if isinstance(exc, KeyboardInterrupt):
-            raise SystemExit(f"{prefix}: interrupted") from None
+            print(f"{prefix}: interrupted{getattr(exc, 'where', '')}", file=sys.stderr)
+            raise SystemExit(130) from None  # the shell's code for a command ended by Ctrl-C
         raise SystemExit(f"{prefix}: {describe_error(exc)}") from None
 
 

@@ -43,6 +43,7 @@ from dlrm_app.build import (
     set_learning_rates,
     world_hosts,
 )
+from dlrm_app.checkpoint import latest_checkpoint
 from dlrm_app.components import (
     Checkpointer,
     MetricsLogger,
@@ -74,7 +75,11 @@ __all__ = ["Trainer", "TrainingDiverged", "train"]
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints."""
     trainer = Trainer(config, progress)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except KeyboardInterrupt as stop:
+        stop.where = trainer.interrupted_at()  # type: ignore[attr-defined]
+        raise
     return trainer.finish()
 
 
@@ -138,6 +143,9 @@ class Trainer:
                 self.state = TrainState(step=self.state.step)
                 self.total_steps += self.state.step
         self.start_step = self.state.step
+        if self.rank == 0 and resumed_from is not None:
+            print(f"resumed from {resumed_from} at step {self.start_step}"
+                  + (f", continuing on {config.data}" if new_data else ""), file=sys.stderr)
         self.new_data_from = self.start_step + 1 if new_data and resumed_from else 0
         """The first step on new data (0: not continued on new data)."""
         self.global_batch = config.batch_size * world_size
@@ -161,6 +169,14 @@ class Trainer:
             print(message, file=sys.stderr)
         self._autocast = autocast(device, config.amp)
         self._started = time.perf_counter()
+
+    def interrupted_at(self) -> str:
+        """Where a Ctrl-C stopped the run and how to go on, for the one-line message."""
+        newest = latest_checkpoint(self.out / "checkpoints")
+        kept = (f"the newest checkpoint is {newest.name}: `dlrm-app train --out {self.out} "
+                "--resume` continues from it" if newest is not None else
+                "no checkpoint was saved yet: start again")
+        return f" at step {self.state.step}; {kept}"
 
     def fit(self) -> None:
         """Step until the epochs or ``--max-steps`` are done or a component stops the run."""

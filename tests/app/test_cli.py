@@ -134,3 +134,11 @@ def test_argument_errors_answer_without_importing_torch(argv: list[str], message
     assert proc.returncode == 2
     assert message in proc.stderr and proc.stdout == ""
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_version_answers_without_importing_torch() -> None:
+    from importlib.metadata import version
+
+    proc, imported = _run_imports("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"dlrm-app {version('recsys-dlrm')}"
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))

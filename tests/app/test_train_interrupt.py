@@ -1,0 +1,52 @@
+"""Ctrl-C in ``dlrm-app train``: exit code 130 (the shell's for an interrupted command) and one
+line saying the step, the newest checkpoint and the command that continues from it; the
+resumed run says where it resumed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dlrm_app.data.synthetic import generate
+
+SMALL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
+         "8-1", "--batch-size", "32", "--save-every", "5", "--log-every", "5", "--quiet"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_naming_the_step_and_resume(tmp_path: Path) -> None:
+    data, run = tmp_path / "data", tmp_path / "run"
+    generate(data, rows=200_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
+             zipf_alpha=1.05, seed=0, rows_per_shard=100_000, row_group_size=1_000)
+    cmd = [sys.executable, "-m", "dlrm_app", "train", "--data", str(data), "--out", str(run),
+           *SMALL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = run / "checkpoints" / "latest"
+    deadline = time.monotonic() + 120
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"dlrm-app train: interrupted at step (\d+); the newest checkpoint is step_(\d{8}): "
+        r"`dlrm-app train --out (\S+) --resume` continues from it", line)
+    assert match, line
+    step, saved = int(match[1]), int(match[2])
+    assert 0 < saved <= step and match[3] == str(run)
+    # the resumed run says where it resumed
+    resumed = subprocess.run([*cmd, "--resume", "--max-steps", str(saved + 2)],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "DLRM_APP_TRACEBACK": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {run / 'checkpoints' / f'step_{saved:08d}'} at step {saved}" \
+        in resumed.stderr
