@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from dlrm_app import jsonline
 from dlrm_app.config import (
@@ -324,11 +324,19 @@ COMMANDS: dict[str, tuple[str, type, object]] = {
 function that runs it with the parsed config."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line naming the command and where its flags are listed (not
+    the command's whole usage, 28 lines for ``train``, before it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dlrm-app", description=__doc__.splitlines()[0],
-                                     formatter_class=HELP_FORMAT)
+    parser = _Parser(prog="dlrm-app", description=__doc__.splitlines()[0],
+                     formatter_class=HELP_FORMAT)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     groups: dict[str, argparse._SubParsersAction] = {}
     for name, (help_text, cls, func) in COMMANDS.items():
         words = name.split()
@@ -337,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
             if words[0] not in groups:
                 group = sub.add_parser(words[0], help="raw dataset files -> Parquet shards",
                                        formatter_class=HELP_FORMAT)
-                groups[words[0]] = group.add_subparsers(dest="dataset", required=True)
+                groups[words[0]] = group.add_subparsers(dest="dataset", required=True,
+                                                        parser_class=_Parser)
             where = groups[words[0]]
         command = where.add_parser(words[-1], help=help_text, formatter_class=HELP_FORMAT)
         add_config_flags(command, cls)

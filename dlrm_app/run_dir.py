@@ -48,6 +48,9 @@ def prepare_run_dir(config: TrainConfig, rank: int) -> TrainConfig:
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory for the run")
+    if (out / "dataset.json").is_file():
+        raise ValueError(f"--out {out} is a dataset (it holds dataset.json): checkpoints and logs "
+                         "would land among its shards; pass another directory for the run")
     leftovers = any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
     existing = leftovers and trained(out)
     saved_path = out / CONFIG

@@ -154,3 +154,42 @@ def test_process_exit_code_and_stderr(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         f"dlrm-app generate: a file is in the way ({blocker}): the output path or one of its "
         f"parent folders is a file, not a folder; choose another --out"]
+
+
+def test_a_mistyped_data_path_names_the_dataset_beside_it(dataset: Path, tmp_path: Path) -> None:
+    typo = dataset.parent / (dataset.name[:-1] + "x")  # data -> datx
+    message = _error(["train", "--data", str(typo), "--out", str(tmp_path / "run"), *TINY_MODEL])
+    assert message == (f"dlrm-app train: {typo}: no such directory; did you mean {dataset}? "
+                       "(it holds a dataset)")
+    far = tmp_path / "nowhere" / "data"
+    assert _error(["train", "--data", str(far), "--out", str(tmp_path / "run")]) == (
+        f"dlrm-app train: {far}: no such directory; pass the --out of `dlrm-app preprocess` or "
+        "`dlrm-app generate`")
+    assert not (tmp_path / "nowhere").exists()  # no advice to generate into the typo
+
+
+def test_a_movielens_folder_given_to_preprocess_criteo_names_the_command(tmp_path: Path) -> None:
+    folder = tmp_path / "ml-100k"
+    folder.mkdir()
+    (folder / "u.data").write_text("1\t2\t5\t881250949\n")
+    assert _error(["preprocess", "criteo", str(folder), "--out", str(tmp_path / "o")]) == (
+        f"dlrm-app preprocess criteo: {folder}: a directory, not a Criteo file; it holds "
+        "MovieLens files: use `dlrm-app preprocess movielens`")
+
+
+def test_an_argument_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data", "d", "--threads", "abc"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("dlrm-app train: error: argument --threads: invalid int value: 'abc' "
+                   "(`dlrm-app train --help` lists the flags)\n")
+
+
+def test_train_out_in_the_dataset_folder_is_refused(dataset: Path) -> None:
+    shards = sorted(p.name for p in dataset.iterdir())
+    message = _error(["train", "--data", str(dataset), "--out", str(dataset), *TINY_MODEL])
+    assert message == (f"dlrm-app train: --out {dataset} is a dataset (it holds dataset.json): "
+                       "checkpoints and logs would land among its shards; pass another "
+                       "directory for the run")
+    assert sorted(p.name for p in dataset.iterdir()) == shards  # nothing written there

@@ -295,6 +295,11 @@ def preprocess_criteo(
                                 or threads < 1):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     for p in paths:
+        if p.is_dir():
+            hint = ("it holds MovieLens files: use `dlrm-app preprocess movielens`"
+                    if any((p / name).exists() for name in ("u.data", "ratings.dat", "ratings.csv"))
+                    else "pass the Criteo TSV file(s) in it (train.txt or day_N)")
+            raise ValueError(f"{p}: a directory, not a Criteo file; {hint}")
         if not p.is_file():
             raise ValueError(f"{p}: input file not found")
         check_not_empty(p)
