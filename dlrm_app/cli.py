@@ -140,6 +140,20 @@ def _tables_report(spec: DatasetSpec) -> None:
                   "that every split has both labels", file=sys.stderr)
 
 
+def _cut_short(path: Path) -> str | None:
+    """A warning when an uncompressed input does not end with a line end: a file cut short
+    (``head -c``, an interrupted copy) ends in a partial row, which would be read as a row
+    whose missing fields are empty, like the rows of a file with trailing fields stripped."""
+    if path.suffix == ".gz" or not path.is_file() or path.stat().st_size == 0:
+        return None
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return None
+    return (f"warning: {path} does not end with a line end (cut short?): its last line is read "
+            "as a row, missing fields empty; if the file was cut, drop that line")
+
+
 def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
     from dlrm_app.data.criteo import preprocess_criteo
 
@@ -150,6 +164,9 @@ def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
     if args.max_embeddings_per_feature is not None:
         caps = _per_feature(args.max_embeddings_per_feature, 26, int,
                             "--max-embeddings-per-feature", "preprocess criteo")
+    for path in map(Path, args.inputs):
+        if (note := _cut_short(path)) is not None:
+            print(note, file=sys.stderr)
     start = time.perf_counter()
     spec = preprocess_criteo(
         args.inputs, args.out, fmt=args.format, num_embeddings_per_feature=hashed,
@@ -159,6 +176,9 @@ def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
         workers=args.workers, id_mapping=args.id_mapping,
         max_bad_row_fraction=args.max_bad_row_fraction)
     _tables_report(spec)
+    if skipped := spec.parameters["skipped_rows"]:
+        print(f"skipped {skipped} bad row{'s' if skipped > 1 else ''} (--on-bad-row skip); "
+              f"{args.out}/dataset.json records the count", file=sys.stderr)
     seconds = time.perf_counter() - start
     rows = sum(s.rows for s in spec.splits)
     print(jsonline.dumps({

@@ -193,3 +193,23 @@ def test_train_out_in_the_dataset_folder_is_refused(dataset: Path) -> None:
                        "checkpoints and logs would land among its shards; pass another "
                        "directory for the run")
     assert sorted(p.name for p in dataset.iterdir()) == shards  # nothing written there
+
+
+def test_preprocess_says_a_file_is_cut_and_how_many_rows_it_skipped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_criteo_workers import write_rows
+
+    whole = tmp_path / "rows.tsv"
+    write_rows(whole, 200, seed=3, bad=(5, 17))
+    cut = tmp_path / "cut.tsv"
+    cut.write_bytes(whole.read_bytes()[:-7])  # `head -c`: the last row loses its end
+    assert main(["preprocess", "criteo", str(cut), "--out", str(tmp_path / "a"),
+                 "--on-bad-row", "skip"]) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {cut} does not end with a line end (cut short?): its last line is read "
+            "as a row, missing fields empty; if the file was cut, drop that line") in err
+    assert (f"skipped 2 bad rows (--on-bad-row skip); {tmp_path / 'a'}/dataset.json records "
+            "the count") in err
+    assert main(["preprocess", "criteo", str(whole), "--out", str(tmp_path / "b"),
+                 "--on-bad-row", "skip"]) == 0
+    assert "does not end with a line end" not in capsys.readouterr().err  # a whole file
