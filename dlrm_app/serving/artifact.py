@@ -106,6 +106,9 @@ def load_artifact(path: str | Path, *, expect_sha256: str | None = None
     if not path.is_file():
         raise ValueError(f"{path}: no such model file; create one with `dlrm-app export`")
     check = verify_artifact(path, expect_sha256)
+    if not zipfile.is_zipfile(path):  # both formats are zip archives
+        raise ValueError(f"{path}: not a model exported by `dlrm-app export` (a .pt2 or "
+                         "TorchScript file is a zip archive); pass the --out of an export")
     model, meta = _load_pt2(path) if _is_pt2(path) else _load_torchscript(path)
     meta["sha256"], meta["verified"] = check.sha256, check.note
     return model, meta

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import queue
 import signal
@@ -462,12 +463,13 @@ class PredictionServer:
             raise RuntimeError("the server is not started; call start() first")
         return int(self._httpd.server_address[1])
 
-    def start(self) -> int:
-        """Bind, start the batcher and the HTTP thread; returns the bound port."""
+    def start(self, bound: _HTTPServer | None = None) -> int:
+        """Bind (or take ``bound``, a socket bound before the model loaded: see
+        :func:`bind`), start the batcher and the HTTP thread; returns the bound port."""
         if self.config.threads is not None:
             torch.set_num_threads(self.config.threads)
         self.warm_up()
-        self._httpd = _HTTPServer((self.config.host, self.config.port), _Handler)
+        self._httpd = bound or bind(self.config)
         self._httpd.app = self
         self.batcher.start()
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="dlrm-serve-http",
@@ -562,6 +564,19 @@ class PredictionServer:
 
 
 # ---- command line ---------------------------------------------------------------------------
+def bind(config: ServeConfig) -> _HTTPServer:
+    """The listening socket of ``config.host``:``config.port``; a port in use is an error
+    naming it and the flag (before seconds are spent loading a model)."""
+    try:
+        return _HTTPServer((config.host, config.port), _Handler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {config.port} on {config.host} is in use (another server?); "
+                             "pass another --port, or --port 0 for a free one") from None
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {e.strerror}; check "
+                         "--host and --port") from None
+
+
 def serve_forever(model: str | Path, config: ServeConfig, *,
                   expect_sha256: str | None = None) -> int:
     """``dlrm-app serve``: check ``model``'s sha256 (against ``expect_sha256``, else its
@@ -569,8 +584,9 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
     serve until SIGTERM or Ctrl-C, then stop and print how many received requests went
     unanswered (one JSON line; 0 unless ``--drain-timeout-s`` ran out)."""
     try:
+        bound = bind(config)  # first: a busy port fails at once, not after loading
         server = PredictionServer.from_file(model, config, expect_sha256=expect_sha256)
-        port = server.start()
+        port = server.start(bound)
     except (ValueError, OSError) as e:
         raise SystemExit(f"dlrm-app serve: {e}") from None
     stop = threading.Event()

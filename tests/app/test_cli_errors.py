@@ -213,3 +213,25 @@ def test_preprocess_says_a_file_is_cut_and_how_many_rows_it_skipped(
     assert main(["preprocess", "criteo", str(whole), "--out", str(tmp_path / "b"),
                  "--on-bad-row", "skip"]) == 0
     assert "does not end with a line end" not in capsys.readouterr().err  # a whole file
+
+
+def test_serve_on_a_busy_port_fails_at_once_naming_it(tmp_path: Path) -> None:
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        message = _error(["serve", str(REPO / "README.md"), "--port", str(port)])
+        assert message == (f"dlrm-app serve: port {port} on 127.0.0.1 is in use (another "
+                           "server?); pass another --port, or --port 0 for a free one")
+        assert time.monotonic() - started < 5  # before any model is read
+
+
+def test_serve_of_a_file_that_is_no_model_says_so(tmp_path: Path) -> None:
+    readme = REPO / "README.md"
+    message = _error(["serve", str(readme), "--port", "0"])
+    assert message == (f"dlrm-app serve: {readme}: not a model exported by `dlrm-app export` (a "
+                       ".pt2 or TorchScript file is a zip archive); pass the --out of an export")
