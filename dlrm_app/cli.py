@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import platform
 import sys
@@ -271,6 +272,27 @@ def train_summary(summary: dict, out: str) -> str:
     return "\n".join(lines)
 
 
+def evaluate_summary(result: dict) -> str:
+    """The readable line of ``evaluate``: where, how many rows, and the metrics (4 digits); a
+    metric that cannot be computed says why."""
+    where = f"{result.get('split')} split, {result.get('num_examples', 0):,} rows, " \
+            f"{Path(str(result.get('checkpoint'))).name}"
+    parts = []
+    for key, name in (("auc", "AUC"), ("ne", "NE"), ("logloss", "logloss"),
+                      ("accuracy", "accuracy"), ("calibration", "calibration")):
+        value = result.get(key)
+        parts.append(f"{name} {value:.4f}" if isinstance(value, float) and math.isfinite(value)
+                     else f"{name} n/a")
+    line = f"{where}: {', '.join(parts)}"
+    teacher = result.get("teacher_auc")
+    if isinstance(teacher, float):
+        line += f" (the teacher's AUC {teacher:.4f})"
+    undefined = jsonline.json_ready(result).get("undefined")
+    if undefined:
+        line += "; n/a: " + "; ".join(sorted(set(undefined.values())))
+    return line
+
+
 def _cmd_evaluate(args: EvaluateConfig) -> int:
     from dlrm_app.evaluate import evaluate_checkpoint
     from dlrm_app.runtime import shutdown_distributed, world
@@ -278,6 +300,7 @@ def _cmd_evaluate(args: EvaluateConfig) -> int:
     result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,
                                  data=args.data, batch_size=args.batch_size)
     if world()[0] == 0:
+        print(evaluate_summary(result), file=sys.stderr)  # for a person; stdout keeps JSON
         print(jsonline.dumps(result))
     shutdown_distributed()
     return 0

@@ -83,3 +83,19 @@ def test_evaluate_on_one_label_rows_prints_null_and_export_needs_asking(
         export_model(run, tmp_path / "m.pt", fmt="torchscript")
     meta = export_model(run, tmp_path / "m.pt", fmt="torchscript", checkpoint="latest")
     assert Path(meta["path"]).is_file()
+
+
+def test_evaluate_prints_a_readable_line_beside_the_json() -> None:
+    from dlrm_app.cli import evaluate_summary
+
+    ok = {"split": "test", "num_examples": 2000, "checkpoint": "/r/checkpoints/step_00000132",
+          "auc": 0.7481234567, "ne": 0.87123, "logloss": 0.4654, "accuracy": 0.781,
+          "calibration": 1.02, "label_rate": 0.25, "teacher_auc": 0.8}
+    assert evaluate_summary(ok) == (
+        "test split, 2,000 rows, step_00000132: AUC 0.7481, NE 0.8712, logloss 0.4654, "
+        "accuracy 0.7810, calibration 1.0200 (the teacher's AUC 0.8000)")
+    one_label = {**ok, "num_examples": 143, "auc": math.nan, "ne": math.nan,
+                 "calibration": math.nan, "label_rate": 0.0, "teacher_auc": None}
+    line = evaluate_summary(one_label)
+    assert line.startswith("test split, 143 rows, step_00000132: AUC n/a, NE n/a, ")
+    assert "n/a: all 143 rows carry label 0: auc needs both labels" in line
