@@ -234,4 +234,9 @@ def _row_cap(s: MemoryShortfall, target: float) -> int | None:
 
 
 def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
+    """Bytes in the unit that fits them (``12.30 KiB``, not ``0.00 GiB``; this module stays
+    torch-free, so not ``recsys_core.planner.units``)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"

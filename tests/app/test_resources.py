@@ -168,3 +168,11 @@ def test_without_offload_the_error_offers_it() -> None:
         plan_dlrm(ROWS, 128, 4.0)
     assert "drop `--no-offload`" in str(planning_error_for_user(info.value, offload=False))
     assert "--no-offload" not in str(planning_error_for_user(info.value, offload=True))
+
+
+def test_sizes_in_planning_messages_take_the_unit_that_fits() -> None:
+    from dlrm_app.resources import _gib
+
+    # a tiny offload folder's shortfall read "0.00 GiB"
+    assert [_gib(v) for v in (3.5 * 2**30, 12.3 * 2**10, 600 * 2**20, 5, 0)] == [
+        "3.50 GiB", "12.30 KiB", "600.00 MiB", "5 B", "0 B"]
