@@ -146,7 +146,8 @@ def test_every_option_has_help_and_shows_its_default() -> None:
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 stack += [(f"{name} {n}".strip(), sub) for n, sub in action.choices.items()]
-            elif action.option_strings and not isinstance(action, argparse._HelpAction):
+            elif action.option_strings and not isinstance(
+                    action, argparse._HelpAction | argparse._VersionAction):
                 flag = f"dlrm-app {name} {action.option_strings[0]}"
                 text = parser._get_formatter()._expand_help(action)
                 assert action.help and len(action.help) > 5, f"{flag} has no help line"
