@@ -309,6 +309,9 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         skip = self._layouts is not None and self._env.pg is not None
         if skip:
             self._layouts.gather()
+            skip = all(self._layouts.get(t.config.name, None) is not None for t in self._tables
+                       if t.config.name in shards
+                       and t.sharding.sharding_type is not ShardingType.DATA_PARALLEL)
         for table in self._tables:
             name = table.config.name
             if skip and name not in shards:
@@ -325,7 +328,8 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         group = {
             "lr": self.param_groups[0]["lr"],
             "step": int(self._kernels[0].iter.item()) if self._kernels else 0,
-            "params": list(state),
+            # every table, held here or not: the same group on every rank (DCP keeps one copy)
+            "params": [f"{self._prefix}.{t.config.name}.weight" for t in self._tables],
         }
         return {"state": state, "param_groups": [group]}
 
