@@ -221,3 +221,24 @@ def gather_to_rank0(value: Any, rank: int) -> torch.Tensor | None:
     out = torch.zeros(value.size()) if rank == 0 else None
     value.gather(0, out)
     return out
+
+
+# ---- one table per sharding type --------------------------------------------------------------
+
+ONE_PER_TYPE_ROWS = {"dp": 12, "tw": 10, "rw": 17, "cw": 9, "twrw": 14, "twcw": 11}
+"""Rows of the tables of :func:`one_table_per_type` (one table per sharding type, by name)."""
+SEQUENCE_TYPES = ("tw", "rw", "cw")
+"""The tables an EmbeddingCollection can take (table-, row-, column-wise)."""
+
+
+def one_table_per_type(world: int, names: Sequence[str] = tuple(ONE_PER_TYPE_ROWS),
+                       **kernel: str) -> dict[str, Any]:
+    """Generators for the tables ``names``: ``dp`` data-parallel, ``tw`` table-wise on the last
+    rank, ``rw`` row-wise, ``cw`` column-wise on ranks 0 and the last, ``twrw`` / ``twcw`` on
+    host 0; ``kernel`` (``compute_kernel="fused"``) or TorchRec's default kernel."""
+    last = world - 1
+    every = {"dp": data_parallel(**kernel), "tw": table_wise(rank=last, **kernel),
+             "rw": row_wise(**kernel), "cw": column_wise(ranks=[0, last], **kernel),
+             "twrw": table_row_wise(host_index=0, **kernel),
+             "twcw": table_column_wise(host_index=0, **kernel)}
+    return {name: every[name] for name in names}

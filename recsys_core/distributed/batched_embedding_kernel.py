@@ -9,8 +9,8 @@ optimizer outside the module steps it, e.g. the dense optimizer of a training lo
         lambda params: torch.optim.SGD(params, lr=0.1))
 
 A data-parallel DENSE table is a replica per rank; its strategy
-(``sharding.dense_data_parallel``) averages the replicas' gradients over the ranks at the end
-of each backward, as TorchRec's per-lookup DistributedDataParallel does.
+(``sharding.dense_data_parallel``) sums the replicas' gradients over the ranks at the end of
+each backward (their mean under gradient division, as TorchRec's per-lookup DDP gives).
 """
 
 from __future__ import annotations

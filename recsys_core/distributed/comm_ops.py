@@ -11,8 +11,8 @@ MEAN of the ranks' losses, the same step the dense parameters take under DDP:
 With ``set_gradient_division(False)`` the embedding collectives pass gradients through
 undivided: the tables step on ``d(l0 + l1)/dW``, this library's fused data-parallel replicas
 included, DENSE ones too (TorchRec's DENSE replicas still average there: its per-lookup
-DistributedDataParallel averages whatever this switch says). The switch is read when the backward runs,
-so it can be flipped between steps.
+DistributedDataParallel averages whatever this switch says). The switch is read when the
+backward runs, so it can be flipped between steps.
 """
 
 from __future__ import annotations

@@ -23,7 +23,13 @@ from typing import Any
 
 import pytest
 import torch
-from gloo_setup import assert_sharded_tensor_blocks, rank_batches
+from gloo_setup import (
+    ONE_PER_TYPE_ROWS,
+    SEQUENCE_TYPES,
+    assert_sharded_tensor_blocks,
+    one_table_per_type,
+    rank_batches,
+)
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -38,33 +44,15 @@ from recsys_core.distributed import (
     ShardingPlan,
 )
 from recsys_core.distributed.comm_ops import set_gradient_division
-from recsys_core.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_column_wise,
-    table_row_wise,
-    table_wise,
-)
+from recsys_core.distributed.sharding_plan import construct_module_sharding_plan
 from recsys_core.kernels.config import EmbOptimType, WeightDecayMode
 from recsys_core.testing import run_gloo
 
-ROWS = {"dp": 12, "tw": 10, "rw": 17, "cw": 9, "twrw": 14, "twcw": 11}
+ROWS = ONE_PER_TYPE_ROWS
 DIM, BATCH, STEPS = 8, 3, 3
 LR, EPS, B1, B2 = 0.05, 1e-3, 0.8, 0.9
 ROWWISE = {EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.PARTIAL_ROWWISE_ADAM,
            EmbOptimType.PARTIAL_ROWWISE_LAMB}
-
-
-def _plan(world: int) -> dict:
-    last = world - 1
-    return {"dp": data_parallel(compute_kernel="fused"),
-            "tw": table_wise(rank=last, compute_kernel="fused"),
-            "rw": row_wise(compute_kernel="fused"),
-            "cw": column_wise(ranks=[0, last], compute_kernel="fused"),
-            "twrw": table_row_wise(host_index=0, compute_kernel="fused"),
-            "twcw": table_column_wise(host_index=0, compute_kernel="fused")}
 
 
 def _column_blocks(name: str, world: int) -> int:
@@ -132,7 +120,7 @@ def _worker(rank: int, world: int, opt_name: str, decay: float, kind: str = "ebc
     opt = EmbOptimType[opt_name]
     torch.manual_seed(0)
     if kind == "ec":  # the sequence collection's sharding types: table-, column-, row-wise
-        names = ["tw", "rw", "cw"]
+        names = list(SEQUENCE_TYPES)
         ebc = EmbeddingCollection([
             EmbeddingConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
                             embedding_dim=DIM) for n in names])
@@ -151,7 +139,8 @@ def _worker(rank: int, world: int, opt_name: str, decay: float, kind: str = "ebc
               "weight_decay": decay}
     if decay and opt is EmbOptimType.EXACT_ROWWISE_ADAGRAD:
         params["weight_decay_mode"] = WeightDecayMode.L2
-    plan = construct_module_sharding_plan(ebc, {n: _plan(world)[n] for n in names}, world)
+    plan = construct_module_sharding_plan(
+        ebc, one_table_per_type(world, names, compute_kernel="fused"), world)
     dmp = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}),
                                    sharders=[sharder(fused_params=params)])
     refs = {n: _Reference(opt, decay, tables[n].weight.detach(), _column_blocks(n, world))

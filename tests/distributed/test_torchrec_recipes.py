@@ -22,7 +22,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_setup import assert_sharded_tensor_blocks, rank_batches
+from gloo_setup import (
+    ONE_PER_TYPE_ROWS,
+    SEQUENCE_TYPES,
+    assert_sharded_tensor_blocks,
+    one_table_per_type,
+    rank_batches,
+)
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -38,21 +44,13 @@ from recsys_core.distributed import (
     ShardingPlan,
 )
 from recsys_core.distributed.comm_ops import set_gradient_division
-from recsys_core.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_column_wise,
-    table_row_wise,
-    table_wise,
-)
+from recsys_core.distributed.sharding_plan import construct_module_sharding_plan
 from recsys_core.distributed.types import EmbeddingComputeKernel
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.optim import apply_optimizer_in_backward, in_backward_optimizer_filter
 from recsys_core.testing import run_gloo
 
-ROWS = {"dp": 12, "tw": 10, "rw": 17, "cw": 9, "twrw": 14, "twcw": 11}
+ROWS = ONE_PER_TYPE_ROWS
 DIM = 8
 BATCH = 3
 STEPS = 3
@@ -61,22 +59,12 @@ LR = 0.1
 
 def _generators(kind: str, world: int, kernel: str | None) -> dict[str, Any]:
     """One generator per table, TorchRec's defaults unless ``kernel`` is given."""
-    kw = {} if kernel is None else {"compute_kernel": kernel}
-    last = world - 1
-    every = {
-        "dp": data_parallel(**kw),
-        "tw": table_wise(rank=last, **kw),
-        "rw": row_wise(**kw),
-        "cw": column_wise(ranks=[0, last], **kw),
-        "twrw": table_row_wise(host_index=0, **kw),
-        "twcw": table_column_wise(host_index=0, **kw),
-    }
-    names = ["tw", "rw", "cw"] if kind == "ec" else list(ROWS)
-    return {name: every[name] for name in names}
+    names = SEQUENCE_TYPES if kind == "ec" else tuple(ROWS)
+    return one_table_per_type(world, names, **({} if kernel is None else {"compute_kernel": kernel}))
 
 
 def _module(kind: str, weighted: bool) -> torch.nn.Module:
-    names = ["tw", "rw", "cw"] if kind == "ec" else list(ROWS)
+    names = list(SEQUENCE_TYPES) if kind == "ec" else list(ROWS)
     if kind == "ec":
         return EmbeddingCollection([
             EmbeddingConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],

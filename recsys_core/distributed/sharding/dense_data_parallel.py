@@ -31,8 +31,8 @@ from recsys_core.sparse import KeyedJaggedTensor
 class DpDenseSharding:
     """DATA_PARALLEL tables on the DENSE kernel: each rank looks up its own batch in its
     replica; no communication in forward; the replicas' gradients are summed over the ranks
-    (and divided by their number under gradient division) at the end of each backward. Replicas start equal: rank 0's
-    weights are broadcast at construction."""
+    (and divided by their number under gradient division) at the end of each backward.
+    Replicas start equal: rank 0's weights are broadcast at construction."""
 
     def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         self._is_weighted = ctx.is_weighted
