@@ -82,10 +82,8 @@ def test_batch_to_moves_every_field() -> None:
     assert batch.dense_features.device.type == "cpu"  # the original stays
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu  # pinned memory needs CUDA: conftest skips the test without it
 def test_batch_pin_memory_pins_every_field() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("pinned memory needs a CUDA device")
     batch = next(iter(RandomRecDataset(keys=["a"], batch_size=2, num_batches=1, num_dense=3)))
     pinned = batch.pin_memory()
     assert pinned.dense_features.is_pinned() and pinned.labels.is_pinned()
