@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
+from recsys_core.distributed.embedding_types import BaseEmbeddingSharder, table_weights
 from recsys_core.distributed.types import (
     EmbeddingModuleShardingPlan,
     QuantizedCommCodecs,
@@ -50,6 +50,10 @@ class EmbeddingTowerSharder(BaseEmbeddingSharder[EmbeddingTower]):
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return [ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value]
 
+    def shardable_parameters(self, module: EmbeddingTower) -> dict[str, nn.Parameter]:
+        """The tables of the tower's embedding module (not its interaction's weights)."""
+        return table_weights(module.embedding)  # type: ignore[return-value]
+
     def shard(
         self,
         module: EmbeddingTower,
@@ -77,6 +81,13 @@ class EmbeddingTowerCollectionSharder(BaseEmbeddingSharder[EmbeddingTowerCollect
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return [ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value]
+
+    def shardable_parameters(self, module: EmbeddingTowerCollection) -> dict[str, nn.Parameter]:
+        """The tables of every tower's embedding module (not the interactions' weights)."""
+        out: dict[str, nn.Parameter] = {}
+        for tower in module.towers:
+            out.update(table_weights(tower.embedding))  # type: ignore[arg-type]
+        return out
 
     def shard(
         self,

@@ -33,6 +33,7 @@ from recsys_core.distributed.sharding.common import (
     column_permutation,
     permute_parts,
     planned_caches,
+    with_cache_load_factor,
 )
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
 from recsys_core.distributed.sharding.dense_data_parallel import DpDenseSharding
@@ -292,7 +293,8 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
         module_fqn: str | None = None,
     ) -> ShardedEmbeddingBagCollection:
         return ShardedEmbeddingBagCollection(
-            module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
+            module, with_cache_load_factor(params, self.fused_params), env,
+            torch.device(device or "cpu"), self.optimizer_config(module),
             self._backend, self._table_init, self._offload_dir, self.qcomm_codecs_registry,
         )
 

@@ -91,6 +91,21 @@ class KernelBackend(Enum):
     TORCH = "torch"
 
 
+TABLE_FUSED_PARAMS: tuple[str, ...] = ("cache_load_factor",)
+"""Keys of TorchRec's ``fused_params`` that set up tables, not their optimizer:
+``cache_load_factor`` is the cache size (a fraction of the rows) of the FUSED_UVM_CACHING
+tables whose plan gives none (the planner's estimates use it too)."""
+
+
+def check_table_fused_params(fused_params: Mapping[str, Any]) -> None:
+    """Refuse a table key of ``fused_params`` with a value no kernel can take."""
+    clf = fused_params.get("cache_load_factor")
+    if clf is not None and not (isinstance(clf, (int, float)) and 0.0 < clf <= 1.0):
+        raise ValueError(
+            f"fused_params: cache_load_factor {clf!r} must be a fraction of the rows in (0, 1]"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class FusedOptimizerConfig:
     """Optimizer applied inside the embedding backward.
@@ -156,6 +171,9 @@ class FusedOptimizerConfig:
         if isinstance(fused_params, FusedOptimizerConfig):
             return fused_params
         known = {f.name for f in fields(cls)}
+        table_keys = {k: fused_params[k] for k in TABLE_FUSED_PARAMS if k in fused_params}
+        check_table_fused_params(table_keys)
+        fused_params = {k: v for k, v in fused_params.items() if k not in TABLE_FUSED_PARAMS}
         unknown = sorted(set(fused_params) - known)
         if unknown:
             raise ValueError(

@@ -75,11 +75,13 @@ class MultiPassPrefetchConfig(NamedTuple):
     min_splitable_pass_size: int = 6 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class CacheParams:
     """Settings of a FUSED_UVM_CACHING table: the HBM cache in front of rows kept in host memory.
 
     Fields in TorchRec's order (``CacheParams(CacheAlgorithm.LFU, 0.5)`` works positionally).
+    Mutable and hashable as TorchRec's (a planner proposer sets ``load_factor`` and ``stats`` on
+    a sharding option's copy); the hash leaves ``stats`` out, and values are checked when built.
 
     ``to_dict()`` is what a plan stores in ``ParameterSharding.cache_params`` (plain JSON).
     """

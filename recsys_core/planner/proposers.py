@@ -308,18 +308,35 @@ class EmbeddingOffloadScaleupProposer(Proposer):
 
     def load(self, search_space: list[ShardingOption], enumerator: Enumerator | None = None) -> None:
         self.enumerator = enumerator
-        proposal = []
-        for options in _by_fqn(search_space).values():
+        by_fqn = _by_fqn(search_space)
+        for options in by_fqn.values():
             options.sort(key=lambda x: _sharding_option_score(x, self.use_depth))
-            chosen = next((so for so in options if so.compute_kernel == _CACHING), options[0])
-            algorithm = chosen.cache_params.algorithm if chosen.cache_params else None
-            if algorithm is not None and algorithm != CacheAlgorithm.LRU:
-                logger.error("EmbeddingOffloadScaleupProposer supports the LRU cache algorithm "
-                             "only; %s uses %s", chosen.fqn, algorithm)
-            proposal.append(chosen)
-        self.starting_proposal = copy.deepcopy(proposal)
+        self.starting_proposal = copy.deepcopy(self._build_proposal_from_sharding_options(by_fqn))
         self.promote_high_prefetch_overheaad_table_to_hbm(self.enumerator, self.starting_proposal)
         self.proposal = copy.deepcopy(self.starting_proposal)
+
+    @staticmethod
+    def _build_proposal_from_sharding_options(
+        sharding_options_by_fqn: dict[str, list[ShardingOption]],
+    ) -> list[ShardingOption]:
+        """One option per table, in the given order: the first caching one, else the first;
+        a warning names each table whose other options are dropped, an error each cache that
+        is not LRU (the budget search assumes LRU's hit rates)."""
+        proposal = []
+        for fqn, options in sharding_options_by_fqn.items():
+            chosen = next((so for so in options if so.compute_kernel == _CACHING), options[0])
+            if len(options) > 1:
+                logger.warning(
+                    f"EmbeddingOffloadScaleupProposer - ignored {len(options) - 1} sharding "
+                    f"options for table {fqn}: it keeps one per table ({chosen.sharding_type}, "
+                    f"{chosen.compute_kernel})")
+            algorithm = chosen.cache_params.algorithm if chosen.cache_params else None
+            if algorithm is not None and algorithm != CacheAlgorithm.LRU:
+                logger.error(
+                    "EmbeddingOffloadScaleupProposer - proposer only supports LRU cache algorithm; "
+                    f"table {fqn} uses {algorithm}")
+            proposal.append(chosen)
+        return proposal
 
     @staticmethod
     def get_hbm_ceiling(starting_proposal: list[ShardingOption], enumerator: Enumerator) -> int:

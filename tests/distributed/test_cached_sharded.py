@@ -247,3 +247,26 @@ def two_collections_worker(rank: int, world: int, tmp: str) -> list[float]:
 def test_two_collections_with_caches_on_some_ranks_prefetch_in_step(tmp_path) -> None:
     for errors in run_gloo(2, two_collections_worker, str(tmp_path)):
         assert len(errors) == 4 and max(errors) < 1e-6, errors
+
+
+def test_sharder_cache_load_factor_sizes_the_caches_the_plan_leaves_unsized(tmp_path) -> None:
+    """TorchRec's ``fused_params["cache_load_factor"]``: the cache size of each
+    fused_uvm_caching table whose plan gives no load factor; a planned load factor wins."""
+    ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(ebc, {
+        "big": table_wise(rank=0, compute_kernel="fused_uvm_caching"),
+        "mid": table_wise(rank=0, compute_kernel="fused_uvm_caching"),
+    }, 1, 1)
+    plan["mid"].cache_params = CacheParams(load_factor=0.2)
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={**FUSED, "cache_load_factor": 0.05}, offload_dir=str(tmp_path))
+    sharded = sharder.shard(ebc, plan, ShardingEnv.from_local(1, 0), torch.device("cpu"))
+    slots = {rows: c.slots for k in (k for lk in sharded.lookups for k in lk.cached_kernels())
+             for rows, c in zip(k.rows, k.caches, strict=True)}
+    assert slots == {1000: 50, 200: 40}  # "big": 5% of its 1000 rows; "mid": 20% of 200
+    assert plan["big"].cache_params is None  # the user's plan is left as given
+
+
+def test_sharder_refuses_a_cache_load_factor_outside_0_1() -> None:
+    with pytest.raises(ValueError, match=r"cache_load_factor 1.5 must be a fraction of the rows in \(0, 1\]"):
+        EmbeddingBagCollectionSharder(fused_params={**FUSED, "cache_load_factor": 1.5})

@@ -151,6 +151,27 @@ def test_default_sharders_and_refusals() -> None:
             nn.Linear(1, 1), EmbeddingModuleShardingPlan(), None)  # type: ignore[arg-type]
 
 
+def test_tower_sharders_offer_only_the_towers_tables_to_the_planner() -> None:
+    """The interaction module's weights are not tables: the planner never sees them."""
+    from recsys_core.distributed.embedding_tower_sharding import (
+        EmbeddingTowerCollectionSharder,
+        EmbeddingTowerSharder,
+    )
+    from recsys_core.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
+
+    def tower(*names: str) -> EmbeddingTower:
+        tables = [EmbeddingBagConfig(name=n, embedding_dim=4, num_embeddings=10,
+                                     feature_names=[f"f_{n}"]) for n in names]
+        return EmbeddingTower(EmbeddingBagCollection(tables=tables), nn.Linear(8, 8))
+
+    first, second = tower("t0", "t2"), tower("t1")
+    assert list(EmbeddingTowerSharder().shardable_parameters(first)) == ["t0", "t2"]
+    params = EmbeddingTowerCollectionSharder().shardable_parameters(
+        EmbeddingTowerCollection([first, second]))
+    assert list(params) == ["t0", "t2", "t1"]
+    assert params["t1"] is second.embedding.embedding_bags["t1"].weight
+
+
 def _fp_model(device: str = "cpu") -> FeatureProcessedEmbeddingBagCollection:
     return FeatureProcessedEmbeddingBagCollection(
         _ebc(2, weighted=True, device=device),

@@ -20,7 +20,11 @@ from recsys_core.planner.planners import (
     extract_plan,
     validate_modules_inclusion_in_sharding_plan,
 )
-from recsys_core.planner.proposers import GreedyProposer, UniformProposer
+from recsys_core.planner.proposers import (
+    EmbeddingOffloadScaleupProposer,
+    GreedyProposer,
+    UniformProposer,
+)
 from recsys_core.planner.sharding_option import ShardingOption
 from recsys_core.planner.stats import _kl_divergence, _total_variation
 from recsys_core.planner.storage import Perf, Shard, Storage
@@ -63,6 +67,46 @@ def _option(name: str, hbm: list[int], perf: list[float], kind: str = "table_wis
               for h, p in zip(hbm, perf, strict=True)]
     return ShardingOption(name, torch.empty(10, 4, device="meta"), ("m", torch.nn.Module()),
                           [1.0], 8, kind, by, "fused", shards)
+
+
+def test_offload_scaleup_proposer_starts_from_the_first_caching_option_per_table(caplog) -> None:
+    """TorchRec's rule: per table the first fused_uvm_caching option, else the first option;
+    a warning names each table whose other options are dropped, an error each non-LRU cache."""
+    from recsys_core.plan.params import CacheAlgorithm, CacheParams
+
+    def option(name: str, caching: bool, lfu: bool = False) -> ShardingOption:
+        so = _option(name, [10], [1.0])
+        if caching:
+            so.compute_kernel = "fused_uvm_caching"
+            so.cache_params = CacheParams(load_factor=0.1)
+            if lfu:
+                so.cache_params.algorithm = CacheAlgorithm.LFU  # mutable, as TorchRec's
+        return so
+
+    by_fqn = {"one": [option("one", False)],
+              "mixed": [option("mixed", False), option("mixed", True), option("mixed", True)],
+              "plain": [option("plain", False), option("plain", False)],
+              "lfu": [option("lfu", True, lfu=True)]}
+    with caplog.at_level("WARNING", logger="recsys_core.planner.proposers"):
+        chosen = EmbeddingOffloadScaleupProposer._build_proposal_from_sharding_options(by_fqn)
+    assert [id(so) for so in chosen] == [id(by_fqn["one"][0]), id(by_fqn["mixed"][1]),
+                                         id(by_fqn["plain"][0]), id(by_fqn["lfu"][0])]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert [w.split(":")[0] for w in warnings] == [
+        "EmbeddingOffloadScaleupProposer - ignored 2 sharding options for table mixed",
+        "EmbeddingOffloadScaleupProposer - ignored 1 sharding options for table plain"]
+    assert len(errors) == 1 and "table lfu uses" in errors[0] and "LFU" in errors[0]
+
+
+def test_cache_params_are_mutable_and_hash_without_stats() -> None:
+    from recsys_core.plan.params import CacheParams
+
+    a, b = CacheParams(load_factor=0.1), CacheParams(load_factor=0.1)
+    b.stats = object()  # type: ignore[assignment]  # statistics are not part of the identity
+    assert a == b and hash(a) == hash(b)
+    b.load_factor = 0.2
+    assert a != b and hash(a) != hash(b)
 
 
 def test_greedy_proposer_moves_the_largest_table_on() -> None:

@@ -15,9 +15,10 @@ The output columns follow ``output_features`` (each feature at its table's full 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -336,6 +337,25 @@ def check_kernel_placement(plan: Mapping[str, ParameterSharding], device: torch.
                 f"table {name!r}: compute kernel {ps.compute_kernel} (UVM without a cache) is "
                 "not available for sharded CUDA tables; use fused_uvm_caching or fused"
             )
+
+
+def with_cache_load_factor(
+    plan: Mapping[str, ParameterSharding], fused_params: Mapping[str, Any] | None,
+) -> dict[str, ParameterSharding]:
+    """``plan`` with the sharder's ``fused_params["cache_load_factor"]`` (TorchRec's key) as
+    the load factor of every FUSED_UVM_CACHING table whose plan gives none."""
+    clf = (fused_params or {}).get("cache_load_factor")
+    out = dict(plan)
+    if clf is None:
+        return out
+    for name, ps in plan.items():
+        if ps.compute_kernel is not EmbeddingComputeKernel.FUSED_UVM_CACHING:
+            continue
+        params = ps.cache_params or CacheParams()
+        if params.load_factor is None:
+            out[name] = dataclasses.replace(
+                ps, cache_params=dataclasses.replace(params, load_factor=float(clf)))
+    return out
 
 
 def planned_caches(plan: Mapping[str, ParameterSharding]) -> dict[str, CacheParams]:
