@@ -46,6 +46,14 @@ def fbgemm_optim_type(value: str) -> object:
     return EmbOptimType(value)
 
 
+def fbgemm_sparse_type(dtype: torch.dtype) -> object:
+    """FBGEMM's ``SparseType`` of float32 or float16 weights."""
+    tbe_training_module()
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    return {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}[dtype]
+
+
 def fbgemm_supports(device: torch.device) -> bool:
     """True when FBGEMM has kernels for tensors on ``device`` (the CPU build has no CUDA ops)."""
     if _TBE_TRAINING is None:

@@ -132,11 +132,12 @@ class BatchedTables:
         weighted: bool = False,
         fill: TableFill | None = None,
     ) -> BatchedTables:
-        """One kernel per pooling type, in the order the types first appear; tables keep their
-        order within a kernel, each with its features (``features[i]`` for ``tables[i]``)."""
-        groups: dict[bool, list[int]] = {}
+        """One kernel per pooling type and weight dtype, in the order they first appear;
+        tables keep their order within a kernel, each with its features (``features[i]`` for
+        ``tables[i]``)."""
+        groups: dict[tuple[bool, torch.dtype], list[int]] = {}
         for index, mean in enumerate(pooling_mean):
-            groups.setdefault(bool(mean), []).append(index)
+            groups.setdefault((bool(mean), tables[index].dtype), []).append(index)
         specs = [
             PackedKernelSpec(
                 tables=tuple(tables[i] for i in indices),
@@ -147,7 +148,7 @@ class BatchedTables:
                 backend=backend,
                 features=tuple(f for i in indices for f in features[i]),
             )
-            for mean, indices in groups.items()
+            for (mean, _), indices in groups.items()
         ]
         return cls(specs, device, members=list(groups.values()), fill=fill)
 

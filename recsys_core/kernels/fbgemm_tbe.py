@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from recsys_core.kernels._fbgemm import fbgemm_optim_type, tbe_training_module
+from recsys_core.kernels._fbgemm import fbgemm_optim_type, fbgemm_sparse_type, tbe_training_module
 from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 
 # Optimizers with an FBGEMM kernel, per device type (FBGEMM 1.8; the CPU build refuses the rest).
@@ -36,10 +36,12 @@ class FbgemmTableBatchedEmbedding(nn.Module):
         managed_caching: Sequence[bool] = (),
         cache_load_factor: float = 0.2,
         cache_algorithm: str = "lru",
+        weights_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``managed_caching`` (CUDA only): per table, keep it in UVM behind FBGEMM's device
         cache of ``cache_load_factor`` of the cached tables' rows (FBGEMM has one cache per
-        kernel), evicting by ``cache_algorithm``."""
+        kernel), evicting by ``cache_algorithm``. ``weights_dtype``: float32 or float16 weights
+        (FBGEMM's ``weights_precision``); outputs are float32 either way."""
         super().__init__()
         tbe = tbe_training_module()
         on_cuda = device.type == "cuda"
@@ -73,6 +75,9 @@ class FbgemmTableBatchedEmbedding(nn.Module):
                 weight_decay_mode=tbe.WeightDecayMode(cfg.weight_decay_mode.value),
                 pooling_mode=tbe.PoolingMode.MEAN if pooling_mean else tbe.PoolingMode.SUM,
                 bounds_check_mode=tbe.BoundsCheckMode.FATAL,
+                weights_precision=fbgemm_sparse_type(weights_dtype),
+                output_dtype=fbgemm_sparse_type(torch.float32),
+                stochastic_rounding=False,
                 device=device,
                 **cache_kwargs,
             )

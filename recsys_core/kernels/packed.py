@@ -39,8 +39,12 @@ class PackedTable:
     """Columns held."""
     cache: TableCache | None = None
     """Held in a slower tier behind a cache of this many rows (None: all rows in the kernel)."""
+    dtype: torch.dtype = torch.float32
+    """The weights' dtype: float32, or float16 (an FP16 table; a cached table is float32)."""
 
     def __post_init__(self) -> None:
+        if self.cache is not None and self.dtype != torch.float32:
+            raise ValueError(f"PackedTable {self.name!r}: a cached table is kept in float32")
         if self.rows < 0 or self.dim < 1:
             raise ValueError(
                 f"PackedTable {self.name!r}: rows must be >= 0 and dim >= 1, got rows "
@@ -70,7 +74,17 @@ class PackedKernelSpec:
     """The looked-up features' names, one per ``feature_table_map`` entry (errors name them);
     empty: unnamed."""
 
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype of every table's weights (one per kernel, as FBGEMM's)."""
+        return self.tables[0].dtype if self.tables else torch.float32
+
     def __post_init__(self) -> None:
+        if len({t.dtype for t in self.tables}) > 1:
+            raise ValueError(
+                "PackedKernelSpec: tables of one kernel share a dtype, got "
+                f"{[(t.name, t.dtype) for t in self.tables]}; pack each dtype in its own kernel"
+            )
         bad = [t for t in self.feature_table_map if not 0 <= t < len(self.tables)]
         if bad:
             raise ValueError(
@@ -97,6 +111,7 @@ class PackedKernelSpec:
             caches=[t.cache for t in self.tables],
             offload_dir=self.offload_dir,
             table_names=[t.name for t in self.tables],
+            weights_dtype=self.weights_dtype,
         )
 
 

@@ -121,6 +121,7 @@ def build_table_batched_embedding(
     caches: Sequence[TableCache | None] = (),
     offload_dir: str | None = None,
     table_names: Sequence[str] | None = None,
+    weights_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """A kernel module (FBGEMM or torch) holding ``len(rows)`` tables, zero-initialized.
 
@@ -128,7 +129,11 @@ def build_table_batched_embedding(
     ``caches`` (per table, None for an uncached one) puts tables in a slower tier behind a cache:
     FBGEMM's UVM caching where FBGEMM has CUDA kernels for these tables, else
     :class:`CachedTableBatchedEmbedding` (backing files under ``offload_dir`` on CPU).
+    ``weights_dtype``: float32 or float16 weights (a kernel with cached tables is float32).
     """
+    if weights_dtype != torch.float32 and any(c is not None for c in caches):
+        raise ValueError("build_table_batched_embedding: cached tables are kept in float32; "
+                         f"pass weights_dtype=torch.float32, not {weights_dtype}")
     chosen = select_backend(
         backend, device, optimizer, dims, weighted and pooling_mean, feature_table_map
     )
@@ -142,6 +147,7 @@ def build_table_batched_embedding(
             pooling_mean=pooling_mean,
             optimizer=optimizer,
             device=device,
+            weights_dtype=weights_dtype,
             **extra,
         )
 

@@ -34,8 +34,14 @@ class TorchTableBatchedEmbedding(nn.Module):
         pooling_mean: bool,
         optimizer: FusedOptimizerConfig,
         device: torch.device,
+        weights_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``weights_dtype``: float32 or float16 weights (optimizer states stay float32; bags
+        are summed and returned in float32, as FBGEMM's FP16 tables)."""
         super().__init__()
+        if weights_dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"TorchTableBatchedEmbedding: weights_dtype {weights_dtype} is not "
+                             "float32 or float16")
         self.rows = list(rows)
         self.dims = list(dims)
         self.feature_table_map = list(feature_table_map)
@@ -44,7 +50,8 @@ class TorchTableBatchedEmbedding(nn.Module):
         self._lr = optimizer.learning_rate
         self.weights_offsets = _cumsum([r * d for r, d in zip(self.rows, self.dims, strict=True)])
         self.register_buffer(
-            "weights", torch.zeros(self.weights_offsets[-1], device=device), persistent=False
+            "weights", torch.zeros(self.weights_offsets[-1], device=device, dtype=weights_dtype),
+            persistent=False,
         )
         self.state_offsets: dict[str, list[int]] = {}
         opt = optimizer.optimizer
@@ -126,7 +133,7 @@ class TorchTableBatchedEmbedding(nn.Module):
     ) -> torch.Tensor:
         return pooled_lookup(
             indices, offsets, self.split_embedding_weights(), self.feature_table_map,
-            self.pooling_mean, per_sample_weights,
+            self.pooling_mean, per_sample_weights, accumulate_fp32=True,
         )
 
     def backward_and_update(
@@ -223,13 +230,15 @@ class TorchTableBatchedEmbedding(nn.Module):
         cfg = self.optimizer
         opt = cfg.optimizer.canonical
         lr, eps, wd = self._lr, cfg.eps, cfg.weight_decay
-        w = weight.index_select(0, rows)
+        w = weight.index_select(0, rows).float()
+        # An FP16 table is updated in float32 and rounded once to nearest, except that SGD and
+        # Adagrad round their step to FP16 first, then add it (FBGEMM's CPU kernels, measured).
         if opt is EmbOptimType.EXACT_SGD:
-            new_w = w - lr * g
+            new_w = w + _rounded_step(-lr * g, weight.dtype)
         elif opt is EmbOptimType.EXACT_ADAGRAD:
             m = states["momentum1"].index_select(0, rows) + g * g
             states["momentum1"].index_copy_(0, rows, m)
-            new_w = w - lr * g / (m.sqrt() + eps)
+            new_w = w + _rounded_step(-lr * g / (m.sqrt() + eps), weight.dtype)
         elif opt is EmbOptimType.EXACT_ROWWISE_ADAGRAD:
             l2 = cfg.weight_decay_mode is WeightDecayMode.L2
             g_decayed = g + wd * w if l2 else g
@@ -245,7 +254,7 @@ class TorchTableBatchedEmbedding(nn.Module):
             new_w = correction * w - multiplier * g
         else:
             new_w = self._adam_family_update(opt, rows, w, g, states)
-        weight.index_copy_(0, rows, new_w)
+        weight.index_copy_(0, rows, new_w.to(weight.dtype))
 
     def _adam_family_update(
         self,
@@ -302,6 +311,11 @@ class _FusedLookup(torch.autograd.Function):
         return None, None, None, None, psw_grad
 
 
+def _rounded_step(step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``step`` as the table's dtype would hold it (itself for a float32 table)."""
+    return step if dtype == torch.float32 else step.to(dtype).float()
+
+
 def feature_bounds(offsets: torch.Tensor, num_features: int) -> tuple[int, list[int]]:
     """The batch size ``B`` of feature-major ``offsets`` (``num_features * B + 1`` long, a KJT's)
     and where each feature's ids start, ``num_features + 1`` positions into the ids."""
@@ -317,6 +331,7 @@ def pooled_lookup(
     feature_table_map: Sequence[int],
     pooling_mean: bool,
     per_sample_weights: torch.Tensor | None = None,
+    accumulate_fp32: bool = False,
 ) -> torch.Tensor:
     """``[B, sum of the features' dims]``: each feature's bags pooled from its table.
 
@@ -324,21 +339,25 @@ def pooled_lookup(
     batch 2, ids ``f0: [0, 2] | [1]``, ``f1: [] | [3]``: offsets ``[0, 2, 3, 3, 4]``, output
     row 0 is ``[w0[0] + w0[2], 0]``, row 1 ``[w0[1], w1[3]]`` (MEAN divides each bag by its
     length). Per-sample weights take each table's dtype; the output is float32 (an FP16
-    table's too).
+    table's too). ``accumulate_fp32``: an FP16 table's rows are summed in float32, with float32
+    per-sample weights (FBGEMM's FP16 kernels), instead of in float16.
     """
     batch, starts = feature_bounds(offsets, len(feature_table_map))
     outs = []
     for f, t in enumerate(feature_table_map):
         lo, hi = starts[f], starts[f + 1]
         bags = offsets[f * batch : (f + 1) * batch + 1] - lo
-        weight = tables[t]
+        weight, ids = tables[t], indices[lo:hi].long()
+        if accumulate_fp32 and weight.dtype != torch.float32:
+            weight = weight.index_select(0, ids).float()
+            ids = torch.arange(hi - lo, device=weight.device)
         sample_weights = None
         if per_sample_weights is not None:
             sample_weights = per_sample_weights[lo:hi]
             if sample_weights.dtype != weight.dtype:
                 sample_weights = sample_weights.to(weight.dtype)
         out = nn.functional.embedding_bag(
-            indices[lo:hi].long(),
+            ids,
             weight,
             bags.long(),
             mode="sum",

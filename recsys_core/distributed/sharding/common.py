@@ -173,18 +173,40 @@ class LocalKernels(nn.Module):
         self.slots = list(slots)
         self.kernel_shards: list[list[ShardSpec]] = []
         """Each kernel's tables: the shards it holds, in kernel order."""
-        groups = [[s for s in self.slots if s.pooling is pooling]
-                  for pooling in (PoolingType.SUM, PoolingType.MEAN)]
-        groups = [group for group in groups if group]
-        if [s for group in groups for s in group] != self.slots:
+        if [s.pooling for s in self.slots] != sorted(
+                (s.pooling for s in self.slots), key=lambda p: p is PoolingType.MEAN):
             raise ValueError("LocalKernels: slots must be ordered SUM first, then MEAN")
+
+        def dtype(slot: Slot) -> torch.dtype:  # a cached table is kept in float32
+            if ctx.dense or slot.shard.table in ctx.caches:
+                return torch.float32
+            return table_dtype(configs[slot.shard.table])
+
+        # one kernel per pooling type and weight dtype (FP16 tables in their own kernel)
+        by_kind: dict[tuple[PoolingType, torch.dtype], list[Slot]] = {}
+        for s in self.slots:
+            by_kind.setdefault((s.pooling, dtype(s)), []).append(s)
+        groups = list(by_kind.values())
+        in_kernel_order = [s for group in groups for s in group]
+        # kernels' outputs come in kernel order; this restores the slots' order (None: the same)
+        self._columns = None
+        if in_kernel_order != self.slots:
+            first = {id(s): sum(t.shard.cols for t in in_kernel_order[:i])
+                     for i, s in enumerate(in_kernel_order)}
+            self._columns = column_permutation(
+                [first[id(s)] + c for s in self.slots for c in range(s.shard.cols)])
+            position = {id(s): i for i, s in enumerate(self.slots)}
+            self._to_kernel_order = [position[id(s)] for s in in_kernel_order]
+            back = {id(s): i for i, s in enumerate(in_kernel_order)}
+            self._from_kernel_order = [back[id(s)] for s in self.slots]
         specs = []
         for group in groups:
             shards = list(dict.fromkeys(s.shard for s in group))
             specs.append(PackedKernelSpec(
                 tables=tuple(
                     PackedTable(name=sh.table, rows=sh.rows, dim=sh.cols,
-                                cache=_table_cache(sh, ctx.caches.get(sh.table)))
+                                cache=_table_cache(sh, ctx.caches.get(sh.table)),
+                                dtype=dtype(group[0]))
                     for sh in shards
                 ),
                 feature_table_map=tuple(shards.index(s.shard) for s in group),
@@ -218,12 +240,19 @@ class LocalKernels(nn.Module):
 
     def lookup(self, kjt: KeyedJaggedTensor, is_weighted: bool) -> torch.Tensor:
         """Pooled ``[kjt.stride(), output_dim]`` for a KJT whose keys are the slot keys."""
-        return self.batched.lookup(kjt, is_weighted)
+        if self._columns is None:
+            return self.batched.lookup(kjt, is_weighted)
+        out = self.batched.lookup(kjt.permute(self._to_kernel_order), is_weighted)
+        return select_columns(out, self._columns)
 
     def lookup_rows(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
         """``[n_i, cols_i]``, one row per id, for each slot ``i`` of a KJT whose keys are the
         slot keys (see ``BatchedTables.lookup_rows``)."""
-        return self.batched.lookup_rows(kjt.values(), kjt.length_per_key())
+        if self._columns is None:
+            return self.batched.lookup_rows(kjt.values(), kjt.length_per_key())
+        ordered = kjt.permute(self._to_kernel_order)
+        rows = self.batched.lookup_rows(ordered.values(), ordered.length_per_key())
+        return [rows[k] for k in self._from_kernel_order]
 
     def cached_kernels(self) -> list[CachedTableBatchedEmbedding]:
         return [k for k in self.kernels if isinstance(k, CachedTableBatchedEmbedding)]
