@@ -148,6 +148,8 @@ def fixed_batch_fast_path(kjt: KeyedJaggedTensor) -> list[int] | None:
         numel = offsets.numel() - 1
     else:
         return None
+    if not isinstance(numel, int):  # torch.jit.trace: sizes are traced tensors, take the general path
+        return None
     if offsets is not None and not (
         type(offsets) is torch.Tensor
         and offsets.is_cpu

@@ -352,3 +352,20 @@ def test_a_traced_offsets_only_kjt_computes_its_lengths_from_the_new_offsets() -
         lengths_of, (torch.arange(6), torch.tensor([0, 1, 3, 3, 6])), check_trace=False
     )
     assert traced(torch.arange(6), torch.tensor([0, 2, 2, 5, 6])).tolist() == [2, 0, 3, 1]
+
+
+def test_a_traced_module_building_a_kjt_from_offsets_serves_other_batch_sizes() -> None:
+    """Under ``torch.jit.trace`` (strict=False, as TorchRec's users trace) a KJT built with
+    ``from_offsets_sync`` has traced sizes: the validation takes its general path (the fast
+    path needs plain ints) and the trace answers for another batch size."""
+
+    def first_key_offsets(offsets: torch.Tensor, values: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:
+        kjt = KeyedJaggedTensor.from_offsets_sync(
+            offsets=offsets, values=values, weights=weights, keys=["a", "b"])
+        return kjt["a"].offsets()
+
+    traced = torch.jit.trace(first_key_offsets, (torch.tensor([0, 2, 2]), torch.arange(2),
+                                                 torch.rand(2)), strict=False, check_trace=False)
+    out = traced(torch.tensor([0, 2, 2, 3, 4, 6, 8]), torch.arange(8), torch.rand(8))
+    assert out.tolist() == [0, 2, 2, 3]  # batch 3: key "a" has bags of 2, 0 and 1 ids
