@@ -141,7 +141,7 @@ def pooling_type_to_str(pooling_type: PoolingType) -> str:
     return pooling_type.value.lower()
 
 
-@dataclass(frozen=True)
+@dataclass
 class BaseEmbeddingConfig:
     """Fields shared by pooled and unpooled tables.
 
@@ -237,7 +237,7 @@ class BaseEmbeddingConfig:
                 weight.uniform_(self.get_weight_init_min(), self.get_weight_init_max())
 
 
-@dataclass(frozen=True)
+@dataclass
 class EmbeddingBagConfig(BaseEmbeddingConfig):
     """A pooled table (one vector per bag). ``pooling`` is SUM or MEAN."""
 
@@ -252,12 +252,12 @@ class EmbeddingBagConfig(BaseEmbeddingConfig):
             )
 
 
-@dataclass(frozen=True)
+@dataclass
 class EmbeddingConfig(BaseEmbeddingConfig):
     """An unpooled (sequence) table: one vector per id."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class EmbeddingTableConfig(BaseEmbeddingConfig):
     """TorchRec's table description used by sharded modules: any pooling (NONE for sequence
     tables), whether the features are weighted or feature-processed, and the output names."""

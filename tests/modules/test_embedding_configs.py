@@ -104,3 +104,19 @@ def test_eviction_policy_defaults_follow_training_values() -> None:
     assert score.max_inference_id_num_per_rank == 7
     assert score.inference_eviction_ttl_mins == 9
     assert score.feature_score_mapping == {}
+
+
+def test_configs_are_mutable_dataclasses_as_torchrecs() -> None:
+    """TorchRec's configs are plain dataclasses: recipes set a field before building the
+    collection (``tables[0].pooling = PoolingType.MEAN``); the module built after sees it."""
+    from recsys_core import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType
+
+    config = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"])
+    config.pooling = PoolingType.MEAN
+    ebc = EmbeddingBagCollection([config])
+    weight = ebc.embedding_bags["t"].weight.detach()
+    out = ebc(KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 3]), lengths=torch.tensor([2])))
+    torch.testing.assert_close(out.values(), ((weight[1] + weight[3]) / 2).unsqueeze(0))
+    copy = EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"],
+                              pooling=PoolingType.MEAN)
+    assert config == copy
