@@ -283,12 +283,31 @@ def test_export_serves_the_frozen_mapping(kaggle_zch: tuple[Path, Path, Path],
         expected = torch.sigmoid(model(batch.dense, batch.sparse)).squeeze(1)
         got = scripted(batch.dense, batch.sparse.values(), batch.sparse.offsets())
     assert (got - expected).abs().max() < 0.01
-    # an id no training step saw: the last row, as for any id without a row of its own
-    unseen = batch.sparse.values().clone()
-    unseen[0] = 4_000_000_000  # cat_0 of row 0, in [0, 2^32), not in the data
-    fallback = scripted(batch.dense[:1], torch.cat([unseen[:1], unseen[batch.dense.size(0)::
-                        batch.dense.size(0)]]), torch.arange(27))
-    assert 0.0 < float(fallback[0]) < 1.0
+    # an id no training step saw: the last row, as for any id without a row of its own. Row 0
+    # alone (one id per feature), with its cat_0 replaced by ids not in the data; an FP32
+    # artifact, so that one row's difference shows (int8 rounding hides it)
+    fp32 = tmp / "model_fp32.pt"
+    export_model(run, fp32, dtype="fp32", fmt="torchscript", checkpoint="latest")
+    scripted = torch.jit.load(str(fp32))
+    size = batch.dense.size(0)
+    row0 = batch.sparse.values()[::size].clone()
+    offsets = torch.arange(row0.numel() + 1)
+
+    def predict(cat_0: int) -> tuple[float, float]:
+        ids = row0.clone()
+        ids[0] = cat_0
+        kjt = KeyedJaggedTensor.from_offsets_sync(keys=batch.sparse.keys(), values=ids,
+                                                  offsets=offsets)
+        with torch.no_grad():
+            trained = float(torch.sigmoid(model(batch.dense[:1], kjt)).squeeze())
+        return float(scripted(batch.dense[:1], ids, offsets)[0]), trained
+
+    seen, seen_trained = predict(int(row0[0]))
+    assert abs(seen - seen_trained) < 1e-5
+    fallback, fallback_trained = predict(4_000_000_000)  # in [0, 2^32), not in the data
+    assert abs(fallback - fallback_trained) < 1e-5  # the trained model's fallback row
+    assert predict(4_000_000_001)[0] == fallback  # every unseen id: the same row
+    assert abs(fallback - seen) > 1e-4  # ... which is not the seen id's row
 
 
 @pytest.mark.shared_data(ML100K)
