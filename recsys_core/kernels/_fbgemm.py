@@ -7,6 +7,7 @@ kernels everywhere (the fallback has the same numerics; tests use it as a second
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from types import ModuleType
@@ -16,21 +17,42 @@ import torch
 _DISABLE_ENV = "RECSYS_CORE_DISABLE_FBGEMM"
 
 
+MATCHING_FBGEMM = {"2.13": "1.8.0", "2.14": "1.9.0"}
+"""The FBGEMM release built for each torch release (an FBGEMM loads with its own torch only)."""
+
+
 def _load() -> tuple[ModuleType | None, str]:
     if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
         return None, f"disabled by {_DISABLE_ENV}"
+    if importlib.util.find_spec("fbgemm_gpu") is None:
+        return None, "fbgemm_gpu is not installed (the [cpu] or [cuda] extra installs it)"
     try:
         # fbgemm prints deprecation chatter at import; it is not ours to act on.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import fbgemm_gpu  # noqa: F401
             import fbgemm_gpu.split_table_batched_embeddings_ops_training as tbe_training
-    except (ImportError, OSError) as exc:  # OSError: an ABI mismatch surfaces as undefined symbol
-        return None, f"fbgemm_gpu failed to import: {exc}"
+    except Exception as exc:  # noqa: BLE001  an ABI mismatch: ImportError, OSError, RuntimeError
+        return None, _broken(exc)
     return tbe_training, "ok"
 
 
+def _broken(exc: Exception) -> str:
+    """One line: why an installed FBGEMM did not load, and how to get its kernels."""
+    torch_release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    match = MATCHING_FBGEMM.get(torch_release)
+    fix = (f"install the FBGEMM built for torch {torch_release} (fbgemm-gpu-cpu=={match}, or "
+           f"fbgemm-gpu=={match} with CUDA)" if match else
+           f"no FBGEMM release here is built for torch {torch_release}: "
+           f"{', '.join(f'torch {t} <-> {f}' for t, f in MATCHING_FBGEMM.items())}")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"fbgemm_gpu is installed but failed to import ({first}); every path runs on the "
+            f"pure-torch kernels (same numerics, slower); for FBGEMM's kernels {fix}")
+
+
 _TBE_TRAINING, _STATUS = _load()
+if _TBE_TRAINING is None and _STATUS.startswith("fbgemm_gpu is installed"):
+    warnings.warn(_STATUS, RuntimeWarning, stacklevel=2)
 
 
 def fbgemm_available() -> bool:
