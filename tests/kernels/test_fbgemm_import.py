@@ -10,11 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SYMBOL = "_ZN3c1010TensorImpl17set_autograd_metaESt10unique_ptr"
 PROGRAM = """
+import pytest
 import torch
 from recsys_core import EmbeddingBagConfig, KeyedJaggedTensor
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
@@ -61,3 +63,19 @@ def test_info_reports_why_fbgemm_is_not_used(tmp_path: Path) -> None:
     assert report["fbgemm_gpu"] is None
     assert "undefined symbol" in report["fbgemm_status"]
     assert all(v.startswith("torch") for v in report["fused_kernels"].values())
+
+
+def test_the_extras_install_the_fbgemm_of_the_torch_the_notice_names() -> None:
+    """pyproject's extras and the notice's table agree: [cpu]/[cuda] for torch 2.13, the
+    -torch214 ones for torch 2.14, each pinning the FBGEMM release built for that torch."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from recsys_core.kernels._fbgemm import MATCHING_FBGEMM
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {"2.13": ("cpu", "cuda"), "2.14": ("cpu-torch214", "cuda-torch214")}
+    assert set(names) == set(MATCHING_FBGEMM)
+    for release, (cpu, cuda) in names.items():
+        assert extras[cpu] == [f"fbgemm-gpu-cpu=={MATCHING_FBGEMM[release]}"]
+        assert extras[cuda] == [f"fbgemm-gpu=={MATCHING_FBGEMM[release]}"]
