@@ -27,6 +27,8 @@ interleaved like the shares, in tests/integration/test_torchrun.py).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,8 @@ from dlrm_app.checkpoint import latest_checkpoint
 from dlrm_app.components import (
     Checkpointer,
     MetricsLogger,
+    Preempted,
+    PreemptionGuard,
     TrainingDiverged,
     TrainState,
     Validator,
@@ -69,7 +73,7 @@ from dlrm_app.runtime import (
 )
 from dlrm_app.threads import configure_threads
 
-__all__ = ["Trainer", "TrainingDiverged", "train"]
+__all__ = ["Preempted", "Trainer", "TrainingDiverged", "train"]
 
 
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
@@ -80,6 +84,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     except KeyboardInterrupt as stop:
         stop.where = trainer.interrupted_at()  # type: ignore[attr-defined]
         raise
+    if trainer.preempted:
+        raise trainer.stop_preempted()
     return trainer.finish()
 
 
@@ -92,6 +98,7 @@ class Trainer:
         self.device = device = init_distributed(config.timeout)
         self.rank, self.world_size = world()
         world_size = self.world_size
+        config = restarted(config, self.rank)
         if self.rank == 0 and progress:
             print(threads.describe(), file=sys.stderr)
         if self.rank == 0 and threads.warning:
@@ -169,6 +176,8 @@ class Trainer:
             print(message, file=sys.stderr)
         self._autocast = autocast(device, config.amp)
         self._started = time.perf_counter()
+        self.preempted = False
+        """SIGTERM stopped ``fit`` after a step (every rank the same one)."""
 
     def interrupted_at(self) -> str:
         """Where a Ctrl-C stopped the run and how to go on, for the one-line message."""
@@ -178,8 +187,26 @@ class Trainer:
                 "no checkpoint was saved yet: start again")
         return f" at step {self.state.step}; {kept}"
 
+    def stop_preempted(self) -> Preempted:
+        """After SIGTERM: the step's checkpoint (saved together by every rank), an event in the
+        metrics log, and the one-line message of the stop."""
+        state = self.state
+        self.metrics.bar.close()
+        self.checkpointer.at_end(state, self.start_step)
+        newest = latest_checkpoint(self.out / "checkpoints")
+        self.metrics.write({"event": "preempted", "step": state.step,
+                            "checkpoint": None if newest is None else newest.name})
+        kept = (f"checkpoint {newest.name} saved: `dlrm-app train --out {self.out} --resume` "
+                "continues from it" if newest is not None else "no step trained, nothing saved")
+        return Preempted(f"stopped by SIGTERM after step {state.step}; {kept}")
+
     def fit(self) -> None:
-        """Step until the epochs or ``--max-steps`` are done or a component stops the run."""
+        """Step until the epochs or ``--max-steps`` are done, a component stops the run, or
+        SIGTERM does (``preempted``: after the step in progress, on every rank alike)."""
+        with PreemptionGuard(self.world_size, self.device) as guard:
+            self._fit(guard)
+
+    def _fit(self, guard: PreemptionGuard) -> None:
         state, config, metrics = self.state, self.config, self.metrics
         self.model.train()
         while state.step < self.total_steps and state.epoch < config.epochs \
@@ -198,10 +225,14 @@ class Trainer:
                 metrics.after_step(state, loss_sum, len(batch.labels))
                 self.validator.after_step(state)
                 self.checkpointer.after_step(state)
+                if guard.agreed():
+                    self.preempted, state.stop_reason = True, "preempted (SIGTERM)"
                 if state.stop_reason or state.step >= self.total_steps:
                     break
                 ready = time.perf_counter()
             batches.close()  # type: ignore[attr-defined]
+            if self.preempted:
+                return
             if state.epoch_batches >= self.steps_per_epoch or state.step >= self.total_steps:
                 self.validator.at_epoch_end(state)
                 if state.step < self.total_steps and not state.stop_reason:
@@ -279,6 +310,23 @@ class Trainer:
         if self.rank == 0:
             summary["report"] = str(write_report(self.out))
         return summary
+
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun in the workers it starts: how many times it restarted the group."""
+
+
+def restarted(config: TrainConfig, rank: int) -> TrainConfig:
+    """Under a torchrun restart (``--max-restarts``) the run goes on from its newest checkpoint:
+    ``--resume`` is implied (and ``--overwrite`` dropped: it would erase the run being
+    continued)."""
+    restarts = int(os.environ.get(RESTART_ENV, "0") or 0)
+    if restarts == 0 or (config.resume and not config.overwrite):
+        return config
+    if rank == 0:
+        print(f"torchrun restart {restarts}: resuming the run in {config.out} from its newest "
+              "checkpoint", file=sys.stderr)
+    return dataclasses.replace(config, resume=True, overwrite=False)
 
 
 def check_validation_labels(spec: DatasetSpec, data: str) -> None:

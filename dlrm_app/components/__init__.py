@@ -9,12 +9,15 @@ its own schedule.
 - ``Checkpointer`` (``checkpointer``): the best checkpoint (when the validator finds one),
   every ``--save-every`` steps, the last state; ``--resume`` restores from it.
 - ``TrainState`` (``state``): where training is, in a few numbers, saved in every checkpoint.
+- ``PreemptionGuard`` (``preemption``): SIGTERM ends training after the step in progress, the
+  ranks agreeing on the step, with a checkpoint of it (``Preempted``, exit code 143).
 """
 
 from dlrm_app.components.checkpointer import Checkpointer, checkpoint_step
 from dlrm_app.components.metrics_logger import PHASES, MetricsLogger
+from dlrm_app.components.preemption import Preempted, PreemptionGuard
 from dlrm_app.components.state import TrainingDiverged, TrainState, diverged
 from dlrm_app.components.validator import Validator
 
-__all__ = ["PHASES", "Checkpointer", "MetricsLogger", "checkpoint_step", "TrainState", "TrainingDiverged",
-           "Validator", "diverged"]
+__all__ = ["PHASES", "Checkpointer", "MetricsLogger", "Preempted", "PreemptionGuard",
+           "checkpoint_step", "TrainState", "TrainingDiverged", "Validator", "diverged"]

@@ -194,6 +194,42 @@ def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Pa
 
 
 @pytest.mark.slow
+def test_sigterm_to_torchrun_saves_one_step_and_resume_equals_uninterrupted(
+        data: Path, two_rank_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """A scheduler's preemption: SIGTERM to torchrun, which passes it to both ranks; they agree
+    on the step to stop after, save its checkpoint together, and --resume continues exactly."""
+    run2, _ = two_rank_run
+    run = tmp_path / "preempted"
+    args = ["train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
+            "--max-steps", "80", "--save-every", "20", *COMMON]
+    proc = subprocess.Popen(_cmd(2, *args), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    log, deadline = run / "metrics.jsonl", time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and (
+            not log.exists() or len(_losses(run)) < 5):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be preempted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM after step" in err, err[-3000:]
+    events = [json.loads(s) for s in log.read_text().splitlines()]
+    (stop,) = [e for e in events if e["event"] == "preempted"]
+    step = stop["step"]
+    assert 5 <= step < 20 and stop["checkpoint"] == f"step_{step:08d}"  # before the first save
+    newest = latest_checkpoint(run / "checkpoints")
+    assert newest.name == f"step_{step:08d}"
+    listed = json.loads((newest / MANIFEST).read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(listed)  # both ranks saved the same step
+    verify_checkpoint(newest)
+    summary = _run(2, *args, "--resume")
+    assert summary["trained_steps"] == 80 - step
+    full, cut = _losses(run2), _losses(run)
+    for s in range(step + 1, 81):
+        assert cut[s] == pytest.approx(full[s], rel=1e-6, abs=1e-7), s
+
+
+@pytest.mark.slow
 def test_evaluation_is_rank_count_invariant(two_rank_run: tuple[Path, dict]) -> None:
     run2, _ = two_rank_run
     results = [_run(n, "evaluate", str(run2), "--split", "test", "--batch-size", "500")
