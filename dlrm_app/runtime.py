@@ -32,13 +32,35 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     reuse_freed_memory()
     cuda = torch.cuda.is_available()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = restart_store(timeout)
+        if store is None:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under a torchrun restart, the agent's store with a prefix of its own for this attempt;
+    None otherwise (``init_process_group`` then reads the store from the environment).
+
+    torchrun (2.13) hands the workers of a restarted group the same agent store as the failed
+    attempt's, and the failed ranks' keys are still in it: the new ranks read their dead peers'
+    addresses and gloo's connection hangs in ``init_process_group`` (a 2-rank program of plain
+    torch does the same). Keys under ``attempt_N/`` start clean."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{restarts}", agent)
 
 
 KEEP_FREED_BELOW = 64 << 20

@@ -230,6 +230,40 @@ def test_sigterm_to_torchrun_saves_one_step_and_resume_equals_uninterrupted(
 
 
 @pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(
+        data: Path, two_rank_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """``torchrun --max-restarts 1``: a rank killed mid-run (SIGKILL, a lost host) makes torchrun
+    restart the group; the new workers join (their own store keys: dlrm_app.runtime), resume
+    from the newest checkpoint by themselves, and finish as the uninterrupted run would."""
+    run2, _ = two_rank_run
+    run = tmp_path / "restarted"
+    args = ["train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
+            "--max-steps", "80", "--save-every", "20", *COMMON]
+    cmd = _cmd(2, *args)
+    cmd.insert(cmd.index("--standalone") + 1, "--max-restarts=1")
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    latest, deadline = run / "checkpoints" / "latest", time.monotonic() + 240
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [p for p in descendants(proc.pid)
+               if "dlrm_app" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")]
+    assert proc.poll() is None and workers, "the run ended before a rank could be killed"
+    os.kill(workers[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-4000:]
+    starts = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    starts = [e for e in starts if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed_from"] is not None
+    resumed_at = starts[1]["start_step"]
+    assert 0 < resumed_at < 80  # the newest checkpoint: a save or a better validation
+    assert json.loads(out.strip().splitlines()[-1])["trained_steps"] == 80 - resumed_at
+    full, cut = _losses(run2), _losses(run)
+    for step in range(resumed_at + 1, 81):
+        assert cut[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+
+
+@pytest.mark.slow
 def test_evaluation_is_rank_count_invariant(two_rank_run: tuple[Path, dict]) -> None:
     run2, _ = two_rank_run
     results = [_run(n, "evaluate", str(run2), "--split", "test", "--batch-size", "500")
