@@ -452,8 +452,11 @@ def describe_error(exc: BaseException) -> str:
                 "that error and rerun (--resume continues from the last checkpoint)")
     elif isinstance(exc, RuntimeError) and any(
             word in str(exc).lower() for word in ("timed out", "timeout")):  # gloo's, nccl's
-        text = ("a collective operation timed out waiting for the other ranks (one stalled or "
-                "died): check the other ranks' output; if a legitimate step is that slow, raise "
+        runtime = sys.modules.get("dlrm_app.runtime")  # loaded by whatever ran a collective
+        silent = runtime.stalled_ranks_text() if runtime is not None else ""
+        who = f"{silent} stopped answering" if silent else "one stalled or died"
+        text = (f"a collective operation timed out waiting for the other ranks ({who}): check "
+                "that rank's host and output; if a legitimate step is that slow, raise "
                 "--timeout")
     else:
         text = (f"{type(exc).__name__}: {str(exc)[:300]} (a bug? rerun with {TRACEBACK_ENV}=1 "

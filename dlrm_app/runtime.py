@@ -15,6 +15,7 @@ import gc
 import os
 import resource
 import sys
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -40,11 +41,77 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, store=store,
                                     rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]))
+        Heartbeat.start()
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+class Heartbeat:
+    """Each rank's sign of life in torchrun's store, for naming the rank that stalled.
+
+    A daemon thread writes the time to ``heartbeat/<rank>`` every ``INTERVAL_S``; a process
+    that stops (SIGSTOP, a hung host, a swapped-out machine) stops writing with all its threads.
+    When a collective times out, :meth:`stalled` reads every rank's last beat. A store of its
+    own (a client of torchrun's), so that the beats never wait behind the training's
+    collectives; nothing runs outside torchrun (no MASTER_ADDR)."""
+
+    INTERVAL_S = 1.0
+    _store: dist.Store | None = None
+
+    @classmethod
+    def start(cls) -> None:
+        if cls._store is not None or "MASTER_ADDR" not in os.environ:
+            return
+        try:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   is_master=False, timeout=datetime.timedelta(seconds=10))
+        except (RuntimeError, ValueError):  # no store to reach: no heartbeats, nothing else
+            return
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        cls._store = dist.PrefixStore(f"dlrm_app_heartbeat/{attempt}", client)
+        rank = int(os.environ["RANK"])
+        import threading
+
+        def beat() -> None:
+            while True:
+                try:
+                    cls._store.set(f"{rank}", repr(time.time()))  # type: ignore[union-attr]
+                except (RuntimeError, OSError):
+                    return  # the store went away (torchrun is ending the job)
+                time.sleep(cls.INTERVAL_S)
+
+        threading.Thread(target=beat, name="dlrm-app-heartbeat", daemon=True).start()
+
+    @classmethod
+    def stalled(cls, world_size: int) -> list[tuple[int, float | None]]:
+        """``(rank, seconds since its last beat or None if it never beat)`` of every rank
+        silent for more than 3 intervals, the most silent first; empty without heartbeats."""
+        if cls._store is None:
+            return []
+        now, silent = time.time(), []
+        for rank in range(world_size):
+            try:
+                last = float(cls._store.multi_get([str(rank)])[0].decode()) \
+                    if cls._store.check([str(rank)]) else None
+            except (RuntimeError, OSError, ValueError):
+                return []
+            age = None if last is None else now - last
+            if age is None or age > 3 * cls.INTERVAL_S:
+                silent.append((rank, age))
+        return sorted(silent, key=lambda r: -(r[1] if r[1] is not None else float("inf")))
+
+
+def stalled_ranks_text() -> str:
+    """``"rank 1 (silent for 12 s)"``-style words naming the ranks that stopped answering, or
+    empty where none is known."""
+    if not dist.is_initialized():
+        return ""
+    silent = Heartbeat.stalled(dist.get_world_size())
+    return ", ".join(f"rank {r}" + (f" (silent for {age:.0f} s)" if age is not None else
+                                    " (never answered)") for r, age in silent)
 
 
 def restart_store(timeout: datetime.timedelta) -> dist.Store | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -439,6 +440,7 @@ def test_stalled_rank_ends_the_run_after_timeout(data: Path, tmp_path: Path) -> 
     ours = [line for line in lines if line.startswith("dlrm-app train (rank 0)")]
     assert len(ours) == 1, lines[-30:]
     assert "timed out waiting for the other ranks" in ours[0] and "--timeout" in ours[0]
+    assert re.search(r"\(rank 1 \(silent for \d+ s\) stopped answering\)", ours[0]), ours[0]
 
 
 def test_failing_rank_and_its_peer_each_print_one_line(data: Path, tmp_path: Path) -> None:
