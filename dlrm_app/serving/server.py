@@ -448,6 +448,9 @@ class PredictionServer:
         self._in_flight = 0
         self._last_change = 0.0
         self._idle = threading.Lock()
+        self.reloads = 0
+        """Models taken in place of the first one (:meth:`swap`)."""
+        self._swapping = threading.Lock()
 
     @classmethod
     def from_file(cls, path: str | Path, config: ServeConfig, *,
@@ -523,10 +526,11 @@ class PredictionServer:
         self._httpd = None
         return unanswered
 
-    def warm_up(self) -> None:
+    def warm_up(self, model: torch.jit.ScriptModule | None = None) -> None:
         """Calls of 1, 2 and 3 rows: TorchScript profiles and optimizes a method on its first
         calls and shapes (tens of ms), and a .pt2's first calls allocate, which would otherwise
         land on the first clients."""
+        model = self.model if model is None else model
         d, f = len(self.parser.dense_names), len(self.parser.sparse)
         with torch.inference_mode():
             for b in (1, 2, 3):
@@ -535,7 +539,25 @@ class PredictionServer:
                     if self.parser.accepts_rows else
                     EncodedRows(np.zeros((b, d), np.float32), [np.zeros(b, np.int64)] * f,
                                 np.ones((f, b), np.int64)))
-                type(inputs).predict(self.model, [inputs])
+                type(inputs).predict(model, [inputs])
+
+    def swap(self, path: str | Path, *, expect_sha256: str | None = None) -> dict[str, Any]:
+        """Serve the model at ``path`` from now on, without a failed or lost request: it is
+        loaded (its sha256 checked as at start), checked to take the same inputs, and warmed
+        up while the current model serves; then the next batch runs on it (a batch already
+        running finishes on the old one). Raises ``ValueError`` (the current model goes on
+        serving) for a model that cannot be loaded or takes other inputs. Returns what
+        ``/health`` will show."""
+        with self._swapping:  # one swap at a time
+            model, metadata = load_artifact(path, expect_sha256=expect_sha256)
+            if _inputs_of(metadata) != _inputs_of(self.metadata):
+                raise ValueError(f"{path} takes other inputs than the model being served (its "
+                                 "features or raw row format differ); start a server for it")
+            self.warm_up(model)
+            self.batcher.model = model  # read once per batch by the worker
+            self.model, self.metadata, self.name = model, metadata, Path(path).name
+            self.reloads += 1
+            return self.health()
 
     def __enter__(self) -> PredictionServer:
         self.start()
@@ -557,10 +579,18 @@ class PredictionServer:
         meta = self.metadata
         return {"status": "ok", "model": self.name, "format": meta.get("format", "torchscript"),
                 "embedding_dtype": meta.get("embedding_dtype"), "dataset": meta.get("dataset"),
-                "sha256": meta.get("sha256"),
+                "sha256": meta.get("sha256"), "reloads": self.reloads,
                 "accepts": ["rows", "instances"] if self.parser.accepts_rows else ["instances"],
                 "dense_features": len(meta["dense_features"]),
                 "sparse_features": len(meta["sparse_features"])}
+
+
+def _inputs_of(metadata: dict[str, Any]) -> tuple[Any, ...]:
+    """What a request must hold for a model: its features and raw row format."""
+    return (tuple(metadata["dense_features"]),
+            tuple((f["name"], f["num_embeddings"], f.get("multi_hot")) for f in
+                  metadata["sparse_features"]),
+            metadata.get("raw_format"))
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -589,8 +619,11 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
         port = server.start(bound)
     except (ValueError, OSError) as e:
         raise SystemExit(f"dlrm-app serve: {e}") from None
-    stop = threading.Event()
+    stop, reload = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
+    threading.Thread(target=_reloader, args=(server, model, expect_sha256, reload, stop),
+                     name="dlrm-serve-reload", daemon=True).start()
     print(json.dumps({"listening": f"http://{config.host}:{port}", "port": port,
                       "model": str(model),
                       "embedding_dtype": server.metadata.get("embedding_dtype"),
@@ -603,3 +636,23 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
     print(json.dumps({"stopped": True, "unanswered": unanswered}), flush=True)
     return 0
 
+
+def _reloader(server: PredictionServer, model: str | Path, expect_sha256: str | None,
+              reload: threading.Event, stop: threading.Event) -> None:
+    """SIGHUP: take the model now at ``model``'s path (replace the file and its ``.sha256``
+    first, e.g. with ``mv``), one JSON line saying what serves; a model that fails its checks
+    leaves the current one serving."""
+    while not stop.is_set():
+        if not reload.wait(0.5):
+            continue
+        reload.clear()
+        start = time.perf_counter()
+        try:
+            health = server.swap(model, expect_sha256=expect_sha256)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(json.dumps({"reload_failed": str(e), "serving": server.name,
+                              "sha256": server.metadata.get("sha256")}), flush=True)
+            continue
+        print(json.dumps({"reloaded": str(model), "sha256": health["sha256"],
+                          "verified": server.metadata.get("verified"),
+                          "seconds": round(time.perf_counter() - start, 2)}), flush=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import shutil
 import signal
 import socket
 import struct
@@ -675,3 +677,78 @@ def test_request_error_carries_status() -> None:
     with pytest.raises(RequestError) as e:
         RequestParser(metadata(), max_rows=1).parse(b'{"rows": ["", ""]}')
     assert e.value.status == 413
+
+
+def test_sighup_swaps_the_model_under_load_without_a_failed_request(artifact: Path,
+                                                                     tmp_path: Path) -> None:
+    """``kill -HUP``: the file now at the model's path is loaded, checked and warmed up while
+    the old model serves; every request is answered (200), by the old model until the swap and
+    by the new one after it, never a mix; a model taking other inputs is refused and the
+    current one goes on serving."""
+    served = tmp_path / "model.pt"
+    shutil.copy(artifact, served)
+    other = torch.jit.script(HashedLogistic(SIZES))
+    with torch.no_grad():
+        other.weights.weight.mul_(-1.0)  # another model: other answers on the same rows
+    torch.jit.save(other, str(tmp_path / "b.pt"),
+                   _extra_files={METADATA_FILE: json.dumps(metadata())})
+    rows = random_rows(np.random.default_rng(5), 3)
+    old, new = direct(load_artifact(artifact)[0], rows), direct(other, rows)
+    assert np.abs(old - new).max() > 0.05
+    proc = subprocess.Popen([sys.executable, "-m", "dlrm_app", "serve", str(served), "--port",
+                             "0", "--threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    answers: list[tuple[int, list[float]]] = []
+    done = threading.Event()
+    try:
+        port = json.loads(proc.stdout.readline())["port"]
+
+        def client() -> None:
+            while not done.is_set():
+                status, body = post(port, {"rows": rows})
+                answers.append((status, body.get("probabilities", [])))
+                time.sleep(0.005)
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        while len(answers) < 40:
+            time.sleep(0.01)
+        os.replace(tmp_path / "b.pt", served)
+        proc.send_signal(signal.SIGHUP)
+        reloaded = json.loads(proc.stdout.readline())
+        assert reloaded["reloaded"] == str(served) and reloaded["seconds"] < 30
+        count = len(answers)
+        while len(answers) < count + 40:
+            time.sleep(0.01)
+        # a model with other features: refused, the new model goes on serving
+        wrong = torch.jit.script(HashedLogistic(SIZES))
+        torch.jit.save(wrong, str(tmp_path / "c.pt"), _extra_files={METADATA_FILE: json.dumps(
+            {**metadata(), "dense_features": DENSE[:12]})})
+        os.replace(tmp_path / "c.pt", served)
+        proc.send_signal(signal.SIGHUP)
+        failed = json.loads(proc.stdout.readline())
+        assert "takes other inputs" in failed["reload_failed"]
+        count = len(answers)
+        while len(answers) < count + 10:
+            time.sleep(0.01)
+        health = get(port, "/health")[1]
+        done.set()
+        thread.join(timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        done.set()
+        proc.kill()
+        proc.wait()
+    assert health["reloads"] == 1
+    assert [status for status, _ in answers] == [200] * len(answers)
+    which = []
+    for _, got in answers:
+        if np.abs(np.array(got) - old).max() < 1e-5:
+            which.append("old")
+        else:
+            assert np.abs(np.array(got) - new).max() < 1e-5, got  # never a mix of the two
+            which.append("new")
+    switch = which.index("new")
+    assert which[:switch] == ["old"] * switch and set(which[switch:]) == {"new"}
+    assert switch >= 40 and len(which) - switch >= 50
