@@ -30,7 +30,10 @@ def test_point_compares_the_dlrm_with_the_teacher_and_its_fitted_form(tmp_path: 
     assert line["epochs"] == config["epochs"] == 1
     assert line["steps"] <= 2_400 // config["batch_size"]
     assert line["teacher_form_epochs"] == 1
-    assert 0.0 < line["test_auc"] < 1.0 and 0.0 < line["teacher_form_auc"] < 1.0
+    # they learn: 0.752 and 0.731 measured (the teacher 0.851); untrained, about 0.5 (300 test
+    # rows: an AUC's noise is about 0.03)
+    assert 0.62 < line["test_auc"] < line["teacher_auc"] + 0.03
+    assert 0.62 < line["teacher_form_auc"] < line["teacher_auc"] + 0.03
 
 
 def test_point_without_the_fitted_form(tmp_path: Path) -> None:
