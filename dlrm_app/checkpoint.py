@@ -32,6 +32,7 @@ import json
 import re
 import shutil
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -69,9 +70,9 @@ def _without_sharded_tensor_notice() -> Iterator[None]:
         yield
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _rank() -> int:
@@ -128,6 +129,14 @@ def save_checkpoint(
     """Collective: every rank calls it at the same step. Returns the checkpoint's directory.
     ``best``: also record it as the best checkpoint. Pruning keeps the ``keep`` newest and the
     best one."""
+    state = dcp_checkpoint.checkpoint_state(model, optimizer, extra)
+    return write_checkpoint(checkpoint_dir, step, state, keep=keep, best=best)
+
+
+def write_checkpoint(checkpoint_dir: str | Path, step: int, state: dict[str, Any], *,
+                     keep: int = 2, best: bool = False, group: Any = None) -> Path:
+    """:func:`save_checkpoint` of a state already built (``dcp_checkpoint.staged_state``), its
+    collectives on ``group`` (default: the default group): what a background save runs."""
     root = Path(checkpoint_dir)
     final = root / step_dir_name(step)
     partial = root / (final.name + PARTIAL)
@@ -135,11 +144,11 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         if partial.exists():
             shutil.rmtree(partial)  # left by a crash during an earlier save of this step
-    _barrier()
+    _barrier(group)
     with _without_sharded_tensor_notice():
-        dcp_checkpoint.save(str(partial), model=model, optimizer=optimizer, extra=extra)
-    _barrier()
-    _write_manifest(partial)
+        dcp_checkpoint.save_state(str(partial), state, process_group=group)
+    _barrier(group)
+    _write_manifest(partial, group)
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -149,34 +158,73 @@ def save_checkpoint(
             tmp.write_text(final.name + "\n")
             tmp.replace(root / pointer)
         _prune(root, keep, final)
-    _barrier()
+    _barrier(group)
     return final
+
+
+class BackgroundSaver:
+    """Checkpoints written while training goes on: :meth:`save` copies the state on the
+    training thread (``dcp_checkpoint.staged_state``: a copy of this rank's tables and
+    optimizer state, so memory for one more) and a thread writes it, hashes it and renames
+    it, its collectives on a gloo process group of its own (made here: collective, every rank
+    constructs it together). One save at a time: the next waits for the previous; call
+    :meth:`wait` before reading checkpoints (loading the best, resuming, ending). An error of
+    the background write is raised by the next :meth:`save` or :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, checkpoint_dir: str | Path, step: int, *, model: nn.Module, optimizer: Any,
+             extra: Mapping[str, Any], keep: int = 2, best: bool = False) -> None:
+        self.wait()
+        state = dcp_checkpoint.staged_state(model, optimizer, extra)
+
+        def write() -> None:
+            try:
+                write_checkpoint(checkpoint_dir, step, state, keep=keep, best=best,
+                                 group=self._group)
+            except BaseException as exc:  # noqa: BLE001  raised on the training thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name="dlrm-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the save in progress (if any) is complete; raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def _files(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
 
 
-def _shared(names: list[str], work: Any) -> dict[str, Any]:
+def _shared(names: list[str], work: Any, group: Any = None) -> dict[str, Any]:
     """``work(name)`` for every name, the ranks splitting the names; every rank gets all."""
     rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
     mine = {name: work(name) for name in names[rank::world]}
     if world == 1:
         return mine
     parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, mine)
+    dist.all_gather_object(parts, mine, group=group)
     return {k: v for part in parts for k, v in part.items()}
 
 
-def _write_manifest(path: Path) -> None:
+def _write_manifest(path: Path, group: Any = None) -> None:
     """Collective: the size and sha256 of every file of the checkpoint in ``path``."""
     names = _files(path) if _rank() == 0 else []
     if dist.is_initialized():
         box = [names]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         names = box[0]
     sums = _shared(names, lambda name: {"bytes": (path / name).stat().st_size,
-                                         "sha256": sha256_file(path / name)})
+                                         "sha256": sha256_file(path / name)}, group)
     if _rank() == 0:
         tmp = path / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps({"format": 1, "files": sums}, indent=1, sort_keys=True))

@@ -220,6 +220,10 @@ class TrainConfig:
     """Also checkpoint every N steps (0: only the best and the last checkpoint)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept besides the best one (older ones are deleted)."""
+    background_checkpoints: bool = False
+    """Write checkpoints while training goes on: the state is copied (memory for one more
+    copy of this rank's tables and optimizer state) and written, hashed and renamed by a
+    thread; training waits only for the copy (and for a previous save still writing)."""
     resume: bool = False
     """Continue the run in --out from its newest complete checkpoint, with its saved config."""
     overwrite: bool = False

@@ -27,6 +27,7 @@ interleaved like the shares, in tests/integration/test_torchrun.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -82,7 +83,12 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     try:
         trainer.fit()
     except KeyboardInterrupt as stop:
+        trainer.checkpointer.wait()  # a background save in progress completes first
         stop.where = trainer.interrupted_at()  # type: ignore[attr-defined]
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            trainer.checkpointer.wait()
         raise
     if trainer.preempted:
         raise trainer.stop_preempted()

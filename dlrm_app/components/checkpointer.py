@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dlrm_app.checkpoint import (
+    BackgroundSaver,
     best_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -31,11 +32,19 @@ class Checkpointer:
         self.directory, self._model, self._optimizer = directory, model, optimizer
         self._config, self._world_size = config, world_size
         self._saved_at = -1
+        # --background-checkpoints: collective (a process group of its own), every rank here
+        self._background = BackgroundSaver() if config.background_checkpoints else None
 
     def save(self, state: TrainState, best: bool = False) -> None:
-        save_checkpoint(self.directory, state.step, model=self._model, optimizer=self._optimizer,
-                        best=best, keep=self._config.keep_checkpoints, extra=self._extra(state))
+        save = save_checkpoint if self._background is None else self._background.save
+        save(self.directory, state.step, model=self._model, optimizer=self._optimizer,
+             best=best, keep=self._config.keep_checkpoints, extra=self._extra(state))
         self._saved_at = state.step
+
+    def wait(self) -> None:
+        """Until every checkpoint asked for is complete on disk (background saves)."""
+        if self._background is not None:
+            self._background.wait()
 
     def after_step(self, state: TrainState) -> None:
         every = self._config.save_every
@@ -45,12 +54,14 @@ class Checkpointer:
     def at_end(self, state: TrainState, start_step: int) -> None:
         if state.step > start_step and self._saved_at != state.step:
             self.save(state)
+        self.wait()
 
     def keep_best(self, chosen_from: int = 0) -> Path | None:
         """Load the best checkpoint back into the model (the one training keeps; the newest
         where no validation could rank the model) and return it. A best chosen before step
         ``chosen_from`` does not count: a run continued on new data keeps a model of the new
         data, the newest, until a validation on it chooses one."""
+        self.wait()
         best, latest = best_checkpoint(self.directory), latest_checkpoint(self.directory)
         if best is not None and checkpoint_step(best) < chosen_from:
             best = None

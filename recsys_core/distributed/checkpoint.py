@@ -14,6 +14,7 @@ format and fails to load.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import warnings
 from collections.abc import Iterator, Mapping
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -46,7 +48,7 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def _checkpoint_state(
+def checkpoint_state(
     model: nn.Module, optimizer: Any | None, extra: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """The dict DCP writes or fills in place (model and optimizer state are views)."""
@@ -85,6 +87,32 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+def staged_state(
+    model: nn.Module, optimizer: Any | None = None, extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What :func:`save` would write, copied: every tensor (each ShardedTensor's local shards
+    too) cloned, so that training may go on changing the model while :func:`save_state`
+    writes the copy (from another thread, on a process group of its own). Costs a copy of
+    this rank's tables and optimizer state in memory."""
+    return _cloned(checkpoint_state(model, optimizer, extra))
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, ShardedTensor):
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in value.local_shards()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, value.metadata(), process_group=value._process_group)
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(v) for v in value)
+    return copy.deepcopy(value)
+
+
 def save(
     checkpoint_id: str,
     *,
@@ -97,7 +125,13 @@ def save(
 
     ``extra`` holds small picklable values (step counters, config) saved alongside.
     """
-    state = _checkpoint_state(model, optimizer, extra)
+    save_state(checkpoint_id, checkpoint_state(model, optimizer, extra), process_group)
+
+
+def save_state(checkpoint_id: str, state: dict[str, Any],
+               process_group: dist.ProcessGroup | None = None) -> None:
+    """Write a state built by :func:`staged_state` (or :func:`save`'s own) to ``checkpoint_id``;
+    collective over ``process_group`` (default: the default group)."""
     with _quiet_single_process():
         dcp.save(
             state, checkpoint_id=checkpoint_id, process_group=process_group,
@@ -118,7 +152,7 @@ def load(
     ``extra`` gives the keys (with default values) to read back; returns the loaded extras
     (unpickled with ``weights_only=True``: numbers, strings, containers and tensors only).
     """
-    state = _checkpoint_state(model, optimizer, extra)
+    state = checkpoint_state(model, optimizer, extra)
     try:
         with _quiet_single_process():
             dcp.load(

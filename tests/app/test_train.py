@@ -89,6 +89,25 @@ def test_resume_equals_uninterrupted(data: Path, tmp_path: Path) -> None:
         {"step_00000093", "step_00000110", best})
 
 
+def test_a_failed_background_save_stops_the_run_with_its_error(
+        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--background-checkpoints: a write that fails in the thread (a full disk) is raised on
+    the training thread at the next save or at the end; the newest complete checkpoint stays."""
+    run = tmp_path / "run"
+    train(_config(data, run, max_steps=5, background_checkpoints=True), progress=False)
+    first = latest_checkpoint(run / "checkpoints")
+    assert first is not None and first.name == "step_00000005"
+
+    def crash(path: str, *_: object, **__: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(app_checkpoint.dcp_checkpoint, "save_state", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train(_config(data, run, max_steps=8, resume=True, background_checkpoints=True),
+              progress=False)
+    assert latest_checkpoint(run / "checkpoints") == first
+
+
 def test_checkpoint_crash_during_save_keeps_previous(data: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
@@ -96,12 +115,12 @@ def test_checkpoint_crash_during_save_keeps_previous(data: Path, tmp_path: Path,
     first = latest_checkpoint(run / "checkpoints")
     assert first is not None and first.name == "step_00000005"
 
-    def crash(path: str, **_: object) -> None:
+    def crash(path: str, *_: object, **__: object) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "__0_0.distcp").write_bytes(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(app_checkpoint.dcp_checkpoint, "save", crash)
+    monkeypatch.setattr(app_checkpoint.dcp_checkpoint, "save_state", crash)  # what writes
     with pytest.raises(OSError, match="disk full"):
         train(_config(data, run, max_steps=8, resume=True), progress=False)
     assert latest_checkpoint(run / "checkpoints") == first  # the partial one is never used

@@ -265,6 +265,28 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(
 
 
 @pytest.mark.slow
+def test_background_checkpoints_on_two_ranks_change_nothing(
+        data: Path, two_rank_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """--background-checkpoints under torchrun: the saves' collectives run on a process group
+    of their own beside training's; the losses are the foreground run's, bit for bit, and each
+    checkpoint holds the foreground one's tensors and verifies."""
+    run2, _ = two_rank_run
+    run = tmp_path / "background"
+    _run(2, "train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
+         "--max-steps", "80", "--save-every", "20", "--keep-checkpoints", "10", *COMMON,
+         "--background-checkpoints")
+    assert _losses(run) == _losses(run2)
+    for step in (20, 40, 60, 80):
+        ours, theirs = (r / "checkpoints" / f"step_{step:08d}" for r in (run, run2))
+        verify_checkpoint(ours)
+        listed = json.loads((ours / MANIFEST).read_text())["files"]
+        assert {"__0_0.distcp", "__1_0.distcp"} <= set(listed)
+        assert {n: f["sha256"] for n, f in listed.items() if n.endswith(".distcp")} == {
+            n: f["sha256"] for n, f in json.loads((theirs / MANIFEST).read_text())["files"].items()
+            if n.endswith(".distcp")}, step  # the same bytes as the foreground save
+
+
+@pytest.mark.slow
 def test_evaluation_is_rank_count_invariant(two_rank_run: tuple[Path, dict]) -> None:
     run2, _ = two_rank_run
     results = [_run(n, "evaluate", str(run2), "--split", "test", "--batch-size", "500")
