@@ -204,7 +204,7 @@ def test_a_best_chosen_before_a_continuation_on_new_data_is_not_kept(tmp_path: P
     (root / "best").write_text("step_00000010")
     (root / "latest").write_text("step_00000020")
     keeper = Checkpointer.__new__(Checkpointer)
-    keeper.directory = root
+    keeper.directory, keeper._background = root, None  # no model: only the pointers
     assert keeper.keep_best(chosen_from=15) == root / "step_00000020"  # not the old best
     (root / "step_00000030").mkdir()
     (root / "step_00000030" / ".metadata").write_text("")
