@@ -93,3 +93,20 @@ def test_a_torchrun_restart_resumes_without_being_told(data: Path, tmp_path: Pat
     start = [e for e in _events(run) if e["event"] == "start"][-1]
     assert start["start_step"] == 20 and start["resumed_from"].endswith("step_00000020")
     assert sorted(_losses(run)) == list(range(1, 31))  # steps 1-20 kept, 21-30 added
+
+
+def test_a_second_sigterm_ends_the_process_at_once() -> None:
+    """The first SIGTERM is noted (training stops after its step, with a checkpoint); a second
+    one (a scheduler out of patience) ends the process at once, by the signal."""
+    program = (
+        "import os, signal\n"
+        "from dlrm_app.components.preemption import PreemptionGuard\n"
+        "with PreemptionGuard(1) as guard:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('noted', guard.signalled, guard.agreed(), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('still running', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.splitlines() == ["noted True True"]
+    assert proc.returncode == -signal.SIGTERM
