@@ -131,12 +131,29 @@ def save(
 def save_state(checkpoint_id: str, state: dict[str, Any],
                process_group: dist.ProcessGroup | None = None) -> None:
     """Write a state built by :func:`staged_state` (or :func:`save`'s own) to ``checkpoint_id``;
-    collective over ``process_group`` (default: the default group)."""
-    with _quiet_single_process():
-        dcp.save(
-            state, checkpoint_id=checkpoint_id, process_group=process_group,
-            planner=DefaultSavePlanner(flatten_sharded_tensors=False),
-        )
+    collective over ``process_group`` (default: the default group).
+
+    DCP reports any failure as a ``CheckpointException`` (a ``BaseException``, which an
+    application's error handling does not catch): a Ctrl-C during the write is raised here as
+    ``KeyboardInterrupt``, any other failure as the failing rank's own exception (a full disk:
+    its ``OSError``), the ``CheckpointException`` chained."""
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                state, checkpoint_id=checkpoint_id, process_group=process_group,
+                planner=DefaultSavePlanner(flatten_sharded_tensors=False),
+            )
+    except CheckpointException as exc:
+        errors = [error for error, _ in exc.failures.values()]
+        if any(isinstance(e, KeyboardInterrupt) for e in errors):
+            raise KeyboardInterrupt from exc
+        rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        failed_rank, (error, _) = ((rank, exc.failures[rank]) if rank in exc.failures
+                                   else next(iter(exc.failures.items())))
+        if isinstance(error, Exception) and failed_rank == rank:
+            raise error from exc
+        raise RuntimeError(f"checkpoint {checkpoint_id}: the save failed on rank {failed_rank}: "
+                           f"{type(error).__name__}: {str(error)[:300]}") from exc
 
 
 def load(

@@ -29,6 +29,7 @@ from recsys_core.distributed import (
     EmbeddingBagCollectionSharder,
     ShardingPlan,
 )
+from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.distributed.comm_ops import set_gradient_division
 from recsys_core.distributed.sharding_plan import (
     column_wise,
@@ -148,3 +149,31 @@ def test_reshard_and_continue(saved_on: int, loaded_on: int, optimizer: str) -> 
 @pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 4), (4, 2)])
 def test_reshard_to_and_from_four_ranks(saved_on: int, loaded_on: int, optimizer: str) -> None:
     _reshard(saved_on, loaded_on, optimizer)
+
+
+def test_a_failed_save_raises_the_error_itself_and_ctrl_c_stays_an_interrupt(
+        tmp_path, monkeypatch) -> None:
+    """DCP wraps every failure in a CheckpointException (a BaseException that an application's
+    ``except Exception`` misses): checkpoint.save raises a full disk as its OSError, and a
+    Ctrl-C during the write as KeyboardInterrupt."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    model = torch.nn.Linear(3, 2)
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_filesystem.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        dcp_checkpoint.save(str(tmp_path / "full"), model=model)
+
+    def interrupted(fd: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp_filesystem.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dcp_checkpoint.save(str(tmp_path / "interrupted"), model=model)
+    monkeypatch.undo()
+    dcp_checkpoint.save(str(tmp_path / "fine"), model=model)  # and a good save still works
