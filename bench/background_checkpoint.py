@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from readme_numbers import cpu_name  # this folder is on sys.path
+from torchrec_program import cpu_name  # the sibling bench's (this folder is on sys.path)
 
 from dlrm_app.checkpoint import BackgroundSaver, save_checkpoint
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType

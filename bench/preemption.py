@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = run_gloo(args.world, worker, args.calls, args.rounds)
-    from readme_numbers import cpu_name  # noqa: PLC0415  (this folder is on sys.path)
+    from torchrec_program import cpu_name  # noqa: PLC0415  (this folder is on sys.path)
     r = results[0]
     print(json.dumps({"bench": "preemption_agreement", "world": args.world,
                       "step_us": round(r["bare"], 1),

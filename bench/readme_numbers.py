@@ -257,12 +257,10 @@ def check(readme: str | None = None) -> list[str]:
 # ---- measuring -------------------------------------------------------------------------------
 
 def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return "unknown CPU"
+    """The sibling bench's CPU name (lscpu's model and widest vector extension)."""
+    from torchrec_program import cpu_name as name  # this folder is on sys.path when run
+
+    return name()
 
 
 def demo_line() -> None:

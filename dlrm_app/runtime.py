@@ -70,8 +70,7 @@ class Heartbeat:
                                    is_master=False, timeout=datetime.timedelta(seconds=10))
         except (RuntimeError, ValueError):  # no store to reach: no heartbeats, nothing else
             return
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        cls._store = dist.PrefixStore(f"dlrm_app_heartbeat/{attempt}", client)
+        cls._store = dist.PrefixStore(f"dlrm_app_heartbeat/{restart_count()}", client)
         rank = int(os.environ["RANK"])
         import threading
 
@@ -114,6 +113,12 @@ def stalled_ranks_text() -> str:
                                     " (never answered)") for r, age in silent)
 
 
+def restart_count() -> int:
+    """How many times torchrun restarted this group (``TORCHELASTIC_RESTART_COUNT``; 0 outside
+    torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def restart_store(timeout: datetime.timedelta) -> dist.Store | None:
     """Under a torchrun restart, the agent's store with a prefix of its own for this attempt;
     None otherwise (``init_process_group`` then reads the store from the environment).
@@ -122,7 +127,7 @@ def restart_store(timeout: datetime.timedelta) -> dist.Store | None:
     attempt's, and the failed ranks' keys are still in it: the new ranks read their dead peers'
     addresses and gloo's connection hangs in ``init_process_group`` (a 2-rank program of plain
     torch does the same). Keys under ``attempt_N/`` start clean."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarts = restart_count()
     if restarts == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -70,6 +69,7 @@ from dlrm_app.runtime import (
     gather,
     init_distributed,
     peak_memory_mb,
+    restart_count,
     world,
 )
 from dlrm_app.threads import configure_threads
@@ -318,15 +318,11 @@ class Trainer:
         return summary
 
 
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-"""Set by torchrun in the workers it starts: how many times it restarted the group."""
-
-
 def restarted(config: TrainConfig, rank: int) -> TrainConfig:
     """Under a torchrun restart (``--max-restarts``) the run goes on from its newest checkpoint:
     ``--resume`` is implied (and ``--overwrite`` dropped: it would erase the run being
     continued)."""
-    restarts = int(os.environ.get(RESTART_ENV, "0") or 0)
+    restarts = restart_count()
     if restarts == 0 or (config.resume and not config.overwrite):
         return config
     if rank == 0:

@@ -144,16 +144,22 @@ def save_state(checkpoint_id: str, state: dict[str, Any],
                 planner=DefaultSavePlanner(flatten_sharded_tensors=False),
             )
     except CheckpointException as exc:
-        errors = [error for error, _ in exc.failures.values()]
-        if any(isinstance(e, KeyboardInterrupt) for e in errors):
-            raise KeyboardInterrupt from exc
-        rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-        failed_rank, (error, _) = ((rank, exc.failures[rank]) if rank in exc.failures
-                                   else next(iter(exc.failures.items())))
-        if isinstance(error, Exception) and failed_rank == rank:
-            raise error from exc
-        raise RuntimeError(f"checkpoint {checkpoint_id}: the save failed on rank {failed_rank}: "
-                           f"{type(error).__name__}: {str(error)[:300]}") from exc
+        _, error = _failure(exc, dist.get_rank(process_group) if dist.is_initialized() else 0)
+        raise error from exc
+
+
+def _failure(exc: CheckpointException, rank: int) -> tuple[int, BaseException]:
+    """The failure DCP wrapped in ``exc``: a Ctrl-C on any rank is raised as
+    ``KeyboardInterrupt``; else ``(rank, error)`` of this rank's failure if it has one (another
+    rank's error comes back as a RuntimeError naming it), else the first rank's."""
+    errors = [error for error, _ in exc.failures.values()]
+    if any(isinstance(e, KeyboardInterrupt) for e in errors):
+        raise KeyboardInterrupt from exc
+    if rank in exc.failures:
+        return rank, exc.failures[rank][0]
+    failed_rank, (error, _) = next(iter(exc.failures.items()))
+    return failed_rank, RuntimeError(
+        f"rank {failed_rank} failed: {type(error).__name__}: {str(error)[:300]}")
 
 
 def load(
@@ -177,7 +183,7 @@ def load(
                 planner=_WeightsOnlyLoadPlanner(flatten_sharded_tensors=False),
             )
     except CheckpointException as exc:
-        rank, (error, _) = next(iter(exc.failures.items()))
+        rank, error = _failure(exc, dist.get_rank(process_group) if dist.is_initialized() else 0)
         first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         raise CheckpointLoadError(
             f"cannot load checkpoint {checkpoint_id} (rank {rank}): {type(error).__name__}: "

@@ -68,6 +68,13 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["event"] == "train"}
 
 
+def _assert_continues(full: dict[int, float], cut: dict[int, float], after: int,
+                      last: int = 80) -> None:
+    """The resumed run's losses after step ``after`` are the uninterrupted run's."""
+    for step in range(after + 1, last + 1):
+        assert cut[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synthetic")
@@ -189,9 +196,7 @@ def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Pa
     assert resumed_at < 80, "the run finished before it could be killed"
     summary = _run(2, *args, "--resume")
     assert summary["trained_steps"] == 80 - resumed_at
-    full, cut = _losses(run2), _losses(run)
-    for step in range(resumed_at + 1, 81):
-        assert cut[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    _assert_continues(_losses(run2), _losses(run), resumed_at)
 
 
 @pytest.mark.slow
@@ -225,9 +230,7 @@ def test_sigterm_to_torchrun_saves_one_step_and_resume_equals_uninterrupted(
     verify_checkpoint(newest)
     summary = _run(2, *args, "--resume")
     assert summary["trained_steps"] == 80 - step
-    full, cut = _losses(run2), _losses(run)
-    for s in range(step + 1, 81):
-        assert cut[s] == pytest.approx(full[s], rel=1e-6, abs=1e-7), s
+    _assert_continues(_losses(run2), _losses(run), step)
 
 
 @pytest.mark.slow
@@ -259,9 +262,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(
     resumed_at = starts[1]["start_step"]
     assert 0 < resumed_at < 80  # the newest checkpoint: a save or a better validation
     assert json.loads(out.strip().splitlines()[-1])["trained_steps"] == 80 - resumed_at
-    full, cut = _losses(run2), _losses(run)
-    for step in range(resumed_at + 1, 81):
-        assert cut[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    _assert_continues(_losses(run2), _losses(run), resumed_at)
 
 
 @pytest.mark.slow
