@@ -7,6 +7,7 @@ else gloo. Without those variables a command runs as a single process.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import datetime
@@ -15,6 +16,7 @@ import gc
 import os
 import resource
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -60,29 +62,51 @@ class Heartbeat:
 
     INTERVAL_S = 1.0
     _store: dist.Store | None = None
+    _thread: threading.Thread | None = None
+    _stop = threading.Event()
+
+    @staticmethod
+    def _client() -> dist.Store:
+        return dist.PrefixStore(
+            f"dlrm_app_heartbeat/{restart_count()}",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=10)))
 
     @classmethod
     def start(cls) -> None:
-        if cls._store is not None or "MASTER_ADDR" not in os.environ:
+        if cls._thread is not None or "MASTER_ADDR" not in os.environ:
             return
         try:
-            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                   is_master=False, timeout=datetime.timedelta(seconds=10))
+            cls._store = cls._client()
         except (RuntimeError, ValueError):  # no store to reach: no heartbeats, nothing else
             return
-        cls._store = dist.PrefixStore(f"dlrm_app_heartbeat/{restart_count()}", client)
-        rank = int(os.environ["RANK"])
-        import threading
+        rank, store, stop = int(os.environ["RANK"]), cls._store, cls._stop
+        stop.clear()
 
         def beat() -> None:
-            while True:
+            while not stop.is_set():
                 try:
-                    cls._store.set(f"{rank}", repr(time.time()))  # type: ignore[union-attr]
+                    store.set(f"{rank}", repr(time.time()))
                 except (RuntimeError, OSError):
                     return  # the store went away (torchrun is ending the job)
-                time.sleep(cls.INTERVAL_S)
+                stop.wait(cls.INTERVAL_S)
 
-        threading.Thread(target=beat, name="dlrm-app-heartbeat", daemon=True).start()
+        cls._thread = threading.Thread(target=beat, name="dlrm-app-heartbeat", daemon=True)
+        cls._thread.start()
+        # A daemon thread that is inside the store's C++ code when the interpreter finalizes
+        # is unwound there and aborts the process ("terminate called without an active
+        # exception", exit -6) after the work is done: stop it before that.
+        atexit.register(cls.stop)
+
+    @classmethod
+    def stop(cls) -> None:
+        """End the beats and wait for the thread (at most one store write, bounded by the
+        store's own timeout)."""
+        thread, cls._thread = cls._thread, None
+        if thread is None:
+            return
+        cls._stop.set()
+        thread.join(timeout=15)
 
     @classmethod
     def stalled(cls, world_size: int) -> list[tuple[int, float | None]]:
@@ -90,11 +114,15 @@ class Heartbeat:
         silent for more than 3 intervals, the most silent first; empty without heartbeats."""
         if cls._store is None:
             return []
+        try:  # a client of its own: the beating thread's is not shared across threads
+            store = cls._client()
+        except (RuntimeError, ValueError):
+            return []
         now, silent = time.time(), []
         for rank in range(world_size):
             try:
-                last = float(cls._store.multi_get([str(rank)])[0].decode()) \
-                    if cls._store.check([str(rank)]) else None
+                last = float(store.multi_get([str(rank)])[0].decode()) \
+                    if store.check([str(rank)]) else None
             except (RuntimeError, OSError, ValueError):
                 return []
             age = None if last is None else now - last
@@ -172,6 +200,7 @@ def shutdown_distributed() -> None:
     """Leave the process group cleanly at the end of a command. Without it a rank can abort
     at interpreter exit ("terminate called without an active exception") while gloo's threads
     still hold finished work: free the models first, then wait for every rank, then destroy."""
+    Heartbeat.stop()
     if dist.is_initialized():
         gc.collect()
         dist.barrier()
