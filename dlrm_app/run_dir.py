@@ -7,8 +7,10 @@
     RUN/evaluations/      metrics and curves of evaluations (for the report)
     RUN/report.md, RUN/plots/   the report (``dlrm-app report RUN`` regenerates it)
 
-An existing run is never overwritten by accident: without ``--resume`` (continue it) or
-``--overwrite`` (start over) training refuses to start in it. A start that failed before its
+An existing run is never overwritten by accident. The same command again (a requeued or
+restarted job: the saved config equals the new one) continues it from its newest checkpoint,
+as ``--resume`` does, and says so; with any other config training refuses to start in it
+unless given ``--resume`` (continue it) or ``--overwrite`` (start over). A start that failed before its
 first step (a batch size too large for memory, a bad plan) is not a run: it trained nothing
 and saved no checkpoint, so the next start replaces what it left (``config.json``,
 ``plan.json``, its ``start`` event) with or without ``--resume``.
@@ -17,6 +19,7 @@ and saved no checkpoint, so the next start replaces what it left (``config.json`
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -40,6 +43,15 @@ def trained(out: Path) -> bool:
         return any('"event": "train"' in line for line in f)
 
 
+def same_run(saved: TrainConfig, config: TrainConfig) -> bool:
+    """``config`` is the saved run's config again (``--resume`` / ``--overwrite`` aside)."""
+    def plain(c: TrainConfig) -> dict:
+        d = c.to_json_dict()
+        d.pop("resume", None), d.pop("overwrite", None)
+        return d
+    return plain(saved) == plain(config)
+
+
 def prepare_run_dir(config: TrainConfig, rank: int) -> TrainConfig:
     """Check ``config.out`` against ``config.resume`` / ``config.overwrite``; on rank 0 clear it
     (``overwrite``) and write ``config.json``. Every rank checks before any rank writes, so all
@@ -54,13 +66,18 @@ def prepare_run_dir(config: TrainConfig, rank: int) -> TrainConfig:
     leftovers = any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
     existing = leftovers and trained(out)
     saved_path = out / CONFIG
-    if config.resume and saved_path.is_file() and existing:
+    again = (existing and saved_path.is_file() and not (config.resume or config.overwrite)
+             and same_run(TrainConfig.load(saved_path), config))
+    if again and rank == 0:
+        print(f"--out {out} holds a run of this same config: continuing it from its newest "
+              "checkpoint (--overwrite starts over)", file=sys.stderr)
+    if (config.resume or again) and saved_path.is_file() and existing:
         saved = TrainConfig.load(saved_path)
         given = {k: v for k, v in config.to_json_dict().items() if k not in ("resume", "overwrite")}
         config = resume_config(saved, given, where=str(saved_path))
     elif existing and not (config.resume or config.overwrite):
-        raise ValueError(f"--out {out} already holds a training run; pass --resume to continue "
-                         f"it, --overwrite to start over (deletes its checkpoints and logs), or "
+        raise ValueError(f"--out {out} already holds a training run of another config; pass "
+                         f"--resume to continue it (with the flags given here on top), --overwrite to start over (deletes its checkpoints and logs), or "
                          f"another --out")
     if dist.is_initialized():
         dist.barrier()

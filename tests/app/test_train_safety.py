@@ -102,13 +102,26 @@ def test_divergence_stops_with_a_clear_error(data: Path, tmp_path: Path) -> None
                       epochs=2, validate_every=5), progress=False)
 
 
-def test_an_existing_run_is_refused_resumed_or_overwritten(data: Path, tmp_path: Path) -> None:
+def test_an_existing_run_is_continued_refused_or_overwritten(data: Path, tmp_path: Path,
+                                                            capsys) -> None:
     run = tmp_path / "run"
     train(_config(data, run, max_steps=10), progress=False)
-    with pytest.raises(ValueError, match=r"already holds a training run; pass --resume .* "
-                                         r"--overwrite"):
-        train(_config(data, run, max_steps=10), progress=False)
-    assert len(_events(run, "summary")) == 1  # nothing was touched
+    # the same config again (a requeued job's command): continued from its newest checkpoint
+    capsys.readouterr()
+    again = train(_config(data, run, max_steps=10), progress=False)
+    assert "holds a run of this same config: continuing it" in capsys.readouterr().err
+    starts = _events(run, "start")
+    assert len(starts) == 2 and starts[1]["start_step"] == 10
+    assert starts[1]["resumed_from"].endswith("step_00000010") and again["steps"] == 10
+    steps = [e["step"] for e in _events(run, "train")]
+    assert steps == sorted(set(steps)) and steps[-1] == 10  # nothing trained twice
+    # any other config is refused, naming both ways on; nothing is touched
+    with pytest.raises(ValueError, match=r"already holds a training run of another config; "
+                                         r"pass --resume .* --overwrite"):
+        train(_config(data, run, max_steps=12), progress=False)
+    assert len(_events(run, "start")) == 2
+    longer = train(_config(data, run, max_steps=12, resume=True), progress=False)
+    assert longer["steps"] == 12 and _events(run, "start")[-1]["start_step"] == 10
     again = train(_config(data, run, max_steps=10, overwrite=True), progress=False)
     assert again["steps"] == 10 and len(_events(run, "summary")) == 1  # the log started over
     (tmp_path / "file").write_text("x")
@@ -187,9 +200,9 @@ def test_a_start_that_failed_before_its_first_step_is_not_a_run(
     resumed = config_from_args(_parse("train", "--data", str(data), "--out", str(other),
                                       "--resume", "--max-steps", "3"))
     assert resumed.batch_size != 100_000
-    # a run that trained a step is still refused without --resume / --overwrite
+    # a run that trained a step is still refused without --resume / --overwrite (another config)
     with pytest.raises(ValueError, match="already holds a training run"):
-        train(_config(data, run, max_steps=4), progress=False)
+        train(_config(data, run, max_steps=5), progress=False)
 
 
 def test_a_best_chosen_before_a_continuation_on_new_data_is_not_kept(tmp_path: Path) -> None:
