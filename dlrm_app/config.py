@@ -224,6 +224,10 @@ class TrainConfig:
     """Write checkpoints while training goes on: the state is copied (memory for one more
     copy of this rank's tables and optimizer state) and written, hashed and renamed by a
     thread; training waits only for the copy (and for a previous save still writing)."""
+    grace_period: float = 30.0
+    """Seconds a scheduler waits between SIGTERM and SIGKILL (Kubernetes' default: 30). On
+    SIGTERM or SIGINT the ranks agree on a step within a quarter of it (fewer steps between
+    agreements when steps are slow) and save that step's checkpoint in the rest."""
     resume: bool = False
     """Continue the run in --out from its newest complete checkpoint, with its saved config."""
     overwrite: bool = False
@@ -270,6 +274,9 @@ class TrainConfig:
                 isinstance(self.validate_every, bool) or not isinstance(self.validate_every, int)
                 or self.validate_every < 0):
             raise ValueError(f"--validate-every must be an int >= 0, got {self.validate_every!r}")
+        if isinstance(self.grace_period, bool) or not isinstance(
+                self.grace_period, (int, float)) or not self.grace_period > 0:
+            raise ValueError(f"--grace-period must be > 0 seconds, got {self.grace_period!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
                 self.timeout > 0):
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import sys
 import time
 from pathlib import Path
@@ -182,8 +183,9 @@ class Trainer:
             print(message, file=sys.stderr)
         self._autocast = autocast(device, config.amp)
         self._started = time.perf_counter()
-        self.preempted = False
-        """SIGTERM stopped ``fit`` after a step (every rank the same one)."""
+        self.preempted = 0
+        """The signal (SIGTERM, SIGINT) that stopped ``fit`` after a step (every rank the
+        same one); 0: none did."""
 
     def interrupted_at(self) -> str:
         """Where a Ctrl-C stopped the run and how to go on, for the one-line message."""
@@ -204,12 +206,14 @@ class Trainer:
                             "checkpoint": None if newest is None else newest.name})
         kept = (f"checkpoint {newest.name} saved: `dlrm-app train --out {self.out} --resume` "
                 "continues from it" if newest is not None else "no step trained, nothing saved")
-        return Preempted(f"stopped by SIGTERM after step {state.step}; {kept}")
+        return Preempted(f"stopped by {signal.Signals(self.preempted).name} after step "
+                         f"{state.step}; {kept}", self.preempted)
 
     def fit(self) -> None:
         """Step until the epochs or ``--max-steps`` are done, a component stops the run, or
         SIGTERM does (``preempted``: after the step in progress, on every rank alike)."""
-        with PreemptionGuard(self.world_size, self.device) as guard:
+        with PreemptionGuard(self.world_size, self.device,
+                             grace_period_s=self.config.grace_period) as guard:
             self._fit(guard)
 
     def _fit(self, guard: PreemptionGuard) -> None:
@@ -232,7 +236,8 @@ class Trainer:
                 self.validator.after_step(state)
                 self.checkpointer.after_step(state)
                 if guard.agreed():
-                    self.preempted, state.stop_reason = True, "preempted (SIGTERM)"
+                    self.preempted = int(guard.signal or signal.SIGTERM)
+                    state.stop_reason = f"preempted ({signal.Signals(self.preempted).name})"
                 if state.stop_reason or state.step >= self.total_steps:
                     break
                 ready = time.perf_counter()

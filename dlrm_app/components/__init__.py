@@ -9,8 +9,9 @@ its own schedule.
 - ``Checkpointer`` (``checkpointer``): the best checkpoint (when the validator finds one),
   every ``--save-every`` steps, the last state; ``--resume`` restores from it.
 - ``TrainState`` (``state``): where training is, in a few numbers, saved in every checkpoint.
-- ``PreemptionGuard`` (``preemption``): SIGTERM ends training after the step in progress, the
-  ranks agreeing on the step, with a checkpoint of it (``Preempted``, exit code 143).
+- ``PreemptionGuard`` (``preemption``): SIGTERM or SIGINT ends training after the step in
+  progress, the ranks agreeing on the step, with a checkpoint of it (``Preempted``, exit code
+  143 or 130).
 """
 
 from dlrm_app.components.checkpointer import Checkpointer, checkpoint_step

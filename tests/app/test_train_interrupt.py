@@ -1,6 +1,7 @@
-"""Ctrl-C in ``dlrm-app train``: exit code 130 (the shell's for an interrupted command) and one
-line saying the step, the newest checkpoint and the command that continues from it; the
-resumed run says where it resumed."""
+"""Ctrl-C in ``dlrm-app train``: the step in progress ends and its checkpoint is saved (as on
+SIGTERM), exit code 130 (the shell's for an interrupted command) and one line saying the step,
+the checkpoint and the command that continues from it; the resumed run says where it resumed.
+A second Ctrl-C does not wait for the save (``tests/app/test_preemption_guard.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrm_app.checkpoint import latest_checkpoint
 from dlrm_app.data.synthetic import generate
 
 SMALL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
@@ -21,7 +23,7 @@ SMALL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch
 
 
 @pytest.mark.slow
-def test_ctrl_c_exits_130_naming_the_step_and_resume(tmp_path: Path) -> None:
+def test_ctrl_c_saves_the_step_and_exits_130_naming_it_and_resume(tmp_path: Path) -> None:
     data, run = tmp_path / "data", tmp_path / "run"
     generate(data, rows=200_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
              zipf_alpha=1.05, seed=0, rows_per_shard=100_000, row_group_size=1_000)
@@ -38,11 +40,12 @@ def test_ctrl_c_exits_130_naming_the_step_and_resume(tmp_path: Path) -> None:
     assert proc.returncode == 130, err[-2000:]
     line = err.strip().splitlines()[-1]
     match = re.fullmatch(
-        r"dlrm-app train: interrupted at step (\d+); the newest checkpoint is step_(\d{8}): "
+        r"dlrm-app train: stopped by SIGINT after step (\d+); checkpoint step_(\d{8}) saved: "
         r"`dlrm-app train --out (\S+) --resume` continues from it", line)
     assert match, line
     step, saved = int(match[1]), int(match[2])
-    assert 0 < saved <= step and match[3] == str(run)
+    assert 0 < saved == step and match[3] == str(run)
+    assert latest_checkpoint(run / "checkpoints").name == f"step_{step:08d}"
     # the resumed run says where it resumed
     resumed = subprocess.run([*cmd, "--resume", "--max-steps", str(saved + 2)],
                              capture_output=True, text=True, timeout=300,

@@ -99,11 +99,13 @@ def test_a_second_sigterm_ends_the_process_at_once() -> None:
     """The first SIGTERM is noted (training stops after its step, with a checkpoint); a second
     one (a scheduler out of patience) ends the process at once, by the signal."""
     program = (
-        "import os, signal\n"
+        "import os, signal, time\n"
         "from dlrm_app.components.preemption import PreemptionGuard\n"
         "with PreemptionGuard(1) as guard:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    print('noted', guard.signalled, guard.agreed(), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # a launcher's relay: the same stop\n"
+        "    print('noted', guard.signalled == signal.SIGTERM, guard.agreed(), flush=True)\n"
+        "    time.sleep(1.2)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    print('still running', flush=True)\n")
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,

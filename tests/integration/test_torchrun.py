@@ -200,25 +200,39 @@ def test_kill_and_resume_equals_uninterrupted(data: Path, two_rank_run: tuple[Pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm", "ctrl_c", "every_process"])
 def test_sigterm_to_torchrun_saves_one_step_and_resume_equals_uninterrupted(
-        data: Path, two_rank_run: tuple[Path, dict], tmp_path: Path) -> None:
+        data: Path, two_rank_run: tuple[Path, dict], tmp_path: Path, how: str) -> None:
     """A scheduler's preemption: SIGTERM to torchrun, which passes it to both ranks; they agree
-    on the step to stop after, save its checkpoint together, and --resume continues exactly."""
+    on the step to stop after, save its checkpoint together, and --resume continues exactly.
+    Ctrl-C in a terminal: SIGINT to torchrun's process group (its workers run in sessions of
+    their own), which passes SIGINT on: the same, stopped by SIGINT. SIGTERM to every process
+    at once (Slurm's scancel signals the whole step), so each rank gets it twice, directly and
+    from torchrun: the same stop, not a second signal that kills."""
     run2, _ = two_rank_run
     run = tmp_path / "preempted"
     args = ["train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
             "--max-steps", "80", "--save-every", "20", *COMMON]
     proc = subprocess.Popen(_cmd(2, *args), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     log, deadline = run / "metrics.jsonl", time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline and (
             not log.exists() or len(_losses(run)) < 5):
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be preempted"
-    proc.send_signal(signal.SIGTERM)
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    elif how == "ctrl_c":  # a terminal's Ctrl-C: its foreground process group
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        workers = [_rank_pid(proc.pid, rank) for rank in (0, 1)]
+        assert None not in workers, workers
+        for pid in [*workers, proc.pid]:
+            os.kill(pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "stopped by SIGTERM after step" in err, err[-3000:]
+    name = "SIGINT" if how == "ctrl_c" else "SIGTERM"
+    assert f"stopped by {name} after step" in err, err[-3000:]
     events = [json.loads(s) for s in log.read_text().splitlines()]
     (stop,) = [e for e in events if e["event"] == "preempted"]
     step = stop["step"]

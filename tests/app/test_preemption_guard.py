@@ -1,0 +1,101 @@
+"""``PreemptionGuard`` alone: which signals stop training and how, and how often the ranks
+agree (fewer steps between agreements when steps are slow, so that the stop fits a quarter of
+``--grace-period``; the same interval on every rank)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dlrm_app.components.preemption import EVERY, Preempted, PreemptionGuard
+from recsys_core.testing import run_gloo
+
+
+@pytest.mark.parametrize(("step_s", "grace", "expected"), [
+    (0.0, 30.0, EVERY),     # not measured yet
+    (0.01, 30.0, EVERY),    # 375 steps would fit: capped
+    (1.0, 30.0, 3),         # 2 intervals of 3 steps = 6 s <= 7.5 s; 4 would be 8 s
+    (3.75, 30.0, 1),        # exactly 2 steps in 7.5 s
+    (10.0, 30.0, 1),        # slower than the budget: as often as possible
+    (0.1, 2.0, 2),          # 0.25 * 2 / (2 * 0.1) = 2.5
+])
+def test_interval_fits_a_quarter_of_the_grace_period(step_s: float, grace: float,
+                                                     expected: int) -> None:
+    assert PreemptionGuard(2, grace_period_s=grace).interval(step_s) == expected
+
+
+def _agree(rank: int, world: int, slow_rank: int, step_s: float, grace: float,
+           signal_at: int) -> list[tuple[int, int, bool]]:
+    """Steps of ``step_s`` (the slow rank's; the other's are fast), SIGTERM to rank 1 after
+    step ``signal_at``; per step (step, interval, stop)."""
+    seen = []
+    with PreemptionGuard(world, grace_period_s=grace) as guard:
+        for step in range(1, 60):
+            time.sleep(step_s if rank == slow_rank else 0.001)
+            if step == signal_at and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            stop = guard.agreed()
+            seen.append((step, guard.every, stop))
+            if stop:
+                assert guard.signal == signal.SIGTERM
+                break
+    return seen
+
+
+def test_ranks_agree_on_the_interval_and_the_stop() -> None:
+    # rank 0's steps take 0.1 s: with a 2 s grace period the ranks agree every 2 steps (both
+    # of them, though rank 1's own steps are fast), and both stop after the same step
+    ranks = run_gloo(2, _agree, 0, 0.1, 2.0, 20)
+    assert ranks[0] == ranks[1]
+    steps = ranks[0]
+    assert steps[-1][2] and all(not stop for _, _, stop in steps[:-1])
+    assert {every for step, every, _ in steps if step >= 4} == {2}
+    # the stop: at most 2 intervals (4 steps) after the signal, within 0.25 * 2 s of it
+    assert 20 < steps[-1][0] <= 24
+
+
+def _in_process(program: str) -> subprocess.CompletedProcess:
+    head = ("import os, signal\n"
+            "from dlrm_app.components.preemption import PreemptionGuard\n")
+    return subprocess.run([sys.executable, "-c", head + program], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_sigint_is_noted_and_a_second_one_interrupts() -> None:
+    # a repeat within REPEAT_AFTER_S is the same stop (torchrun passing on the terminal's
+    # Ctrl-C to workers that had it too); a later one interrupts at once
+    proc = _in_process(
+        "import time\n"
+        "with PreemptionGuard(1) as guard:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    print('noted', guard.signalled == signal.SIGINT, guard.agreed(), flush=True)\n"
+        "    time.sleep(1.2)\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('interrupted', flush=True)\n")
+    assert proc.stdout.splitlines() == ["noted True True", "interrupted"], proc.stderr
+
+
+def test_a_signal_of_the_other_kind_is_only_noted() -> None:
+    # Ctrl-C under torchrun: the terminal's SIGINT, then torchrun's SIGTERM; the save must go on
+    proc = _in_process(
+        "with PreemptionGuard(1) as guard:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('saving', guard.agreed(), guard.signal == signal.SIGINT, flush=True)\n"
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,\n"
+        "      signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["saving True True", "True True"]  # handlers restored
+
+
+def test_exit_code_follows_the_signal() -> None:
+    assert Preempted("x").exit_code == 143
+    assert Preempted("x", signal.SIGINT).exit_code == 130
