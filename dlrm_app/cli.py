@@ -455,7 +455,9 @@ def describe_error(exc: BaseException) -> str:
         runtime = sys.modules.get("dlrm_app.runtime")  # loaded by whatever ran a collective
         silent = runtime.stalled_ranks_text() if runtime is not None else ""
         who = f"{silent} stopped answering" if silent else "one stalled or died"
-        text = (f"a collective operation timed out waiting for the other ranks ({who}): check "
+        site = runtime.collective_site(exc) if runtime is not None else ""
+        text = (f"a collective operation{' ' + site if site else ''} timed out waiting for the "
+                f"other ranks ({who}): check "
                 "that rank's host and output; if a legitimate step is that slow, raise "
                 "--timeout")
     else:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,6 +140,52 @@ def stalled_ranks_text() -> str:
     silent = Heartbeat.stalled(dist.get_world_size())
     return ", ".join(f"rank {r}" + (f" (silent for {age:.0f} s)" if age is not None else
                                     " (never answered)") for r, age in silent)
+
+
+_OURS = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep
+              for name in ("dlrm_app", "recsys_core"))
+_TRANSPORTS = (str(Path(dist.__file__).resolve().parent) + os.sep,
+               str(Path(__file__).resolve().parents[1] / "recsys_core" / "distributed"
+                   / "shm_comm.py"))
+
+
+def collective_site(exc: BaseException) -> str:
+    """Where a failed collective was called, from ``exc``'s traceback: ``"in `all_reduce`,
+    called by `all_reduce_sum_` (recsys_core/distributed/comm.py:120), during `Trainer.step`
+    (dlrm_app/train.py:312)"``: the transport's collective (torch.distributed's, or the
+    shared-memory one's), this project's frame that called it (else the innermost frame of this
+    project), and the innermost frame of the application (training, validation, a save); empty
+    without one."""
+    codes, lines = [], []
+    tb = exc.__traceback__
+    while tb is not None:
+        codes.append(tb.tb_frame.f_code)
+        lines.append(tb.tb_lineno)
+        tb = tb.tb_next
+    ours = [i for i, code in enumerate(codes) if code.co_filename.startswith(_OURS)]
+    if not ours:
+        return ""
+    root = Path(__file__).resolve().parents[1]
+
+    def name(i: int) -> str:
+        path = Path(codes[i].co_filename).relative_to(root).as_posix()
+        return f"`{codes[i].co_qualname}` ({path}:{lines[i]})"
+
+    # the collective: the first frame of a transport (torch.distributed, or this project's
+    # shared-memory one) and the project's frame that called it
+    transport = [t for t in range(ours[0] + 1, len(codes))
+                 if codes[t].co_filename.startswith(_TRANSPORTS) and t - 1 in ours]
+    i = transport[0] - 1 if transport else ours[-1]
+    called = [c.co_qualname.split(".<locals>")[0] if c.co_filename.startswith(_TRANSPORTS)
+              else c.co_name for c in codes[i + 1:]
+              if c.co_name not in ("wrapper", "inner", "_fn", "wait")]
+    text = f"in `{called[0]}`, called by {name(i)}" if called else f"in {name(i)}"
+    # the application's step the library call came from (training, validation, a save)
+    app = [j for j in ours if codes[j].co_filename.startswith(_OURS[0])
+           and not codes[j].co_filename.endswith(("runtime.py", "cli.py", "__main__.py"))]
+    if app and app[-1] != i:
+        text += f", during {name(app[-1])}"
+    return text
 
 
 def restart_count() -> int:

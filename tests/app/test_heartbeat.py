@@ -75,3 +75,26 @@ def test_a_beating_process_exits_cleanly() -> None:
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": ""})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_timed_out_collective_is_named_with_its_caller(monkeypatch) -> None:
+    """The one line of a timeout names the collective, the project function that called it and
+    the application step it ran in (here: the metrics' all-reduce in ``global_mean``)."""
+    from dlrm_app.cli import describe_error
+
+    def all_reduce(tensor, *args, **kwargs):  # gloo's words when a peer does not answer
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out "
+                           "waiting 5000ms for recv operation to complete")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    try:
+        runtime.global_mean([1.0], __import__("torch").device("cpu"))
+    except RuntimeError as exc:
+        caught = exc
+    text = describe_error(caught)
+    assert text.startswith("a collective operation in `all_reduce`, called by `global_mean` "
+                           "(dlrm_app/runtime.py:"), text
+    assert "timed out waiting for the other ranks" in text and "--timeout" in text
+    assert runtime.collective_site(RuntimeError("no traceback")) == ""
