@@ -216,8 +216,11 @@ class TrainConfig:
     """Stop after this many validations in a row without a better AUC (0: never stop early)."""
     target_auc: float | None = None
     """Stop once validation AUC reaches this."""
-    save_every: int = 0
-    """Also checkpoint every N steps (0: only the best and the last checkpoint)."""
+    save_every: int | str = dataclasses.field(
+        default=0, metadata={"type": lambda text: parse_save_every(text, "--save-every"),
+                             "metavar": "N|DURATION"})
+    """Also checkpoint every N steps, or every DURATION of training (30s, 10m, 2h; the ranks
+    agree on when, within 8 steps); 0: only the best and the last checkpoint."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept besides the best one (older ones are deleted)."""
     background_checkpoints: bool = False
@@ -265,8 +268,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
+        object.__setattr__(self, "save_every", parse_save_every(self.save_every, "--save-every"))
         for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps", "val_batches",
-                     "save_every", "patience"):
+                     "patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0, got {value!r}")
@@ -388,6 +392,35 @@ FIXED_ON_RESUME = ("model", "embedding_optimizer", "dense_optimizer")
 """What a resumed run cannot change: the shapes of its model and optimizer state. ``--data``
 may change: training then continues on the new data if the model reads it the same way
 (``dlrm_app.train.check_continuation``: raw ids, or the same encoding)."""
+
+
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_save_every(value: int | str, flag: str) -> int | str:
+    """``--save-every``'s value: a step count (an int >= 0; digits alone are one) or a duration
+    (a positive number and a unit, ``s``, ``m`` or ``h``: ``"10m"``); a clear error otherwise."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 steps or a duration like 10m, got {value}")
+        return value
+    if isinstance(value, str) and duration_seconds(value) is not None:
+        return value.strip()
+    raise ValueError(f"{flag} must be a step count (500) or a duration (30s, 10m, 2h), got "
+                     f"{value!r}")
+
+
+def duration_seconds(text: str) -> float | None:
+    """``"10m"`` -> 600.0; None where ``text`` is no positive duration."""
+    text = text.strip()
+    unit = DURATION_UNITS.get(text[-1:])
+    try:
+        number = float(text[:-1])
+    except ValueError:
+        return None
+    return number * unit if unit is not None and number > 0 and math.isfinite(number) else None
 
 
 def resume_config(saved: TrainConfig, given: dict[str, Any], where: str) -> TrainConfig:

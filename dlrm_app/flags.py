@@ -11,7 +11,7 @@ is the field's docstring (the string literal under it in the class body)::
 
 A field's ``metadata`` may say more (``dlrm_app.config.positional`` / ``required``): ``"cli":
 "positional"`` makes it a positional argument (``"nargs"`` for several), ``"cli": "required"`` a
-flag that must be given, ``"metavar"`` its placeholder. ``Literal[...]`` types become choices; a
+flag that must be given, ``"metavar"`` its placeholder, ``"type"`` a parser of its own. ``Literal[...]`` types become choices; a
 bool defaulting to False is a plain switch (``--quiet``), one defaulting to True or None gets
 its ``--no-`` twin.
 
@@ -79,6 +79,17 @@ def _optional(kind: type) -> Any:
     return parse
 
 
+def _argument_type(parse: Any) -> Any:
+    """A field's own parser for argparse: its ValueError becomes argparse's one-line error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = "value"
+    return convert
+
+
 def _show(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
@@ -127,7 +138,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
             stem = "--" + BOOLEAN_FLAGS.get(field.name, field.name).replace("_", "-")
             parser.add_argument(stem, action=argparse.BooleanOptionalAction, **kwargs)
             continue
-        if isinstance(base, type) and issubclass(base, enum.Enum):
+        if "type" in field.metadata:  # a parser of the field's own (``--save-every 10m``)
+            kwargs["type"] = _argument_type(field.metadata["type"])
+        elif isinstance(base, type) and issubclass(base, enum.Enum):
             kwargs["choices"] = [m.value for m in base]
             kwargs["type"] = str
         elif typing.get_origin(base) is typing.Literal:

@@ -234,8 +234,11 @@ class Trainer:
                 state.epoch_batches += 1
                 metrics.after_step(state, loss_sum, len(batch.labels))
                 self.validator.after_step(state)
-                self.checkpointer.after_step(state)
-                if guard.agreed():
+                stop = guard.agreed()
+                self.checkpointer.after_step(state, guard.since_save_s)
+                if self.checkpointer.saved_at == state.step:  # by the validator too
+                    guard.saved()
+                if stop:
                     self.preempted = int(guard.signal or signal.SIGTERM)
                     state.stop_reason = f"preempted ({signal.Signals(self.preempted).name})"
                 if state.stop_reason or state.step >= self.total_steps:

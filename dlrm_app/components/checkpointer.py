@@ -17,7 +17,7 @@ from dlrm_app.checkpoint import (
     save_checkpoint,
 )
 from dlrm_app.components.state import TrainState
-from dlrm_app.config import TrainConfig
+from dlrm_app.config import TrainConfig, duration_seconds
 from dlrm_app.data.loader import ParquetLoader
 
 
@@ -46,9 +46,20 @@ class Checkpointer:
         if self._background is not None:
             self._background.wait()
 
-    def after_step(self, state: TrainState) -> None:
+    @property
+    def saved_at(self) -> int:
+        """The step of the last checkpoint this run saved (-1: none yet)."""
+        return self._saved_at
+
+    def after_step(self, state: TrainState, since_save_s: float | None = None) -> None:
+        """``--save-every``: N steps, or a duration; ``since_save_s`` is the ranks' agreed
+        time since the last save (None between agreements: no time-based save)."""
         every = self._config.save_every
-        if every and state.step % every == 0 and self._saved_at != state.step:
+        if isinstance(every, str):
+            due = since_save_s is not None and since_save_s >= duration_seconds(every)
+        else:
+            due = bool(every) and state.step % every == 0
+        if due and self._saved_at != state.step:
             self.save(state)
 
     def at_end(self, state: TrainState, start_step: int) -> None:

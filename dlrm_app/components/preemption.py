@@ -80,6 +80,11 @@ class PreemptionGuard:
         self._previous: dict[int, Any] = {}
         self._device = device  # NCCL: the flag on the GPU
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self._saved = time.monotonic()
+        self._stale = False
+        self.since_save_s: float | None = None
+        """At an agreement (None between them): the longest any rank has gone without a
+        checkpoint, the same number on every rank (``--save-every 10m`` saves on it)."""
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():  # signals reach it only
@@ -109,12 +114,20 @@ class PreemptionGuard:
         if self.signalled is None:
             self.signalled = signum
 
+    def saved(self) -> None:
+        """A checkpoint was saved after this step (on every rank): the time since the last
+        one starts again (the agreement in flight, sent before it, is not read for it)."""
+        self._saved = time.monotonic()
+        self._stale = self._pending is not None
+
     def agreed(self) -> bool:
         """True when a rank had been signalled by the previous agreement (collective: every
         rank calls it after each step, and gets the same answer at the same call)."""
+        self.since_save_s = None
         if self.world_size == 1 or not dist.is_initialized():
             if self.signalled is not None:
                 self.signal = self.signalled
+            self.since_save_s = time.monotonic() - self._saved
             return self.signalled is not None
         self._calls += 1
         if self._calls < self._next:
@@ -133,8 +146,11 @@ class PreemptionGuard:
                 self.signal = signum
             if slowest > 0:
                 self.every = self.interval(slowest)
-        flag = torch.tensor([float(self.signalled or 0), step_s], dtype=torch.float64,
-                            device=self._device)
+            if not self._stale:
+                self.since_save_s = float(flag[2].item())
+            self._stale = False
+        flag = torch.tensor([float(self.signalled or 0), step_s, now - self._saved],
+                            dtype=torch.float64, device=self._device)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         self._next = self._calls + self.every
         return stop

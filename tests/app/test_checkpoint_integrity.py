@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,24 @@ def test_extras_load_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
                        match=r"cannot load checkpoint .*c \(rank 0\): UnpicklingError: Weights only"):
         dcp_checkpoint.load(str(tmp_path / "c"), model=model, extra={"payload": None})
     assert not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+def test_save_every_duration_checkpoints_during_training(tmp_path: Path) -> None:
+    """``--save-every 0.3s``: checkpoints come while training goes on (on top of the last
+    step's), no more of them than 0.3 s apart would give, each complete."""
+    data = tmp_path / "data"
+    generate(data, rows=30_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
+             seed=0, rows_per_shard=30_000, row_group_size=1_000)
+    run = tmp_path / "run"
+    start = time.monotonic()
+    summary = train(TrainConfig(data=str(data), out=str(run), model=SMALL, batch_size=32,
+                                validate_every=0, patience=0, max_steps=400, save_every="0.3s",
+                                keep_checkpoints=100, log_every=1), progress=False)
+    wall = time.monotonic() - start
+    steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+    assert steps[-1] == summary["steps"] == 400
+    during = steps[:-1]
+    assert len(during) >= 2, steps  # 400 steps take well over 0.6 s
+    for step in steps:
+        verify_checkpoint(run / "checkpoints" / f"step_{step:08d}")
+    assert len(during) <= wall / 0.3, (steps, wall)  # never sooner than 0.3 s apart

@@ -99,3 +99,51 @@ def test_a_signal_of_the_other_kind_is_only_noted() -> None:
 def test_exit_code_follows_the_signal() -> None:
     assert Preempted("x").exit_code == 143
     assert Preempted("x", signal.SIGINT).exit_code == 130
+
+
+def _timed_saves(rank: int, world: int, step_s: float, every_s: float) -> list[tuple[int, float]]:
+    """A training loop's use of the guard for ``--save-every DURATION``: (step, time) of saves."""
+    saves = []
+    with PreemptionGuard(world) as guard:
+        for step in range(1, 90):
+            time.sleep(step_s)
+            guard.agreed()
+            if guard.since_save_s is not None and guard.since_save_s >= every_s:
+                saves.append((step, time.monotonic()))
+                guard.saved()
+    return saves
+
+
+def test_ranks_agree_when_a_duration_has_passed_since_the_last_save() -> None:
+    ranks = run_gloo(2, _timed_saves, 0.02, 0.3)
+    assert [s for s, _ in ranks[0]] == [s for s, _ in ranks[1]]  # the same steps on both
+    times = [t for _, t in ranks[0]]
+    assert len(times) >= 3
+    # never sooner than the duration after the previous save (the agreement in flight at a
+    # save was sent before it and is not read for it), nor much later (agreements every 8 steps)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert all(0.3 <= g < 0.3 + 3 * 8 * 0.02 + 0.5 for g in gaps), gaps
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    (0, 0), (500, 500), ("500", 500), ("10m", "10m"), (" 30s ", "30s"), ("1.5h", "1.5h")])
+def test_save_every_takes_steps_or_a_duration(given, expected) -> None:
+    from dlrm_app.config import TrainConfig, duration_seconds
+
+    config = TrainConfig(data="d", out="o", save_every=given)
+    assert config.save_every == expected
+    again = TrainConfig.from_json_dict(config.to_json_dict())
+    assert again.save_every == expected
+    assert duration_seconds("10m") == 600 and duration_seconds("1.5h") == 5400
+    assert duration_seconds("30s") == 30 and duration_seconds("0m") is None
+
+
+@pytest.mark.parametrize("bad", [-1, "10", "10q", "m", "-5m", "0s", True, 1.5])
+def test_save_every_refuses_what_is_neither(bad) -> None:
+    from dlrm_app.config import TrainConfig
+
+    if bad == "10":  # digits alone are a step count
+        assert TrainConfig(data="d", out="o", save_every=bad).save_every == 10
+        return
+    with pytest.raises(ValueError, match="--save-every must be"):
+        TrainConfig(data="d", out="o", save_every=bad)
