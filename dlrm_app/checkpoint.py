@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -162,6 +163,12 @@ def write_checkpoint(checkpoint_dir: str | Path, step: int, state: dict[str, Any
     return final
 
 
+WRITER_NICE = 10
+"""How much nicer than training the background writer thread runs: on a host whose cores the ranks keep busy it
+takes their idle time first (bench/background_checkpoint.py, 2 ranks on 2 cores, 3.2 GB: steps
+during a save 1.40x the step time at 10, 2.23x at 0; the save takes about 2x as long)."""
+
+
 class BackgroundSaver:
     """Checkpoints written while training goes on: :meth:`save` copies the state on the
     training thread (``dcp_checkpoint.staged_state``: a copy of this rank's tables and
@@ -182,6 +189,11 @@ class BackgroundSaver:
         state = dcp_checkpoint.staged_state(model, optimizer, extra)
 
         def write() -> None:
+            if WRITER_NICE:
+                with contextlib.suppress(OSError):  # this thread only (Linux: per thread)
+                    me = threading.get_native_id()  # nicer than the thread it came from
+                    os.setpriority(os.PRIO_PROCESS, me,
+                                   min(os.getpriority(os.PRIO_PROCESS, me) + WRITER_NICE, 19))
             try:
                 write_checkpoint(checkpoint_dir, step, state, keep=keep, best=best,
                                  group=self._group)
@@ -190,6 +202,11 @@ class BackgroundSaver:
 
         self._thread = threading.Thread(target=write, name="dlrm-checkpoint", daemon=True)
         self._thread.start()
+
+    @property
+    def writing(self) -> bool:
+        """A save is still being written."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         """Until the save in progress (if any) is complete; raises its error."""

@@ -82,3 +82,25 @@ def test_staged_state_is_a_copy_the_model_can_change_under() -> None:
         model.weight.add_(1.0)
     assert torch.equal(staged["model"]["weight"], before)
     assert staged["extra"]["step"] == 4 and torch.equal(staged["extra"]["rng"], torch.arange(3))
+
+
+def test_the_writer_thread_runs_at_its_nice_value(tmp_path: Path, monkeypatch) -> None:
+    """The writer yields to the training ranks (``WRITER_NICE``), the training thread not."""
+    import os
+    import threading
+
+    from dlrm_app import checkpoint
+
+    seen = {}
+
+    def write_checkpoint(*args, **kwargs):  # records the thread's priority as the OS has it
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", write_checkpoint)
+    saver = checkpoint.BackgroundSaver()
+    model = torch.nn.Linear(2, 1)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver.save(tmp_path / "c", 1, model=model, optimizer=None, extra={"step": 1})
+    saver.wait()
+    assert seen["writer"] == min(before + checkpoint.WRITER_NICE, 19) and checkpoint.WRITER_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
