@@ -37,26 +37,34 @@ class FrozenIdMap(nn.Module):
     Args:
         num_features: F, all sparse features.
         raw: per feature, None (ids are rows) or ``(input_hash_size, sorted scrambled ids,
-            their rows, fallback row)``.
+            their rows, fallback rows)``: one fallback row for ids without a row of their own,
+            or one per row block of the training's row-wise shards (an id then gets the one
+            of the block it was routed to there: ``scrambled // ceil(input_hash_size /
+            blocks)``).
     """
 
     def __init__(self, num_features: int,
-                 raw: list[tuple[int, Tensor, Tensor, int] | None]) -> None:
+                 raw: list[tuple[int, Tensor, Tensor, int | list[int]] | None]) -> None:
         super().__init__()
         if len(raw) != num_features:
             raise ValueError(f"{len(raw)} entries for {num_features} features")
         self.enabled = any(r is not None for r in raw)
         keys, rows = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]
         space = torch.zeros(num_features, dtype=torch.int64)
-        fallback = torch.zeros(num_features, dtype=torch.int64)
+        misses = [[0] if e is None else [e[3]] if isinstance(e[3], int) else list(e[3])
+                  for e in raw]
+        fallback = torch.zeros(num_features, max(len(m) for m in misses), dtype=torch.int64)
+        block_size = torch.ones(num_features, dtype=torch.int64)
         for k, entry in enumerate(raw):
             if entry is None:
                 continue
-            size, ids, slots, miss = entry
+            size, ids, slots, _ = entry
             owned = ids != _FREE
             keys.append(ids[owned].to(torch.int64) + (k << KEY_BITS))
             rows.append(slots[owned].to(torch.int64))
-            space[k], fallback[k] = size, miss
+            space[k] = size
+            fallback[k, :len(misses[k])] = torch.tensor(misses[k])
+            block_size[k] = max(-(-size // len(misses[k])), 1)
         all_keys = torch.cat(keys)
         order = torch.argsort(all_keys)
         # one key past every real key, so a search never runs off the end
@@ -66,6 +74,7 @@ class FrozenIdMap(nn.Module):
                                                 torch.zeros(1, dtype=torch.int64)]))
         self.register_buffer("space", space)
         self.register_buffer("fallback", fallback)
+        self.register_buffer("block_size", block_size)
         self.register_buffer("is_raw", space > 0)
         self.num_features = num_features
         self.multiplier = ZCH_HASH_MULTIPLIER  # attributes: TorchScript reads no globals
@@ -87,7 +96,8 @@ class FrozenIdMap(nn.Module):
         key = scrambled + (feature << self.key_bits)
         position = torch.searchsorted(self.keys, key)
         hit = self.keys[position] == key
-        mapped = torch.where(hit, self.rows[position], self.fallback[feature])
+        block = torch.div(scrambled, self.block_size[feature], rounding_mode="floor")
+        mapped = torch.where(hit, self.rows[position], self.fallback[feature, block])
         return torch.where(raw, mapped, values)
 
 
@@ -123,6 +133,9 @@ def freeze_raw_ids(model: DLRM, spec: DatasetSpec, config: ModelConfig
             raw.append(None)
             continue
         mc = modules[f"t_{f.name}"]
+        # ids without a row: the row they had in training (per row block when it was sharded)
+        segments = mc._miss_segments
+        miss = mc.output_size() - 1 if segments is None else [e - 1 for e in segments[1:]]
         raw.append((raw_id_space(f), mc._mch_sorted_raw_ids.detach().clone(),
-                    mc._mch_remapped_ids_mapping.detach().clone(), mc.output_size() - 1))
+                    mc._mch_remapped_ids_mapping.detach().clone(), miss))
     return plain, FrozenIdMap(len(names), raw)

@@ -61,6 +61,7 @@ from recsys_core.modules.mc_modules import (
     MCHManagedCollisionModule,
     _cat_jagged_values,
     _get_length_per_key,
+    route_blocks,
 )
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -165,14 +166,7 @@ def route_ids(ids: torch.Tensor, input_size: int, world_size: int) -> torch.Tens
 
     ``block = ceil(input_size / world_size)``; ids in ``[0, block * world_size)`` go to
     ``id // block``, others to ``id mod world_size`` (non-negative)."""
-    ids = ids.to(torch.int64)
-    if world_size == 1:
-        return torch.zeros_like(ids)
-    block = max((input_size + world_size - 1) // world_size, 1)
-    by_block = torch.div(ids.clamp(min=0), block, rounding_mode="floor")
-    limit = block * world_size
-    inside = ids >= 0 if limit > _INT64_MAX else (ids >= 0) & (ids < limit)
-    return torch.where(inside, by_block, ids.remainder(world_size))
+    return route_blocks(ids, input_size, world_size)
 
 
 @dataclass

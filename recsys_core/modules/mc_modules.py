@@ -127,13 +127,31 @@ def _mcc_lazy_init_inplace(
 
 
 @torch.fx.wrap
+def route_blocks(ids: torch.Tensor, input_size: int, blocks: int) -> torch.Tensor:
+    """The row block (a row-wise shard's rank) of each id: with ``block = ceil(input_size /
+    blocks)``, ids in ``[0, block * blocks)`` go to ``id // block``, others to ``id mod blocks``
+    (TorchRec's bucketization of managed-collision inputs)."""
+    ids = ids.to(torch.int64)
+    if blocks == 1:
+        return torch.zeros_like(ids)
+    block = max((input_size + blocks - 1) // blocks, 1)
+    by_block = torch.div(ids.clamp(min=0), block, rounding_mode="floor")
+    limit = block * blocks
+    inside = ids >= 0 if limit > _INT64_MAX_ROUTE else (ids >= 0) & (ids < limit)
+    return torch.where(inside, by_block, ids.remainder(blocks))
+
+
+_INT64_MAX_ROUTE = (1 << 63) - 1
+
+
 def _mch_remap(
     features: dict[str, JaggedTensor],
     mch_sorted_raw_ids: torch.Tensor,
     mch_remapped_ids_mapping: torch.Tensor,
-    zch_index: int,
+    zch_index: int | Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, JaggedTensor]:
-    """Each id's row: its entry's row when the sorted table holds it, else ``zch_index``."""
+    """Each id's row: its entry's row when the sorted table holds it, else ``zch_index`` (a row,
+    or a function of the ids giving each one's row)."""
     remapped: dict[str, JaggedTensor] = {}
     for name, feature in features.items():
         values = feature.values()
@@ -141,9 +159,8 @@ def _mch_remap(
         ids = values.to(torch.int64)
         position = torch.searchsorted(mch_sorted_raw_ids[:-1], ids)
         hit = mch_sorted_raw_ids[position] == ids
-        rows = torch.where(
-            hit, mch_remapped_ids_mapping[position], torch.full_like(ids, zch_index)
-        )
+        miss = zch_index(ids) if callable(zch_index) else torch.full_like(ids, zch_index)
+        rows = torch.where(hit, mch_remapped_ids_mapping[position], miss)
         remapped[name] = JaggedTensor(
             values=rows.to(values.dtype),
             lengths=feature.lengths(),
@@ -339,6 +356,11 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 where,
             )
         self._init_output_segments_tensor: torch.Tensor = self._output_segments_tensor
+        self._miss_segments: list[int] | None = None
+        """The row blocks of the training that made the loaded state (its row-wise shards),
+        while this module has not trained since: in eval mode an id without a row gets the
+        last row of the block it was routed to in that training, as it did there (None: this
+        module's own last row)."""
         self._name = name
         self._input_hash_size = input_hash_size
         self._input_hash_func = input_hash_func
@@ -445,6 +467,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         table from the ids recorded since the last update."""
         if not self.training:
             return features
+        self._miss_segments = None  # trained from here on under its own rows
         if self._current_iter == -1:
             self._current_iter = int(self._current_iter_tensor.item())
             self._last_eviction_iter = self._current_iter
@@ -482,11 +505,22 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         mutate_miss_lengths: bool = True,
         write_weights: torch.Tensor | None = None,
     ) -> dict[str, JaggedTensor]:
+        last = self._output_global_offset + self._zch_size - 1
+        segments = self._miss_segments
+        if segments is None or self.training:
+            return _mch_remap(
+                features, self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping, last
+            )
+        ends = torch.tensor(segments[1:], dtype=torch.int64, device=self._device) - 1
+        first = self._output_global_offset
+
+        def miss(ids: torch.Tensor) -> torch.Tensor:
+            # the training's row block of each id; its last row where this module holds it
+            rows = ends[route_blocks(ids, self.input_size(), len(segments) - 1)]
+            return torch.where((rows >= first) & (rows <= last), rows, last)
+
         return _mch_remap(
-            features,
-            self._mch_sorted_raw_ids,
-            self._mch_remapped_ids_mapping,
-            self._output_global_offset + self._zch_size - 1,
+            features, self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping, miss
         )
 
     def forward(
@@ -535,6 +569,9 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 f"{self._label()}: the loaded _mch_remapped_ids_mapping is not a permutation of "
                 f"rows [{start}, {end}); the remapping state comes from another model or shard"
             )
+        loaded = [int(v) for v in segments.tolist() if v >= 0]
+        own = [start, end]
+        self._miss_segments = None if loaded == own or len(loaded) < 3 else loaded
         self._output_segments_tensor = self._init_output_segments_tensor
         self._sort_mch_buffers()
 

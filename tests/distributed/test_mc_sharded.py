@@ -380,6 +380,39 @@ def test_remapping_state_reloads_2_to_1_and_1_to_2(tmp_path) -> None:
         assert r["loaded_momentum"] == pytest.approx(on1["saved_momentum"])
 
 
+def eval_worker(rank: int, world: int, load: str, sharded_module: bool) -> torch.Tensor:
+    """Pooled embeddings of every id 0-999 (hits and misses; the same batch on every rank) in
+    eval mode, from the checkpoint ``load``: sharded over ``world`` ranks, or the plain module."""
+    mc = build_mc({"t0": 48, "t1": 48}, seed=5)
+    if sharded_module:
+        mc = ManagedCollisionEmbeddingBagCollectionSharder(
+            EmbeddingBagCollectionSharder(fused_params=FUSED)).shard(
+                mc, plan_for(mc, world), world_env())
+    checkpoint.load(load, model=mc)
+    mc.eval()
+    ids = torch.arange(INPUT)
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.cat([ids, ids, ids]),
+                            lengths=torch.ones(3 * INPUT, dtype=torch.int64))
+    pooled = mc(kjt)[0]
+    pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
+    return pooled.values().detach()
+
+
+@pytest.mark.slow
+def test_an_id_without_a_row_scores_as_in_training_on_any_world_size(tmp_path) -> None:
+    """Trained on 2 ranks, each row block keeps its own row for ids without one; evaluated on 1
+    rank (or unsharded: what export and serving load) such an id gets its training block's
+    row, so every id scores as on the 2 ranks (not the one last row of the table)."""
+    a = str(tmp_path / "a")
+    run_gloo(2, ckpt_worker, None, a, 3, 0)
+    two = run_gloo(2, eval_worker, a, True)
+    (one,) = run_gloo(1, eval_worker, a, True)
+    (plain,) = run_gloo(1, eval_worker, a, False)
+    torch.testing.assert_close(two[0], two[1])
+    torch.testing.assert_close(one, two[0], rtol=0, atol=0)
+    torch.testing.assert_close(plain, two[0], rtol=0, atol=0)
+
+
 # ---- bad plans and input ----------------------------------------------------------------------------
 def bad_worker(rank: int, world: int) -> list[str]:
     mc = build_mc({"t0": 8, "t1": 12})

@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from process_tree import descendants, kill_tree
 from shared_data import CRITEO
 
@@ -351,6 +352,56 @@ def test_two_rank_checkpoint_resumes_on_other_world_sizes(one_batch_data: Path,
         assert sorted(losses) == list(range(11, 21))
         for step in losses:
             assert losses[step] == pytest.approx(full[step], abs=2e-4), (nproc, step)
+
+
+@pytest.mark.shared_data(CRITEO)
+@pytest.mark.slow
+def test_zch_run_of_two_ranks_evaluates_and_resumes_on_one(tmp_path: Path) -> None:
+    """A zero-collision run checkpointed on 2 ranks (each holding half of every table's id ->
+    row map) evaluates to the same metrics on 1 rank and continues there: the maps are
+    resharded with the tables."""
+    data, run = tmp_path / "zch", tmp_path / "run"
+    subprocess.run(_cmd(0, "preprocess", "criteo", str(CRITEO / "kaggle_head_10k.tsv"),
+                        "--out", str(data), "--id-mapping", "zch", "--row-group-size", "256"),
+                   check=True, capture_output=True, env=_env(), timeout=300)
+    first = _run(2, "train", "--data", str(data), "--out", str(run), "--batch-size", "128",
+                 "--max-steps", "12", "--save-every", "6", *COMMON)
+    assert first["world_size"] == 2 and first["steps"] == 12
+    step = run / "checkpoints" / "step_00000012"
+    verify_checkpoint(step)
+    results = [_run(n, "evaluate", str(run), "--checkpoint", str(step), "--split", "test",
+                    "--batch-size", "500") for n in (0, 2)]
+    assert [r["world_size"] for r in results] == [1, 2]
+    assert results[0]["auc"] == pytest.approx(results[1]["auc"], abs=1e-9)
+    assert results[0]["logloss"] == pytest.approx(results[1]["logloss"], rel=1e-6)
+    # what export ships (FrozenIdMap) maps the test ids as that evaluation did: ids without a
+    # row to their training block's own row, half of them not the table's last row
+    from dlrm_app.data.loader import ParquetLoader
+    from dlrm_app.id_map import freeze_raw_ids
+    from dlrm_app.serving.export import load_unsharded
+
+    model, config, spec, _ = load_unsharded(run, step)
+    _, id_map = freeze_raw_ids(model, spec, config.model)
+    remap = model.sparse_arch.managed_collision_collection._managed_collision_collection
+    misses = set()
+    for batch in ParquetLoader(data, "test", batch_size=500, rank=0, world_size=1,
+                               drop_last=False):
+        kjt = batch.sparse
+        rows = torch.cat([remap(kjt)[k].values() for k in kjt.keys()])
+        mapped = id_map(kjt.values(), kjt.offsets(), kjt.stride())
+        assert torch.equal(mapped, rows)
+        table = remap._managed_collision_modules["t_" + kjt.keys()[0]]
+        misses |= set(remap(kjt)[kjt.keys()[0]].values().tolist()) & {
+            e - 1 for e in table._miss_segments[1:]}
+    zch = table._zch_size
+    assert misses == {zch // 2 - 1, zch - 1}, misses  # both blocks' rows for unseen ids
+    resumed = _run(0, "train", "--data", str(data), "--out", str(run), "--batch-size", "256",
+                   "--max-steps", "20", "--resume", *COMMON)
+    start = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()
+             if '"start"' in s][-1]
+    assert start["world_size"] == 1 and start["start_step"] == 12
+    assert start["resumed_from"].endswith("step_00000012")
+    assert resumed["steps"] == 20 and resumed["trained_steps"] == 8
 
 
 @pytest.mark.shared_data(CRITEO)
