@@ -16,6 +16,7 @@ import pytest
 import yaml
 from process_tree import kill_tree
 
+from dlrm_app.checkpoint import verify_checkpoint
 from dlrm_app.data.synthetic import generate
 from recsys_core.testing import find_free_port
 
@@ -150,6 +151,7 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(data: Path, tmp_path
     starts = _events(run, "start")
     assert [s["world_size"] for s in starts] == [2, 1], starts
     assert starts[1]["start_step"] >= 10 and starts[1]["resumed_from"] is not None
+    verify_checkpoint(Path(starts[1]["resumed_from"]))  # complete and intact, never a partial
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 150 and summary["world_size"] == 1
     steps = {e["step"] for e in _events(run, "train")}

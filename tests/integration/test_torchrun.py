@@ -257,7 +257,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(
     run2, _ = two_rank_run
     run = tmp_path / "restarted"
     args = ["train", "--data", str(data), "--out", str(run), "--batch-size", str(BATCH),
-            "--max-steps", "80", "--save-every", "20", *COMMON]
+            "--max-steps", "80", "--save-every", "20", "--keep-checkpoints", "10", *COMMON]
     cmd = _cmd(2, *args)
     cmd.insert(cmd.index("--standalone") + 1, "--max-restarts=1")
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -276,6 +276,8 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(
     assert len(starts) == 2 and starts[1]["resumed_from"] is not None
     resumed_at = starts[1]["start_step"]
     assert 0 < resumed_at < 80  # the newest checkpoint: a save or a better validation
+    verify_checkpoint(Path(starts[1]["resumed_from"]))  # complete and intact, never a partial
+    assert not starts[1]["resumed_from"].endswith(".partial")
     assert json.loads(out.strip().splitlines()[-1])["trained_steps"] == 80 - resumed_at
     _assert_continues(_losses(run2), _losses(run), resumed_at)
 
