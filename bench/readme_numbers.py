@@ -320,7 +320,8 @@ def record_ci(log: Path) -> None:
     ``CI seconds`` line the script prints at its end)."""
     text = log.read_text()
     legs = []
-    for m in re.finditer(r"^=*\s*(?P<summary>\d+ passed[^=\n]*) in (?P<s>[\d.]+)s", text, re.M):
+    for m in re.finditer(r"^=*\s*(?P<summary>(?:\d+ failed, )?\d+ passed[^=\n]*) in "
+                         r"(?P<s>[\d.]+)s", text, re.M):
         counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|skipped|failed|deselected)",
                                                     m.group("summary"))}
         legs.append({"tests": counts.get("passed", 0) + counts.get("skipped", 0)
