@@ -49,7 +49,10 @@ from recsys_core.distributed.types import (
     ShardingType,
 )
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection
+from recsys_core.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    should_skip_data_parallel_grad_sync,
+)
 from recsys_core.optim.optimizers import sharder_fused_config
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
 from recsys_core.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
@@ -161,6 +164,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             device=device, optimizer=optimizer, backend=backend, is_weighted=module.is_weighted(),
             source=source, table_init=table_init, caches=planned_caches(plan),
             offload_dir=offload_dir, qcomm_codecs_registry=qcomm_codecs_registry,
+            sync_replica_gradients=not should_skip_data_parallel_grad_sync(module),
         )
         spec = CollectionSpec(
             name="ShardedEmbeddingBagCollection", state_prefix="embedding_bags",

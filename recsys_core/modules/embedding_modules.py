@@ -5,6 +5,7 @@ gradients and post-update weights as these modules with a plain torch optimizer.
 """
 
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -38,14 +39,45 @@ torch.fx.wrap("reorder_inverse_indices")
 torch.fx.wrap("combine_pooled")
 
 __all__ = [
+    "MODULE_ATTR_DATA_PARALLEL_SKIP_GRAD_SYNC",
     "EmbeddingBagCollection",
     "EmbeddingBagCollectionInterface",
     "EmbeddingCollection",
     "EmbeddingCollectionInterface",
     "check_features",
     "get_embedding_names_by_table",
+    "mark_data_parallel_skip_grad_sync",
     "process_pooled_embeddings",
+    "should_skip_data_parallel_grad_sync",
 ]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+MODULE_ATTR_DATA_PARALLEL_SKIP_GRAD_SYNC: str = "_torchrec_data_parallel_skip_grad_sync"
+"""The attribute TorchRec 1.9 sets on a collection marked by
+:func:`mark_data_parallel_skip_grad_sync` (the same name, so a module marked either way is
+read alike)."""
+
+
+def mark_data_parallel_skip_grad_sync(module: nn.Module) -> None:
+    """Leave the DATA_PARALLEL tables of this (unsharded) EmbeddingBagCollection /
+    EmbeddingCollection out of the gradient sum over ranks once it is sharded (TorchRec 1.9:
+    out of DDP), e.g. for a collection used in forward only. Each rank's replica then keeps its
+    own gradient and, stepped, its own weights. Read once when the module is sharded: call it
+    before ``DistributedModelParallel`` (a sharded module only gets a warning). Tables of other
+    sharding types are unaffected, as is the rest of the model (DMP's DDP)."""
+    if hasattr(module, "_core") or hasattr(module, "_lookups"):
+        logger.warning(
+            "mark_data_parallel_skip_grad_sync() called on an already-sharded %s; the marker "
+            "is read when the module is sharded, so this has no effect",
+            type(module).__name__,
+        )
+    setattr(module, MODULE_ATTR_DATA_PARALLEL_SKIP_GRAD_SYNC, True)
+
+
+def should_skip_data_parallel_grad_sync(module: nn.Module) -> bool:
+    """Whether ``module`` was marked by :func:`mark_data_parallel_skip_grad_sync`."""
+    return bool(getattr(module, MODULE_ATTR_DATA_PARALLEL_SKIP_GRAD_SYNC, False))
 
 
 @torch.fx.wrap

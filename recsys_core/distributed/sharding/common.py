@@ -131,6 +131,9 @@ class KernelContext:
     dense: bool = False
     """Build DENSE kernels (weights are parameters with gradients, no fused optimizer) instead
     of fused ones; set per strategy for the tables planned with ``EmbeddingComputeKernel.DENSE``."""
+    sync_replica_gradients: bool = True
+    """Sum the DATA_PARALLEL replicas' gradients over the ranks in backward; False for a
+    collection marked by ``mark_data_parallel_skip_grad_sync`` (each replica keeps its own)."""
 
     def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
         registry = self.qcomm_codecs_registry

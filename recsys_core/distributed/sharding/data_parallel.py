@@ -84,7 +84,8 @@ class DpPooledSharding:
         self.local = LocalKernels(self._layout.slots, ctx, configs, backend=KernelBackend.TORCH)
         for kernel in self.local.kernels:
             assert isinstance(kernel, TorchTableBatchedEmbedding)
-            kernel.gradient_reducer = self._make_reducer(kernel)
+            if ctx.sync_replica_gradients:  # else each replica steps on its own gradient
+                kernel.gradient_reducer = self._make_reducer(kernel)
             if env.pg is not None and env.world_size > 1 and ctx.device.type != "meta":
                 dist.broadcast(kernel.weights, src=0, group=env.pg)
 

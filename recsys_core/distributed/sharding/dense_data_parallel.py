@@ -32,7 +32,8 @@ class DpDenseSharding:
     """DATA_PARALLEL tables on the DENSE kernel: each rank looks up its own batch in its
     replica; no communication in forward; the replicas' gradients are summed over the ranks
     (and divided by their number under gradient division) at the end of each backward.
-    Replicas start equal: rank 0's weights are broadcast at construction."""
+    Replicas start equal: rank 0's weights are broadcast at construction. A collection marked by
+    ``mark_data_parallel_skip_grad_sync`` skips the sum: each replica keeps its own gradient."""
 
     def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         self._is_weighted = ctx.is_weighted
@@ -40,12 +41,14 @@ class DpDenseSharding:
         self.output_features = self._layout.output_features
         configs = {t.config.name: t.config for t in tables}
         self.local = LocalKernels(self._layout.slots, ctx, configs)
-        self._group = env.pg if env.world_size > 1 else None
+        group = env.pg if env.world_size > 1 else None
+        # A collection marked by mark_data_parallel_skip_grad_sync: no sum in backward.
+        self._group = group if ctx.sync_replica_gradients else None
         self._sum_queued = False
-        if self._group is not None and ctx.device.type != "meta":
+        if group is not None and ctx.device.type != "meta":
             for kernel in self.local.kernels:
                 for w in kernel.split_embedding_weights():
-                    dist.broadcast(w, src=0, group=self._group)
+                    dist.broadcast(w, src=0, group=group)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
         return self._layout.input_dist(features)
