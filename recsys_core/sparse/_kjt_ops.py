@@ -136,11 +136,12 @@ def to_dict(
             out[key] = jagged_view(value_parts[i], w, part, offsets)
         return out
     if flat.numel() == 0:
-        # No bags: empty lengths and (as TorchRec) empty offsets per key.
+        # No bags: empty lengths and offsets [0] per key, as TorchRec 1.9 (1.8 gave empty
+        # offsets, which break a JaggedTensor's len(lengths) + 1 rule).
         empty_rows = flat.reshape(len(keys), 0).unbind(0)
         for i, key in enumerate(keys):
             w = weight_parts[i] if weights is not None else None
-            offsets = empty_rows[i] if compute_offsets else None
+            offsets = flat.new_zeros(1) if compute_offsets else None
             out[key] = jagged_view(value_parts[i], w, empty_rows[i], offsets)
         return out
     if not compute_offsets:

@@ -164,10 +164,13 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
         return kjt.sync()
 
     @staticmethod
-    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
-        """One key per entry, in dict order; all weighted or none. If the batch sizes differ
-        the result has a variable batch per key (``stride_per_key_per_rank = [[b] ...]``)."""
-        return _kjt_from_jt_dict(jt_dict)
+    def from_jt_dict(
+        jt_dict: dict[str, JaggedTensor], force_variable_stride: bool = False
+    ) -> "KeyedJaggedTensor":
+        """One key per entry, in dict order; all weighted or none. If the batch sizes differ,
+        or with ``force_variable_stride`` (TorchRec 1.9) even when they are equal, the result
+        has a variable batch per key (``stride_per_key_per_rank = [[b] ...]``)."""
+        return _kjt_from_jt_dict(jt_dict, force_variable_stride)
 
     @staticmethod
     def empty(
@@ -854,7 +857,9 @@ def _derived_kjt(
 
 
 @torch.fx.wrap
-def _kjt_from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+def _kjt_from_jt_dict(
+    jt_dict: dict[str, JaggedTensor], force_variable_stride: bool = False
+) -> KeyedJaggedTensor:
     keys = list(jt_dict.keys())
     jts = list(jt_dict.values())
     if len(jts) == 0:
@@ -864,7 +869,7 @@ def _kjt_from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
     weights: torch.Tensor | None = None
     if jts[0].weights_or_none() is not None:
         weights = torch.cat([jt.weights() for jt in jts])
-    variable = any([s != strides[0] for s in strides])
+    variable = force_variable_stride or any([s != strides[0] for s in strides])
     return KeyedJaggedTensor(
         keys=keys,
         values=torch.cat([jt.values() for jt in jts]),
