@@ -78,6 +78,7 @@ class EmbeddingCollection(nn.Module):
         self._need_indices = need_indices
         self._use_gather_select = use_gather_select
         self._use_gather_select_per_sharding = use_gather_select_per_sharding
+        self._use_sorted_select = False
         self.embeddings = nn.ModuleDict()
         for config in tables:
             self.embeddings[config.name] = nn.Embedding(
@@ -115,6 +116,15 @@ class EmbeddingCollection(nn.Module):
 
     def use_gather_select_per_sharding(self) -> dict[str, bool] | None:
         return self._use_gather_select_per_sharding
+
+    def use_sorted_select(self) -> bool:
+        """TorchRec 1.9's switch (off by default) for expanding deduplicated rows with
+        ``sorted_index_select`` (see ``construct_jagged_tensors``). This module's own lookup
+        never deduplicates, as TorchRec's unsharded one, so it does not read it."""
+        return self._use_sorted_select
+
+    def set_use_sorted_select(self, use_sorted_select: bool) -> None:
+        self._use_sorted_select = use_sorted_select
 
     @property
     def device(self) -> torch.device:

@@ -225,6 +225,12 @@ class ManagedCollisionModule(nn.Module):
         self.register_load_state_dict_post_hook(_validate_after_load)
 
     @property
+    def read_only_suffix(self) -> str:
+        """Features whose name ends with it are looked up but never inserted (TorchRec 1.9's
+        name; ``readable_suffix``, TorchRec 1.8's, returns the same)."""
+        return self._read_only_suffix
+
+    @property
     def readable_suffix(self) -> str:
         return self._read_only_suffix
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from recsys_core.modules.hash_mc_modules import make_hash_zch_buckets_non_persistent
+from recsys_core.modules.sorted_index_select import maybe_sorted_index_select
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
 ModuleOrTensorFn = nn.Module | Callable[[torch.Tensor], torch.Tensor]
@@ -165,14 +166,17 @@ def construct_jagged_tensors(
     features_to_permute_indices: dict[str, list[int]] | None = None,
     original_features: KeyedJaggedTensor | None = None,
     reverse_indices: torch.Tensor | None = None,
+    use_sorted_select: bool = False,
 ) -> dict[str, JaggedTensor]:
     """Per-feature ``JaggedTensor`` of looked-up rows (``embeddings``: one row per id of
     ``features``, key-major). ``need_indices`` puts each feature's ids in ``weights``;
-    ``reverse_indices`` expands deduplicated rows back to one per id first."""
+    ``reverse_indices`` expands deduplicated rows back to one per id first, with
+    ``use_sorted_select`` (TorchRec 1.9) through :func:`sorted_index_select` (same rows, a
+    sorted float32 segment sum in backward) instead of ``index_select``."""
     if original_features is not None:
         features = original_features
     if reverse_indices is not None:
-        embeddings = torch.index_select(embeddings, 0, reverse_indices)
+        embeddings = maybe_sorted_index_select(embeddings, reverse_indices, use_sorted_select)
     return _jagged_tensors_from_rows(
         embeddings,
         features.lengths().view(-1, features.stride()),
