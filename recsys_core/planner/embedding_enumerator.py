@@ -178,6 +178,7 @@ class EmbeddingEnumerator(Enumerator):
                         feature_names=None if c is None else c.feature_names,
                         output_dtype=None if c is None else c.output_dtype,
                         key_value_params=None if c is None else copy.deepcopy(c.key_value_params),
+                        stash_weights=_stash_weights(name, child),
                     ))
             if not per_table:
                 raise RuntimeError(
@@ -292,3 +293,24 @@ def _get_tower_index(name: str, child_module: nn.Module) -> int:
                 return i
     raise RuntimeError(
         f"couldn't get the tower index for table {name}, tower collection: {child_module}")
+
+
+def _stash_weights(parameter: str, module: nn.Module) -> bool:
+    """TorchRec 1.9: the ``stash_weights`` flag of the table's config (of the inner collection
+    of a feature-processed one, or from a ``tables()`` accessor), False when none is found."""
+    inner = getattr(module, "_embedding_bag_collection", None)
+    if isinstance(inner, EmbeddingBagCollection):
+        module = inner
+    if isinstance(module, EmbeddingBagCollection):
+        configs: list[Any] = list(module.embedding_bag_configs())
+    elif isinstance(module, EmbeddingCollection):
+        configs = list(module.embedding_configs())
+    else:
+        tables = getattr(module, "tables", None)
+        if not callable(tables):
+            return False
+        configs = list(tables())
+    return any(
+        bool(getattr(config, "stash_weights", False))
+        for config in configs if config.name == parameter
+    )

@@ -56,6 +56,11 @@ class PlannerError(ValueError):
         return (type(self), (str(self), self.error_type, self.shortfall))
 
 
+class PlannerContextFingerprintError(RuntimeError):
+    """TorchRec 1.9: the planner's inputs could not be fingerprinted (its planner then skips
+    a stored plan and plans afresh)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TableMemory:
     """The least memory one table needs (its most compact allowed layout)."""

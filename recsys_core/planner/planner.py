@@ -193,6 +193,20 @@ class EmbeddingShardingPlanner:
         self._plan_stats = extra
         return ShardingPlan.from_json(text)
 
+    def get_selected_options(self) -> list[ShardingOption]:
+        """The chosen sharding options of the last plan, with their ranks and estimates
+        (TorchRec 1.9); empty before a plan, and on the ranks of a collective plan that
+        only received it."""
+        return self._best_plan or []
+
+    def get_search_space(self) -> list[ShardingOption] | None:
+        """Every option the enumerator offered for the last plan (TorchRec 1.9); None before a
+        plan (and where this rank only received a collective plan)."""
+        if self._own_search is None and self._given_best_plan is None:
+            return None
+        enumerator = self._enumerator
+        return None if enumerator is None else enumerator.last_stored_search_space  # type: ignore[attr-defined]
+
     @property
     def stats(self) -> PlanStats | None:
         """Per-rank estimates of the last plan (None before the first)."""

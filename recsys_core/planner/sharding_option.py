@@ -62,6 +62,7 @@ class ShardingOption:
         output_dtype: DataType | None = None,
         key_value_params: KeyValueParams | None = None,
         num_poolings: list[float] | None = None,
+        stash_weights: bool = False,
     ) -> None:
         self.name = name
         self._tensor = tensor
@@ -85,6 +86,9 @@ class ShardingOption:
         self.output_dtype = output_dtype
         self.key_value_params = key_value_params
         self.num_poolings = num_poolings
+        # TorchRec 1.9: the table config's stash_weights hint (memory stashing, which this
+        # library does not do); data only, no estimate reads it (nor does TorchRec's).
+        self.stash_weights = stash_weights
         child = module[1]
         self._module_type_key = f"{type(child).__module__}.{type(child).__name__}"
         processors = getattr(getattr(child, "_feature_processor", None),

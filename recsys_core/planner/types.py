@@ -263,3 +263,35 @@ from recsys_core.planner.topology_factory import (  # noqa: E402
 
 __all__ += ["HardwareConfig", "KernelConfig", "TopologyConfigBase", "TopologyFactory",
             "TrainerConfig"]
+
+# TorchRec 1.9's planning request and result types (planner.api plans a request).
+from recsys_core.planner.errors import PlannerContextFingerprintError  # noqa: E402
+from recsys_core.planner.requests import (  # noqa: E402
+    EmoConfig,
+    PlannerConfig,
+    PlannerVariant,
+    ProposerConfig,
+    ProposerGroup,
+    ShardingPlanRequest,
+    StorageReservationPolicy,
+    TrainingFramework,
+    TuneClfConfig,
+)
+from recsys_core.planner.results import (  # noqa: E402
+    ModelArch,
+    PlannerSessionContext,
+    PlanReportMetadata,
+    ShardDetail,
+    SharderArch,
+    ShardingOptionDetail,
+    ShardingPlanResult,
+    TableArch,
+)
+
+__all__ += [
+    "EmoConfig", "ModelArch", "PlanReportMetadata", "PlannerConfig",
+    "PlannerContextFingerprintError", "PlannerSessionContext", "PlannerVariant",
+    "ProposerConfig", "ProposerGroup", "ShardDetail", "ShardingOptionDetail",
+    "ShardingPlanRequest", "ShardingPlanResult", "SharderArch", "StorageReservationPolicy",
+    "TableArch", "TrainingFramework", "TuneClfConfig",
+]
