@@ -252,6 +252,12 @@ class ShardedManagedCollisionCollection(nn.Module):
     rows), as the unsharded module returns it. ``embedding_shardings`` and
     ``use_index_dedup`` are TorchRec's arguments: the routing is derived from the plan, and
     ids travel as they are (deduplication would change nothing but the traffic).
+    ``restore_dedup_feature_boundary`` (TorchRec 1.9, default True) keeps each deduplicated id
+    under the feature that sent it, where TorchRec 1.8 spread them evenly over a table's
+    features; it matters to modules that treat a table's features differently (hash ZCH's
+    read-only features, per-feature TTL), whose sharding this library does not support. Here
+    ids always stay under their feature and the sharded modules (MCH) remap every feature of a
+    table alike, so either value gives the same rows.
     """
 
     def __init__(
@@ -263,8 +269,10 @@ class ShardedManagedCollisionCollection(nn.Module):
         embedding_shardings: Sequence[Any] | None = None,
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
         use_index_dedup: bool = False,
+        restore_dedup_feature_boundary: bool = True,
     ) -> None:
         super().__init__()
+        self._restore_dedup_feature_boundary = restore_dedup_feature_boundary
         self.need_preprocess: bool = module.need_preprocess
         self._env, self._device = env, torch.device(device)
         self._use_index_dedup = use_index_dedup
@@ -658,9 +666,12 @@ class ManagedCollisionCollectionSharder(BaseEmbeddingSharder[ManagedCollisionCol
     feeds (used by the managed-collision embedding collections' sharders)."""
 
     def __init__(
-        self, qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None
+        self,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
+        restore_dedup_feature_boundary: bool = True,
     ) -> None:
         super().__init__(qcomm_codecs_registry=qcomm_codecs_registry)
+        self._restore_dedup_feature_boundary = restore_dedup_feature_boundary
 
     def shard(  # type: ignore[override]
         self,
@@ -674,6 +685,7 @@ class ManagedCollisionCollectionSharder(BaseEmbeddingSharder[ManagedCollisionCol
         return ShardedManagedCollisionCollection(
             module, params, env=env, device=torch.device(device or "cpu"),
             embedding_shardings=embedding_shardings, use_index_dedup=use_index_dedup,
+            restore_dedup_feature_boundary=self._restore_dedup_feature_boundary,
         )
 
     def shardable_parameters(self, module: ManagedCollisionCollection) -> dict[str, nn.Parameter]:

@@ -19,7 +19,12 @@ def _refuse(what: str) -> NoReturn:
 
 
 class MemoryStashingManager:
-    """Class-level switchboard of memory stashing (TorchRec's names); never enabled here."""
+    """Class-level switchboard of memory stashing (TorchRec's names); never enabled here.
+
+    The planner's choice of tables to stash (TorchRec 1.9's ``set_stashed_tables`` /
+    ``get_stashed_tables`` / ``resolve_stash_weights``) is kept, as data: nothing is stashed."""
+
+    _stashed_tables: set[str] | None = None
 
     @classmethod
     def is_enabled(cls) -> bool:
@@ -27,7 +32,24 @@ class MemoryStashingManager:
 
     @classmethod
     def reset(cls) -> None:
-        return None
+        cls._stashed_tables = None
+
+    @classmethod
+    def set_stashed_tables(cls, tables: set[str] | None) -> None:
+        """The tables selected for stashing, or None to clear the selection."""
+        cls._stashed_tables = None if tables is None else set(tables)
+
+    @classmethod
+    def get_stashed_tables(cls) -> set[str] | None:
+        return cls._stashed_tables
+
+    @classmethod
+    def resolve_stash_weights(cls, table_name: str, config: Any) -> bool:
+        """Whether ``table_name`` is selected for stashing: by the selected set when there is
+        one, else by the config's ``stash_weights``."""
+        if cls._stashed_tables is not None:
+            return table_name in cls._stashed_tables
+        return bool(getattr(config, "stash_weights", False))
 
     @classmethod
     def set_streams(cls, *args: Any, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ batch has been run. Results equal the plain loop over the same batches.
 """
 
 import abc
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -21,6 +22,8 @@ from recsys_core.sparse import KeyedJaggedTensor
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+logger = logging.getLogger(__name__)
 
 
 def _sparse_features(batch: Any) -> KeyedJaggedTensor | None:
@@ -103,7 +106,13 @@ class TrainPipelineBase(_Pipeline[In, Out]):
 class TrainPipelineSparseDist(_Pipeline[In, Out]):
     """As :class:`TrainPipelineBase`, and also starts batch i+1's input all-to-all on every
     sharded collection of the model before batch i's forward (the batch's KJT is its
-    ``sparse_features`` or ``idlist_features``)."""
+    ``sparse_features`` or ``idlist_features``).
+
+    ``async_inplace_copy`` (TorchRec 1.9, off by default) moves TorchRec's in-place batch copy
+    to a background thread; TorchRec makes that copy only with ``enable_inplace_copy_batch``,
+    which this pipeline does not take, so, as in TorchRec without it, nothing changes: on a
+    device other than CUDA or MTIA it is turned off with a warning (TorchRec's), elsewhere it
+    is recorded (``_async_inplace_copy``)."""
 
     _prefetch_input_dist = True
 
@@ -115,6 +124,8 @@ class TrainPipelineSparseDist(_Pipeline[In, Out]):
         execute_all_batches: bool = True,
         apply_jit: bool = False,
         custom_model_fwd: Callable[[In], tuple[torch.Tensor, Out]] | None = None,
+        *,
+        async_inplace_copy: bool = False,
     ) -> None:
         if apply_jit:
             raise ValueError(
@@ -122,6 +133,13 @@ class TrainPipelineSparseDist(_Pipeline[In, Out]):
                 "supported; compile the dense modules with torch.compile instead"
             )
         super().__init__(model, optimizer, device, custom_model_fwd, execute_all_batches)
+        if async_inplace_copy and device.type not in ("cuda", "mtia"):
+            logger.warning(
+                "async_inplace_copy requested on non-accelerator device %s; disabling.",
+                device.type,
+            )
+            async_inplace_copy = False
+        self._async_inplace_copy = async_inplace_copy
 
 
 __all__ = ["TrainPipeline", "TrainPipelineBase", "TrainPipelineSparseDist"]
