@@ -18,6 +18,11 @@ from torch import nn
 
 from recsys_core.metrics.rec_metric import RecMetricList, RecTaskInfo
 
+MetricState = torch.Tensor | list[torch.Tensor]
+"""One metric state (TorchRec 1.9's alias): a tensor, or a list of them for window states."""
+PreComputeStates = dict[str, dict[str, dict[str, MetricState]]]
+"""TorchRec 1.9's alias for its pre-compute states: metric -> task -> state name -> state."""
+
 
 class RecMetricModule(nn.Module):
     """Updates every metric with the tasks' entries of a model output dict.

@@ -7,6 +7,7 @@ use the most recent batches holding ``window_size`` samples (per rank).
 """
 
 import abc
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from recsys_core.metrics.metrics_namespace import (
     MetricPrefix,
     compose_metric_key,
 )
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,12 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         self._optimizer.step(closure=closure)
 
+    def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The wrapped optimizer's scratch buffers (TorchRec 1.9; none unless it has some)."""
+        if hasattr(self._optimizer, "scratch_buffers"):
+            return self._optimizer.scratch_buffers()
+        return ()
+
     def set_optimizer_step(self, step: int) -> None:
         if hasattr(self._optimizer, "set_optimizer_step"):
             self._optimizer.set_optimizer_step(step)
@@ -229,6 +235,12 @@ class OptimizerWrapper(KeyedOptimizer):
 
     def save_param_groups(self, save: bool) -> None:
         self._optimizer.save_param_groups(save)
+
+    def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The wrapped optimizer's scratch buffers (TorchRec 1.9; none unless it has some)."""
+        if hasattr(self._optimizer, "scratch_buffers"):
+            return self._optimizer.scratch_buffers()
+        return ()
 
     def set_optimizer_step(self, step: int) -> None:
         if hasattr(self._optimizer, "set_optimizer_step"):
@@ -366,6 +378,13 @@ class CombinedOptimizer(KeyedOptimizer):
         self.defaults["_save_param_groups"] = save
         for _, opt in self._optims:
             opt.save_param_groups(save)
+
+    def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every sub-optimizer's scratch buffers, in order (TorchRec 1.9)."""
+        return tuple(
+            buffer for _, opt in self._optims if hasattr(opt, "scratch_buffers")
+            for buffer in opt.scratch_buffers()
+        )
 
     def set_optimizer_step(self, step: int) -> None:
         for _, opt in self._optims:

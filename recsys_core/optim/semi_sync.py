@@ -197,6 +197,13 @@ class SemisyncOptimizer(KeyedOptimizer):
             f"{SEMI_SYNC_GLOBAL_OPTIM_KEY}: {self._global_optimizer!r}"
         )
 
+    def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The local then the global optimizer's scratch buffers (TorchRec 1.9)."""
+        return tuple(
+            buffer for opt in (self._optimizer, self._global_optimizer)
+            if hasattr(opt, "scratch_buffers") for buffer in opt.scratch_buffers()
+        )
+
     def set_optimizer_step(self, step: int) -> None:
         for opt in (self._optimizer, self._global_optimizer):
             if hasattr(opt, "set_optimizer_step"):
