@@ -207,7 +207,7 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
                                 batch_size=config.batch_size or DEFAULT_PLAN_BATCH,
                                 constraints=constraints or None)
         except PlannerError as e:
-            raise planning_error_for_user(e, config.offload) from None
+            raise planning_error_for_user(e, config.offload, config.memory_per_rank) from None
     if offload_dir is not None and any(
             ps.compute_kernel == "fused_uvm_caching"
             for module in plan.plan.values() for ps in module.values()):

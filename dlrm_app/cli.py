@@ -420,12 +420,18 @@ TRACEBACK_ENV = "DLRM_APP_TRACEBACK"
 
 
 def describe_error(exc: BaseException) -> str:
-    """One line for a person: what failed, on which path, and what to do."""
+    """One line for a person: what failed, on which path, and what to do (the planner's
+    refusal: a first line of that, then a few lines of figures and fixes)."""
     path = getattr(exc, "filename", None)
     where = f" ({path})" if path else ""
     # tables kept on disk: their errors name --offload-dir (loaded only by runs that built them)
-    offload = (sys.modules["dlrm_app.resources"].offload_error_for_user(exc)
-               if "dlrm_app.resources" in sys.modules else None)
+    resources = sys.modules.get("dlrm_app.resources")
+    offload = resources.offload_error_for_user(exc) if resources is not None else None
+    if resources is not None and isinstance(exc, resources.DoesNotFit):
+        # the planner's refusal: its first line says what and the fix, the next ones the
+        # figures and the other fixes (one line of ~1,700 characters was unreadable)
+        return "\n".join(line[:len(line) - len(line.lstrip())] + " ".join(line.split())
+                         for line in str(exc).splitlines() if line.strip())
     if offload is not None:
         text = offload
     elif isinstance(exc, ValueError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -98,15 +99,73 @@ def table_memory_bytes(
                    for rows in num_embeddings))
 
 
-def planning_error_for_user(error: PlannerError, offload: bool = True) -> ValueError:
+class DoesNotFit(ValueError):
+    """The planner's refusal for a person, in lines: the first says what does not fit and the
+    flag that fixes it, the next the figures behind it and the other fixes (the command line
+    prints them as they are, where other errors become one line)."""
+
+
+def planning_error_for_user(error: PlannerError, offload: bool = True,
+                            memory_per_rank_gib: float | None = None) -> ValueError:
     """The planner's error about the DLRM's tables, with the fixes a user of this application
-    has: its command-line flags (``offload``: whether the run allowed tables on disk). Errors
-    not about memory keep their message."""
+    has: its command-line flags (``offload``: whether the run allowed tables on disk;
+    ``memory_per_rank_gib``: the ``--memory-per-rank`` given, None: read from the machine).
+    Errors not about memory keep their message.
+
+    A :class:`DoesNotFit` of a few lines: what does not fit and the fix to try first, then the
+    planner's figures one sentence a line (what each rank has, where that figure came from,
+    the largest tables), then every fix."""
     shortfall = error.shortfall
     if shortfall is None:
         return ValueError(str(error))
-    fixes = "\n".join(f"  - {fix}" for fix in _fixes(shortfall, offload))
-    return ValueError(f"{shortfall.summary}\nTo fix, any one of:\n{fixes}")
+    fixes = _fixes(shortfall, offload)
+    lines = [_headline(shortfall, offload, memory_per_rank_gib),
+             *(f"  {line}" for line in _figures(shortfall)),
+             "To fix, any one of:", *(f"  - {fix}" for fix in fixes)]
+    return DoesNotFit("\n".join(lines))
+
+
+def _headline(s: MemoryShortfall, offload: bool, memory_per_rank_gib: float | None) -> str:
+    """What does not fit, in figures, and the flag to try first."""
+    world = s.topology.world_size
+    if s.needed_bytes > s.usable_bytes:
+        what = (f"its tables need at least {_gib(s.needed_bytes)} of {s.memory}, "
+                f"{_gib(s.usable_bytes)} usable on {world} rank{'s' if world > 1 else ''}")
+    else:  # enough in all, but one table fits on no rank beside the others
+        what = f"one table fits on no rank beside the others ({s.memory})"
+    budget = None
+    if memory_per_rank_gib is not None:
+        budget = f"raise --memory-per-rank ({memory_per_rank_gib:g} GiB given"
+        if s.needed_bytes > s.usable_bytes and s.reservation < 1.0 and \
+                s.memory in ("host memory", "HBM"):
+            need = s.needed_bytes / world / (1.0 - s.reservation) / GIB
+            budget += f", this model needs about {need:.1f}"
+        budget += ")"
+    fixes = [] if budget is None or s.memory == "disk" else [budget]
+    if s.memory in ("disk", "memory (host + disk)"):
+        fixes.append("use an --offload-dir with more free space")
+    elif not s.topology.is_cuda and not offload:
+        fixes.append("drop --no-offload (tables then live on local disk behind a cache)")
+    fix = " or ".join(fixes) or \
+        f"make the tables smaller or add {'GPUs' if s.topology.is_cuda else 'nodes'}"
+    return f"the model does not fit: {what}; {fix}"
+
+
+def _figures(s: MemoryShortfall) -> list[str]:
+    """The planner's summary one sentence a line (its first, the need, said in the first line
+    already, reduced to what each rank has where the planner words it as usual), the largest
+    tables without their module paths."""
+    sentences = [t for t in re.split(r"(?<=\.) (?=[A-Z])", s.summary.strip()) if t]
+    lines = []
+    for sentence in sentences:
+        if sentence.startswith("Largest tables:"):
+            continue
+        usual = re.fullmatch(r"the model does not fit: its tables need at least \S+ \S+ of "
+                             + re.escape(s.memory) + r" \([^)]+\) but .+? usable: "
+                             r"(?P<per_rank>.+?)\.?", sentence)
+        lines.append(f"Usable: {usual['per_rank']}." if usual else sentence)
+    lines.append(f"Largest tables: {', '.join(map(str, s.largest))}.")
+    return lines
 
 
 def offload_error_for_user(exc: BaseException) -> str | None:
@@ -188,11 +247,12 @@ def _fixes(s: MemoryShortfall, offload: bool = True) -> list[str]:
     per_rank = s.usable_bytes / topology.world_size / kept
     than = f"the {_gib(per_rank)} above" if s.reservation < 1.0 else "the budget above"
     memory = ("`dlrm-app train ... --memory-per-rank GIB` if each rank really has more free "
-              f"memory than {than} (e.g. memory other jobs are about to release)")
+              f"memory than {than}")
     if short and s.memory != "memory (HBM + host)" and s.reservation < 1.0:
         need = s.needed_bytes / topology.world_size / kept
         memory += f"; this model needs about {need / GIB:.1f} GiB per rank"
-    fixes.append(memory + ". If the memory is not there, the run fails with out-of-memory")
+    fixes.append(memory + " (memory other jobs are about to release; memory that is not there "
+                 "fails the run with out-of-memory)")
 
     if topology.is_cuda and s.memory == "HBM":
         ranks = ""
