@@ -18,6 +18,7 @@ FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: str = "__register_quant_state_dic
 FUSED_PARAM_TBE_ROW_ALIGNMENT: str = "__register_tbe_row_alignment"
 FUSED_PARAM_BOUNDS_CHECK_MODE: str = "__register_tbe_bounds_check_mode"
 FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP: str = "__register_lengths_to_offsets_lookup"
+FUSED_PARAM_IS_DEVICE_RO: str = "__register_is_device_ro"  # TorchRec 1.9
 FUSED_PARAM_SSD_TABLE_LIST: str = "__register_ssd_table_list"
 FUSED_PARAM_IS_SSD_TABLE: str = "__register_is_ssd_table"
 FUSED_PARAM_EMBEDDING_TABLE_INDEX_TYPE: str = "embedding_table_index_type"
@@ -29,6 +30,7 @@ _PRIVATE = (
     FUSED_PARAM_TBE_ROW_ALIGNMENT,
     FUSED_PARAM_BOUNDS_CHECK_MODE,
     FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
+    FUSED_PARAM_IS_DEVICE_RO,
     FUSED_PARAM_SSD_TABLE_LIST,
 )
 
@@ -49,6 +51,11 @@ def fused_param_bounds_check_mode(fused_params: FusedParams) -> BoundsCheckMode 
 
 def fused_param_lengths_to_offsets_lookup(fused_params: FusedParams) -> bool:
     return bool(fused_params and fused_params.get(FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP))
+
+
+def is_fused_param_device_ro(fused_params: FusedParams) -> bool:
+    """TorchRec 1.9: the quantized kernel's weights are read-only on the device."""
+    return bool(fused_params and fused_params.get(FUSED_PARAM_IS_DEVICE_RO))
 
 
 def is_fused_param_quant_state_dict_split_scale_bias(fused_params: FusedParams) -> bool:

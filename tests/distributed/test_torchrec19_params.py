@@ -100,3 +100,18 @@ def test_stasher_table_selection_wins_over_the_config() -> None:
         assert not MemoryStashingManager.is_enabled()
     finally:
         MemoryStashingManager.reset()
+
+
+def test_fused_param_device_ro_is_read_and_stripped() -> None:
+    from recsys_core.distributed.fused_params import (
+        FUSED_PARAM_IS_DEVICE_RO,
+        is_fused_param_device_ro,
+        tbe_fused_params,
+    )
+
+    assert FUSED_PARAM_IS_DEVICE_RO == "__register_is_device_ro"
+    params = {FUSED_PARAM_IS_DEVICE_RO: True, "learning_rate": 0.1}
+    assert is_fused_param_device_ro(params) is True
+    assert is_fused_param_device_ro({"learning_rate": 0.1}) is False
+    assert is_fused_param_device_ro(None) is False
+    assert tbe_fused_params(params) == {"learning_rate": 0.1}
