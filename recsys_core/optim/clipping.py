@@ -124,12 +124,24 @@ class GradientClippingOptimizer(OptimizerWrapper):
                 self._last_total_grad_norm = self.clip_grad_norm_()
         elif self._clipping is GradientClipping.VALUE:
             if self._track_grad_norm:
-                self._last_total_grad_norm, _ = self.compute_total_grad_norm()
+                self._last_total_grad_norm = self._grad_norm_for_logging()
             torch.nn.utils.clip_grad_value_(self._replicate_params, clip_value=self._max_gradient)
         elif self._track_grad_norm:
-            self._last_total_grad_norm, _ = self.compute_total_grad_norm()
+            self._last_total_grad_norm = self._grad_norm_for_logging()
         super().step(closure)
         self._step_num += 1
+
+    def _grad_norm_for_logging(self) -> torch.Tensor | None:
+        """The norm ``track_grad_norm`` records (TorchRec 1.9): over the ranks for sharded
+        parameters, else torch's ``get_total_norm`` of the non-empty local gradients, None when
+        there are none."""
+        if self._sharded_params:
+            return self.compute_total_grad_norm()[0]
+        local = [p._local_tensor if isinstance(p, DTensor) else p for p in self._replicate_params]
+        grads = [p.grad for p in local if p.grad is not None and p.grad.numel() > 0]
+        if not grads:
+            return None
+        return torch.nn.utils.get_total_norm(grads, norm_type=self._norm_type)
 
     def compute_total_grad_norm(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The total norm of all gradients (no clipping) and the gradients it covers."""

@@ -1,10 +1,13 @@
-"""TorchRec 1.9's ``scratch_buffers()`` on the optimizer wrappers: each hands on the scratch
-buffers of what it wraps (in order), and an optimizer without any gives none."""
+"""TorchRec 1.9's ``scratch_buffers()`` on the optimizer wrappers (each hands on the scratch
+buffers of what it wraps, in order; an optimizer without any gives none) and the gradient norm
+``GradientClippingOptimizer(track_grad_norm=True)`` records."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from recsys_core.optim.clipping import GradientClipping, GradientClippingOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
 from recsys_core.optim.semi_sync import SemisyncOptimizer
 
@@ -34,3 +37,19 @@ def test_wrappers_hand_on_scratch_buffers() -> None:
     assert combined.scratch_buffers() == (a, b, c)
     semi = SemisyncOptimizer([w], first, KeyedOptimizerWrapper({"w": w}, lambda ps: _WithScratch(ps, c)))
     assert semi.scratch_buffers() == (a, b, c)
+
+
+@pytest.mark.parametrize("clipping", [GradientClipping.VALUE, GradientClipping.NONE])
+def test_tracked_grad_norm(clipping: GradientClipping) -> None:
+    # TorchRec 1.9: track_grad_norm logs torch's get_total_norm of the non-empty local
+    # gradients, None when there are none (1.8 logged the norm of nothing: 0)
+    w, v = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = GradientClippingOptimizer(
+        KeyedOptimizerWrapper({"w": w, "v": v}, lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        clipping=clipping, max_gradient=100.0, track_grad_norm=True)
+    if clipping is GradientClipping.NONE:  # (VALUE clipping of no gradients fails in torch)
+        opt.step()
+        assert opt.last_total_grad_norm is None
+    w.grad, v.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 12.0])
+    opt.step()
+    torch.testing.assert_close(opt.last_total_grad_norm, torch.tensor(13.0))
