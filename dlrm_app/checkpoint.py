@@ -44,6 +44,7 @@ from torch import nn
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import sha256_file
+from dlrm_app.inputs import check_run
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
 LATEST = "latest"
@@ -351,10 +352,7 @@ def resolve_run(run: str | Path, checkpoint: str | Path | None = None) -> tuple[
     default: the best validation AUC, or the newest checkpoint where none was recorded as
     best), "latest", or a step_* directory."""
     run = Path(run)
-    config_path = run / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{run} is not a run directory (no config.json); pass the --out of "
-                         f"`dlrm-app train`")
+    config_path = check_run(run)
     root = run / "checkpoints"
     choice = str(checkpoint) if checkpoint else BEST
     if choice == BEST:

@@ -81,6 +81,7 @@ from dlrm_app.data.schema import (
 )
 from dlrm_app.data.shard_writer import write_split_shards
 from dlrm_app.data.tables import table_summary
+from dlrm_app.inputs import check_movielens_source
 
 LABEL = "label"
 DENSE_NAMES = ("release_year", "log_movie_count", "log_user_count")
@@ -358,11 +359,7 @@ def preprocess_movielens(
             isinstance(num_embeddings_per_feature, bool) or num_embeddings_per_feature < 1):
         raise ValueError(f"--num-embeddings-per-feature must be a positive int, got "
                          f"{num_embeddings_per_feature!r}")
-    if src.is_file():
-        raise ValueError(f"{src} is a file; pass the unpacked MovieLens folder that holds it "
-                         f"({src.parent}), with u.data, ratings.dat or ratings.csv inside")
-    if not src.is_dir():
-        raise ValueError(f"{src}: source folder not found; pass the unpacked MovieLens folder")
+    check_movielens_source(src)
     release = detect_release(src)
     raw = _LOADERS[release](src)
     if len(raw.user) == 0:

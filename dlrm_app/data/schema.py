@@ -39,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import hashlib
 import json
@@ -48,10 +47,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dlrm_app.inputs import DATASET_JSON, missing_dataset
+
 FORMAT_VERSION = 1
 """Version of the dataset.json layout; bump it on any incompatible change."""
 
-DATASET_JSON = "dataset.json"
 SPLIT_NAMES = ("train", "validation", "test")
 DENSE_COLUMN = "dense"
 LABEL_DTYPES = ("float32", "int8")
@@ -143,25 +143,6 @@ class ShardFile:
         _check_type("row_group_size", self.row_group_size, int)
         if self.row_group_size < 1:
             raise ValueError(f"key 'row_group_size' of shard {self.file} must be >= 1")
-
-
-def _missing_dataset(directory: Path) -> str:
-    """Why ``directory`` is no dataset, and the fix: a near name that is one (a typo), its
-    parent missing, or which command makes one."""
-    if not directory.exists():
-        parent = directory.parent
-        near = sorted(p.name for p in parent.iterdir() if (p / DATASET_JSON).is_file()
-                      ) if parent.is_dir() else []
-        close = difflib.get_close_matches(directory.name, near, n=1)
-        if close:
-            return (f"{directory}: no such directory; did you mean {parent / close[0]}? "
-                    "(it holds a dataset)")
-        return (f"{directory}: no such directory; pass the --out of `dlrm-app preprocess` or "
-                "`dlrm-app generate`" + (f" (datasets in {parent}: {', '.join(near)})"
-                                          if near else ""))
-    return (f"{directory / DATASET_JSON}: not found, so {directory} is no dataset; make one "
-            f"with `dlrm-app preprocess ... --out {directory}` or `dlrm-app generate --out "
-            f"{directory}`")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -307,7 +288,7 @@ class DatasetSpec:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ValueError(_missing_dataset(Path(directory))) from None
+            raise ValueError(missing_dataset(Path(directory))) from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e}); regenerate the dataset") from None
         try:

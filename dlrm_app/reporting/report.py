@@ -36,6 +36,7 @@ import torch
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.inputs import check_run_to_report
 from dlrm_app.metrics import calibration_curve, roc_curve
 
 ROC_POINTS = 201
@@ -160,11 +161,7 @@ class Run:
 def read_run(run_dir: str | Path) -> Run:
     """Read config.json, metrics.jsonl, evaluations/ and the dataset's dataset.json."""
     path = Path(run_dir)
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such run directory; pass the --out of `dlrm-app train`")
-    if not (path / "config.json").is_file() and not (path / "metrics.jsonl").is_file():
-        raise ValueError(f"{path}: neither config.json nor metrics.jsonl is there; pass the "
-                         "--out directory of `dlrm-app train`")
+    check_run_to_report(path)
     notes: list[str] = []
     config = _read_json(path / "config.json", notes)
     events: dict[str, list[dict[str, Any]]] = {}

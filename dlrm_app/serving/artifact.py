@@ -68,6 +68,7 @@ import torch
 from torch import Tensor
 
 from dlrm_app.data.schema import sha256_file
+from dlrm_app.inputs import check_model_file
 from recsys_core.kernels import fbgemm_available
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -103,8 +104,7 @@ def load_artifact(path: str | Path, *, expect_sha256: str | None = None
     The manifest gains ``sha256`` (the verified digest, or None) and ``verified`` (what was
     checked, one line for a log)."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such model file; create one with `dlrm-app export`")
+    check_model_file(path)
     check = verify_artifact(path, expect_sha256)
     if not zipfile.is_zipfile(path):  # both formats are zip archives
         raise ValueError(f"{path}: not a model exported by `dlrm-app export` (a .pt2 or "

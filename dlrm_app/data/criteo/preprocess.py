@@ -90,6 +90,7 @@ from dlrm_app.data.schema import (
     SplitSpec,
 )
 from dlrm_app.data.tables import table_summary
+from dlrm_app.inputs import check_criteo_inputs
 
 
 def many_shards(paths: list[Path], rows_per_shard: int, workers: int) -> bool:
@@ -294,14 +295,8 @@ def preprocess_criteo(
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    check_criteo_inputs(paths)
     for p in paths:
-        if p.is_dir():
-            hint = ("it holds MovieLens files: use `dlrm-app preprocess movielens`"
-                    if any((p / name).exists() for name in ("u.data", "ratings.dat", "ratings.csv"))
-                    else "pass the Criteo TSV file(s) in it (train.txt or day_N)")
-            raise ValueError(f"{p}: a directory, not a Criteo file; {hint}")
-        if not p.is_file():
-            raise ValueError(f"{p}: input file not found")
         check_not_empty(p)
     out = Path(out_dir)
     created = not out.exists()
