@@ -238,13 +238,23 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_json_dict(given, where="the command line")
 
 
+INTERRUPTED_STARTING = (" while starting, before its first step (this start trained nothing): "
+                        "rerun the same command")
+"""How a Ctrl-C before the first step ends ``train`` (after it: ``Trainer.interrupted_at``)."""
+
+
 def _cmd_train(command: TrainCommand) -> int:
     config = command.config
     inputs.check_dataset(config.data)  # before torch: 3.6 s to say that a path is mistyped
-    from dlrm_app.runtime import shutdown_distributed, world
-    from dlrm_app.train import train
+    try:
+        from dlrm_app.runtime import shutdown_distributed, world
+        from dlrm_app.train import train
 
-    summary = train(config, progress=not command.quiet)
+        summary = train(config, progress=not command.quiet)
+    except KeyboardInterrupt as stop:
+        if not hasattr(stop, "where"):  # before the trainer was made: nothing trained
+            stop.where = INTERRUPTED_STARTING  # type: ignore[attr-defined]
+        raise
     if world()[0] == 0:
         if not command.quiet:  # for a person (stderr); stdout keeps the one JSON line
             print(train_summary(summary, config.out), file=sys.stderr)

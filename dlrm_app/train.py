@@ -79,10 +79,17 @@ __all__ = ["Preempted", "Trainer", "TrainingDiverged", "train"]
 
 
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
-    """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints."""
+    """Train (and validate, checkpoint) as configured; returns the summary rank 0 prints.
+
+    A Ctrl-C that ends it (a second one, or one outside the steps: while saving the stop's
+    checkpoint, while finishing) carries in ``where`` the step and how to go on; one while the
+    trainer is made carries none (nothing was trained)."""
     trainer = Trainer(config, progress)
     try:
         trainer.fit()
+        if trainer.preempted:
+            raise trainer.stop_preempted()
+        return trainer.finish()
     except KeyboardInterrupt as stop:
         trainer.checkpointer.wait()  # a background save in progress completes first
         stop.where = trainer.interrupted_at()  # type: ignore[attr-defined]
@@ -91,9 +98,6 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         with contextlib.suppress(Exception):  # the run's own error is the one to report
             trainer.checkpointer.wait()
         raise
-    if trainer.preempted:
-        raise trainer.stop_preempted()
-    return trainer.finish()
 
 
 class Trainer:
@@ -183,6 +187,9 @@ class Trainer:
             print(message, file=sys.stderr)
         self._autocast = autocast(device, config.amp)
         self._started = time.perf_counter()
+        self.phase = "training"
+        """What the run is doing: "training" (``fit``), "stopping" (saving the step a signal
+        stopped at), "finishing" (the last checkpoint, the best model validated, the report)."""
         self.preempted = 0
         """The signal (SIGTERM, SIGINT) that stopped ``fit`` after a step (every rank the
         same one); 0: none did."""
@@ -193,12 +200,18 @@ class Trainer:
         kept = (f"the newest checkpoint is {newest.name}: `dlrm-app train --out {self.out} "
                 "--resume` continues from it" if newest is not None else
                 "no checkpoint was saved yet: start again")
-        return f" at step {self.state.step}; {kept}"
+        step = self.state.step
+        where = {"training": f"at step {step}",
+                 "stopping": f"after step {step}, while saving its checkpoint (not saved)",
+                 "finishing": f"after the last step ({step}), while finishing the run (its "
+                              "last checkpoint, the kept model's validation, the report)"}
+        return f" {where[self.phase]}; {kept}"
 
     def stop_preempted(self) -> Preempted:
         """After SIGTERM: the step's checkpoint (saved together by every rank), an event in the
         metrics log, and the one-line message of the stop."""
         state = self.state
+        self.phase = "stopping"
         self.metrics.bar.close()
         self.checkpointer.at_end(state, self.start_step)
         newest = latest_checkpoint(self.out / "checkpoints")
@@ -282,6 +295,7 @@ class Trainer:
         """The last checkpoint, the best model loaded back and validated, the summary (written
         to the metrics log; rank 0 also writes the report)."""
         state, config, device = self.state, self.config, self.device
+        self.phase = "finishing"
         self.metrics.bar.close()
         elapsed = time.perf_counter() - self._started
         if state.stop_reason is None:

@@ -4,14 +4,20 @@ and path errors answered before the heavy imports."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
+from dlrm_app import train as train_module
 from dlrm_app.cli import main
+from dlrm_app.components.checkpointer import Checkpointer
 from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data.synthetic import generate
 from tests.shared_data import KAGGLE_10K
 
 needs_kaggle = pytest.mark.shared_data(KAGGLE_10K)
@@ -77,3 +83,94 @@ def test_the_planners_refusal_is_a_short_first_line_then_a_few(
     assert "To fix, any one of:" in lines
     assert len(lines) <= 11 and max(map(len, lines)) <= 220, [len(line) for line in lines]
     assert "0.00 GiB" not in "\n".join(lines)
+
+
+# ---- Ctrl-C in train: where it stopped and how to go on, in every phase ----------------------
+TINY = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
+        "8-1", "--batch-size", "64", "--max-steps", "4", "--save-every", "2", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("messages") / "tiny"
+    generate(out, rows=4_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
+             zipf_alpha=1.05, seed=0, rows_per_shard=2_000, row_group_size=250)
+    return out
+
+
+def _interrupted(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The last stderr line of a ``train`` that a Ctrl-C ended (exit code 130: the shell's)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 130
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _summary(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    capsys.readouterr()
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_ctrl_c_while_starting_says_nothing_was_trained(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the first step (imports, planning, building the model) it said 'interrupted'."""
+    argv = ["train", "--data", str(tiny), "--out", str(tmp_path / "run"), *TINY]
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "build_model", interrupted)
+        assert _interrupted(argv, capsys) == (
+            "dlrm-app train: interrupted while starting, before its first step (this start "
+            "trained nothing): rerun the same command")
+    assert _summary(argv, capsys)["steps"] == 4  # the same command does start again
+
+
+def test_ctrl_c_while_finishing_names_the_last_step_and_resume_finishes(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """After the last step (its checkpoint, the kept model's validation, the report) it said
+    'interrupted'; now the step and the command that finishes the run."""
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(tiny), "--out", str(run), *TINY]
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "write_report", interrupted)
+        assert _interrupted(argv, capsys) == (
+            "dlrm-app train: interrupted after the last step (4), while finishing the run (its "
+            "last checkpoint, the kept model's validation, the report); the newest checkpoint "
+            f"is step_00000004: `dlrm-app train --out {run} --resume` continues from it")
+    summary = _summary(["train", "--out", str(run), "--resume", "--quiet"], capsys)
+    assert (summary["steps"], summary["trained_steps"]) == (4, 0)
+    assert (run / "report.md").is_file()
+
+
+def test_a_second_ctrl_c_while_saving_the_stop_says_it_was_not_saved(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C at step 3 stops the run after it and saves it; a second Ctrl-C during that save
+    (simulated: the save raises KeyboardInterrupt) leaves step 2's checkpoint the newest."""
+    run = tmp_path / "run"
+    step = train_module.Trainer.step
+
+    def step_then_ctrl_c(self: train_module.Trainer, batch: object) -> object:
+        if self.state.step == 2:  # the third step
+            os.kill(os.getpid(), signal.SIGINT)  # noted by the preemption guard
+        return step(self, batch)
+
+    def second_ctrl_c(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module.Trainer, "step", step_then_ctrl_c)
+    monkeypatch.setattr(Checkpointer, "at_end", second_ctrl_c)
+    assert _interrupted(["train", "--data", str(tiny), "--out", str(run), *TINY], capsys) == (
+        "dlrm-app train: interrupted after step 3, while saving its checkpoint (not saved); the "
+        f"newest checkpoint is step_00000002: `dlrm-app train --out {run} --resume` continues "
+        "from it")
