@@ -1,6 +1,7 @@
 """What the command line says (issue 43 item 8): the planner's refusal in a few readable lines
-with sizes in units that show them, Ctrl-C in ``train`` naming where it stopped in every phase,
-and path errors answered before the heavy imports."""
+with sizes in units that show them, and Ctrl-C in ``train`` naming where it stopped in every
+phase. (Path errors answered before the heavy imports, and ``--version``: tests/app/test_cli.py;
+a Ctrl-C during the steps and the resumed run's line: tests/app/test_train_interrupt.py.)"""
 
 from __future__ import annotations
 
