@@ -15,6 +15,7 @@ epoch::
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from enum import Enum, unique
 
@@ -49,7 +50,16 @@ class HashZchEvictionPolicyName(Enum):
     """Evict the least recently seen expired id on the probe path."""
 
 
-@torch.jit.script
+def _scripted_class(cls: type) -> type:
+    """``torch.jit.script(cls)`` (as TorchRec's config is, so scripted modules can hold it)
+    without torch's deprecation notice, which torch 2.14 prints at import (a FutureWarning) for
+    every program that imports the managed-collision modules."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated")
+        return torch.jit.script(cls)
+
+
+@_scripted_class
 @dataclass
 class HashZchEvictionConfig:
     """What a TTL policy needs: the features (in input order) and their time to live in hours."""

@@ -4,11 +4,17 @@ fused embedding optimizer for ``apply_optimizer_in_backward``."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.optim import _apply_optimizer_in_backward
+
+with warnings.catch_warnings():
+    # torch.distributed.optim scripts its functional optimizers at import; torch 2.14 prints
+    # that deprecation as a FutureWarning in every program importing this module.
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated")
+    from torch.distributed.optim import _apply_optimizer_in_backward
 
 from recsys_core.kernels.config import FusedOptimizerConfig
 from recsys_core.optim.rowwise_adagrad import RowWiseAdagrad

@@ -163,3 +163,21 @@ def test_bad_input_is_a_clear_error() -> None:
     bad = {"f": JaggedTensor(values=torch.tensor([1.0]), lengths=torch.tensor([1]))}
     with pytest.raises(TypeError, match="feature 'f' has ids of dtype torch.float32"):
         m(bad)
+
+
+def test_import_prints_no_torchscript_deprecation_notice():
+    """Importing the library scripts TorchRec's eviction config class and imports
+    ``torch.distributed.optim`` (which scripts torch's functional optimizers); torch 2.14 prints
+    ``torch.jit``'s deprecation as a FutureWarning (shown by default) in every program that does,
+    e.g. under each ``dlrm-app train``. Turned into errors here, the imports must still succeed
+    (fails without the library's filters, on torch 2.13 too, where it is a DeprecationWarning)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-W", "error:`torch.jit", "-c",
+         "import recsys_core, dlrm_app.train; import recsys_core.modules.hash_mc_modules as m; "
+         "print(m.HashZchEvictionConfig(features=['f'], single_ttl=3).single_ttl)"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "3"
