@@ -66,6 +66,11 @@ from dlrm_app.serving.artifact import (
     write_digest,
 )
 from dlrm_app.serving.program import LOOKUPS, EncodedPredictor, RawEncoder, WideLookup
+from dlrm_app.serving.reproducible import (
+    ARCHIVE_FILE,
+    normalized_sources,
+    settle_serialization_id,
+)
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.inference import QuantEmbeddingBagCollection, quantize_inference_model
 from recsys_core.modules.embedding_configs import DataType
@@ -284,8 +289,8 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         "training": _training_summary(run, config, path),
         "created_by": f"dlrm_app {importlib.metadata.version('recsys-dlrm')}",
     }
-    # written under its own name (a .pt2 archive's folder is named after its file) in a
-    # folder beside it, then moved into place: an interrupted export leaves no partial file
+    # written in a folder beside it, then moved into place: an interrupted export leaves no
+    # partial file
     staging = out.parent / f".{out.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -403,7 +408,10 @@ def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup
 def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
                meta: dict[str, Any], out: Path, progress: Progress,
                id_map: FrozenIdMap | None = None) -> dict[str, Any]:
-    """Export and AOT-compile the programs, package them with the manifest into ``out``."""
+    """Export and AOT-compile the programs, package them with the manifest into ``out`` (a
+    path in a private folder: the sources are normalized beside it). The same checkpoint gives
+    the same bytes whatever the inductor cache held and whatever ``out`` is named
+    (:mod:`dlrm_app.serving.reproducible`)."""
     from torch.export.pt2_archive._package import package_pt2
 
     files: dict[str, list] = {}
@@ -416,11 +424,15 @@ def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
                 progress(f"torch.export: program {name!r}")
                 program = torch.export.export(module, args, dynamic_shapes=dynamic)
                 progress(f"AOTInductor: compiling {name!r} for CPU")
-                files[name] = torch._inductor.aot_compile(
-                    program.module(), args, options=AOTI_OPTIONS)
+                compiled = torch._inductor.aot_compile(program.module(), args,
+                                                       options=AOTI_OPTIONS)
+            files[name] = normalized_sources(compiled, out.parent / "sources" / name)
             described[name] = PROGRAM_SIGNATURES[name]
         progress("packaging the programs and the manifest")
-        package_pt2(str(out), aoti_files=files,
+        archive = out.with_name(ARCHIVE_FILE)  # the archive's top folder: "archive/"
+        package_pt2(str(archive), aoti_files=files,
                     extra_files={MANIFEST_FILE: json.dumps({**meta, "lookup": lookup,
                                                             "programs": described})})
+    settle_serialization_id(archive)
+    archive.replace(out)
     return described
