@@ -148,17 +148,17 @@ def _zch(records: Records) -> dict[str, str]:
 
 
 def _ci(records: Records) -> dict[str, str]:
-    full, t214, nofb = (_one(records, leg=leg) for leg in
-                        ("full", "fast_torch214", "fast_without_fbgemm"))
+    full, t213, nofb = (_one(records, leg=leg) for leg in
+                        ("full", "fast_torch213", "fast_without_fbgemm"))
     total = _lines(records, leg="ci")  # only in logs of .ci/run runs that print it
     return {"full_tests": _thousands(full["tests"]), "full_min": f"{full['seconds'] / 60:.0f}",
-            "t214_s": f"{t214['seconds']:.0f}", "nofb_s": f"{nofb['seconds']:.0f}",
+            "t213_s": f"{t213['seconds']:.0f}", "nofb_s": f"{nofb['seconds']:.0f}",
             "ci_min": f"{total[0]['seconds'] / 60:.0f}" if total else None}
 
 
 def _ci_setup(records: Records) -> dict[str, str]:
     return {"setup_s": f"{_one(records, leg='setup')['seconds']}",
-            "setup214_s": f"{_one(records, leg='setup_torch214')['seconds']}"}
+            "setup213_s": f"{_one(records, leg='setup_torch213')['seconds']}"}
 
 
 CLAIMS = (
@@ -196,12 +196,12 @@ CLAIMS = (
           r"ms without",
           _zch),
     Claim("ci_setup", (),  # recorded from a CI log (--record-ci)
-          r"setup took (?P<setup_s>\d+) s in the recorded CI run, (?P<setup214_s>\d+) s for "
-          r"torch 2\.14\.1",
+          r"took (?P<setup_s>\d+) s in the recorded CI run \(torch 2\.14\.1\), "
+          r"(?P<setup213_s>\d+) s for torch 2\.13\.0",
           _ci_setup, source="ci"),
     Claim("ci", (),  # recorded from a CI log (--record-ci)
           r"\((?P<full_tests>[\d,]+) tests: (?P<full_min>\d+) minutes on a 2-core AVX-512 "
-          r"EPYC\).*?the fast tier there \((?P<t214_s>\d+) s\).*?\((?P<nofb_s>\d+) "
+          r"EPYC\).*?the fast tier there \((?P<t213_s>\d+) s\).*?\((?P<nofb_s>\d+) "
           r"s(?:; CI in all: (?P<ci_min>\d+) minutes)?\)",
           _ci),
 )
@@ -328,14 +328,14 @@ def record_ci(log: Path) -> None:
                      + counts.get("failed", 0), "seconds": float(m.group("s")), **counts})
     if len(legs) < 3:
         raise SystemExit(f"{log}: expected the summary lines of the full suite and of the two "
-                         "fast tiers (torch 2.14, without FBGEMM)")
+                         "fast tiers (torch 2.13, without FBGEMM)")
     total = re.search(r"CI seconds: (\d+)", text)
-    names = ["full", "fast_torch214", "fast_without_fbgemm"]
+    names = ["full", "fast_torch213", "fast_without_fbgemm"]
     out = [json.dumps({"recorded": datetime.date.today().isoformat(), "cpu": cpu_name(),
                        "log": log.name})]
     out += [json.dumps({"leg": n, **leg}) for n, leg in zip(names, legs[-3:], strict=True)]
     for name, pattern in (("setup", r"Setup seconds: (\d+)"),
-                          ("setup_torch214", r"Setup seconds \(torch 2\.14\): (\d+)")):
+                          ("setup_torch213", r"Setup seconds \(torch 2\.13\): (\d+)")):
         if (m := re.search(pattern, text)) is not None:
             out.append(json.dumps({"leg": name, "seconds": int(m.group(1))}))
     RESULTS.mkdir(exist_ok=True)

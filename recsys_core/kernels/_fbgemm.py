@@ -20,12 +20,31 @@ _DISABLE_ENV = "RECSYS_CORE_DISABLE_FBGEMM"
 MATCHING_FBGEMM = {"2.13": "1.8.0", "2.14": "1.9.0"}
 """The FBGEMM release built for each torch release (an FBGEMM loads with its own torch only)."""
 
+CPU_EXTRA = {"2.13": "cpu-torch213", "2.14": "cpu"}
+"""The project's extra that installs that FBGEMM's CPU build (pyproject.toml)."""
+
+
+def _torch_release() -> str:
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _how_to_get(release: str) -> str:
+    """The install line for the FBGEMM built for torch ``release``, or why there is none."""
+    match = MATCHING_FBGEMM.get(release)
+    if match is None:
+        return (f"no FBGEMM release here is built for torch {release}: "
+                f"{', '.join(f'torch {t} <-> {f}' for t, f in MATCHING_FBGEMM.items())}")
+    return (f"install the FBGEMM built for torch {release}: "
+            f"pip install -e \".[{CPU_EXTRA[release]}]\" in the project's folder "
+            f"(fbgemm-gpu-cpu=={match}; fbgemm-gpu=={match} with CUDA)")
+
 
 def _load() -> tuple[ModuleType | None, str]:
     if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
         return None, f"disabled by {_DISABLE_ENV}"
     if importlib.util.find_spec("fbgemm_gpu") is None:
-        return None, "fbgemm_gpu is not installed (the [cpu] or [cuda] extra installs it)"
+        return None, ("fbgemm_gpu is not installed; for FBGEMM's kernels "
+                      f"{_how_to_get(_torch_release())}")
     try:
         # fbgemm prints deprecation chatter at import; it is not ours to act on.
         with warnings.catch_warnings():
@@ -39,15 +58,10 @@ def _load() -> tuple[ModuleType | None, str]:
 
 def _broken(exc: Exception) -> str:
     """One line: why an installed FBGEMM did not load, and how to get its kernels."""
-    torch_release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    match = MATCHING_FBGEMM.get(torch_release)
-    fix = (f"install the FBGEMM built for torch {torch_release} (fbgemm-gpu-cpu=={match}, or "
-           f"fbgemm-gpu=={match} with CUDA)" if match else
-           f"no FBGEMM release here is built for torch {torch_release}: "
-           f"{', '.join(f'torch {t} <-> {f}' for t, f in MATCHING_FBGEMM.items())}")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (f"fbgemm_gpu is installed but failed to import ({first}); every path runs on the "
-            f"pure-torch kernels (same numerics, slower); for FBGEMM's kernels {fix}")
+            f"pure-torch kernels (same numerics, slower); for FBGEMM's kernels "
+            f"{_how_to_get(_torch_release())}")
 
 
 _TBE_TRAINING, _STATUS = _load()

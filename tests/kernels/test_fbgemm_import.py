@@ -66,16 +66,23 @@ def test_info_reports_why_fbgemm_is_not_used(tmp_path: Path) -> None:
 
 
 def test_the_extras_install_the_fbgemm_of_the_torch_the_notice_names() -> None:
-    """pyproject's extras and the notice's table agree: [cpu]/[cuda] for torch 2.13, the
-    -torch214 ones for torch 2.14, each pinning the FBGEMM release built for that torch."""
+    """pyproject's extras and the notice's table agree: [cpu]/[cuda] (and the -torch214 names)
+    for torch 2.14, the newest supported, which a machine without torch gets; the -torch213
+    ones for torch 2.13; each pinning the FBGEMM release built for that torch, and the notice
+    names the CPU extra of the running torch."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    from recsys_core.kernels._fbgemm import MATCHING_FBGEMM
+    from recsys_core.kernels._fbgemm import CPU_EXTRA, MATCHING_FBGEMM, _how_to_get
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    names = {"2.13": ("cpu", "cuda"), "2.14": ("cpu-torch214", "cuda-torch214")}
-    assert set(names) == set(MATCHING_FBGEMM)
-    for release, (cpu, cuda) in names.items():
-        assert extras[cpu] == [f"fbgemm-gpu-cpu=={MATCHING_FBGEMM[release]}"]
-        assert extras[cuda] == [f"fbgemm-gpu=={MATCHING_FBGEMM[release]}"]
+    names = {"2.13": [("cpu-torch213", "cuda-torch213")],
+             "2.14": [("cpu", "cuda"), ("cpu-torch214", "cuda-torch214")]}
+    assert set(names) == set(MATCHING_FBGEMM) == set(CPU_EXTRA)
+    for release, pairs in names.items():
+        assert CPU_EXTRA[release] == pairs[0][0]
+        assert f'pip install -e ".[{pairs[0][0]}]"' in _how_to_get(release)
+        for cpu, cuda in pairs:
+            assert extras[cpu] == [f"fbgemm-gpu-cpu=={MATCHING_FBGEMM[release]}"]
+            assert extras[cuda] == [f"fbgemm-gpu=={MATCHING_FBGEMM[release]}"]
+    assert "no FBGEMM release here is built for torch 2.15" in _how_to_get("2.15")
