@@ -187,8 +187,8 @@ def dataset_preprocessing(spec: DatasetSpec, data_dir: Path) -> Preprocessing:
 
 
 Progress = Callable[[str], None]
-"""Told each stage of an export as it starts (a .pt2 takes about a minute, most of it in
-AOTInductor's compiler)."""
+"""Told each stage of an export as it starts (a .pt2 takes tens of seconds, nearly all of it
+g++ compiling what AOTInductor generates: docs/serving.md measures it)."""
 
 
 def _ignore(stage: str) -> None:
