@@ -104,7 +104,14 @@ def run_once(data: Path, out: Path, threads: int | None, steps: int,
                          log_every=log_every, validate_every=0, patience=0, overwrite=True,
                          threads=threads)
     train(config, progress=False)
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rate_after_warmup(out / "metrics.jsonl")
+
+
+def rate_after_warmup(metrics: Path) -> tuple[float, int]:
+    """(samples/s after the first window, threads of rank 0) from a run's ``metrics.jsonl``.
+    Its rates are global (rank 0 times each window, every rank trains ``global_batch / ranks``
+    rows a step), so this is the run's global rate at any number of ranks."""
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
     start = next(e for e in events if e["event"] == "start")
     windows = [e for e in events if e["event"] == "train"]
     batch = next(e for e in events if e["event"] == "summary")["global_batch"]
