@@ -1,5 +1,5 @@
 """What a ``.pt2`` export costs, stage by stage: ``export_model`` (int8, the CLI's default) on
-two trained models, with a warm and a cold inductor cache.
+two trained models, with a warm and a cold inductor cache, in this process and in a new one.
 
 The models (``--models``), each trained ``--steps`` steps (only the exported model's shape
 matters, and that comes from the data and the default flags, not from training longer):
@@ -17,19 +17,31 @@ checkpoint, quantize the tables, then per program (``model``, and ``encode`` for
 archive, the reproducible serialization id, the sha256, the renames and the run's export
 record) up to the return; ``total`` is the call's own time, from before its argument checks.
 
-Caches: all exports use one inductor cache directory of this run (its path is compiled into
-the library, so one path keeps the digests comparable). ``warm``: ``--repeats`` exports per
-model, interleaved over the models, after ``--warmup`` untimed ones (the first export in a
-process also pays for inductor's imports). ``cold`` (unless ``--no-cold``): per model, first,
-one export in a fresh process with that directory emptied (inductor probes the CPU's vector
-instruction sets once per directory, and memoizes them in the process: a cold run needs a new
-process). The precompiled header, kept outside the cache directory, stays warm in both.
+Caches (the ``cache`` of a line): all exports use one inductor cache directory of this run
+(its path is compiled into the library, so one path keeps the digests comparable).
+
+  warm              ``--repeats`` exports per model in this process, interleaved over the
+                    models, after ``--warmup`` untimed ones (the first export in a process also
+                    pays for inductor's imports and first uses)
+  cold              (unless ``--no-cold``) per model, first: one export in a new process with
+                    the directory emptied (inductor probes the CPU's vector instruction sets
+                    once per directory and memoizes them in the process: a cold run needs a new
+                    process)
+  warm_new_process  (unless ``--no-cold``) right after it, one more in a new process, the
+                    directory as the cold one left it: what ``dlrm-app export`` pays, less the
+                    CLI's imports
+
+The precompiled header, kept outside the cache directory, is warm in all three.
+
+Threads: every export runs with torch's thread count as this process started with it (what
+``dlrm-app export`` runs with: ``train`` sets its own, and inductor generates OpenMP loops only
+for more than one thread, so the count changes the compiled code and the digest).
 
 Output (stdout; progress goes to stderr): a header line (CPU from lscpu with its widest vector
 extension, the CPUs usable, torch, FBGEMM, the C++ compiler inductor calls, the 1-minute load
 average), one line per (model, cache, stage) with the median seconds, every run's seconds and
 the load averages seen at their starts, and one line per model with the .pt2's bytes and
-whether every export of it (cold and warm) gave the same sha256, as it should.
+whether every export of it (in all caches) gave the same sha256, as it should.
 
 Usage: python bench/export.py [--models main_job demo] [--repeats 3] [--warmup 1] [--no-cold]
                               [--steps 20] [--demo-rows 500000]
@@ -57,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KAGGLE = ROOT.parent / "shared" / "data" / "criteo" / "kaggle_head_10k.tsv"
 MODELS = ("main_job", "demo")
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CACHES = ("warm", "warm_new_process", "cold")
 
 # export_model's progress messages (dlrm_app/serving/export.py) -> this bench's stages
 STAGE_MESSAGES = (
@@ -117,15 +130,18 @@ def timed_export(run: Path, out: Path) -> dict[str, Any]:
             "bytes": result["bytes"], "sha256": result["sha256"]}
 
 
-def cold_export(run: Path, out: Path, cache: Path) -> dict[str, Any]:
-    """``timed_export`` in a new process whose inductor cache directory is ``cache``,
-    emptied first."""
-    shutil.rmtree(cache, ignore_errors=True)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cold-export", str(run), str(out)],
+def new_process_export(run: Path, out: Path, cache: Path, threads: int, *, empty: bool
+                       ) -> dict[str, Any]:
+    """``timed_export`` with ``threads`` torch threads in a new process whose inductor cache
+    directory is ``cache`` (emptied first if ``empty``)."""
+    if empty:
+        shutil.rmtree(cache, ignore_errors=True)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child-export",
+                           str(run), str(out), str(threads)],
                           env={**os.environ, CACHE_ENV: str(cache)}, capture_output=True,
                           text=True, cwd=ROOT)
     if proc.returncode != 0:
-        raise SystemExit(f"bench/export.py: the cold export of {run} failed (exit "
+        raise SystemExit(f"bench/export.py: the new process's export of {run} failed (exit "
                          f"{proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -175,8 +191,8 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
         version = "unknown"
     return {"bench": "export_header", "cpu": cpu_name(), "cpus_usable": allowed_cpus(),
             "torch": torch.__version__, "fbgemm_gpu": fbgemm_version(), "compiler": version,
-            "load_avg_1m": load_avg(), "models": args.models, "repeats": args.repeats,
-            "warmup": args.warmup, "cold": not args.no_cold, "dtype": "int8",
+            "torch_threads": torch.get_num_threads(), "load_avg_1m": load_avg(), "models": args.models, "repeats": args.repeats,
+            "warmup": args.warmup, "new_process_runs": not args.no_cold, "dtype": "int8",
             "train_steps": args.steps}
 
 
@@ -205,11 +221,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed warm-cache exports per model")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed exports in this process before the timed ones")
-    p.add_argument("--no-cold", action="store_true", help="skip the cold-cache export")
+    p.add_argument("--no-cold", action="store_true", help="skip the exports in new processes (cold and warm_new_process)")
     p.add_argument("--steps", type=int, default=20, help="training steps per model")
     p.add_argument("--demo-rows", type=int, default=None,
                    help="rows of the demo's generated dataset (default: the demo's)")
-    p.add_argument("--cold-export", nargs=2, metavar=("RUN", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--child-export", nargs=3, metavar=("RUN", "OUT", "THREADS"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.steps < 1:
         p.error("--repeats and --steps must be >= 1, --warmup >= 0")
@@ -218,12 +235,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    if args.cold_export:  # the child of cold_export: one line on stdout
-        print(json.dumps(timed_export(Path(args.cold_export[0]), Path(args.cold_export[1]))))
+    import torch
+
+    if args.child_export:  # the child of new_process_export: one line on stdout
+        run, out, threads = args.child_export
+        torch.set_num_threads(int(threads))
+        print(json.dumps(timed_export(Path(run), Path(out))))
         return
     from dlrm_app.config import DEMO_ROWS
 
     info = header(args)
+    threads = info["torch_threads"]
     print(json.dumps(info), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
         root = Path(tmp)
@@ -235,11 +257,14 @@ def main(argv: list[str]) -> None:
             runs[model] = (train_main_job(root / model, args.steps) if model == "main_job"
                            else train_demo(root / model, args.steps,
                                            args.demo_rows or DEMO_ROWS))
+        torch.set_num_threads(threads)  # training chose its own
         results: dict[tuple[str, str], list[dict[str, Any]]] = {}
         if not args.no_cold:
             for model in args.models:
-                log(f"exporting {model}, cold cache (new process)")
-                results[model, "cold"] = [cold_export(runs[model], root / "cold.pt2", cache)]
+                for state, empty in (("cold", True), ("warm_new_process", False)):
+                    log(f"exporting {model}, {state}")
+                    results[model, state] = [new_process_export(
+                        runs[model], root / f"{state}.pt2", cache, threads, empty=empty)]
         for i in range(args.warmup):
             model = args.models[i % len(args.models)]
             log(f"exporting {model}, warm-up {i + 1}/{args.warmup} (not timed)")
@@ -250,12 +275,12 @@ def main(argv: list[str]) -> None:
                 results.setdefault((model, "warm"), []).append(
                     timed_export(runs[model], root / f"{model}_{rep}.pt2"))
     for model in args.models:
-        for cache_state in ("warm", "cold"):
+        for cache_state in CACHES:
             if (model, cache_state) in results:
                 for line in stage_lines(info["cpu"], model, cache_state,
                                         results[model, cache_state]):
                     print(json.dumps(line))
-        every = results[model, "warm"] + results.get((model, "cold"), [])
+        every = [r for c in CACHES for r in results.get((model, c), [])]
         print(json.dumps({"bench": "export_artifact", "cpu": info["cpu"], "model": model,
                           "bytes": every[0]["bytes"], "mb": round(every[0]["bytes"] / 2**20, 2),
                           "exports": len(every),

@@ -34,6 +34,7 @@ def test_the_tiniest_run_reports_each_stage_within_the_total() -> None:
     head, *stages, artifact = [json.loads(line) for line in proc.stdout.splitlines()]
     assert head["bench"] == "export_header" and head["models"] == ["demo"]
     assert head["cpu"] and head["torch"] and head["compiler"] and head["repeats"] == 1
+    assert head["torch_threads"] >= 1
     assert [(s["stage"], s["program"]) for s in stages] == STAGES
     for s in stages:
         assert (s["bench"], s["model"], s["cache"]) == ("export", "demo", "warm")
