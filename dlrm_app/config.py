@@ -495,6 +495,9 @@ class ServeConfig:
     drain_timeout_s: float = 10.0
     """On SIGTERM (or ``stop()``): stop accepting, then answer the requests already received
     for at most this long before exiting."""
+    watch_interval_s: float = 0.5
+    """How often the model file and its .sha256 are checked for a new model renamed over them
+    (taken once both have been unchanged for 1 s; as on SIGHUP); 0: on SIGHUP only."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_body_bytes", "max_rows", "latency_window"):
@@ -505,6 +508,9 @@ class ServeConfig:
         if self.drain_timeout_s < 0:
             raise ValueError(f"ServeConfig.drain_timeout_s must be >= 0, got "
                              f"{self.drain_timeout_s}")
+        if self.watch_interval_s < 0:
+            raise ValueError(f"ServeConfig.watch_interval_s must be >= 0 (0: reload on SIGHUP "
+                             f"only), got {self.watch_interval_s}")
         if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
             raise ValueError(f"ServeConfig: max_wait_ms must be >= 0 and request_timeout_s > 0, "
                              f"got {self.max_wait_ms}, {self.request_timeout_s}")

@@ -7,7 +7,9 @@ Endpoints (JSON in and out; the server binds 127.0.0.1 unless told otherwise)::
                     {"instances": [{"dense": [x0, .., x12],
                                     "sparse": {"cat_0": [id, ..], .., "cat_25": id}}, ..]}
                     -> 200 {"probabilities": [p0, p1, ..]}       one per row, in order
-    GET  /health    -> {"status": "ok", "model": .., "format": .., "embedding_dtype": .., ..}
+    GET  /health    -> {"status": "ok", "model": .., "format": .., "embedding_dtype": ..,
+                        "sha256": .., "loaded_at": .., "load_seconds": .., "reloads": ..,
+                        "last_reload": .., ..}
     GET  /metrics   -> request counts per path and status, rows served, batches run, mean
                        batch rows, latency p50/p90/p99 (ms) of the last ``latency_window``
                        successful predictions
@@ -34,6 +36,9 @@ merges queued requests of one kind into a model call of at most ``max_batch_rows
 larger request runs alone), waiting at most ``max_wait_ms`` after the first for more while
 other requests are being read or parsed (not at all when none is), and hands each request its
 slice of the result.
+
+A new model is taken without a restart (:class:`Reloader`): on SIGHUP, or when a new file is
+renamed over the served path (and its ``.sha256`` beside it), see :meth:`PredictionServer.swap`.
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import errno
 import json
+import os
 import queue
 import signal
 import socket
@@ -59,7 +66,7 @@ import numpy as np
 import torch
 
 from dlrm_app.config import ServeConfig
-from dlrm_app.serving.artifact import load_artifact
+from dlrm_app.serving.artifact import digest_path, load_artifact
 from dlrm_app.serving.request import (
     EncodedRows,
     Inputs,
@@ -434,11 +441,18 @@ class PredictionServer:
     """
 
     def __init__(self, model: torch.jit.ScriptModule, metadata: dict[str, Any],
-                 config: ServeConfig, name: str = "model") -> None:
+                 config: ServeConfig, name: str = "model", *,
+                 load_seconds: float | None = None) -> None:
         self.model = model
         self.metadata = metadata
         self.config = config
         self.name = name
+        self.loaded_at = _now()
+        """When the model serving now was loaded (ISO 8601, UTC)."""
+        self.load_seconds = load_seconds
+        """How long checking its digest and loading it took (None: not loaded from a file)."""
+        self.last_reload: dict[str, Any] | None = None
+        """The last :meth:`swap`'s outcome: ``ok``, ``at``, and ``reason`` when refused."""
         self.parser = RequestParser(metadata, config.max_rows)
         self.batcher = Batcher(model, config.max_batch_rows, config.max_wait_ms)
         self.metrics = Metrics(config.latency_window)
@@ -457,8 +471,8 @@ class PredictionServer:
                   expect_sha256: str | None = None) -> PredictionServer:
         """Load an exported model, its sha256 checked first against ``expect_sha256`` or
         ``<path>.sha256`` (see :func:`dlrm_app.serving.artifact.verify_artifact`)."""
-        model, metadata = load_artifact(path, expect_sha256=expect_sha256)
-        return cls(model, metadata, config, name=Path(path).name)
+        model, metadata, seconds = _load_unchanged(path, expect_sha256)
+        return cls(model, metadata, config, name=Path(path).name, load_seconds=seconds)
 
     @property
     def port(self) -> int:
@@ -545,18 +559,32 @@ class PredictionServer:
         """Serve the model at ``path`` from now on, without a failed or lost request: it is
         loaded (its sha256 checked as at start), checked to take the same inputs, and warmed
         up while the current model serves; then the next batch runs on it (a batch already
-        running finishes on the old one). Raises ``ValueError`` (the current model goes on
-        serving) for a model that cannot be loaded or takes other inputs. Returns what
+        running finishes on the old one). Raises ``ValueError`` (or ``OSError``) for a model
+        that fails its digest, cannot be loaded, takes other inputs or fails its warm-up, and
+        the current model goes on serving; ``/health``'s ``last_reload`` says why. Returns what
         ``/health`` will show."""
         with self._swapping:  # one swap at a time
-            model, metadata = load_artifact(path, expect_sha256=expect_sha256)
-            if _inputs_of(metadata) != _inputs_of(self.metadata):
-                raise ValueError(f"{path} takes other inputs than the model being served (its "
-                                 "features or raw row format differ); start a server for it")
-            self.warm_up(model)
+            try:
+                model, metadata, seconds = _load_unchanged(path, expect_sha256)
+                if _inputs_of(metadata) != _inputs_of(self.metadata):
+                    raise ValueError(f"{path} takes other inputs than the model being served "
+                                     "(its features or raw row format differ); start a server "
+                                     "for it")
+                try:
+                    self.warm_up(model)
+                except Exception as e:
+                    last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+                    raise ValueError(f"{path}: its warm-up calls failed ({last}); export it "
+                                     "again") from e
+            except Exception as e:
+                self.last_reload = {"ok": False, "at": _now(), "file": str(path),
+                                    "reason": str(e).strip() or type(e).__name__}
+                raise
             self.batcher.model = model  # read once per batch by the worker
             self.model, self.metadata, self.name = model, metadata, Path(path).name
+            self.loaded_at, self.load_seconds = _now(), seconds
             self.reloads += 1
+            self.last_reload = {"ok": True, "at": self.loaded_at, "file": str(path)}
             return self.health()
 
     def __enter__(self) -> PredictionServer:
@@ -579,10 +607,44 @@ class PredictionServer:
         meta = self.metadata
         return {"status": "ok", "model": self.name, "format": meta.get("format", "torchscript"),
                 "embedding_dtype": meta.get("embedding_dtype"), "dataset": meta.get("dataset"),
-                "sha256": meta.get("sha256"), "reloads": self.reloads,
+                "sha256": meta.get("sha256"), "loaded_at": self.loaded_at,
+                "load_seconds": (None if self.load_seconds is None else
+                                 round(self.load_seconds, 3)),
+                "reloads": self.reloads, "last_reload": self.last_reload,
                 "accepts": ["rows", "instances"] if self.parser.accepts_rows else ["instances"],
                 "dense_features": len(meta["dense_features"]),
                 "sparse_features": len(meta["sparse_features"])}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _load_unchanged(path: str | Path, expect_sha256: str | None
+                    ) -> tuple[Any, dict[str, Any], float]:
+    """``load_artifact`` (its digest checked before anything in the file is read), timed; a
+    file replaced or rewritten meanwhile is refused: the digest and the load each open the
+    path, so the model loaded would not be the file whose digest was checked."""
+    before = _file_state(Path(path))
+    start = time.perf_counter()
+    model, metadata = load_artifact(path, expect_sha256=expect_sha256)
+    seconds = time.perf_counter() - start
+    if _file_state(Path(path)) != before:
+        raise ValueError(f"{path} was replaced or rewritten while its digest was checked and it "
+                         "was loaded, so it was not taken (what was loaded may not be the file "
+                         "that was checked); publish models by renaming them into place (mv), "
+                         "then load it again")
+    return model, metadata, seconds
+
+
+def _file_state(path: Path) -> tuple[int, ...] | None:
+    """What changes when a file is renamed over ``path`` or rewritten: (device, inode, size,
+    mtime in ns); None when there is no file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _inputs_of(metadata: dict[str, Any]) -> tuple[Any, ...]:
@@ -611,19 +673,24 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
                   expect_sha256: str | None = None) -> int:
     """``dlrm-app serve``: check ``model``'s sha256 (against ``expect_sha256``, else its
     ``.sha256`` file), load it, print where it listens and what was verified (one JSON line),
-    serve until SIGTERM or Ctrl-C, then stop and print how many received requests went
-    unanswered (one JSON line; 0 unless ``--drain-timeout-s`` ran out)."""
+    serve until SIGTERM or Ctrl-C, taking a new model on SIGHUP or when one is renamed over
+    ``model`` (:class:`Reloader`, one JSON line each), then stop and print how many received
+    requests went unanswered (one JSON line; 0 unless ``--drain-timeout-s`` ran out)."""
     try:
         bound = bind(config)  # first: a busy port fails at once, not after loading
+        # what the files were before loading: a model renamed over the path during the load
+        # is taken next (the load itself refuses a file replaced while it read it)
+        files = Reloader.watched_files(model, expect_sha256)
         server = PredictionServer.from_file(model, config, expect_sha256=expect_sha256)
         port = server.start(bound)
     except (ValueError, OSError) as e:
         raise SystemExit(f"dlrm-app serve: {e}") from None
-    stop, reload = threading.Event(), threading.Event()
+    reloader = Reloader(server, model, expect_sha256=expect_sha256,
+                        interval_s=config.watch_interval_s, files=files)
+    stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, lambda *_: reload.set())
-    threading.Thread(target=_reloader, args=(server, model, expect_sha256, reload, stop),
-                     name="dlrm-serve-reload", daemon=True).start()
+    signal.signal(signal.SIGHUP, lambda *_: reloader.request())
+    reloader.start()
     print(json.dumps({"listening": f"http://{config.host}:{port}", "port": port,
                       "model": str(model),
                       "embedding_dtype": server.metadata.get("embedding_dtype"),
@@ -632,27 +699,87 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
         stop.wait()
     except KeyboardInterrupt:
         pass
+    reloader.stop()  # a reload under way finishes first
     unanswered = server.stop()
     print(json.dumps({"stopped": True, "unanswered": unanswered}), flush=True)
     return 0
 
 
-def _reloader(server: PredictionServer, model: str | Path, expect_sha256: str | None,
-              reload: threading.Event, stop: threading.Event) -> None:
-    """SIGHUP: take the model now at ``model``'s path (replace the file and its ``.sha256``
-    first, e.g. with ``mv``), one JSON line saying what serves; a model that fails its checks
-    leaves the current one serving."""
-    while not stop.is_set():
-        if not reload.wait(0.5):
-            continue
-        reload.clear()
+_SETTLE_S = 1.0
+"""A changed model file (or ``.sha256``) is taken once both have been unchanged this long: a
+publisher renames the model and then its digest, or the reverse."""
+
+_FileStates = tuple[tuple[int, ...] | None, ...]
+
+
+class Reloader:
+    """Takes the model now at the served path (:meth:`PredictionServer.swap`): at once on
+    :meth:`request` (SIGHUP), or when the file or its ``.sha256`` has changed (a new one renamed
+    over it) and both have then been unchanged for ``settle_s``, seen by a thread that checks
+    them every ``interval_s`` (0: only on request). A refused file is not tried again until one
+    of them changes again. One JSON line on stdout per attempt: ``reloaded`` or
+    ``reload_failed`` (the current model serves on)."""
+
+    def __init__(self, server: PredictionServer, path: str | Path, *,
+                 expect_sha256: str | None = None, interval_s: float = 0.5,
+                 settle_s: float = _SETTLE_S, files: _FileStates | None = None) -> None:
+        self.server = server
+        self.path = Path(path)
+        self.expect_sha256 = expect_sha256
+        self.interval_s = interval_s
+        self.settle_s = settle_s
+        self._tried = self.watched_files(path, expect_sha256) if files is None else files
+        """The files as they were when the serving model was loaded, or at the last attempt."""
+        self._requested = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dlrm-serve-reload",
+                                        daemon=True)
+
+    @staticmethod
+    def watched_files(path: str | Path, expect_sha256: str | None) -> _FileStates:
+        """The model file's state and its ``.sha256``'s (only read when no ``expect_sha256``
+        pins the digest)."""
+        paths = [Path(path)] + ([digest_path(path)] if expect_sha256 is None else [])
+        return tuple(_file_state(p) for p in paths)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request(self) -> None:
+        """Reload now (from a signal handler too: it only sets an event)."""
+        self._requested.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._requested.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        seen, since = self._tried, time.monotonic()
+        while True:
+            requested = self._requested.wait(self.interval_s or None)
+            if self._stopped.is_set():
+                return
+            if requested:
+                self._requested.clear()
+                self._reload("SIGHUP")
+                continue
+            now = self.watched_files(self.path, self.expect_sha256)
+            if now != seen:  # changing: wait for the publisher to finish
+                seen, since = now, time.monotonic()
+            elif now != self._tried and time.monotonic() - since >= self.settle_s:
+                self._reload("file changed")
+
+    def _reload(self, cause: str) -> None:
+        self._tried = self.watched_files(self.path, self.expect_sha256)
         start = time.perf_counter()
+        server = self.server
         try:
-            health = server.swap(model, expect_sha256=expect_sha256)
-        except (ValueError, OSError, RuntimeError) as e:
-            print(json.dumps({"reload_failed": str(e), "serving": server.name,
+            health = server.swap(self.path, expect_sha256=self.expect_sha256)
+        except Exception as e:  # anything a new file does leaves the current model serving
+            print(json.dumps({"reload_failed": str(e), "on": cause, "serving": server.name,
                               "sha256": server.metadata.get("sha256")}), flush=True)
-            continue
-        print(json.dumps({"reloaded": str(model), "sha256": health["sha256"],
+            return
+        print(json.dumps({"reloaded": str(self.path), "on": cause, "sha256": health["sha256"],
                           "verified": server.metadata.get("verified"),
                           "seconds": round(time.perf_counter() - start, 2)}), flush=True)

@@ -7,9 +7,12 @@ logistic model over hashed Criteo ids, scripted and saved with its ``metadata.js
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,14 +26,27 @@ import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from dlrm_app.serving.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE, load_artifact
-from dlrm_app.serving.server import PredictionServer, RequestError, RequestParser, ServeConfig
+from dlrm_app.serving import artifact as artifact_module
+from dlrm_app.serving.artifact import (
+    ARTIFACT_FORMAT_VERSION,
+    METADATA_FILE,
+    load_artifact,
+    write_digest,
+)
+from dlrm_app.serving.server import (
+    PredictionServer,
+    Reloader,
+    RequestError,
+    RequestParser,
+    ServeConfig,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch\\.jit\\.:DeprecationWarning"),  # torch 2.13's notice
@@ -671,6 +687,8 @@ def test_config_is_checked() -> None:
         ServeConfig(max_batch_rows=0)
     with pytest.raises(ValueError, match="port must be in"):
         ServeConfig(port=70000)
+    with pytest.raises(ValueError, match="watch_interval_s must be >= 0"):
+        ServeConfig(watch_interval_s=-1)
 
 
 def test_request_error_carries_status() -> None:
@@ -752,3 +770,222 @@ def test_sighup_swaps_the_model_under_load_without_a_failed_request(artifact: Pa
     switch = which.index("new")
     assert which[:switch] == ["old"] * switch and set(which[switch:]) == {"new"}
     assert switch >= 40 and len(which) - switch >= 50
+
+
+def _serve(model: Path) -> tuple[subprocess.Popen, int]:
+    """``dlrm-app serve model`` on a free port (default watching), and that port."""
+    proc = subprocess.Popen([sys.executable, "-m", "dlrm_app", "serve", str(model), "--port",
+                             "0", "--threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, json.loads(proc.stdout.readline())["port"]
+
+
+@contextlib.contextmanager
+def _probing(port: int, rows: list[str]) -> Iterator[list[tuple[float, int, list[float]]]]:
+    """A client posting the same ``rows`` every ~5 ms while the block runs (20 answers in
+    before it starts): (monotonic time, status, probabilities) per answer."""
+    answers: list[tuple[float, int, list[float]]] = []
+    done = threading.Event()
+
+    def client() -> None:
+        while not done.is_set():
+            status, body = post(port, {"rows": rows})
+            answers.append((time.monotonic(), status, body.get("probabilities", [])))
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(answers) < 20 and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(answers) >= 20, "the client got no answers"
+        yield answers
+    finally:
+        done.set()
+        thread.join(timeout=30)
+
+
+def _health_when(port: int, ready: Any, timeout_s: float = 20.0) -> dict:
+    """``/health`` once ``ready(health)`` holds (within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready(health := get(port, "/health")[1]):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {health}"
+        time.sleep(0.05)
+    return health
+
+
+def _which(answers: list[tuple[float, int, list[float]]], old: np.ndarray,
+           new: np.ndarray) -> list[str]:
+    """Which model gave each answer; an answer of neither (a mix) fails."""
+    which = []
+    for _, _, got in answers:
+        if np.abs(np.array(got) - old).max() < 1e-5:
+            which.append("old")
+        else:
+            assert np.abs(np.array(got) - new).max() < 1e-5, got
+            which.append("new")
+    return which
+
+
+def _negated(path: Path) -> torch.jit.ScriptModule:
+    """Another stand-in (other answers on the same rows) saved at ``path`` with its .sha256."""
+    model = torch.jit.script(HashedLogistic(SIZES))
+    with torch.no_grad():
+        model.weights.weight.mul_(-1.0)
+    torch.jit.save(model, str(path), _extra_files={METADATA_FILE: json.dumps(metadata())})
+    write_digest(path)
+    return model
+
+
+@pytest.mark.slow
+def test_a_model_renamed_over_the_served_path_is_taken_without_a_signal(
+        artifact: Path, tmp_path: Path) -> None:
+    """A publisher renames a new model over the served path, then (0.3 s later) its .sha256:
+    no SIGHUP, and no failed attempt on the half-published pair; every request is answered
+    200, by the old model then the new one, never a mix; /health shows the new digest, when
+    and how fast it was loaded."""
+    served = tmp_path / "model.pt"
+    shutil.copy(artifact, served)
+    write_digest(served)
+    new_model = _negated(tmp_path / "b.pt")
+    rows = random_rows(np.random.default_rng(5), 3)
+    old, new = direct(load_artifact(artifact)[0], rows), direct(new_model, rows)
+    assert np.abs(old - new).max() > 0.05
+    proc, port = _serve(served)
+    try:
+        with _probing(port, rows) as answers:
+            replaced, before = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
+            os.replace(tmp_path / "b.pt", served)
+            time.sleep(0.3)  # the new model beside the old digest meanwhile
+            os.replace(tmp_path / "b.pt.sha256", tmp_path / "model.pt.sha256")
+            health = _health_when(port, lambda h: h.get("reloads") or h.get("last_reload"))
+            count = len(answers)
+            while len(answers) < count + 20:
+                time.sleep(0.01)
+        line = json.loads(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert line["reloaded"] == str(served) and line["on"] == "file changed", line
+    assert health["last_reload"]["ok"] is True, health["last_reload"]
+    assert health["reloads"] == 1
+    assert health["sha256"] == (tmp_path / "model.pt.sha256").read_text().split()[0]
+    assert datetime.datetime.fromisoformat(health["loaded_at"]) >= before
+    assert 0 < health["load_seconds"] < 20
+    assert [status for _, status, _ in answers] == [200] * len(answers)
+    which = _which(answers, old, new)
+    switch = which.index("new")
+    assert which[:switch] == ["old"] * switch and set(which[switch:]) == {"new"}
+    assert answers[switch][0] - replaced < 20 and len(which) - switch >= 20
+
+
+@pytest.mark.slow
+def test_a_tampered_replacement_is_refused_and_the_old_model_serves_on(
+        artifact: Path, tmp_path: Path) -> None:
+    """A replacement changed after its .sha256 was written (its zip directory zeroed, so that
+    reading it would fail otherwise) is refused on its digest, before anything in it is read:
+    /health says why and keeps the old digest, the old model answers every request, and the
+    file is not tried again until one changes; a good file published then is taken."""
+    served = tmp_path / "model.pt"
+    shutil.copy(artifact, served)
+    old_digest = write_digest(served)
+    _negated(tmp_path / "b.pt")
+    data = bytearray((tmp_path / "b.pt").read_bytes())
+    data[-64:] = bytes(64)
+    (tmp_path / "b.pt").write_bytes(bytes(data))
+    rows = random_rows(np.random.default_rng(6), 3)
+    old = direct(load_artifact(artifact)[0], rows)
+    proc, port = _serve(served)
+    try:
+        with _probing(port, rows) as answers:
+            os.replace(tmp_path / "b.pt", served)
+            os.replace(tmp_path / "b.pt.sha256", tmp_path / "model.pt.sha256")
+            refused = _health_when(port, lambda h: h.get("last_reload") or h.get("reloads"))
+            time.sleep(1.6)  # three polls and more than the settle time: no second attempt
+            later = get(port, "/health")[1]
+            count = len(answers)
+            while len(answers) < count + 20:
+                time.sleep(0.01)
+            good = _negated(tmp_path / "c.pt")
+            os.replace(tmp_path / "c.pt", served)
+            os.replace(tmp_path / "c.pt.sha256", tmp_path / "model.pt.sha256")
+            fixed = _health_when(port, lambda h: h["reloads"] == 1)
+        lines = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    reason = refused["last_reload"]["reason"]
+    assert refused["last_reload"]["ok"] is False and refused["reloads"] == 0
+    assert re.fullmatch(f"{re.escape(str(served))}: sha256 [0-9a-f]{{64}} differs from "
+                        f"[0-9a-f]{{64}} \\({re.escape(str(served))}.sha256\\), so it was not "
+                        "loaded .*", reason), reason  # the digest refused it, not the zip reader
+    assert refused["sha256"] == old_digest == later["sha256"]
+    assert later["last_reload"] == refused["last_reload"]  # not tried again
+    assert "reload_failed" in lines[0] and lines[1]["on"] == "file changed", lines
+    assert fixed["last_reload"]["ok"] is True and fixed["sha256"] != old_digest
+    statuses = [status for _, status, _ in answers]
+    assert statuses == [200] * len(answers)
+    which = _which(answers, old, direct(good, rows))
+    assert which[:count] == ["old"] * count
+
+
+def test_a_half_published_pair_is_not_tried(artifact: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The new model renamed over the served path 0.3 s before its .sha256 (six polls see it
+    beside the old digest): nothing is tried until both have been still for 1 s, then the pair
+    is taken at the first attempt."""
+    served = tmp_path / "model.pt"
+    shutil.copy(artifact, served)
+    write_digest(served)
+    server = PredictionServer.from_file(served, ServeConfig(port=0))
+    _negated(tmp_path / "b.pt")
+    reloader = Reloader(server, served, interval_s=0.05)
+    reloader.start()
+    try:
+        os.replace(tmp_path / "b.pt", served)
+        time.sleep(0.3)
+        os.replace(tmp_path / "b.pt.sha256", tmp_path / "model.pt.sha256")
+        deadline = time.monotonic() + 20
+        while server.last_reload is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        reloader.stop()
+    assert server.last_reload is not None and server.last_reload["ok"] is True, \
+        server.last_reload
+    assert server.reloads == 1
+    assert "reload_failed" not in capsys.readouterr().out
+
+
+def test_a_file_replaced_while_it_loads_is_refused(artifact: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest check and the load each open the path: a model renamed over it between the
+    two (here: right after the check) would be loaded unverified; the swap refuses it and
+    the current model serves on."""
+    served = tmp_path / "model.pt"
+    shutil.copy(artifact, served)
+    write_digest(served)
+    server = PredictionServer.from_file(served, ServeConfig(port=0))
+    first = server.model
+    _negated(tmp_path / "b.pt")
+    os.replace(tmp_path / "b.pt", served)
+    os.replace(tmp_path / "b.pt.sha256", tmp_path / "model.pt.sha256")
+    shutil.copy(artifact, tmp_path / "unverified.pt")  # any file but the one checked
+    verify = artifact_module.verify_artifact
+
+    def verify_then_replace(path: Path, expect_sha256: str | None = None
+                            ) -> artifact_module.ArtifactCheck:
+        check = verify(path, expect_sha256)
+        os.replace(tmp_path / "unverified.pt", path)
+        return check
+
+    monkeypatch.setattr(artifact_module, "verify_artifact", verify_then_replace)
+    with pytest.raises(ValueError, match="was replaced or rewritten while its digest was "
+                                         "checked and it was loaded, so it was not taken"):
+        server.swap(served)
+    assert server.model is first and server.reloads == 0
+    assert server.health()["last_reload"]["ok"] is False
