@@ -367,6 +367,12 @@ AOTI_OPTIONS = {
     # torch.export traces sizes as >= 2; the programs hold for 1-row batches (and 0 values)
     # too, which AOTInductor's input check (AOTI_RUNTIME_CHECK_INPUTS=1) would refuse
     "aot_inductor.check_lowerbound": False,
+    # one checkpoint, one digest, whichever process exports it: inductor would compile in the
+    # exporting process's torch.get_num_threads() (train leaves torch at 1 thread, a bare export
+    # at its default), serial kernels at 1. Kernels with parallel regions (as for any count
+    # above 1) that read the thread count when they run (the server's --threads) instead.
+    "cpp.threads": 2,
+    "cpp.dynamic_threads": True,
 }
 
 EXAMPLE_BATCH = 3

@@ -1,5 +1,6 @@
 """One checkpoint exported twice is the same bytes, so a pinned digest stays valid (issue 43,
-item 7): whether inductor's cache was cold or warm, and whatever ``--out`` is named. Before,
+item 7): whether inductor's cache was cold or warm, whatever ``--out`` is named, and whatever
+torch's thread count when exporting. Before,
 each export differed in the archive's folder (named after the file), the sources' compile
 comments (one more per compile the cache had seen) and torch's random serialization id."""
 
@@ -34,8 +35,16 @@ def test_one_checkpoint_exports_to_the_same_bytes_cold_or_warm_under_any_name(
     train(TrainConfig(data=str(tmp_path / "data"), out=str(run), model=TINY, batch_size=64,
                       max_steps=2), progress=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: cold
-    first = export_model(run, tmp_path / "a" / "model.pt2", "fp32")
-    second = export_model(run, tmp_path / "b" / "other.pt2", "fp32")  # the cache is warm now
+    threads = torch.get_num_threads()
+    try:
+        # and whatever torch's thread count in the exporting process (train sets 1: the demo
+        # exports right after it; a bare `dlrm-app export` runs with torch's default)
+        torch.set_num_threads(1)
+        first = export_model(run, tmp_path / "a" / "model.pt2", "fp32")
+        torch.set_num_threads(3)
+        second = export_model(run, tmp_path / "b" / "other.pt2", "fp32")  # the cache is warm
+    finally:
+        torch.set_num_threads(threads)
     assert first["sha256"] == second["sha256"]
     assert Path(first["path"]).read_bytes() == Path(second["path"]).read_bytes()
 
