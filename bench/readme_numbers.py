@@ -147,6 +147,16 @@ def _zch(records: Records) -> dict[str, str]:
             "plain": f"{_one(records, case='ebc_in_range')['ms_per_batch']:.1f}"}
 
 
+def _ranks(records: Records) -> dict[str, str]:
+    def k(dataset: str, busy: int, ranks: int) -> str:
+        rate = _one(records, bench="ranks", dataset=dataset, busy_loops=busy, ranks=ranks)
+        return f"{rate['samples_per_s'] / 1000:.1f}"
+
+    return {f"{tag}{busy}_{n}": k(dataset, busy, n)
+            for tag, dataset in (("ml", "movielens_100k"), ("kg", "criteo_kaggle_10k"))
+            for busy in (0, 1) for n in (1, 2)}
+
+
 def _ci(records: Records) -> dict[str, str]:
     full, t213, nofb = (_one(records, leg=leg) for leg in
                         ("full", "fast_torch213", "fast_without_fbgemm"))
@@ -195,6 +205,12 @@ CLAIMS = (
           r"a training step with the remap takes (?P<remap>[\d.]+) ms against (?P<plain>[\d.]+) "
           r"ms without",
           _zch),
+    Claim("ranks", (("{python}", "{bench}/ranks.py"),),
+          r"MovieLens 100K trains at (?P<ml0_1>[\d.]+)k samples/s on 1 rank and (?P<ml0_2>[\d.]+)k "
+          r"on 2, the Kaggle sample at (?P<kg0_1>[\d.]+)k and (?P<kg0_2>[\d.]+)k; with one core "
+          r"taken by another process, (?P<ml1_1>[\d.]+)k and (?P<ml1_2>[\d.]+)k, "
+          r"(?P<kg1_1>[\d.]+)k and (?P<kg1_2>[\d.]+)k\.",
+          _ranks),
     Claim("ci_setup", (),  # recorded from a CI log (--record-ci)
           r"took (?P<setup_s>\d+) s in the recorded CI run \(torch 2\.14\.1\), "
           r"(?P<setup213_s>\d+) s for torch 2\.13\.0",
@@ -209,7 +225,8 @@ CLAIMS = (
 FACTS = (
     # versions and names
     r"Python 3\.10\+", r"torch(?:==|>=| )2\.1[34](?:\.\d)?(?:\+cpu)?", r"FBGEMM 1\.[89](?:\.0)?",
-    r"fbgemm-gpu(?:-cpu)?==1\.8\.0", r"TorchRec 1\.8", r"CUDA 12\.8", r"cu128", r"1TB",
+    r"fbgemm-gpu(?:-cpu)?==1\.[89]\.0", r"the newest \(2\.14\.1 here\)", r"PyPI's 2\.14\.1 build",
+    r"medians of 3 runs", r"TorchRec 1\.8", r"CUDA 12\.8", r"cu128", r"1TB",
     r"2-core", r"Zen 4", r"AVX-512", r"\bC\b",
     # the data the README describes
     r"500k rows, 13 dense and 26 sparse features of 1,000 ids", r"first 10,000 rows",
