@@ -217,7 +217,7 @@ CLAIMS = (
           _ci_setup, source="ci"),
     Claim("ci", (),  # recorded from a CI log (--record-ci)
           r"\((?P<full_tests>[\d,]+) tests: (?P<full_min>\d+) minutes on a 2-core AVX-512 "
-          r"EPYC\).*?the fast tier there \((?P<t213_s>\d+) s\).*?\((?P<nofb_s>\d+) "
+          r"EPYC\).*?fast tier there \((?P<t213_s>\d+) s[;)].*?\((?P<nofb_s>\d+) "
           r"s(?:; CI in all: (?P<ci_min>\d+) minutes)?\)",
           _ci),
 )

@@ -41,6 +41,9 @@ def test_setup_and_test_commands_are_what_ci_runs() -> None:
     without_fbgemm = ('pip uninstall -y fbgemm-gpu-cpu && python -m pytest -q -m "not slow" '
                       '--ignore=tests/app --ignore=tests/integration --ignore=tests/bench')
     assert without_fbgemm in README.split("## Tests", 1)[1] and without_fbgemm in ci
+    library = ('python -m pytest -q -m "not slow" --ignore=tests/app --ignore=tests/integration '
+               '--ignore=tests/bench')
+    assert f"\n{library}\n" in ci and f"`{library}`" in README.split("## Tests", 1)[1]
     torch213 = 'pip install torch==2.13.0 && pip install -e ".[cpu-torch213,test]"'
     assert torch213 in README.split("## Setup", 1)[1] and torch213 in ci
 
