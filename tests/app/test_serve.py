@@ -961,6 +961,30 @@ def test_a_half_published_pair_is_not_tried(artifact: Path, tmp_path: Path,
     assert "reload_failed" not in capsys.readouterr().out
 
 
+def test_watch_interval_zero_reloads_on_request_only(artifact: Path, tmp_path: Path) -> None:
+    """``--watch-interval-s 0``: a model renamed over the served path is not taken by itself
+    (no polling), only when a reload is requested (what SIGHUP does)."""
+    served = tmp_path / "model.pt"
+    shutil.copy(artifact, served)
+    write_digest(served)
+    server = PredictionServer.from_file(served, ServeConfig(port=0, watch_interval_s=0))
+    _negated(tmp_path / "b.pt")
+    reloader = Reloader(server, served, interval_s=0, settle_s=0.0)
+    reloader.start()
+    try:
+        os.replace(tmp_path / "b.pt", served)
+        os.replace(tmp_path / "b.pt.sha256", tmp_path / "model.pt.sha256")
+        time.sleep(1.0)
+        assert server.reloads == 0 and server.last_reload is None
+        reloader.request()
+        deadline = time.monotonic() + 20
+        while server.last_reload is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        reloader.stop()
+    assert server.reloads == 1 and server.last_reload["ok"] is True, server.last_reload
+
+
 def test_a_file_replaced_while_it_loads_is_refused(artifact: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The digest check and the load each open the path: a model renamed over it between the
