@@ -345,42 +345,96 @@ def fold_rows(lines: list[str], folds: int, k: int) -> tuple[list[str], list[str
     return rest, [x for i, x in enumerate(lines) if i % folds == k]
 
 
-def run_kfold(name: str, work: Path, nproc: int, seeds: list[int], folds: int) -> list[dict]:
-    kind, src = SOURCES[name]
-    if kind != "criteo":
-        raise SystemExit(f"--kfold is for the Criteo sample (row order carries no meaning "
-                         f"there); {name} keeps its per-user time split")
-    if not src.exists():
-        raise SystemExit(f"{src} not found: pass --criteo")
-    lines = src.read_text().splitlines(keepends=True)
-    results: list[dict] = []
-    for k in range(folds):
-        fold = work / f"{name}_fold{k}"
-        fold.mkdir(parents=True)
-        rest, held_out = fold_rows(lines, folds, k)
-        (fold / "rest.tsv").write_text("".join(rest))
-        (fold / "held_out.tsv").write_text("".join(held_out))
-        data, held = fold / "data", fold / "held_out"
-        _cli(1, "preprocess", kind, str(fold / "rest.tsv"), "--out", str(data))
-        _cli(1, "preprocess", kind, str(fold / "held_out.tsv"), "--out", str(held),
-             "--like", str(data), "--one-split", "test")
-        lr = logistic_regression(data, held)
-        common = {"dataset": name, "protocol": f"kfold{folds}", "fold": k,
-                  "held_out_rows": lr["rows"]["test"]}
-        results.append({**common, "system": "logistic_regression", **lr["logistic_regression"]})
-        for seed in seeds:
-            results.append({**common, "system": "dlrm_defaults",
-                            **_dlrm(data, fold / f"run_{seed}", nproc, seed, held_out=held)})
-        for line in results[-1 - len(seeds):]:
-            print(json.dumps(line), flush=True)
+class Extra(NamedTuple):
+    """Flags added to every preprocess / train of the held-out protocols (to measure a change
+    of defaults before making it one; empty for the defaults)."""
+
+    preprocess: tuple[str, ...] = ()
+    train: tuple[str, ...] = ()
+
+
+NO_EXTRA = Extra()
+
+
+def _held_out_runs(name: str, work: Path, nproc: int, seeds: list[int], rest: list[str],
+                   held_out: list[str], common: dict, extra: Extra) -> list[dict]:
+    """Preprocess ``rest`` (its own train / validation / test split), encode ``held_out`` like
+    it, fit the logistic regression and train the DLRM per seed on exactly the same rows, and
+    score both on the held-out rows."""
+    kind, _ = SOURCES[name]
+    work.mkdir(parents=True)
+    (work / "rest.tsv").write_text("".join(rest))
+    (work / "held_out.tsv").write_text("".join(held_out))
+    data, held = work / "data", work / "held_out"
+    _cli(1, "preprocess", kind, str(work / "rest.tsv"), "--out", str(data), *extra.preprocess)
+    _cli(1, "preprocess", kind, str(work / "held_out.tsv"), "--out", str(held),
+         "--like", str(data), "--one-split", "test")
+    lr = logistic_regression(data, held)
+    common = {**common, "held_out_rows": lr["rows"]["test"]}
+    if extra.preprocess or extra.train:
+        common["extra_flags"] = {"preprocess": extra.preprocess, "train": extra.train}
+    results = [{**common, "system": "logistic_regression", **lr["logistic_regression"]}]
+    for seed in seeds:
+        results.append({**common, "system": "dlrm_defaults",
+                        **_dlrm(data, work / f"run_{seed}", nproc, seed, *extra.train,
+                                held_out=held)})
+    for line in results:
+        print(json.dumps(line), flush=True)
+    return results
+
+
+def _means(results: list[dict], common: dict) -> list[dict]:
     means = []
     for system in ("dlrm_defaults", "logistic_regression"):
         aucs = [r["auc"] for r in results if r["system"] == system]
         mean = sum(aucs) / len(aucs)
         spread = (sum((a - mean) ** 2 for a in aucs) / max(len(aucs) - 1, 1)) ** 0.5
-        means.append({"dataset": name, "protocol": f"kfold{folds}", "system": system,
-                      "kfold_mean": True, "auc": mean, "auc_std": spread, "runs": len(aucs)})
+        means.append({**common, "system": system, "mean": True, "auc": mean,
+                      "auc_std": spread, "runs": len(aucs)})
     return means
+
+
+def _criteo_lines(name: str, protocol: str) -> list[str]:
+    kind, src = SOURCES[name]
+    if kind != "criteo":
+        raise SystemExit(f"--{protocol} is for the Criteo sample (its rows are in log order); "
+                         f"{name} keeps its own split")
+    if not src.exists():
+        raise SystemExit(f"{src} not found: pass --criteo")
+    return src.read_text().splitlines(keepends=True)
+
+
+def run_kfold(name: str, work: Path, nproc: int, seeds: list[int], folds: int,
+              extra: Extra = NO_EXTRA) -> list[dict]:
+    lines = _criteo_lines(name, "kfold")
+    results: list[dict] = []
+    for k in range(folds):
+        rest, held_out = fold_rows(lines, folds, k)
+        results += _held_out_runs(name, work / f"{name}_fold{k}", nproc, seeds, rest, held_out,
+                                  {"dataset": name, "protocol": f"kfold{folds}", "fold": k}, extra)
+    return [{**m, "kfold_mean": True} for m in _means(
+        results, {"dataset": name, "protocol": f"kfold{folds}"})]
+
+
+def forward_rows(lines: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(the earlier rows training may read, the later ``fraction`` of the log held out): the
+    log's order is time's, so the held-out rows all come after every training row."""
+    cut = len(lines) - round(len(lines) * fraction)
+    if not 0 < cut < len(lines):
+        raise SystemExit(f"--forward {fraction}: holds out {len(lines) - cut} of {len(lines)} "
+                         "rows; give a fraction in (0, 1)")
+    return lines[:cut], lines[cut:]
+
+
+def run_forward(name: str, work: Path, nproc: int, seeds: list[int], fraction: float,
+                extra: Extra = NO_EXTRA) -> list[dict]:
+    """Quality forward in time: train on the earlier rows of the log, score on the later ones
+    (what a deployed model meets), DLRM and logistic regression on the same rows."""
+    rest, held_out = forward_rows(_criteo_lines(name, "forward"), fraction)
+    common = {"dataset": name, "protocol": f"forward{fraction:g}"}
+    results = _held_out_runs(name, work / f"{name}_forward", nproc, seeds, rest, held_out,
+                             common, extra)
+    return _means(results, common)
 
 
 def main() -> None:
@@ -395,6 +449,13 @@ def main() -> None:
                              "generated datasets: with --fp32-twin)")
     parser.add_argument("--kfold", type=int, default=0,
                         help="K > 1: the held-out K-fold protocol (Criteo; see the docs above)")
+    parser.add_argument("--forward", type=float, default=0.0,
+                        help="F in (0, 1): train on the log's earlier rows, score on its last "
+                             "fraction F (Criteo; quality forward in time)")
+    parser.add_argument("--preprocess-flags", default="",
+                        help="--kfold/--forward: flags added to preprocess (one string)")
+    parser.add_argument("--train-flags", default="",
+                        help="--kfold/--forward: flags added to train (one string)")
     parser.add_argument("--criteo", type=Path, default=None, help="a Criteo Kaggle TSV")
     parser.add_argument("--movielens", type=Path, default=None, help="an ml-100k folder")
     parser.add_argument("--rows", type=int, default=None,
@@ -404,6 +465,7 @@ def main() -> None:
                         help="generated datasets: also train each seed with --no-amp (the "
                              "small datasets always do)")
     args = parser.parse_args()
+    extra = Extra(tuple(args.preprocess_flags.split()), tuple(args.train_flags.split()))
     if args.criteo:
         SOURCES["criteo_kaggle_10k"] = ("criteo", args.criteo)
     if args.movielens:
@@ -416,8 +478,10 @@ def main() -> None:
                                      f"generated test split")
                 lines = run_generated(name, Path(tmp), args.nproc, args.seeds, args.rows,
                                       args.fp32_twin)
+            elif args.forward:
+                lines = run_forward(name, Path(tmp), args.nproc, args.seeds, args.forward, extra)
             elif args.kfold > 1:
-                lines = run_kfold(name, Path(tmp), args.nproc, args.seeds, args.kfold)
+                lines = run_kfold(name, Path(tmp), args.nproc, args.seeds, args.kfold, extra)
             else:
                 lines = run(name, Path(tmp), args.nproc, args.seeds)
             for line in lines:

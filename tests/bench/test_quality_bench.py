@@ -116,6 +116,14 @@ def test_kfold_rows_partition_the_file_and_never_leak() -> None:
     assert sorted(held) == sorted(lines)  # every row held out exactly once
 
 
+def test_forward_rows_hold_out_the_later_rows() -> None:
+    lines = [f"row{i}\n" for i in range(10)]
+    rest, later = quality.forward_rows(lines, 0.4)
+    assert rest == lines[:6] and later == lines[6:]  # every held-out row after every train row
+    with pytest.raises(SystemExit, match="fraction in"):
+        quality.forward_rows(lines, 1.0)
+
+
 def test_logistic_regression_scores_the_held_out_dataset(tmp_path: Path) -> None:
     generate(tmp_path, rows=3000, num_dense=3, cardinalities=[50, 20, 200],
              pooling_factors=[1.0, 1.0, 2.0], zipf_alpha=1.05, seed=4)
