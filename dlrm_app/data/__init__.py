@@ -1,5 +1,6 @@
 """Datasets: the dataset.json contract and the preprocessors that write it."""
 
+from dlrm_app.data.days import Day, DayPiece, day_table, read_days
 from dlrm_app.data.schema import (
     FORMAT_VERSION,
     DatasetKind,
@@ -14,10 +15,14 @@ from dlrm_app.data.synthetic import generate
 __all__ = [
     "FORMAT_VERSION",
     "DatasetKind",
+    "Day",
+    "DayPiece",
     "DatasetSpec",
     "ShardFile",
     "SparseFeature",
     "SplitSpec",
+    "day_table",
     "generate",
+    "read_days",
     "verify",
 ]

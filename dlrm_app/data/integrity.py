@@ -34,21 +34,26 @@ class DatasetIntegrityError(ValueError):
     """A shard that is missing, unreadable, or not the file dataset.json describes."""
 
 
+def _what(split: str) -> str:
+    """A split, or the days a loader reads (``day 3``, ``days [3, 4]``)."""
+    return split if split.startswith("day") else f"split '{split}'"
+
+
 def read_footer(path: Path, shard: ShardFile, split: str) -> pq.FileMetaData:
     """The shard's Parquet metadata, after checking it exists and holds ``shard.rows`` rows."""
     if not path.is_file():
         raise DatasetIntegrityError(
-            f"{path}: shard of split '{split}' listed in {path.parent / DATASET_JSON} is "
+            f"{path}: shard of {_what(split)} listed in {path.parent / DATASET_JSON} is "
             f"missing; {_FIX}")
     try:
         meta = pq.ParquetFile(path).metadata
     except (pa.ArrowException, OSError) as exc:
         raise DatasetIntegrityError(
-            f"{path}: shard of split '{split}' is not a readable Parquet file "
+            f"{path}: shard of {_what(split)} is not a readable Parquet file "
             f"({str(exc)[:120]}); {_FIX}") from None
     if meta.num_rows != shard.rows:
         raise DatasetIntegrityError(
-            f"{path}: shard of split '{split}' has {meta.num_rows} rows but {DATASET_JSON} "
+            f"{path}: shard of {_what(split)} has {meta.num_rows} rows but {DATASET_JSON} "
             f"records {shard.rows}: it is not the file the dataset was written with; {_FIX}")
     return meta
 
@@ -81,7 +86,7 @@ def verify_checksums(
         hashed += 1
         if actual != shard.sha256:
             raise DatasetIntegrityError(
-                f"{path}: shard of split '{split}' does not match its checksum in "
+                f"{path}: shard of {_what(split)} does not match its checksum in "
                 f"{DATASET_JSON} (the bytes changed after preprocessing); {_FIX}")
         _write_stamp(dataset_dir, shard.file, version)
     return hashed

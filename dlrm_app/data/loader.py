@@ -55,6 +55,11 @@ Same ``(seed, epoch)``: same order; ``shuffle=False``: file order.
 Resuming (``load_state_dict``) skips, unread, every row group before the resume point (with
 shuffling: before the window that holds it, which is read whole to redraw its order).
 
+Days: ``ParquetLoader(dir, days=range(3, 5), ...)`` reads the rows of days 3 and 4 of a
+dataset that records its days (:mod:`dlrm_app.data.days`) instead of a split: their pieces of
+shards, in day order, form the stream above (a row group cut by a day's edge counts only its
+rows of the day), dealt and shuffled the same way.
+
 Example::
 
     loader = ParquetLoader("data/synth", "train", batch_size=4096, rank=rank,
@@ -74,7 +79,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +88,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from dlrm_app.data.days import read_days, select_days, shard_files
 from dlrm_app.data.integrity import read_footer, verify_checksums
 from dlrm_app.data.schema import DENSE_COLUMN, SPLIT_NAMES, DatasetSpec
 from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
@@ -128,8 +134,11 @@ class _RowGroup:
     index: int
     """Row group index inside that shard."""
     rows: int
+    """Rows of the row group this loader reads (all of it, unless it is cut by a day)."""
     first_row: int = 0
     """The row group's first row in its shard (for messages naming a row)."""
+    skip: int = 0
+    """Rows of the row group before the ones read (a day that starts inside it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +279,7 @@ class ParquetLoader:
     def __init__(
         self,
         dataset_dir: str | os.PathLike[str],
-        split: str,
+        split: str | None = None,
         *,
         batch_size: int,
         rank: int = 0,
@@ -282,8 +291,12 @@ class ParquetLoader:
         prefetch: int = 2,
         epoch: int = 0,
         shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        days: int | range | Sequence[int] | None = None,
     ) -> None:
-        if split not in SPLIT_NAMES:
+        if days is not None and split is not None:
+            raise ValueError(f"pass a split or days, not both (got split={split!r}, "
+                             f"days={days!r})")
+        if days is None and split not in SPLIT_NAMES:
             raise ValueError(f"unknown split {split!r}; choose one of {SPLIT_NAMES}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -301,6 +314,8 @@ class ParquetLoader:
         self.dataset_dir = Path(dataset_dir)
         self.spec = DatasetSpec.load(self.dataset_dir)
         self.split = split
+        self.days: tuple[int, ...] | None = None
+        """The day indices read (``days=``), None when reading a split."""
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -317,14 +332,28 @@ class ParquetLoader:
         self._rows = {f.name: f.num_embeddings for f in self.spec.sparse_features}
         self._columns = [self.spec.label, DENSE_COLUMN, *self.keys]
         self._n_dense = len(self.spec.dense_features)
-        self._paths = [self.dataset_dir / s.file for s in self.spec.split(split).shards]
+        if days is None:
+            shards = self.spec.split(split).shards  # type: ignore[arg-type]
+            self._sources = [(s, 0, s.rows) for s in shards]
+            self._what = str(split)
+        else:
+            all_days = read_days(self.spec)
+            chosen = select_days(all_days, days)
+            self.days = tuple(d.index for d in chosen)
+            files = shard_files(self.spec, all_days)
+            self._sources = [(files[p.file], p.first_row, p.rows)
+                             for d in chosen for p in d.pieces]
+            self._what = f"days {list(self.days)}" if len(chosen) > 1 else \
+                f"day {self.days[0]}"
+            shards = tuple({s.file: s for s, _, _ in self._sources}.values())
+        self._paths = [self.dataset_dir / s.file for s, _, _ in self._sources]
         self._row_groups = self._scan_metadata()
-        verify_checksums(self.dataset_dir, self.spec.split(split).shards, split, rank,
-                         world_size)
+        verify_checksums(self.dataset_dir, shards, self._what, rank, world_size)
         total = sum(g.rows for g in self._row_groups)
         if total < world_size:
             raise ValueError(
-                f"split '{split}' of {self.dataset_dir} has {total} rows, fewer than "
+                f"{'split ' if days is None else ''}'{self._what}' of {self.dataset_dir} has "
+                f"{total} rows, fewer than "
                 f"world_size={world_size}: every rank needs at least one row. Use at most "
                 f"{max(total, 1)} ranks or a dataset with more rows in this split")
         # rank r's rows of the epoch's stream: [bounds[r], bounds[r + 1])
@@ -343,10 +372,12 @@ class ParquetLoader:
     # -- metadata and assignment ----------------------------------------------------------
 
     def _scan_metadata(self) -> list[_RowGroup]:
+        """The row groups of the sources (a day's rows may cut a row group: only the rows
+        inside the source's range count)."""
         groups = []
-        shards = self.spec.split(self.split).shards
-        for shard, path in enumerate(self._paths):
-            meta = read_footer(path, shards[shard], self.split)
+        for source, (path, (shard, lo, n)) in enumerate(zip(self._paths, self._sources,
+                                                            strict=True)):
+            meta = read_footer(path, shard, self._what)
             names = set(meta.schema.to_arrow_schema().names)  # parquet names are leaves
             missing = [c for c in self._columns if c not in names]
             if missing:
@@ -355,7 +386,9 @@ class ParquetLoader:
             first = 0
             for i in range(meta.num_row_groups):
                 rows = meta.row_group(i).num_rows
-                groups.append(_RowGroup(shard, i, rows, first))
+                a, b = max(lo, first), min(lo + n, first + rows)
+                if a < b:
+                    groups.append(_RowGroup(source, i, b - a, first, a - first))
                 first += rows
         return groups
 
@@ -486,7 +519,7 @@ class ParquetLoader:
                                  f"{g.first_row:,}-{g.first_row + g.rows - 1:,}): "
                                  f"{' '.join(str(e).split())}; the file "
                                  f"is damaged: run the preprocessing again") from None
-            yield self._decode(table, path, g.first_row), slice(lo, hi)
+            yield self._decode(table, path, g.first_row), slice(g.skip + lo, g.skip + hi)
 
     def _pieces(self, epoch: int, skip: int) -> Iterator[_Piece]:
         """This rank's rows of ``epoch`` in yield order, after its first ``skip`` rows."""

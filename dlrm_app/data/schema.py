@@ -373,15 +373,19 @@ def verify(directory: str | os.PathLike[str]) -> DatasetSpec:
     first missing or modified shard otherwise.
     """
     spec = DatasetSpec.load(directory)
-    for split in spec.splits:
-        for shard in split.shards:
+    owned = [(split.name, split.shards) for split in spec.splits]
+    for day in spec.parameters.get("days") or ():  # days added later own their shards
+        owned.append((f"day {day['index']}", tuple(ShardFile(**s) for s in day.get("shards", ()))))
+    for name, shards in owned:
+        what = name if name.startswith("day ") else f"split '{name}'"
+        for shard in shards:
             path = Path(directory) / shard.file
             if not path.is_file():
-                raise ValueError(f"{path}: shard of split '{split.name}' listed in "
+                raise ValueError(f"{path}: shard of {what} listed in "
                                  f"{DATASET_JSON} is missing; regenerate the dataset")
             actual = sha256_file(path)
             if actual != shard.sha256:
-                raise ValueError(f"{path}: checksum mismatch for shard of split "
-                                 f"'{split.name}' (expected {shard.sha256}, got {actual}); "
+                raise ValueError(f"{path}: checksum mismatch for shard of {what} "
+                                 f"(expected {shard.sha256}, got {actual}); "
                                  f"the file was modified or truncated, regenerate it")
     return spec

@@ -45,10 +45,11 @@ from dlrm_app.data.criteo.parse import Rows
 from dlrm_app.data.criteo.spill import SpillPlan
 from dlrm_app.data.criteo.vocabulary import (
     DEFAULT_VOCABULARY_MEMORY_BYTES,
+    GROWN_VOCABULARY,
     RARE_ID,
     VOCABULARY_FILE,
     build_vocabulary,
-    load_vocabulary,
+    load_vocabulary_rows,
 )
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.schema import DatasetSpec, sha256_file
@@ -63,8 +64,12 @@ RAW_ID_SPACE = 1 << 32
 class Encoder:
     """Raw rows -> the Parquet table of the dataset.json contract."""
 
-    def __init__(self, num_embeddings: list[int], vocab: list[np.ndarray] | None) -> None:
+    def __init__(self, num_embeddings: list[int], vocab: list[np.ndarray] | None,
+                 rows: list[np.ndarray] | None = None) -> None:
         self.num_embeddings, self.vocab = num_embeddings, vocab
+        # a vocabulary grown by added days: vocab[k][i] has row rows[k][i], not i + 1
+        self.table = None if rows is None else \
+            [np.concatenate([[RARE_ID], r]).astype(np.int64) for r in rows]
         self.index = None if vocab is None or not fastparse.lookup_available() else \
             [VocabularyIndex(v) for v in vocab]
 
@@ -81,6 +86,8 @@ class Encoder:
                 ids = self.index[k].rows(raw)
             else:
                 ids = vocabulary_rows(self.vocab[k], raw)
+            if self.vocab is not None and self.table is not None:
+                ids = self.table[k][ids]
             cols.append(pa.ListArray.from_arrays(offsets, pa.array(ids)))
         dense_col = pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), NUM_DENSE)
         return pa.Table.from_arrays([pa.array(rows.label[sl]), dense_col, *cols],
@@ -160,37 +167,61 @@ class EncodeSpec:
     vocabulary_edges: tuple[int, ...] = ()
     vocabulary_digest: str | None = None
     """A hash of the mapped ids: which vocabulary this is (for the run's fingerprint)."""
+    vocabulary_rows: str | None = None
+    """A vocabulary grown by added days: the ``.npy`` file of every kept id's row (same
+    edges); None: id ``i`` of a feature is row ``i + 1``."""
 
     @classmethod
     def of(cls, encoding: dict, out: Path, staging: Path,
-           vocab: list[np.ndarray] | None = None) -> EncodeSpec:
-        """The spec of an ``encoding`` record whose vocabulary (if any) is ``vocab`` or in
+           vocab: list[np.ndarray] | None = None,
+           rows: list[np.ndarray] | None = None) -> EncodeSpec:
+        """The spec of an ``encoding`` record whose vocabulary (if any) is ``vocab`` (with
+        ``rows``, a grown one: see :func:`~dlrm_app.data.criteo.vocabulary.grow`) or in
         ``out``; a vocabulary is written to ``staging`` for the encoding processes."""
         sizes = tuple(encoding["num_embeddings"])
         if encoding["mode"] != "vocabulary":
             return cls(sizes)
         if vocab is None:
-            vocab = load_vocabulary(out)
+            grown = encoding.get(GROWN_VOCABULARY)
+            vocab, rows = load_vocabulary_rows(out, None if grown is None else grown["file"])
         staging.mkdir(exist_ok=True)
         ids = np.concatenate(vocab).astype(np.int64, copy=False)
         edges = tuple(np.cumsum([0, *map(len, vocab)]).tolist())
         digest = hashlib.sha256(ids.data)
         digest.update(np.asarray(edges, np.int64).data)
-        tmp = staging / f".{SHARED_VOCABULARY}.tmp"
-        with open(tmp, "wb") as f:
-            np.save(f, ids)
-        os.replace(tmp, staging / SHARED_VOCABULARY)
-        return cls(sizes, str(staging / SHARED_VOCABULARY), edges, digest.hexdigest())
+        _save_npy(staging / SHARED_VOCABULARY, ids)
+        rows_file = None
+        if rows is not None:
+            flat = np.concatenate(rows).astype(np.int64, copy=False)
+            digest.update(flat.data)
+            rows_file = str(staging / SHARED_ROWS)
+            _save_npy(staging / SHARED_ROWS, flat)
+        return cls(sizes, str(staging / SHARED_VOCABULARY), edges, digest.hexdigest(),
+                   rows_file)
+
+
+SHARED_ROWS = "vocabulary-rows.npy"
+"""In ``.staging``, for a grown vocabulary: the row of every id of ``SHARED_VOCABULARY``."""
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
 
 
 @functools.lru_cache(maxsize=1)
 def encoder(spec: EncodeSpec) -> Encoder:
-    vocab = None
+    vocab = rows = None
     if spec.vocabulary is not None:
         ids = np.load(spec.vocabulary, mmap_mode="r")
         edges = spec.vocabulary_edges
         vocab = [ids[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
-    return Encoder(list(spec.num_embeddings), vocab)
+        if spec.vocabulary_rows is not None:
+            flat = np.load(spec.vocabulary_rows)
+            rows = [flat[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    return Encoder(list(spec.num_embeddings), vocab, rows)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -306,6 +337,14 @@ def choose_encoding(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
                                  f"re-run the preprocessing of {like}")
             shutil.copyfile(src, out / f".{VOCABULARY_FILE}.tmp")
             os.replace(out / f".{VOCABULARY_FILE}.tmp", out / VOCABULARY_FILE)
+            grown = encoding.get(GROWN_VOCABULARY)
+            if grown is not None:  # days were added to it: their rows too
+                src = Path(like) / grown["file"]
+                if sha256_file(src) != grown["sha256"]:
+                    raise ValueError(f"{src}: checksum differs from {like}/dataset.json; "
+                                     f"re-run the preprocessing of {like}")
+                shutil.copyfile(src, out / f".{grown['file']}.tmp")
+                os.replace(out / f".{grown['file']}.tmp", out / grown["file"])
         encoding["like"] = str(like)
         return encoding, None, None
     if request.mode == "zch":

@@ -66,6 +66,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from dlrm_app.data.criteo.encoding import EncodeSpec, EncodingRequest, choose_encoding, encoder
 from dlrm_app.data.criteo.finalize import finalize
 from dlrm_app.data.criteo.format import (
@@ -83,6 +85,7 @@ from dlrm_app.data.criteo.spill import SpillPlan, remove_spills, should_spill
 from dlrm_app.data.criteo.staging import STAGING_DIR, stage
 from dlrm_app.data.criteo.vocabulary import DEFAULT_VOCABULARY_MEMORY_BYTES, save_vocabulary
 from dlrm_app.data.criteo.workers import Runner, runner, task_threads
+from dlrm_app.data.days import DAYS, locate_days
 from dlrm_app.data.schema import (
     DatasetKind,
     DatasetSpec,
@@ -114,6 +117,9 @@ class _Job:
     block_bytes: int
     workers: int
     max_bad_row_fraction: float = 0.5
+    fixed: tuple[dict, list | None, list | None] | None = None
+    """An added day's encoding: the record, and a vocabulary's ids and rows (no counting
+    pass; see :mod:`~dlrm_app.data.criteo.add_day`)."""
 
 
 def _main_pass(run: Runner, job: _Job, spec: EncodeSpec, counts: list[int | None],
@@ -158,26 +164,32 @@ def _preprocess(run: Runner, job: _Job) -> tuple[tuple[SplitSpec, ...], dict, li
         which = [False] * (len(paths) - 1) + plain[-1:]
     else:
         which = [all(plain) or job.request.mode == "vocabulary"] * len(paths)
-    if job.request.mode == "vocabulary" and all(plain):
+    if job.request.mode == "vocabulary" and all(plain) and job.fixed is None:
         which = [True] * len(paths)  # the workers read their own train lines to count ids
     counts, indexes = line_counts(run, paths, which, job.block_bytes)
     # parse once: the vocabulary's counting pass keeps the train rows it parsed for the main
     # pass (where the workers read line ranges, and the disk has room; see spill.py)
     spill_to = None
-    if direct and job.request.mode == "vocabulary":
+    if direct and job.request.mode == "vocabulary" and job.fixed is None:
         spill_to = out / STAGING_DIR
         spill_to.mkdir(exist_ok=True)
         remove_spills(spill_to)  # of a killed run
         train = sum(min(t, n) for t, n in zip(rule.train_lines(counts), counts, strict=True))
         if not should_spill(spill_to, int(train)):
             spill_to = None
-    encoding, vocab, spill = choose_encoding(run, paths, out, rule, counts, indexes,
-                                             job.request, job.block_bytes, job.on_bad_row,
-                                             spill_to)
+    rows = None
+    if job.fixed is not None:
+        encoding, vocab, rows = dict(job.fixed[0]), job.fixed[1], job.fixed[2]
+        spill = None
+    else:
+        encoding, vocab, spill = choose_encoding(run, paths, out, rule, counts, indexes,
+                                                 job.request, job.block_bytes, job.on_bad_row,
+                                                 spill_to)
     # vocabulary.parquet is written by a thread (GIL released) while the rows are encoded
     with concurrent.futures.ThreadPoolExecutor(1) as saver:
-        saved = None if vocab is None else saver.submit(save_vocabulary, out, vocab)
-        spec = EncodeSpec.of(encoding, out, out / STAGING_DIR, vocab)
+        saved = None if vocab is None or job.fixed is not None else \
+            saver.submit(save_vocabulary, out, vocab)
+        spec = EncodeSpec.of(encoding, out, out / STAGING_DIR, vocab, rows)
         del vocab  # the encoders map it from the staging copy
         # block_bytes and workers are left out: they do not change a byte of the output (a
         # new vocabulary's checksum is not known yet: the digest of its ids stands in)
@@ -220,6 +232,63 @@ def _first_skipped(paths: list[Path], input_lines: list[int], skipped: Sequence[
     return str(paths[-1])
 
 
+def run_job(job: _Job, threads: int | None, created: bool
+            ) -> tuple[tuple[SplitSpec, ...], dict, list[int], list]:
+    """Run a checked job into ``job.out``: the splits, the encoding record, the input line
+    counts and the skipped lines (global, 0-based). Bad input (ValueError) removes the
+    staging, and ``job.out`` if this call ``created`` it."""
+    out = job.out
+    try:
+        try:
+            with runner(job.workers, task_threads(job.paths, job.workers) if threads is None
+                        else threads) as run:  # its threads have ended when it exits
+                return _preprocess(run, job)
+        finally:
+            encoder.cache_clear()  # this process's vocabulary, if it encoded rows itself
+    except ValueError:
+        # bad input: nothing worth resuming; leave no half-made output behind (an interrupted
+        # run keeps its staging, which a rerun with the same arguments picks up)
+        shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:  # after the workers stopped: spilled lines of shards not written (after an
+        # error), and the rows the counting pass parsed
+        for spilled in (out / STAGING_DIR).glob("*.tsv"):
+            spilled.unlink()
+        if (out / STAGING_DIR).is_dir():
+            remove_spills(out / STAGING_DIR)
+
+
+def day_name(path: Path) -> str:
+    """A day's name: its input file's name without ``.gz`` (``day_3.gz`` -> ``day_3``)."""
+    return path.name[:-3] if path.name.endswith(".gz") else path.name
+
+
+def _days(paths: list[Path], fmt: str, days: int | None, input_lines: list[int],
+          skipped: Sequence[int], splits: tuple[SplitSpec, ...], sizes: list[int]) -> list[dict]:
+    """The ``days`` record: terabyte, one day per input; kaggle, ``days`` runs of consecutive
+    lines (``L * d // days`` from the first line of all inputs; one by default)."""
+    if fmt == "terabyte":
+        line_edges = np.cumsum([0, *input_lines]).tolist()
+        names = [day_name(p) for p in paths]
+        inputs = [[str(p)] for p in paths]
+    else:
+        n, total = days or 1, sum(input_lines)
+        line_edges = [total * d // n for d in range(n + 1)]
+        names = [f"day_{d}" for d in range(n)]
+        inputs = [[str(p) for p in paths]] * n
+    bad = np.sort(np.asarray(skipped, np.int64))
+    dropped = [int(np.searchsorted(bad, x)) for x in line_edges]
+    row_edges = [x - b for x, b in zip(line_edges, dropped, strict=True)]
+    pieces = locate_days(splits, row_edges)
+    return [{"index": d, "name": names[d], "rows": row_edges[d + 1] - row_edges[d],
+             "pieces": pieces[d], "inputs": inputs[d],
+             "lines": line_edges[d + 1] - line_edges[d],
+             "skipped_rows": dropped[d + 1] - dropped[d], "num_embeddings": list(sizes)}
+            for d in range(len(names))]
+
+
 def preprocess_criteo(
     inputs: Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
@@ -239,6 +308,8 @@ def preprocess_criteo(
     id_mapping: Literal["vocabulary", "hash", "zch"] | None = None,
     max_bad_row_fraction: float = 0.5,
     threads: int | None = None,
+    days: int | None = None,
+    add_day: bool = False,
 ) -> DatasetSpec:
     """Preprocess Criteo TSV files into ``out_dir`` (shards + dataset.json); see the module doc.
 
@@ -268,10 +339,38 @@ def preprocess_criteo(
     usable, one for gzip input). The output is byte-identical for every ``workers`` and
     ``threads``. As with any multiprocessing, a script that passes
     ``workers > 1`` needs the ``if __name__ == "__main__":`` guard.
+
+    Days (:mod:`dlrm_app.data.days`): ``parameters["days"]`` records each day's rows. Terabyte:
+    each input is a day; kaggle: the inputs' lines are one day, or with ``days=N`` N days of
+    consecutive lines (day ``d``: lines ``[L*d//N, L*(d+1)//N)`` of the ``L``). ``add_day``:
+    each input is appended to the existing dataset in ``out_dir`` as a new day
+    (:func:`~dlrm_app.data.criteo.add_day.add_criteo_days`; the encoding arguments must be
+    left out: the dataset's encoding is used).
     """
     paths = [Path(p) for p in inputs]
     if not paths:
         raise ValueError("no input files; pass at least one Criteo TSV (plain or .gz)")
+    if add_day:
+        given = [flag for flag, value in (
+            ("--num-embeddings-per-feature", num_embeddings_per_feature),
+            ("--frequency-threshold", frequency_threshold),
+            ("--max-embeddings-per-feature", max_embeddings_per_feature),
+            ("--like", like), ("--one-split", one_split), ("--id-mapping", id_mapping),
+            ("--days", days)) if value is not None]
+        if given:
+            raise ValueError(f"--add-day appends each input as one day encoded as the dataset "
+                             f"in {out_dir} is (its encoding and budget); drop "
+                             f"{', '.join(given)}")
+        from dlrm_app.data.criteo.add_day import add_criteo_days
+        return add_criteo_days(paths, out_dir, on_bad_row=on_bad_row, block_bytes=block_bytes,
+                               workers=workers, threads=threads,
+                               max_bad_row_fraction=max_bad_row_fraction,
+                               vocabulary_memory_bytes=vocabulary_memory_bytes)
+    if days is not None and (isinstance(days, bool) or not isinstance(days, int) or days < 1):
+        raise ValueError(f"days (--days) must be a positive int, got {days!r}")
+    if days is not None and fmt != "kaggle":
+        raise ValueError("--days cuts a kaggle input into days; terabyte inputs are one day "
+                         "each: drop --days")
     rule = SplitRule(fmt, one_split)
     if one_split is not None and like is None:
         raise ValueError(f"one_split={one_split!r} encodes a held-out file for a model trained "
@@ -305,26 +404,7 @@ def preprocess_criteo(
     job = _Job(paths=paths, out=out, rule=rule, request=request, rows_per_shard=rows_per_shard,
                row_group_size=row_group_size, on_bad_row=on_bad_row, block_bytes=block_bytes,
                workers=workers, max_bad_row_fraction=max_bad_row_fraction)
-    try:
-        try:
-            with runner(workers, task_threads(paths, workers) if threads is None
-                        else threads) as run:  # its threads have ended when it exits
-                splits, encoding, input_lines, skipped = _preprocess(run, job)
-        finally:
-            encoder.cache_clear()  # this process's vocabulary, if it encoded rows itself
-    except ValueError:
-        # bad input: nothing worth resuming; leave no half-made output behind (an interrupted
-        # run keeps its staging, which a rerun with the same arguments picks up)
-        shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    finally:  # after the workers stopped: spilled lines of shards not written (after an
-        # error), and the rows the counting pass parsed
-        for spilled in (out / STAGING_DIR).glob("*.tsv"):
-            spilled.unlink()
-        if (out / STAGING_DIR).is_dir():
-            remove_spills(out / STAGING_DIR)
+    splits, encoding, input_lines, skipped = run_job(job, threads, created)
     raw = encoding["mode"] == "zch"
     features = tuple(SparseFeature(name=n, num_embeddings=e, multi_hot=False, raw_ids=raw)
                      for n, e in zip(SPARSE_NAMES, encoding["num_embeddings"], strict=True))
@@ -351,6 +431,8 @@ def preprocess_criteo(
             "row_group_size": row_group_size,
             "on_bad_row": on_bad_row,
             "skipped_rows": len(skipped),
+            DAYS: _days(paths, fmt, days, input_lines, skipped, splits,
+                        list(encoding["num_embeddings"])),
         },
         created_by=f"dlrm_app {importlib.metadata.version('recsys-dlrm')}",
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,7 @@ from dlrm_app.data.criteo.parse import no_valid_rows_error, parse_block, read_bl
 from dlrm_app.data.criteo.spill import SpillPlan, SpillWriter, spill_file
 from dlrm_app.data.criteo.workers import Runner
 from dlrm_app.data.schema import sha256_file
+from dlrm_app.inputs import DATASET_JSON
 
 VOCABULARY_FILE = "vocabulary.parquet"
 RARE_ID = 0
@@ -242,15 +244,12 @@ def _line_tasks(paths: list[Path], counts: list[int | None], indexes: list[LineI
             yield path, line, lines, index, block_bytes, on_bad_row, spill
 
 
-def build_vocabulary(run: Runner, paths: list[Path], rule: SplitRule,
-                     counts: list[int | None], indexes: list[LineIndex | None], threshold: int,
-                     max_embeddings: Sequence[int], block_bytes: int, on_bad_row: str,
-                     memory_bytes: int, spill_to: Path | None = None) -> Vocabulary:
-    """The vocabulary of the train split; only the train lines are read (kaggle: ``counts``
-    has every input's line count). Inputs that all have a line index (plain ones) are read by
-    the workers, each its own line ranges, and with ``spill_to`` (a folder) keep the rows they
-    parsed there for the main pass (the vocabulary's ``spill``); otherwise (gzip) this process
-    reads the blocks and hands them out."""
+def count_train_ids(run: Runner, paths: list[Path], rule: SplitRule,
+                    counts: list[int | None], indexes: list[LineIndex | None], block_bytes: int,
+                    on_bad_row: str, memory_bytes: int, spill_to: Path | None = None
+                    ) -> tuple[list[np.ndarray], list[np.ndarray], int, SpillPlan | None]:
+    """Per feature, the sorted distinct raw ids of the train split and their counts, the train
+    rows counted, and where the parsed rows were kept (see :func:`build_vocabulary`)."""
     train_lines = rule.train_lines(counts)
     where = ", ".join(map(str, paths)) if len(paths) <= 3 else f"{paths[0]} ... {paths[-1]}"
     counter = IdCounts(memory_bytes, where)
@@ -284,14 +283,28 @@ def build_vocabulary(run: Runner, paths: list[Path], rule: SplitRule,
     if lines_read and not counter.rows:  # stop before a second pass over the wrong files
         raise no_valid_rows_error(paths, rule.fmt, lines_read)
     ids, id_counts = counter.finish(read)
+    spill = None if spill_to is None or not indexed else \
+        SpillPlan({p: tuple(r) for p, r in spilled.items()})
+    return ids, id_counts, counter.rows, spill
+
+
+def build_vocabulary(run: Runner, paths: list[Path], rule: SplitRule,
+                     counts: list[int | None], indexes: list[LineIndex | None], threshold: int,
+                     max_embeddings: Sequence[int], block_bytes: int, on_bad_row: str,
+                     memory_bytes: int, spill_to: Path | None = None) -> Vocabulary:
+    """The vocabulary of the train split; only the train lines are read (kaggle: ``counts``
+    has every input's line count). Inputs that all have a line index (plain ones) are read by
+    the workers, each its own line ranges, and with ``spill_to`` (a folder) keep the rows they
+    parsed there for the main pass (the vocabulary's ``spill``); otherwise (gzip) this process
+    reads the blocks and hands them out."""
+    ids, id_counts, n_rows, spill = count_train_ids(
+        run, paths, rule, counts, indexes, block_bytes, on_bad_row, memory_bytes, spill_to)
     kept, coverage = [], []
     for k in range(NUM_SPARSE):
         rows = select(ids[k], id_counts[k], threshold, max_embeddings[k])
         kept.append(ids[k][rows])
-        coverage.append(float(id_counts[k][rows].sum() / counter.rows) if counter.rows else 0.0)
+        coverage.append(float(id_counts[k][rows].sum() / n_rows) if n_rows else 0.0)
     qualified = [int((c >= threshold).sum()) for c in id_counts]
-    spill = None if spill_to is None or not indexed else \
-        SpillPlan({p: tuple(r) for p, r in spilled.items()})
     return Vocabulary(kept, [len(i) for i in ids], qualified, coverage, spill)
 
 
@@ -306,9 +319,109 @@ def save_vocabulary(out: Path, vocab: list[np.ndarray]) -> str:
 
 
 def load_vocabulary(directory: str | os.PathLike[str]) -> list[np.ndarray]:
-    """The per-feature sorted raw ids that have rows (id ``i`` of the list is row ``i + 1``)."""
-    table = pq.read_table(Path(directory) / VOCABULARY_FILE)
+    """The per-feature sorted raw ids that have rows (id ``i`` of the list is row ``i + 1``).
+
+    A vocabulary grown by added days (its ids' rows are not in raw-id order) raises
+    ValueError: read it with :func:`load_vocabulary_rows`."""
+    grown = _grown_record(Path(directory))
+    if grown is not None:
+        raise ValueError(
+            f"{directory}: its vocabulary grew when days were added (preprocess criteo "
+            f"--add-day; {grown['file']}): the ids' rows are not in raw-id order, so this "
+            f"reader (id i -> row i + 1) does not apply; read it with "
+            f"dlrm_app.data.criteo.vocabulary.load_vocabulary_rows")
+    return load_vocabulary_rows(directory)[0]
+
+
+GROWN_VOCABULARY = "grown_vocabulary"
+"""Key of the ``encoding`` record naming a vocabulary grown by added days: ``{"file", "sha256",
+"day"}`` (the file holds ``row`` beside ``feature`` and ``raw_id``)."""
+
+
+def grown_vocabulary_file(day: int) -> str:
+    return f"vocabulary-day-{day:05d}.parquet"
+
+
+def _grown_record(directory: Path) -> dict | None:
+    """The dataset's grown vocabulary record, if its dataset.json has one."""
+    try:
+        data = json.loads((directory / DATASET_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    encoding = data.get("parameters", {}).get("encoding", {}) if isinstance(data, dict) else {}
+    return encoding.get(GROWN_VOCABULARY) if isinstance(encoding, dict) else None
+
+
+def load_vocabulary_rows(directory: str | os.PathLike[str], file: str | None = None
+                         ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Per feature, the sorted raw ids that have rows and their rows (None: id ``i`` is row
+    ``i + 1``), from ``file`` (None: the grown vocabulary dataset.json names, else
+    ``vocabulary.parquet``)."""
+    if file is None:
+        grown = _grown_record(Path(directory))
+        file = VOCABULARY_FILE if grown is None else grown["file"]
+    table = pq.read_table(Path(directory) / file)
     feature = table["feature"].to_numpy()
     raw = table["raw_id"].to_numpy()
     edges = np.searchsorted(feature, np.arange(NUM_SPARSE + 1))  # rows are by feature
-    return [raw[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    ids = [raw[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    if "row" not in table.column_names:
+        return ids, None
+    row = table["row"].to_numpy()
+    return ids, [row[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def save_grown_vocabulary(out: Path, file: str, ids: list[np.ndarray],
+                          rows: list[np.ndarray]) -> str:
+    """Write a grown vocabulary (per feature sorted raw ids and their rows) atomically as
+    ``file``; returns its sha256."""
+    feature = np.concatenate([np.full(len(v), k, np.int32) for k, v in enumerate(ids)])
+    table = pa.table({"feature": feature, "raw_id": np.concatenate(ids).astype(np.int64),
+                      "row": np.concatenate(rows).astype(np.int64)})
+    tmp = out / f".{file}.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, out / file)
+    return sha256_file(out / file)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grown:
+    """A vocabulary after a day's new ids got rows."""
+
+    ids: list[np.ndarray]
+    """Per feature, every kept raw id, sorted."""
+    rows: list[np.ndarray]
+    """Their rows: the old ids keep theirs, the new ones follow the table's last row."""
+    num_embeddings: list[int]
+    """Table sizes after the day."""
+    added: list[int]
+    """New ids that got a row, per feature."""
+    refused: list[int]
+    """New ids (seen ``threshold`` times) left in the out-of-vocabulary row: past the budget."""
+
+
+def grow(vocab: list[np.ndarray], rows: list[np.ndarray] | None, num_embeddings: Sequence[int],
+         day_ids: list[np.ndarray], day_counts: list[np.ndarray], threshold: int,
+         budget: Sequence[int]) -> Grown:
+    """Rows for a new day's ids: per feature, the ids not in the vocabulary seen at least
+    ``threshold`` times in the day qualify; while the table has fewer than ``budget`` rows
+    they get the next rows (if more qualify than fit, the most frequent, ties the smaller raw
+    id), in raw-id order; every other id stays in ``RARE_ID``."""
+    ids_out, rows_out, sizes, added, refused = [], [], [], [], []
+    for k in range(NUM_SPARSE):
+        old = np.asarray(vocab[k], np.int64)
+        old_rows = np.arange(1, len(old) + 1, dtype=np.int64) if rows is None \
+            else np.asarray(rows[k], np.int64)
+        fresh = ~np.isin(day_ids[k], old)
+        cand, cand_counts = day_ids[k][fresh], day_counts[k][fresh]
+        room = max(0, int(budget[k]) - int(num_embeddings[k]))
+        pick = cand[select(cand, cand_counts, threshold, room + 1)].astype(np.int64)
+        new_rows = int(num_embeddings[k]) + np.arange(len(pick), dtype=np.int64)
+        merged = np.concatenate([old, pick])
+        order = np.argsort(merged, kind="stable")
+        ids_out.append(merged[order])
+        rows_out.append(np.concatenate([old_rows, new_rows])[order])
+        sizes.append(int(num_embeddings[k]) + len(pick))
+        added.append(len(pick))
+        refused.append(int((cand_counts >= threshold).sum()) - len(pick))
+    return Grown(ids_out, rows_out, sizes, added, refused)
