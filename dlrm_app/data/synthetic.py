@@ -24,6 +24,22 @@ terms), ``p = sigmoid(logit / temperature)`` and ``label ~ Bernoulli(p)``. The t
 each split, computed exactly from ``p`` and the labels, is recorded in ``parameters.teacher_auc``
 as the best AUC any model can expect.
 
+Days (``days > 1``): the rows are consecutive days, all but the last train and the last day's
+halves validation and test, and from day to day the data drifts by ``drift``:
+
+* new ids arrive: each popularity rank ``r`` of a feature has a fixed hash ``h(r)`` in
+  ``[0, 1)``; on day ``d`` the ranks with ``d * drift + h(r) >= 1`` (a share ``d * drift`` of
+  them, more every day, and in expectation that share of the draws) take the id of a rank at
+  the tail of the popularity law, which earlier days almost never drew; popularity moves with
+  them (the old id of a renewed rank is no longer drawn);
+* the teacher moves: day ``d``'s dense map and linear terms are day ``d - 1``'s plus a step of
+  norm ``drift`` times the first day's norm, in a random direction drawn from
+  ``(seed, 3, d)``; each day's weights and teacher AUC are recorded in ``parameters.days``.
+
+Chunk ``c`` of day ``d`` draws from ``(seed, 4, d, c)``: a seed per day, so the days are
+reproducible and independent of the file layout. With one day (the default) nothing drifts and
+the rows are those of the splits below.
+
 Determinism: chunk ``c`` of split ``s`` draws from its own generator seeded by
 ``(seed, s, c)``, and the teacher from ``seed`` alone. The rows therefore depend on the seed,
 the feature arguments and the split sizes, but not on ``row_group_size`` or ``rows_per_shard``
@@ -33,6 +49,7 @@ byte-identical shards and dataset.json.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
 import os
@@ -43,6 +60,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dlrm_app.data.days import DAYS, locate_days
 from dlrm_app.data.schema import (
     DENSE_COLUMN,
     SPLIT_NAMES,
@@ -65,6 +83,10 @@ MAX_CARDINALITY = 2**31
 """Ids are scattered with int64 products of two values below the cardinality."""
 GENERATION_CHUNK = 65_536
 """Rows generated at a time (per split); fixed, so the data does not depend on the file layout."""
+DEFAULT_SPLITS = (0.8, 0.1, 0.1)
+DEFAULT_DRIFT = 0.05
+"""With days: each day the teacher's weights move by this fraction of their norm, and each
+feature's popularity ranks by this fraction of its id range."""
 
 _MASK16 = np.uint64(0xFFFF)
 _UNIT = math.sqrt(12.0) / 65536.0  # 16-bit uniform -> unit variance
@@ -119,6 +141,46 @@ def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
     avg_rank = starts + (counts + 1) / 2.0
     rank_sum = float(avg_rank[inverse][labels].sum())
     return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Teacher:
+    """One day's teacher: the dense map, the linear terms, and how many renewals of the id
+    at each popularity rank the day has seen (``renewed``: see :func:`_renew`)."""
+
+    w_dense: np.ndarray
+    u: np.ndarray
+    v: np.ndarray
+    renewed: float
+
+    def moved(self, rng: np.random.Generator, step: float, renewed: float) -> _Teacher:
+        """The next day's: the weights moved by ``step`` (the norm of the move over all of
+        them) in a random direction, ``renewed`` as given."""
+        parts = (self.w_dense, self.u, self.v)
+        direction = rng.standard_normal(sum(a.size for a in parts))
+        direction *= step / np.linalg.norm(direction)
+        moved, at = [], 0
+        for a in parts:
+            moved.append(a + direction[at:at + a.size].reshape(a.shape))
+            at += a.size
+        return _Teacher(*moved, renewed)
+
+    def record(self) -> dict[str, list]:
+        return {"w_dense": self.w_dense.tolist(), "u": self.u.tolist(), "v": self.v.tolist()}
+
+
+def _renew(ranks: np.ndarray, cardinality: int, salt: int, renewed: float) -> np.ndarray:
+    """The ranks whose ids stand for ``ranks`` on a day ``renewed`` = day x drift: rank ``r``
+    is in generation ``g = floor(renewed + h(r))``, ``h(r)`` a fixed hash in ``[0, 1)``;
+    generation 0 keeps its own id, generation ``g >= 1`` takes the id of the rank
+    ``c - g - (r x g mod c)`` counted from the tail (the least popular, which the first day
+    almost never drew). So each day a share ``drift`` of the ranks (by count, and in
+    expectation by popularity) passes to a new id, and a renewed rank stays renewed."""
+    h = (_splitmix64(ranks.astype(np.uint64) ^ np.uint64(salt ^ 0x5DEECE66D))
+         >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    generation = np.floor(renewed + h).astype(np.int64)
+    tail = (cardinality - generation - (ranks * generation) % cardinality) % cardinality
+    return np.where(generation > 0, tail, ranks)
 
 
 def _split_rows(rows: int, splits: Sequence[float]) -> list[int]:
@@ -204,10 +266,12 @@ def generate(
     cardinalities: Sequence[int],
     pooling_factors: Sequence[float],
     zipf_alpha: float = 1.05,
-    splits: Sequence[float] = (0.8, 0.1, 0.1),
+    splits: Sequence[float] = DEFAULT_SPLITS,
     rows_per_shard: int = 1_000_000,
     row_group_size: int = 65_536,
     seed: int = 0,
+    days: int = 1,
+    drift: float = DEFAULT_DRIFT,
 ) -> DatasetSpec:
     """Write a synthetic dataset to ``out_dir`` and return its spec (also saved there).
 
@@ -215,6 +279,12 @@ def generate(
     ids per row (1.0 = one-hot, exactly one id; above 1, lengths are ``1 + Poisson(pf - 1)``).
     Each shard is written to a hidden temporary name and renamed when complete; dataset.json is
     written last, so a killed run never leaves a dataset that looks finished.
+
+    ``days > 1``: the rows are ``days`` days (see the module doc: Days), day ``d`` holds rows
+    ``[rows*d//days, rows*(d+1)//days)``; all but the last day are train, the last day's first
+    half validation and the rest test (``splits`` is for one day only). ``drift`` sets how far
+    popularity and the teacher move each day. ``parameters["days"]`` records every day
+    (:mod:`dlrm_app.data.days`).
     """
     cardinalities = [int(c) for c in cardinalities]
     pooling_factors = [float(p) for p in pooling_factors]
@@ -231,7 +301,25 @@ def generate(
         raise ValueError("num_dense, rows_per_shard, row_group_size and zipf_alpha must be "
                          f"positive, got {num_dense}, {rows_per_shard}, {row_group_size}, "
                          f"{zipf_alpha}")
-    split_rows = _split_rows(rows, splits)
+    if isinstance(days, bool) or not isinstance(days, int) or days < 1:
+        raise ValueError(f"days (--days) must be a positive int, got {days!r}")
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"drift (--drift) must be in [0, 1] (a day's move, relative to the "
+                         f"teacher's size and the id range), got {drift}")
+    if days == 1:
+        split_rows = _split_rows(rows, splits)
+    else:
+        if tuple(splits) != DEFAULT_SPLITS:
+            raise ValueError(f"with days={days} the splits follow the days (all but the last "
+                             f"train, the last day's halves validation and test): leave "
+                             f"splits at its default, got {tuple(splits)}")
+        day_edges = [rows * d // days for d in range(days + 1)]
+        last = day_edges[-1] - day_edges[-2]
+        if min(b - a for a, b in zip(day_edges[:-1], day_edges[1:], strict=True)) < 1 \
+                or last < 2:
+            raise ValueError(f"rows={rows} over days={days} leaves a day without rows (the "
+                             f"last needs 2: validation and test); pass more rows")
+        split_rows = [day_edges[-2], last // 2, last - last // 2]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -247,8 +335,9 @@ def generate(
         [(LABEL, pa.float32()), (DENSE_COLUMN, pa.list_(pa.float32(), num_dense))]
         + [(n, pa.list_(pa.int64())) for n in sparse_names])
 
-    def chunk(split: int, index: int, n: int) -> tuple[pa.Table, np.ndarray, np.ndarray]:
-        rng = np.random.default_rng([seed, 1, split, index])
+    def chunk(rng: np.random.Generator, n: int, teacher: _Teacher
+              ) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+        w_dense, u, v = teacher.w_dense, teacher.u, teacher.v
         dense = rng.standard_normal((n, num_dense), dtype=np.float32)
         z = np.zeros((n, TEACHER_DIM), dtype=np.float32)
         columns = []
@@ -261,6 +350,8 @@ def generate(
             offsets = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
             ranks = _zipf_ranks(rng, int(offsets[-1]), c, zipf_alpha)
+            if teacher.renewed:  # the ranks renewed by this day hold new ids
+                ranks = _renew(ranks, c, salt, teacher.renewed)
             ids = (ranks * mult + salt % c) % c
             emb = _teacher_embedding(ids, salt)
             if pf == 1.0:
@@ -278,21 +369,62 @@ def generate(
         table = pa.Table.from_arrays([pa.array(labels), dense_col, *columns], schema=schema)
         return table, p, labels
 
+    first = _Teacher(w_dense, u, v, 0.0)
+    writers = [_SplitWriter(out, name, schema, rows_per_shard, row_group_size)
+               for name in SPLIT_NAMES]
+    probs: list[list[np.ndarray]] = [[] for _ in SPLIT_NAMES]
+    labels_all: list[list[np.ndarray]] = [[] for _ in SPLIT_NAMES]
+
+    def add(split: int, table: pa.Table, p: np.ndarray, labels: np.ndarray) -> None:
+        writers[split].add(table)
+        probs[split].append(p)
+        labels_all[split].append(labels.astype(np.int8))
+
+    day_records = []
+    if days == 1:  # the splits' rows as ever: chunk c of split s from (seed, 1, s, c)
+        for split, n_split in enumerate(split_rows):
+            for index, start in enumerate(range(0, n_split, GENERATION_CHUNK)):
+                rng = np.random.default_rng([seed, 1, split, index])
+                add(split, *chunk(rng, min(GENERATION_CHUNK, n_split - start), first))
+        day_records.append({"index": 0, "name": "day_0", "rows": rows,
+                            "renewed": 0.0, "teacher": first.record()})
+    else:  # chunk c of day d from (seed, 4, d, c); the last day's halves are split
+        teacher = first
+        scale = float(np.sqrt(sum((a ** 2).sum() for a in (w_dense, u, v))))
+        for d, (a, b) in enumerate(zip(day_edges[:-1], day_edges[1:], strict=True)):
+            if d:
+                teacher = teacher.moved(np.random.default_rng([seed, 3, d]), drift * scale,
+                                        d * drift)
+            day_p, day_labels = [], []
+            for index, start in enumerate(range(a, b, GENERATION_CHUNK)):
+                rng = np.random.default_rng([seed, 4, d, index])
+                table, p, labels = chunk(rng, min(GENERATION_CHUNK, b - start), teacher)
+                day_p.append(p)
+                day_labels.append(labels)
+                cut = max(0, min(len(p), split_rows[0] + split_rows[1] - start))
+                if d < days - 1:
+                    add(0, table, p, labels)
+                    continue
+                for split, lo, hi in ((1, 0, cut), (2, cut, len(p))):
+                    if lo < hi:
+                        add(split, table.slice(lo, hi - lo), p[lo:hi], labels[lo:hi])
+            day_records.append({"index": d, "name": f"day_{d}", "rows": b - a,
+                                "renewed": round(d * drift, 12),
+                                "teacher": teacher.record(),
+                                "teacher_auc": binary_auc(np.concatenate(day_p),
+                                                          np.concatenate(day_labels))})
     split_specs = []
     teacher_auc: dict[str, float | None] = {}
     for split, (name, n_split) in enumerate(zip(SPLIT_NAMES, split_rows, strict=True)):
-        writer = _SplitWriter(out, name, schema, rows_per_shard, row_group_size)
-        probs, labels_all = [], []
-        for index, start in enumerate(range(0, n_split, GENERATION_CHUNK)):
-            table, p, labels = chunk(split, index, min(GENERATION_CHUNK, n_split - start))
-            writer.add(table)
-            probs.append(p)
-            labels_all.append(labels.astype(np.int8))
-        shards = writer.close()
-        all_labels = np.concatenate(labels_all)
-        teacher_auc[name] = binary_auc(np.concatenate(probs), all_labels)
+        shards = writers[split].close()
+        all_labels = np.concatenate(labels_all[split])
+        teacher_auc[name] = binary_auc(np.concatenate(probs[split]), all_labels)
         split_specs.append(SplitSpec(name=name, label_rate=int(all_labels.sum()) / n_split,
                                      shards=tuple(shards)))
+    day_rows = [r["rows"] for r in day_records]
+    for record, pieces in zip(day_records, locate_days(split_specs, np.cumsum(
+            [0, *day_rows]).tolist()), strict=True):
+        record["pieces"] = pieces
 
     spec = DatasetSpec(
         name="synthetic",
@@ -319,6 +451,8 @@ def generate(
                         "bias": TEACHER_BIAS},
             # best achievable AUC: the teacher's own, exact on each split
             "teacher_auc": teacher_auc,
+            "drift": drift,
+            DAYS: day_records,
         },
         created_by=f"dlrm_app {importlib.metadata.version('recsys-dlrm')}",
     )
