@@ -172,7 +172,7 @@ def test_leftovers_of_a_killed_append_are_replaced(tmp_path: Path) -> None:
     preprocess_criteo([d0, d1], out, fmt="terabyte", num_embeddings_per_feature=100)
     (out / "day-00002-00000.parquet").write_bytes(b"half a shard")
     (out / ".add-day-00002").mkdir()
-    spec = preprocess_criteo([d0], out, add_day=True)
+    spec = preprocess_criteo([write(tmp_path / "day_2", [{0: "30"}])], out, add_day=True)
     assert not (out / ".add-day-00002").exists()
     assert spec.parameters["days"][2]["shards"][0]["file"] == "day-00002-00000.parquet"
     verify(out)
@@ -199,6 +199,21 @@ def test_schema_mismatch_is_refused_with_the_fix(tmp_path: Path, case: str) -> N
         preprocess_criteo([bad], out, add_day=True)
     assert "Add a labeled day file of the same Criteo release, or preprocess this file " \
         "into its own --out" in str(err.value)
+    assert file_hashes(out) == before
+
+
+def test_the_same_day_is_not_added_twice(tmp_path: Path) -> None:
+    d0 = write(tmp_path / "day_0", [{0: "10"}, {0: "20"}])
+    d1 = write(tmp_path / "day_1", [{0: "10"}, {0: "20"}])
+    out = tmp_path / "out"
+    preprocess_criteo([d0, d1], out, fmt="terabyte", num_embeddings_per_feature=100)
+    before = file_hashes(out)
+    with pytest.raises(ValueError, match="a day named 'day_1' is in .* already .day 1.; a "
+                                         "day is added once. If this file is another day"):
+        preprocess_criteo([d1], out, add_day=True)
+    d2 = write(tmp_path / "day_2", [{0: "30"}])
+    with pytest.raises(ValueError, match="a day named 'day_2' is among the inputs twice"):
+        preprocess_criteo([d2, d2], out, add_day=True)
     assert file_hashes(out) == before
 
 
@@ -276,3 +291,4 @@ def test_loader_reads_a_day_or_a_range(tmp_path: Path) -> None:
     (out / "day-00002-00001.parquet").write_bytes(b"x")
     with pytest.raises(ValueError, match="day-00002-00001.parquet: shard of day 2 is not a readable"):
         ParquetLoader(out, days=2, batch_size=4)
+

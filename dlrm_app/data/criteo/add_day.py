@@ -154,9 +154,18 @@ def add_criteo_days(
         raise ValueError(f"{out}: its dataset.json records no days (preprocessed before days "
                          f"were recorded); preprocess its inputs again, then add days")
     check_criteo_inputs(paths)
+    names = {d.name: d.index for d in read_days(spec)} if spec.kind == DatasetKind.CRITEO \
+        else {}
     for path in paths:
         check_not_empty(path)
         check_day_schema(path, out, spec)
+        if day_name(path) in names:  # most likely the same day twice
+            where = "among the inputs twice" if names[day_name(path)] < 0 else \
+                f"in {out} already (day {names[day_name(path)]})"
+            raise ValueError(
+                f"{path}: a day named '{day_name(path)}' is {where}; a day is added once. If "
+                f"this file is another day, give it its own name")
+        names[day_name(path)] = -1
     for path in paths:
         spec = _add_one(path, out, spec, on_bad_row=on_bad_row, block_bytes=block_bytes,
                         workers=workers, threads=threads,
