@@ -116,6 +116,7 @@ def _cmd_generate(args: GenerateConfig) -> int:
         args.out, rows=args.rows, num_dense=args.num_dense, cardinalities=cardinalities,
         pooling_factors=pooling, zipf_alpha=args.zipf_alpha, seed=args.seed,
         rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
+        days=args.days, drift=args.drift,
     )
     seconds = time.perf_counter() - start
     print(jsonline.dumps({
@@ -177,7 +178,7 @@ def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
         rows_per_shard=args.rows_per_shard, row_group_size=args.row_group_size,
         on_bad_row=args.on_bad_row, like=args.like, one_split=args.one_split,
         workers=args.workers, id_mapping=args.id_mapping,
-        max_bad_row_fraction=args.max_bad_row_fraction)
+        max_bad_row_fraction=args.max_bad_row_fraction, days=args.days, add_day=args.add_day)
     _tables_report(spec)
     if skipped := spec.parameters["skipped_rows"]:
         print(f"skipped {skipped} bad row{'s' if skipped > 1 else ''} (--on-bad-row skip); "

@@ -558,6 +558,12 @@ class GenerateConfig:
     """Rows per file."""
     row_group_size: int = 65_536
     """Rows per Parquet row group (the generated rows do not depend on it)."""
+    days: int = 1
+    """Generate this many days (all but the last train, the last day's halves validation and
+    test) that drift by --drift from day to day."""
+    drift: float = 0.05
+    """With --days: each day this share of every feature's popularity ranks passes to a new id,
+    and the teacher's weights move by this fraction of their norm."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -604,6 +610,12 @@ class CriteoConfig:
     two tasks at a time on threads where 2 CPUs are usable, one for gzip input; each further
     worker adds about 0.4 GB); the output is byte-identical for every N; more workers pay off
     past two cores."""
+    days: int | None = None
+    """kaggle: cut the inputs' lines into this many days of consecutive lines (default: one
+    day); terabyte inputs are one day each."""
+    add_day: bool = False
+    """Append each input as a new day to the dataset in --out, encoded as it is (new ids get
+    rows within the tables' budget), without rewriting its files."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

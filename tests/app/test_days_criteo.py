@@ -292,3 +292,23 @@ def test_loader_reads_a_day_or_a_range(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="day-00002-00001.parquet: shard of day 2 is not a readable"):
         ParquetLoader(out, days=2, batch_size=4)
 
+
+def test_cli_flags_reach_the_days(tmp_path: Path) -> None:
+    from dlrm_app.cli import main
+
+    d0 = write(tmp_path / "day_0", [{0: "10"}, {0: "20"}, {0: "10"}])
+    d3 = write(tmp_path / "day_3", [{0: "30"}])
+    out = str(tmp_path / "out")
+    assert main(["preprocess", "criteo", str(d0), "--out", out, "--days", "3"]) == 0
+    assert [d.rows for d in read_days(out)] == [1, 1, 1]
+    assert main(["preprocess", "criteo", str(d3), "--out", out, "--add-day"]) == 0
+    assert [d.name for d in read_days(out)] == ["day_0", "day_1", "day_2", "day_3"]
+    with pytest.raises(SystemExit, match="a day named 'day_3' is in .* already .day 3.; a "
+                                         "day is added once"):
+        main(["preprocess", "criteo", str(d3), "--out", out, "--add-day"])
+    synth = str(tmp_path / "synth")
+    assert main(["generate", "--out", synth, "--rows", "400", "--num-sparse", "2",
+                 "--days", "4", "--drift", "0.2"]) == 0
+    spec = DatasetSpec.load(synth)
+    assert [d.rows for d in read_days(spec)] == [100] * 4
+    assert spec.parameters["drift"] == 0.2
