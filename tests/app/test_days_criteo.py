@@ -13,7 +13,7 @@ import pytest
 from shared_data import CRITEO
 
 from dlrm_app.data import verify
-from dlrm_app.data.criteo import add_day, preprocess_criteo
+from dlrm_app.data.criteo import add_day, preprocess_criteo, shard_tasks
 from dlrm_app.data.days import day_table, read_days
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
@@ -129,7 +129,7 @@ def test_vocabulary_grows_within_budget_by_hand(tmp_path: Path) -> None:
         load_vocabulary(out)
 
 
-@pytest.mark.parametrize("where", ["vocabulary", "dataset.json"])
+@pytest.mark.parametrize("where", ["encoding", "vocabulary", "dataset.json"])
 def test_error_mid_append_leaves_the_dataset_as_it_was(tmp_path: Path, monkeypatch,
                                                        where: str) -> None:
     d0 = write(tmp_path / "day_0", [{0: "10"}, {0: "20"}, {0: "10"}])
@@ -143,7 +143,14 @@ def test_error_mid_append_leaves_the_dataset_as_it_was(tmp_path: Path, monkeypat
     def boom(*args, **kwargs):
         raise RuntimeError("simulated crash")
 
-    if where == "vocabulary":  # after the day's shards were moved into the dataset
+    if where == "encoding":  # a shard of the day written, then the run fails
+        real_shard = shard_tasks.write_stage_shard
+
+        def shard_then_fail(*args, **kwargs):
+            real_shard(*args, **kwargs)
+            boom()
+        monkeypatch.setattr(shard_tasks, "write_stage_shard", shard_then_fail)
+    elif where == "vocabulary":  # after the day's shards were moved into the dataset
         real = add_day.save_grown_vocabulary
 
         def write_then_fail(*args, **kwargs):

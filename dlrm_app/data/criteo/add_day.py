@@ -4,8 +4,9 @@
 input as one new day, the way the dataset encodes its rows:
 
 * ``hash``: the same modulo; ``zch``: the raw ids, as ever;
-* ``vocabulary``: the ids the vocabulary has keep their rows. An id first seen in the new day
-  (at least the dataset's ``frequency_threshold`` times in that day) gets the table's next row
+* ``vocabulary``: the ids the vocabulary has keep their rows. An id it has no row for (first
+  seen in the new day, or seen only in validation/test days or too rarely before) that the new
+  day has at least the dataset's ``frequency_threshold`` times gets the table's next row
   while the table has fewer rows than its budget (``max_embeddings_per_feature``); if more
   qualify than fit, the most frequent do (ties: the smaller raw id), and the kept ones get
   their rows in raw-id order. Every other id reads the out-of-vocabulary row 0. The tables grow
