@@ -319,3 +319,23 @@ def test_cli_flags_reach_the_days(tmp_path: Path) -> None:
     spec = DatasetSpec.load(synth)
     assert [d.rows for d in read_days(spec)] == [100] * 4
     assert spec.parameters["drift"] == 0.2
+
+
+@needs_data
+def test_gzip_day_is_added_as_the_plain_one(tmp_path: Path) -> None:
+    import gzip
+    import shutil
+
+    days = cut_days(TERABYTE, tmp_path, [0, 400, 700, 1000])
+    zipped = tmp_path / "gz" / "day_2.gz"
+    zipped.parent.mkdir()
+    zipped.write_bytes(gzip.compress(days[2].read_bytes()))
+    preprocess_criteo(days[:2], tmp_path / "plain", fmt="terabyte",
+                      max_embeddings_per_feature=500, **SMALL)
+    shutil.copytree(tmp_path / "plain", tmp_path / "gzip")
+    plain = preprocess_criteo(days[2:], tmp_path / "plain", add_day=True)
+    packed = preprocess_criteo([zipped], tmp_path / "gzip", add_day=True)
+    assert sum(plain.parameters["days"][2]["new_ids_with_rows"]) > 100
+    same_rows(day_table(tmp_path / "plain", 2), day_table(tmp_path / "gzip", 2))
+    assert plain.parameters["encoding"]["grown_vocabulary"] == \
+        packed.parameters["encoding"]["grown_vocabulary"]

@@ -15,10 +15,12 @@ Modules, in the order data flows through them:
 ``shard_tasks``    whole staging shards as worker tasks (bad rows are errors)
 ``finalize``       staging shards -> train / validation / test shards
 ``preprocess``     :func:`preprocess_criteo`, which ties them together
+``add_day``        :func:`add_criteo_days`: a new day appended to a dataset, the others kept
 =================  =========================================================================
 """
 
 from dlrm_app.config import DEFAULT_FREQUENCY_THRESHOLD, DEFAULT_MAX_EMBEDDINGS_PER_FEATURE
+from dlrm_app.data.criteo.add_day import add_criteo_days
 from dlrm_app.data.criteo.encoding import EncodingRequest
 from dlrm_app.data.criteo.format import (
     DENSE_NAMES,
@@ -54,6 +56,7 @@ __all__ = [
     "STAGING_DIR",
     "VOCABULARY_FILE",
     "EncodingRequest",
+    "add_criteo_days",
     "count_lines",
     "load_vocabulary",
     "preprocess_criteo",
