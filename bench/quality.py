@@ -81,7 +81,7 @@ from dlrm_app.config import DEMO_ROWS
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.demo import demo_data
-from dlrm_app.metrics import BinaryClassificationMetrics
+from recsys_core.metrics import BinaryClassificationMetrics
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SOURCES = {

@@ -18,9 +18,9 @@ from dlrm_app.checkpoint import load_checkpoint, resolve_run
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.metrics import BinaryClassificationMetrics
 from dlrm_app.reporting.report import save_evaluation, write_report
 from dlrm_app.runtime import amp_enabled, autocast, init_distributed, world
+from recsys_core.metrics import BinaryClassificationMetrics
 
 
 def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,

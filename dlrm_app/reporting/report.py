@@ -37,7 +37,7 @@ import torch
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.inputs import check_run_to_report
-from dlrm_app.metrics import calibration_curve, roc_curve
+from dlrm_app.reporting.curves import calibration_curve, roc_curve
 
 ROC_POINTS = 201
 """Most ROC points stored per evaluation (vertices of the exact curve, spread along it)."""

@@ -9,12 +9,18 @@ class MetricName(Enum):
     LOG_LOSS = "logloss"
     AUC = "auc"
     CALIBRATION = "calibration"
+    ACCURACY = "accuracy"
+    CTR = "ctr"
+    PREDICTION_AVERAGE = "prediction_average"
+    TOTAL_EXAMPLES = "total_examples"
 
 
 class MetricNamespace(Enum):
     NE = "ne"
     AUC = "auc"
     CALIBRATION = "calibration"
+    EXACT = "exact"
+    """Ours, not TorchRec's: ``ExactBinaryMetric`` (every row of the group, rank-invariant)."""
 
 
 class MetricPrefix(Enum):

@@ -9,7 +9,9 @@ use the most recent batches holding ``window_size`` samples (per rank).
 import abc
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,9 @@ from recsys_core.metrics.metrics_namespace import (
     MetricPrefix,
     compose_metric_key,
 )
+
+if TYPE_CHECKING:
+    from recsys_core.metrics.exact import ExactBinaryMetric
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -143,9 +148,10 @@ class RecMetric(nn.Module, abc.ABC):
 
 
 class RecMetricList(nn.Module):
-    """Several metrics updated and computed together."""
+    """Several metrics updated and computed together: TorchRec's streaming ``RecMetric``s and
+    this library's ``ExactBinaryMetric`` (same ``update`` / ``compute`` / ``reset``)."""
 
-    def __init__(self, rec_metrics: list[RecMetric]) -> None:
+    def __init__(self, rec_metrics: Sequence["RecMetric | ExactBinaryMetric"]) -> None:
         super().__init__()
         self.rec_metrics = nn.ModuleList(rec_metrics)
 

@@ -19,8 +19,8 @@ import torch
 from dlrm_app.cli import build_parser, parsed_config
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
-from dlrm_app.metrics import BinaryClassificationMetrics, calibration_curve, roc_curve
 from dlrm_app.model import ModelConfig
+from dlrm_app.reporting.curves import calibration_curve, roc_curve
 from dlrm_app.reporting.report import (
     ROC_POINTS,
     human_summary,
@@ -29,6 +29,7 @@ from dlrm_app.reporting.report import (
     write_report,
     write_tensorboard,
 )
+from recsys_core.metrics import BinaryClassificationMetrics
 from recsys_core.testing import run_gloo
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

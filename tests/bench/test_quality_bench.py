@@ -23,7 +23,7 @@ import quality  # noqa: E402  (bench/ is a folder of scripts, not a package)
 from dlrm_app.data import synthetic  # noqa: E402
 from dlrm_app.data.schema import DENSE_COLUMN, DatasetSpec, sha256_file  # noqa: E402
 from dlrm_app.data.synthetic import generate  # noqa: E402
-from dlrm_app.metrics import BinaryClassificationMetrics  # noqa: E402
+from recsys_core.metrics import BinaryClassificationMetrics  # noqa: E402
 
 
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:

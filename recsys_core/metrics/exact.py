@@ -1,4 +1,10 @@
-"""CTR evaluation metrics (AUC, normalized entropy, logloss, ...) that are exact across ranks.
+"""Exact binary-classification metrics (AUC, normalized entropy, logloss, accuracy,
+calibration) over every row of a process group, the same for any number of ranks.
+
+``BinaryClassificationMetrics`` is the computation (what ``dlrm-app evaluate`` reports);
+``ExactBinaryMetric`` puts it in a ``RecMetricList`` behind ``RecMetricModule``, next to
+TorchRec's streaming metrics (``NEMetric``, ``AUCMetric``, ``CalibrationMetric``), which sum
+per-batch states or keep a window of recent rows and are not exact across ranks.
 
 Every rank feeds its own rows with ``update(logits, labels)``; ``compute()`` is a collective:
 it gathers all rows of the process group onto group rank 0, which computes every metric once
@@ -35,10 +41,18 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
+from recsys_core.metrics.metrics_namespace import (
+    MetricName,
+    MetricNamespace,
+    MetricPrefix,
+    compose_metric_key,
+)
+from recsys_core.metrics.rec_metric import RecTaskInfo
 
 # compute() packs the float metrics into one tensor in this order to broadcast them.
 _FLOAT_KEYS = ("auc", "ne", "logloss", "accuracy", "calibration", "label_rate", "mean_prediction")
@@ -86,17 +100,27 @@ class BinaryClassificationMetrics:
         self.process_group = process_group
         self._logits: list[torch.Tensor] = []
         self._labels: list[torch.Tensor] = []
-        # Per batch: [non-finite logits, labels not 0/1]; checked in compute() so that update()
-        # never waits for the device.
+        # Per batch: [non-finite logits, labels not 0/1, weights not 1]; checked in compute() so
+        # that update() never waits for the device.
         self._invalid: list[torch.Tensor] = []
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """Add a batch: ``logits`` [B] (before the sigmoid), ``labels`` [B] of 0/1 (any dtype)."""
-        if logits.ndim != 1 or labels.shape != logits.shape:
+    def update(
+        self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> None:
+        """Add a batch: ``logits`` [B] (before the sigmoid), ``labels`` [B] of 0/1 (any dtype).
+
+        Every row counts once: ``weights`` [B], if given, must be all 1 (``compute()`` raises
+        otherwise); it is accepted so that a ``RecMetricModule`` output with unit weights can
+        be fed unchanged.
+        """
+        shapes = [logits.shape, labels.shape] + ([] if weights is None else [weights.shape])
+        if logits.ndim != 1 or any(shape != logits.shape for shape in shapes):
             raise ValueError(
-                f"BinaryClassificationMetrics.update: logits {tuple(logits.shape)} and labels "
-                f"{tuple(labels.shape)} must both be 1-D of the same length; squeeze a [B, 1] "
-                "model output with .squeeze(1)"
+                f"BinaryClassificationMetrics.update: logits {tuple(logits.shape)}, labels "
+                f"{tuple(labels.shape)}"
+                + ("" if weights is None else f" and weights {tuple(weights.shape)}")
+                + " must all be 1-D of the same length; squeeze a [B, 1] model output with "
+                ".squeeze(1)"
             )
         if not logits.is_floating_point():
             raise TypeError(
@@ -104,8 +128,13 @@ class BinaryClassificationMetrics:
                 f"{logits.dtype}; pass the model's pre-sigmoid output"
             )
         logits, labels = logits.detach(), labels.detach()
+        non_unit_weights = (
+            logits.new_zeros((), dtype=torch.int64) if weights is None
+            else (weights.detach() != 1).sum()
+        )
         self._invalid.append(torch.stack([
             (~torch.isfinite(logits)).sum(), ((labels != 0) & (labels != 1)).sum(),
+            non_unit_weights,
         ]))
         self._logits.append(logits.to(torch.float64))
         self._labels.append(labels.to(torch.uint8))
@@ -123,7 +152,7 @@ class BinaryClassificationMetrics:
         else:
             logits = torch.empty(0, dtype=torch.float64)
             labels = torch.empty(0, dtype=torch.uint8)
-            invalid = torch.zeros(2, dtype=torch.int64)
+            invalid = torch.zeros(3, dtype=torch.int64)
         if group is None:
             _check_rows([logits.numel()], [invalid.tolist()])
             return _as_dict(logits.numel(), _metrics(logits, labels))
@@ -193,12 +222,18 @@ def _collective_device(group: dist.ProcessGroup) -> torch.device:
 
 def _check_rows(sizes: list[int], invalid: list[list[int]]) -> None:
     """Raise (on every rank alike) for bad logits or labels, or too many rows for int64 AUC."""
-    for rank, (bad_logits, bad_labels) in enumerate(invalid):
+    for rank, (bad_logits, bad_labels, bad_weights) in enumerate(invalid):
         if bad_logits or bad_labels:
             raise ValueError(
                 f"BinaryClassificationMetrics.compute: group rank {rank} passed {bad_logits} "
                 f"non-finite logits and {bad_labels} labels other than 0/1 to update(); check "
                 "the model for NaN/inf outputs and the dataset's label column"
+            )
+        if bad_weights:
+            raise ValueError(
+                f"BinaryClassificationMetrics.compute: group rank {rank} passed {bad_weights} "
+                "weights other than 1 to update(); the exact metrics count every row once: "
+                "leave the weights out, or use the weighted NEMetric / AUCMetric"
             )
     if sum(sizes) >= _MAX_ROWS:
         raise ValueError(
@@ -275,81 +310,86 @@ def _as_dict(num_examples: int, values: list[float]) -> dict[str, float]:
     return {**dict(zip(_FLOAT_KEYS, values, strict=True)), "num_examples": num_examples}
 
 
-# ---- curves (for reports; host-side numpy on rows already gathered) ----------------------------
-def roc_curve(scores: np.ndarray | torch.Tensor,
-              labels: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The ROC curve ``(fpr, tpr)``: one point per distinct score, from (0, 0) to (1, 1).
 
-    Thresholds run from the highest score down; rows with equal scores enter together, so a tie
-    group is one diagonal segment and the trapezoid area under the curve equals the
-    Mann-Whitney AUC with ties counting 1/2 (``BinaryClassificationMetrics``' ``auc``)::
 
-        scores [0.1, 0.4, 0.35, 0.8], labels [0, 0, 1, 1]
-        threshold >= 0.8: tp 1 fp 0 -> (0, 0.5);  >= 0.4: (0.5, 0.5);  >= 0.35: (0.5, 1)
-        >= 0.1: (1, 1);  fpr [0, 0, .5, .5, 1], tpr [0, .5, .5, 1, 1];  area 0.75
+# BinaryClassificationMetrics' keys -> TorchRec's metric names, for RecMetricModule's keys.
+_REC_NAMES = {
+    "auc": MetricName.AUC, "ne": MetricName.NE, "logloss": MetricName.LOG_LOSS,
+    "accuracy": MetricName.ACCURACY, "calibration": MetricName.CALIBRATION,
+    "label_rate": MetricName.CTR, "mean_prediction": MetricName.PREDICTION_AVERAGE,
+    "num_examples": MetricName.TOTAL_EXAMPLES,
+}
 
-    Any monotone transform of the scores (logits or probabilities) gives the same curve.
-    Raises ValueError when the labels are not all 0/1, hold only one class (no curve exists),
-    or the scores are not finite.
+
+class ExactBinaryMetric(nn.Module):
+    """``BinaryClassificationMetrics`` per task, as a member of a ``RecMetricList``.
+
+    The task's predictions are the model's **logits** (before the sigmoid), unlike TorchRec's
+    metrics, which take probabilities: name the logits output in the task's
+    ``prediction_name``. Values cover every row since ``reset()`` on every rank of
+    ``process_group`` (``lifetime_`` keys, namespace ``exact``); ``compute()`` is a collective
+    that every rank calls, and it returns the same numbers on every rank::
+
+        exact-DefaultTask|lifetime_auc, _ne, _logloss, _accuracy, _calibration,
+        _ctr (label rate), _prediction_average (mean sigmoid), _total_examples (int64)
+
+    A task whose group has seen no rows has no keys (like the streaming metrics).
+
+    Args:
+        world_size, my_rank, batch_size: TorchRec's ``RecMetric`` arguments (unused: the group
+            and its ranks come from ``process_group``).
+        tasks: the tasks to evaluate.
+        process_group: the ranks evaluated together; ``None`` means the default group when
+            ``torch.distributed`` is initialized, else this process alone.
     """
-    s, y = _curve_inputs(scores, labels, "roc_curve", "scores")
-    positives = int(y.sum())
-    negatives = y.size - positives
-    if positives == 0 or negatives == 0:
-        raise ValueError(f"roc_curve: {positives} positive and {negatives} negative labels; a "
-                         "ROC curve needs both classes")
-    order = np.argsort(-s, kind="stable")
-    s, y = s[order], y[order]
-    # the last row of each run of equal scores closes one threshold
-    last = np.flatnonzero(np.r_[s[1:] != s[:-1], True])
-    tp = np.cumsum(y, dtype=np.int64)[last]
-    fp = (last + 1) - tp
-    fpr = np.r_[0.0, fp / negatives]
-    tpr = np.r_[0.0, tp / positives]
-    return fpr, tpr
+
+    def __init__(
+        self,
+        world_size: int,
+        my_rank: int,
+        batch_size: int,
+        tasks: list[RecTaskInfo],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if not tasks:
+            raise ValueError("ExactBinaryMetric: at least one RecTaskInfo is required")
+        self._tasks = list(tasks)
+        self._metrics = [BinaryClassificationMetrics(process_group) for _ in self._tasks]
+
+    def update(
+        self,
+        *,
+        predictions: dict[str, torch.Tensor],
+        labels: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Add one batch: per task name, logits, 0/1 labels and optional weights (all 1)."""
+        for task, metric in zip(self._tasks, self._metrics, strict=True):
+            weight = None if weights is None else weights.get(task.name)
+            metric.update(
+                predictions[task.name].reshape(-1), labels[task.name].reshape(-1),
+                None if weight is None else weight.reshape(-1),
+            )
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for task, metric in zip(self._tasks, self._metrics, strict=True):
+            values = metric.compute()
+            if values["num_examples"] == 0:
+                continue
+            for key, value in values.items():
+                name = compose_metric_key(
+                    MetricNamespace.EXACT, task.name, _REC_NAMES[key], MetricPrefix.LIFETIME
+                )
+                dtype = torch.int64 if key == "num_examples" else torch.float64
+                out[name] = torch.tensor([value], dtype=dtype)
+        return out
+
+    def reset(self) -> None:
+        for metric in self._metrics:
+            metric.reset()
 
 
-def calibration_curve(probabilities: np.ndarray | torch.Tensor,
-                      labels: np.ndarray | torch.Tensor,
-                      bins: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A reliability diagram's points ``(mean_predicted, observed_rate, counts)``.
-
-    ``[0, 1]`` is cut into ``bins`` equal bins (the last includes 1.0); for each bin holding
-    rows: the mean predicted probability, the fraction of positive labels, and the row count.
-    Empty bins are left out (as scikit-learn does), so the arrays can be shorter than ``bins``.
-    A calibrated model has ``observed_rate == mean_predicted``::
-
-        probabilities [0.1, 0.2, 0.7, 0.9], labels [0, 1, 1, 1], bins=2
-        -> mean_predicted [0.15, 0.8], observed_rate [0.5, 1.0], counts [2, 2]
-
-    Raises ValueError for probabilities outside [0, 1], labels other than 0/1, or bins < 1.
-    """
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"calibration_curve: bins must be a positive int, got {bins!r}")
-    p, y = _curve_inputs(probabilities, labels, "calibration_curve", "probabilities")
-    if p.size and (p.min() < 0 or p.max() > 1):
-        raise ValueError(f"calibration_curve: probabilities must lie in [0, 1], got values in "
-                         f"[{p.min()}, {p.max()}]; apply a sigmoid to logits first")
-    index = np.minimum((p * bins).astype(np.int64), bins - 1)
-    counts = np.bincount(index, minlength=bins)
-    predicted = np.bincount(index, weights=p, minlength=bins)
-    positives = np.bincount(index, weights=y, minlength=bins)
-    kept = counts > 0
-    return predicted[kept] / counts[kept], positives[kept] / counts[kept], counts[kept]
-
-
-def _curve_inputs(values: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor,
-                  where: str, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """float64 values and int64 0/1 labels as 1-D numpy arrays of one length (or raise)."""
-    v = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values,
-                   dtype=np.float64)
-    y = np.asarray(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels)
-    if v.ndim != 1 or y.shape != v.shape:
-        raise ValueError(f"{where}: {name} {v.shape} and labels {y.shape} must both be 1-D of "
-                         "the same length")
-    if not np.isfinite(v).all():
-        raise ValueError(f"{where}: {int((~np.isfinite(v)).sum())} {name} are NaN or infinite; "
-                         "check the model's outputs")
-    if not np.isin(y, (0, 1)).all():
-        raise ValueError(f"{where}: labels must be 0 or 1, got {np.unique(y)[:5].tolist()}...")
-    return v, y.astype(np.int64)
+__all__ = ["BinaryClassificationMetrics", "ExactBinaryMetric"]

@@ -1,8 +1,11 @@
-"""BinaryClassificationMetrics against numpy references, and exactness over 1, 2 and 3 ranks."""
+"""BinaryClassificationMetrics (and ExactBinaryMetric behind RecMetricModule) against a
+pairwise count, numpy references and the values of the implementation it was moved from
+(dlrm_app/metrics.py), and exactness over 1, 2 and 3 ranks."""
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -10,7 +13,14 @@ import torch
 import torch.distributed as dist
 from torchmetrics.functional.classification import binary_auroc
 
-from dlrm_app.metrics import BinaryClassificationMetrics
+from recsys_core.metrics import (
+    BinaryClassificationMetrics,
+    ExactBinaryMetric,
+    NEMetric,
+    RecMetricList,
+    RecMetricModule,
+    RecTaskInfo,
+)
 from recsys_core.testing import run_gloo
 
 FLOAT_KEYS = ("auc", "ne", "logloss", "accuracy", "calibration", "label_rate", "mean_prediction")
@@ -25,6 +35,14 @@ def ref_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     pos = labels == 1
     n_pos, n_neg = int(pos.sum()), int((~pos).sum())
     return (ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def pairwise_auc(scores: np.ndarray, labels: np.ndarray) -> Fraction:
+    """Mann-Whitney by its definition: over every (positive, negative) pair, 1 if the positive
+    scores higher, 1/2 on a tie; the exact fraction of pairs."""
+    pos, neg = scores[labels == 1].tolist(), scores[labels == 0].tolist()
+    twice = sum(2 * (p > n) + (p == n) for p in pos for n in neg)
+    return Fraction(twice, 2 * len(pos) * len(neg))
 
 
 def ref_metrics(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -63,6 +81,34 @@ def test_hand_checked_auc() -> None:
     scores, labels = np.array([0.1, 0.4, 0.35, 0.8]), np.array([0.0, 0.0, 1.0, 1.0])
     assert ref_auc(scores, labels) == 0.75
     assert evaluate(scores, labels)["auc"] == 0.75
+
+
+def test_auc_is_the_correctly_rounded_pairwise_count() -> None:
+    # Ties within and across the classes: 0.5 holds 2 positives and 1 negative, 0.2 one of each.
+    scores = np.array([0.2, 0.5, 0.5, 0.9, 0.2, 0.5, 0.1, 0.7, 0.3])
+    labels = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    # positives 0.2 0.5 0.9 0.5 0.3 over negatives 0.5 0.2 0.1 0.7:
+    # 0.2: 1/2 + 1 = 1.5;  0.5: 1/2 + 2 = 2.5 (twice);  0.9: 4;  0.3: 2   -> 12.5 / 20
+    assert pairwise_auc(scores, labels) == Fraction(5, 8)
+    assert evaluate(scores, labels, batch_size=4)["auc"] == 0.625
+    # On random tied data the one division of exact integers is the fraction, rounded once.
+    logits, labels = ctr_data(600, seed=7)
+    assert len(np.unique(logits)) < 100
+    assert evaluate(logits, labels, batch_size=97)["auc"] == float(pairwise_auc(logits, labels))
+
+
+def test_values_of_the_implementation_it_replaces() -> None:
+    # dlrm_app/metrics.py's BinaryClassificationMetrics (commit 770e9dd) on ctr_data(5000),
+    # batches of 777. The integer-based values are bitwise; the float64 sums within rounding
+    # (torch's sum may split its work by thread count).
+    got = evaluate(*ctr_data(5000), batch_size=777)
+    assert got["num_examples"] == 5000
+    assert got["auc"].hex() == "0x1.bafcc7d94039ep-1"
+    assert (got["accuracy"], got["label_rate"]) == (0.802, 0.3524)
+    assert got["logloss"] == pytest.approx(float.fromhex("0x1.b929a07f7d989p-2"), rel=1e-14)
+    assert got["ne"] == pytest.approx(float.fromhex("0x1.53ebb9e5fc375p-1"), rel=1e-14)
+    assert got["mean_prediction"] == pytest.approx(float.fromhex("0x1.66ad218da439fp-2"), rel=1e-14)
+    assert got["calibration"] == pytest.approx(float.fromhex("0x1.fce7b2a86c0ffp-1"), rel=1e-14)
 
 
 def test_matches_numpy_references_with_ties() -> None:
@@ -133,9 +179,59 @@ def test_bad_inputs_are_reported() -> None:
         metrics.update(torch.zeros(4, 1), torch.zeros(4))
     with pytest.raises(TypeError, match="floating point"):
         metrics.update(torch.zeros(4, dtype=torch.int64), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"weights \(3,\) must all be 1-D of the same length"):
+        metrics.update(torch.zeros(4), torch.zeros(4), torch.ones(3))
     metrics.update(torch.tensor([0.0, float("nan")]), torch.tensor([0.0, 2.0]))
     with pytest.raises(ValueError, match="1 non-finite logits and 1 labels other than 0/1"):
         metrics.compute()
+
+
+def test_unit_weights_only() -> None:
+    logits, labels = ctr_data(300, seed=8)
+    weighted = BinaryClassificationMetrics()
+    weighted.update(torch.from_numpy(logits), torch.from_numpy(labels), torch.ones(300))
+    assert weighted.compute() == evaluate(logits, labels)
+    weighted.update(torch.zeros(2), torch.ones(2), torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="1 weights other than 1"):
+        weighted.compute()
+
+
+TASK = RecTaskInfo(name="ctr", prediction_name="logit")
+KEYS = {"auc": "auc", "ne": "ne", "logloss": "logloss", "accuracy": "accuracy",
+        "calibration": "calibration", "label_rate": "ctr", "mean_prediction": "prediction_average",
+        "num_examples": "total_examples"}
+"""BinaryClassificationMetrics' keys -> ExactBinaryMetric's names (TorchRec's MetricName)."""
+
+
+def module_values(logits: np.ndarray, labels: np.ndarray,
+                  batch_size: int = 1000) -> dict[str, float]:
+    """ExactBinaryMetric through RecMetricModule, its keys read back as evaluate()'s."""
+    module = RecMetricModule(batch_size=batch_size, world_size=1, rec_tasks=[TASK],
+                             rec_metrics=RecMetricList([ExactBinaryMetric(1, 0, batch_size, [TASK])]))
+    for start in range(0, len(logits), batch_size):
+        module.update({"logit": torch.from_numpy(logits[start:start + batch_size]),
+                       "label": torch.from_numpy(labels[start:start + batch_size])})
+    out = module.compute()
+    assert all(v.shape == (1,) for v in out.values())
+    return {key: out[f"exact-ctr|lifetime_{name}"].item() for key, name in KEYS.items()}
+
+
+def test_rec_metric_module_gives_the_same_numbers() -> None:
+    logits, labels = ctr_data(3000, seed=9)
+    assert module_values(logits, labels, batch_size=128) == evaluate(logits, labels)
+    # Next to TorchRec's streaming NE (probabilities, log2 sums): the same NE, another route.
+    prob_task = RecTaskInfo(name="p")
+    module = RecMetricModule(
+        batch_size=3000, world_size=1, rec_tasks=[TASK, prob_task],
+        rec_metrics=RecMetricList([ExactBinaryMetric(1, 0, 3000, [TASK]),
+                                   NEMetric(1, 0, 3000, [prob_task])]))
+    z, y = torch.from_numpy(logits), torch.from_numpy(labels)
+    module.update({"logit": z, "prediction": z.sigmoid(), "label": y})
+    out = module.compute()
+    assert out["exact-ctr|lifetime_ne"].item() == pytest.approx(
+        out["ne-p|lifetime_ne"].item(), rel=1e-6)
+    module.reset()
+    assert module.compute() == {}  # no rows: no keys, as for the streaming metrics
 
 
 def ranks_worker(
@@ -145,7 +241,8 @@ def ranks_worker(
     order = np.random.default_rng(3).permutation(len(logits))
     mine = order[sum(sizes[:rank]):sum(sizes[:rank + 1])]
     half = max(1, len(mine) // 2 + 1)
-    out: dict = {"world": evaluate(logits[mine], labels[mine], batch_size=half)}
+    out: dict = {"world": evaluate(logits[mine], labels[mine], batch_size=half),
+                 "module": module_values(logits[mine], labels[mine], batch_size=half)}
     if world == 3:
         # A subgroup whose rank 0 is global rank 1: ranks 1 and 2 evaluate their rows together.
         sub = dist.new_group([1, 2])
@@ -173,6 +270,7 @@ def test_ranks_match_one_rank(sizes: list[int]) -> None:
     for result in results:
         got = result["world"]
         assert got == results[0]["world"]  # every rank returns the same numbers
+        assert result["module"] == got  # the same through RecMetricModule
         assert got["auc"] == single["auc"]  # bitwise: int64 rank sums, one division
         assert got["num_examples"] == single["num_examples"]
         for key in FLOAT_KEYS:
