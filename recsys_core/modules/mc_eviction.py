@@ -138,30 +138,25 @@ class MCHEvictionPolicy(abc.ABC):
         return evicted, entering
 
 
-def _coalesce_last_access(
-    current_iter: int,
-    history_metadata: dict[str, torch.Tensor],
-    unique_ids_counts: torch.Tensor,
-    unique_inverse_mapping: torch.Tensor,
-    additional_ids: torch.Tensor | None,
-    threshold_mask: torch.Tensor | None,
-) -> dict[str, torch.Tensor]:
-    """Each unique id's latest access step."""
-    last_access = history_metadata["last_access_iter"]
-    if additional_ids is not None:
-        last_access = torch.cat([last_access, torch.full_like(additional_ids, current_iter)])
-    latest = torch.zeros_like(unique_ids_counts).scatter_reduce_(
-        0, unique_inverse_mapping, last_access, reduce="amax", include_self=False
-    )
-    if threshold_mask is not None:
-        latest = latest[threshold_mask]
-    return {"last_access_iter": latest}
-
-
 def _split_new(
     values: torch.Tensor, matching: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return values[matching], values[~matching]
+
+
+def _merge_counts(
+    counts: torch.Tensor,
+    sorted_unique_ids_counts: torch.Tensor,
+    matching: torch.Tensor,
+    matching_indices: torch.Tensor,
+    mch_size: int,
+) -> torch.Tensor:
+    """Add the counts of ids already in the table to their entries (the miss row is pinned at
+    the top); return the new ids' counts."""
+    seen, new_counts = _split_new(sorted_unique_ids_counts, matching)
+    counts[matching_indices] += seen
+    counts[mch_size - 1] = _INT64_MAX
+    return new_counts
 
 
 # ---- policies -------------------------------------------------------------------------------
@@ -202,11 +197,11 @@ class LFU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
         coalesced_history_metadata: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         counts = mch_metadata["counts"]
-        seen, new_counts = _split_new(
-            coalesced_history_sorted_unique_ids_counts, coalesced_history_mch_matching_elements_mask
+        new_counts = _merge_counts(
+            counts, coalesced_history_sorted_unique_ids_counts,
+            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
+            mch_size,
         )
-        counts[coalesced_history_mch_matching_indices] += seen
-        counts[mch_size - 1] = _INT64_MAX
         evicted, entering = self._compute_selected_eviction_and_replacement_indices(
             mch_size, torch.cat([counts, new_counts])
         )
@@ -214,16 +209,19 @@ class LFU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
         return evicted, entering
 
 
-class LRU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
-    """Least recently used: entries not seen for the longest time leave first."""
+class _LastAccessPolicy(MCHEvictionPolicy):
+    """The policies that record each id's last access step (``last_access_iter``, per entry and
+    per recorded id) and discount by ``(now - last_access + 1) ** decay_exponent``."""
 
     def __init__(
         self,
-        decay_exponent: float = 1.0,
-        threshold_filtering_func: ThresholdFilter | None = None,
+        counts: bool,
+        decay_exponent: float,
+        threshold_filtering_func: ThresholdFilter | None,
     ) -> None:
         super().__init__(
-            [MCHEvictionPolicyMetadataInfo("last_access_iter", True, True)],
+            ([MCHEvictionPolicyMetadataInfo("counts", True, False)] if counts else [])
+            + [MCHEvictionPolicyMetadataInfo("last_access_iter", True, True)],
             threshold_filtering_func,
         )
         self._decay_exponent = decay_exponent
@@ -242,10 +240,54 @@ class LRU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
         additional_ids: torch.Tensor | None = None,
         threshold_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        return _coalesce_last_access(
-            current_iter, history_metadata, unique_ids_counts, unique_inverse_mapping,
-            additional_ids, threshold_mask,
+        """Each unique id's latest access step."""
+        last_access = history_metadata["last_access_iter"]
+        if additional_ids is not None:
+            last_access = torch.cat([last_access, torch.full_like(additional_ids, current_iter)])
+        latest = torch.zeros_like(unique_ids_counts).scatter_reduce_(
+            0, unique_inverse_mapping, last_access, reduce="amax", include_self=False
         )
+        if threshold_mask is not None:
+            latest = latest[threshold_mask]
+        return {"last_access_iter": latest}
+
+    def _merge_last_access(
+        self,
+        current_iter: int,
+        mch_size: int,
+        argsort_mapping: torch.Tensor,
+        matching: torch.Tensor,
+        matching_indices: torch.Tensor,
+        mch_metadata: dict[str, torch.Tensor],
+        coalesced_history_metadata: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Write the last access of ids already in the table to their entries (the miss row
+        counts as seen now); return the new ids' last access steps."""
+        last_access = mch_metadata["last_access_iter"]
+        history = coalesced_history_metadata["last_access_iter"]
+        history.copy_(history[argsort_mapping])  # into count order
+        seen, new_access = _split_new(history, matching)
+        last_access[matching_indices] = seen
+        last_access[mch_size - 1] = current_iter
+        return new_access
+
+    def _staleness(
+        self, current_iter: int, last_access: torch.Tensor, new_access: torch.Tensor
+    ) -> torch.Tensor:
+        """``(now - last_access + 1) ** decay_exponent`` of the entries, then the new ids."""
+        merged = torch.cat([last_access, new_access])
+        return torch.pow(current_iter - merged + 1, self._decay_exponent)
+
+
+class LRU_EvictionPolicy(_LastAccessPolicy):  # noqa: N801 (TorchRec's name)
+    """Least recently used: entries not seen for the longest time leave first."""
+
+    def __init__(
+        self,
+        decay_exponent: float = 1.0,
+        threshold_filtering_func: ThresholdFilter | None = None,
+    ) -> None:
+        super().__init__(False, decay_exponent, threshold_filtering_func)
 
     def update_metadata_and_generate_eviction_scores(
         self,
@@ -259,13 +301,12 @@ class LRU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
         coalesced_history_metadata: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         last_access = mch_metadata["last_access_iter"]
-        history = coalesced_history_metadata["last_access_iter"]
-        history.copy_(history[coalesced_history_argsort_mapping])  # into count order
-        seen, new_access = _split_new(history, coalesced_history_mch_matching_elements_mask)
-        last_access[coalesced_history_mch_matching_indices] = seen
-        last_access[mch_size - 1] = current_iter
-        merged = torch.cat([last_access, new_access])
-        scores = torch.neg(torch.pow(current_iter - merged + 1, self._decay_exponent))
+        new_access = self._merge_last_access(
+            current_iter, mch_size, coalesced_history_argsort_mapping,
+            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
+            mch_metadata, coalesced_history_metadata,
+        )
+        scores = torch.neg(self._staleness(current_iter, last_access, new_access))
         evicted, entering = self._compute_selected_eviction_and_replacement_indices(
             mch_size, scores
         )
@@ -273,7 +314,7 @@ class LRU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
         return evicted, entering
 
 
-class DistanceLFU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
+class DistanceLFU_EvictionPolicy(_LastAccessPolicy):  # noqa: N801 (TorchRec's name)
     """Counts discounted by staleness: ``count / (now - last_access + 1) ** decay_exponent``."""
 
     def __init__(
@@ -281,33 +322,7 @@ class DistanceLFU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's n
         decay_exponent: float = 1.0,
         threshold_filtering_func: ThresholdFilter | None = None,
     ) -> None:
-        super().__init__(
-            [
-                MCHEvictionPolicyMetadataInfo("counts", True, False),
-                MCHEvictionPolicyMetadataInfo("last_access_iter", True, True),
-            ],
-            threshold_filtering_func,
-        )
-        self._decay_exponent = decay_exponent
-
-    def record_history_metadata(
-        self, current_iter: int, incoming_ids: torch.Tensor, history_metadata: dict[str, torch.Tensor]
-    ) -> None:
-        history_metadata["last_access_iter"][:] = current_iter
-
-    def coalesce_history_metadata(
-        self,
-        current_iter: int,
-        history_metadata: dict[str, torch.Tensor],
-        unique_ids_counts: torch.Tensor,
-        unique_inverse_mapping: torch.Tensor,
-        additional_ids: torch.Tensor | None = None,
-        threshold_mask: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        return _coalesce_last_access(
-            current_iter, history_metadata, unique_ids_counts, unique_inverse_mapping,
-            additional_ids, threshold_mask,
-        )
+        super().__init__(True, decay_exponent, threshold_filtering_func)
 
     def update_metadata_and_generate_eviction_scores(
         self,
@@ -322,19 +337,19 @@ class DistanceLFU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's n
     ) -> tuple[torch.Tensor, torch.Tensor]:
         counts = mch_metadata["counts"]
         last_access = mch_metadata["last_access_iter"]
-        history = coalesced_history_metadata["last_access_iter"]
-        history.copy_(history[coalesced_history_argsort_mapping])
-        matching = coalesced_history_mch_matching_elements_mask
-        seen_counts, new_counts = _split_new(coalesced_history_sorted_unique_ids_counts, matching)
-        seen_access, new_access = _split_new(history, matching)
-        counts[coalesced_history_mch_matching_indices] += seen_counts
-        last_access[coalesced_history_mch_matching_indices] = seen_access
-        counts[mch_size - 1] = _INT64_MAX
-        last_access[mch_size - 1] = current_iter
-        distance = torch.pow(
-            current_iter - torch.cat([last_access, new_access]) + 1, self._decay_exponent
+        new_counts = _merge_counts(
+            counts, coalesced_history_sorted_unique_ids_counts,
+            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
+            mch_size,
         )
-        scores = torch.div(torch.cat([counts, new_counts]), distance)
+        new_access = self._merge_last_access(
+            current_iter, mch_size, coalesced_history_argsort_mapping,
+            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
+            mch_metadata, coalesced_history_metadata,
+        )
+        scores = torch.div(
+            torch.cat([counts, new_counts]), self._staleness(current_iter, last_access, new_access)
+        )
         evicted, entering = self._compute_selected_eviction_and_replacement_indices(
             mch_size, scores
         )

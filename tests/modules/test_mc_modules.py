@@ -8,6 +8,7 @@ from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedT
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from recsys_core.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
     ManagedCollisionCollection,
@@ -78,6 +79,24 @@ def test_lru_evicts_least_recent() -> None:
     assert m._mch_last_access_iter.tolist() == [2, 3, 3]
     m.eval()
     assert m(jt([3, 1, 2]))["f"].values().tolist() == [1, 0, 2]
+
+
+def test_distance_lfu_discounts_counts_by_staleness() -> None:
+    m = MCHManagedCollisionModule(
+        zch_size=3, device=CPU, eviction_policy=DistanceLFU_EvictionPolicy(), eviction_interval=1
+    )
+    m(jt([1] * 6 + [2] * 3))  # step 1: 1 (x6) and 2 (x3) enter
+    m(jt([2]))  # step 2
+    m(jt([2]))  # step 3: 2 seen 5 times, last at 3
+    assert m._mch_counts.tolist() == [6, 5, MAX]
+    assert m._mch_last_access_iter.tolist() == [1, 3, 3]
+    # Step 4, score count / (4 - last + 1): 1 -> 6/4 = 1.5, 2 -> 5/2 = 2.5, new 5 -> 2/1 = 2.
+    # 5 replaces 1 (LFU would keep 1 for its count, 6 > 2).
+    assert m(jt([5, 5]))["f"].values().tolist() == [0, 0]
+    assert m._mch_sorted_raw_ids.tolist() == [2, 5, MAX]
+    assert m._mch_remapped_ids_mapping.tolist() == [1, 0, 2]
+    assert m._mch_counts.tolist() == [5, 2, MAX]  # in raw-id order: 2, 5
+    assert m._mch_last_access_iter.tolist() == [3, 4, 4]
 
 
 def test_history_grows_beyond_the_first_batch() -> None:
