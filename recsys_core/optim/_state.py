@@ -1,10 +1,11 @@
-"""State-dict plumbing shared by the keyed optimizers: name-keyed param groups, in-place loads."""
+"""Plumbing shared by the keyed optimizers: name-keyed param groups, in-place loads, and the
+optional TorchRec 1.9 hooks that wrappers pass on to the optimizers they hold."""
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -30,6 +31,31 @@ def init_optimizer_attributes(optimizer: torch.optim.Optimizer) -> None:
     ):
         setattr(optimizer, hooks, OrderedDict())
     optimizer._patch_step_function()
+
+
+def inner_scratch_buffers(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[torch.Tensor, ...]:
+    """The scratch buffers of ``optimizers``, in order (``scratch_buffers()``, TorchRec 1.9);
+    an optimizer without the method has none."""
+    return tuple(
+        buffer for opt in optimizers if hasattr(opt, "scratch_buffers")
+        for buffer in opt.scratch_buffers()
+    )
+
+
+def set_inner_optimizer_step(optimizers: Iterable[torch.optim.Optimizer], step: int) -> None:
+    """``set_optimizer_step(step)`` on each of ``optimizers`` that has it."""
+    for opt in optimizers:
+        if hasattr(opt, "set_optimizer_step"):
+            opt.set_optimizer_step(step)
+
+
+def update_inner_hyper_parameters(
+    optimizers: Iterable[torch.optim.Optimizer], params_dict: dict[str, Any]
+) -> None:
+    """``update_hyper_parameters(params_dict)`` on each of ``optimizers`` that has it."""
+    for opt in optimizers:
+        if hasattr(opt, "update_hyper_parameters"):
+            opt.update_hyper_parameters(params_dict)
 
 
 def state_content(value: dict[str, Any]) -> dict[str, Any]:

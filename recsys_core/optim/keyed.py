@@ -24,11 +24,14 @@ from torch import optim
 
 from recsys_core.optim._state import (
     init_optimizer_attributes,
+    inner_scratch_buffers,
     load_param_groups,
     load_param_state,
     named_param_groups,
     route_key,
+    set_inner_optimizer_step,
     state_content,
+    update_inner_hyper_parameters,
 )
 
 OptimizerFactory = Callable[[Any], optim.Optimizer]
@@ -186,17 +189,13 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
 
     def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
         """The wrapped optimizer's scratch buffers (TorchRec 1.9; none unless it has some)."""
-        if hasattr(self._optimizer, "scratch_buffers"):
-            return self._optimizer.scratch_buffers()
-        return ()
+        return inner_scratch_buffers([self._optimizer])
 
     def set_optimizer_step(self, step: int) -> None:
-        if hasattr(self._optimizer, "set_optimizer_step"):
-            self._optimizer.set_optimizer_step(step)
+        set_inner_optimizer_step([self._optimizer], step)
 
     def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        if hasattr(self._optimizer, "update_hyper_parameters"):
-            self._optimizer.update_hyper_parameters(params_dict)
+        update_inner_hyper_parameters([self._optimizer], params_dict)
 
 
 class OptimizerWrapper(KeyedOptimizer):
@@ -238,17 +237,13 @@ class OptimizerWrapper(KeyedOptimizer):
 
     def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
         """The wrapped optimizer's scratch buffers (TorchRec 1.9; none unless it has some)."""
-        if hasattr(self._optimizer, "scratch_buffers"):
-            return self._optimizer.scratch_buffers()
-        return ()
+        return inner_scratch_buffers([self._optimizer])
 
     def set_optimizer_step(self, step: int) -> None:
-        if hasattr(self._optimizer, "set_optimizer_step"):
-            self._optimizer.set_optimizer_step(step)
+        set_inner_optimizer_step([self._optimizer], step)
 
     def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        if hasattr(self._optimizer, "update_hyper_parameters"):
-            self._optimizer.update_hyper_parameters(params_dict)
+        update_inner_hyper_parameters([self._optimizer], params_dict)
 
 
 class CombinedOptimizer(KeyedOptimizer):
@@ -381,20 +376,13 @@ class CombinedOptimizer(KeyedOptimizer):
 
     def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
         """Every sub-optimizer's scratch buffers, in order (TorchRec 1.9)."""
-        return tuple(
-            buffer for _, opt in self._optims if hasattr(opt, "scratch_buffers")
-            for buffer in opt.scratch_buffers()
-        )
+        return inner_scratch_buffers(opt for _, opt in self._optims)
 
     def set_optimizer_step(self, step: int) -> None:
-        for _, opt in self._optims:
-            if hasattr(opt, "set_optimizer_step"):
-                opt.set_optimizer_step(step)
+        set_inner_optimizer_step((opt for _, opt in self._optims), step)
 
     def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        for _, opt in self._optims:
-            if hasattr(opt, "update_hyper_parameters"):
-                opt.update_hyper_parameters(params_dict)
+        update_inner_hyper_parameters((opt for _, opt in self._optims), params_dict)
 
 
 __all__ = [

@@ -22,7 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recsys_core.optim._state import init_optimizer_attributes
+from recsys_core.optim._state import (
+    init_optimizer_attributes,
+    inner_scratch_buffers,
+    set_inner_optimizer_step,
+    update_inner_hyper_parameters,
+)
 from recsys_core.optim.keyed import KeyedOptimizer
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -199,17 +204,10 @@ class SemisyncOptimizer(KeyedOptimizer):
 
     def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
         """The local then the global optimizer's scratch buffers (TorchRec 1.9)."""
-        return tuple(
-            buffer for opt in (self._optimizer, self._global_optimizer)
-            if hasattr(opt, "scratch_buffers") for buffer in opt.scratch_buffers()
-        )
+        return inner_scratch_buffers([self._optimizer, self._global_optimizer])
 
     def set_optimizer_step(self, step: int) -> None:
-        for opt in (self._optimizer, self._global_optimizer):
-            if hasattr(opt, "set_optimizer_step"):
-                opt.set_optimizer_step(step)
+        set_inner_optimizer_step([self._optimizer, self._global_optimizer], step)
 
     def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        for opt in (self._optimizer, self._global_optimizer):
-            if hasattr(opt, "update_hyper_parameters"):
-                opt.update_hyper_parameters(params_dict)
+        update_inner_hyper_parameters([self._optimizer, self._global_optimizer], params_dict)
