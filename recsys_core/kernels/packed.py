@@ -237,7 +237,7 @@ class _PermuteParts(torch.autograd.Function):
     (no zero fill, no index_add: the placement is a bijection, every column is written once)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         placement: _Placement,
         dims: tuple[int, ...],
@@ -248,7 +248,7 @@ class _PermuteParts(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         needs = ctx.needs_input_grad[2:]  # type: ignore[attr-defined]
@@ -272,7 +272,7 @@ class _PermuteReceived(torch.autograd.Function):
     the parts' gradients again."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         flat: torch.Tensor,
         rows: int,
@@ -284,7 +284,7 @@ class _PermuteReceived(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         rows, dims = ctx.rows, ctx.dims  # type: ignore[attr-defined]

@@ -286,7 +286,7 @@ class TorchTableBatchedEmbedding(nn.Module):
 
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         kernel: TorchTableBatchedEmbedding,
         placeholder: torch.Tensor,
@@ -300,7 +300,7 @@ class _FusedLookup(torch.autograd.Function):
             return kernel.pooled(indices, offsets, per_sample_weights)
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
     ) -> tuple[None, None, None, None, torch.Tensor | None]:
         indices, offsets, psw = ctx.saved_tensors  # type: ignore[attr-defined]

@@ -337,6 +337,6 @@ def _fused_copy(
     else:
         return None
     source = module.state_dict()
-    if source and not any(t.is_meta for t in source.values()) and fused.device.type != "meta":  # type: ignore[union-attr]
+    if source and not any(t.is_meta for t in source.values()) and fused.device.type != "meta":
         fused.load_state_dict(source)
     return fused

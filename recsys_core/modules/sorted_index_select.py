@@ -41,13 +41,13 @@ def _sorted_segment_sum(grad_out: torch.Tensor, indices: torch.Tensor, num_rows:
 
 class _SortedIndexSelect(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, embeddings: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, embeddings: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(indices)
         ctx.num_rows = embeddings.size(0)
         return embeddings.index_select(0, indices)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
         (indices,) = ctx.saved_tensors
         return _sorted_segment_sum(grad_out, indices.long(), ctx.num_rows), None
 

@@ -207,8 +207,8 @@ class OptimizerWrapper(KeyedOptimizer):
         init_optimizer_attributes(self)
         self._optimizer = optimizer
         self.params = optimizer.params
-        self.state = optimizer.state  # type: ignore[assignment]
-        self.param_groups = optimizer.param_groups  # type: ignore[assignment]
+        self.state = optimizer.state
+        self.param_groups = optimizer.param_groups
         self.defaults = {"_save_param_groups": False}
 
     def __repr__(self) -> str:
@@ -228,8 +228,8 @@ class OptimizerWrapper(KeyedOptimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self._optimizer.load_state_dict(state_dict)
-        self.state = self._optimizer.state  # type: ignore[assignment]
-        self.param_groups = self._optimizer.param_groups  # type: ignore[assignment]
+        self.state = self._optimizer.state
+        self.param_groups = self._optimizer.param_groups
         self.post_load_state_dict()
 
     def save_param_groups(self, save: bool) -> None:
@@ -292,18 +292,18 @@ class CombinedOptimizer(KeyedOptimizer):
     def optimizers(self) -> list[tuple[str, KeyedOptimizer]]:
         return self._optims
 
-    @property  # type: ignore[override]
+    @property
     def params(self) -> dict[str, torch.Tensor]:
         return {
             self.prepend_opt_key(name, prefix): p
             for prefix, opt in self._optims for name, p in opt.params.items()
         }
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> dict[torch.Tensor, Any]:
         return {p: s for _, opt in self._optims for p, s in opt.state.items()}
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[Any]:
         return [group for _, opt in self._optims for group in opt.param_groups]
 

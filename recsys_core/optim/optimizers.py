@@ -121,7 +121,7 @@ class _FusedPlaceholder(torch.optim.Optimizer):
         self._kwargs = kwargs
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} is a placeholder that names a fused embedding optimizer: "
             "convert the module (FusedEmbeddingBagCollection.from_embedding_bag_collection or "

@@ -73,7 +73,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 self.state[p]["sum"].share_memory_()
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -96,11 +96,11 @@ class SemisyncOptimizer(KeyedOptimizer):
         self._non_blocking = non_blocking
         self.defaults: dict[str, Any] = {"_save_param_groups": False}
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[Any]:
         return [g for opt in (self._optimizer, self._global_optimizer) for g in opt.param_groups]
 
-    @property  # type: ignore[override]
+    @property
     def params(self) -> dict[str, torch.Tensor]:
         out = dict(self._optimizer.params)
         for name, param in self._global_optimizer.params.items():
@@ -114,7 +114,7 @@ class SemisyncOptimizer(KeyedOptimizer):
         out[SEMISYNC_LOCAL_STEP_COUNTER_KEY] = self._local_step_counter
         return out
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> dict[torch.Tensor, Any]:
         out = {
             param: {SEMI_SYNC_LOCAL_STATE_KEY + k: v for k, v in state.items()}
@@ -162,8 +162,8 @@ class SemisyncOptimizer(KeyedOptimizer):
                 if param in own and any(k.startswith(prefix) for k in param_state)
             }
             if state:
-                opt.state.clear()  # type: ignore[attr-defined]
-                opt.state.update(state)  # type: ignore[attr-defined]
+                opt.state.clear()
+                opt.state.update(state)
         for opt in (self._optimizer, self._global_optimizer):
             opt.post_load_state_dict()
 

@@ -197,6 +197,6 @@ class WarmupOptimizer(OptimizerWrapper):
                 self._stages[stage_id - 1], self._stages[stage_id],
             )
         self._set_lr(iter_, stage_id)
-        self.state[self._warmup_param] = {  # type: ignore[index]
+        self.state[self._warmup_param] = {
             "warmup": torch.tensor([iter_, stage_id], dtype=torch.long)
         }
