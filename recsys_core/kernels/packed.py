@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from recsys_core.kernels.cached_tbe import TableCache
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
@@ -232,31 +232,48 @@ def _copy_out(parts: Sequence[torch.Tensor], copies: Sequence[_Copy], total: int
     return out
 
 
+class _PermutePartsCtx(FunctionCtx):
+    """The autograd context of :class:`_PermuteParts` as its methods use it (torch's
+    ``FunctionCtx`` declares neither what forward stores nor ``needs_input_grad``)."""
+
+    placement: _Placement
+    dims: tuple[int, ...]
+    needs_input_grad: tuple[bool, ...]
+
+
+class _PermuteReceivedCtx(FunctionCtx):
+    """The autograd context of :class:`_PermuteReceived` as its methods use it."""
+
+    rows: int
+    dims: tuple[int, ...]
+    placement: _Placement
+
+
 class _PermuteParts(torch.autograd.Function):
     """Forward: one slice copy per run. Backward: each part's gradient is the inverse copies
     (no zero fill, no index_add: the placement is a bijection, every column is written once)."""
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: _PermutePartsCtx,
         placement: _Placement,
         dims: tuple[int, ...],
         *parts: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.placement, ctx.dims = placement, dims  # type: ignore[attr-defined]
+        ctx.placement, ctx.dims = placement, dims
         return _copy_out(parts, placement.copies, sum(dims))
 
     @staticmethod
     @once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+        ctx: _PermutePartsCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        needs = ctx.needs_input_grad[2:]  # type: ignore[attr-defined]
+        needs = ctx.needs_input_grad[2:]
         grads: list[torch.Tensor | None] = [
             grad.new_empty(grad.shape[0], d) if need else None
-            for d, need in zip(ctx.dims, needs, strict=True)  # type: ignore[attr-defined]
+            for d, need in zip(ctx.dims, needs, strict=True)
         ]
-        copy_runs(grad, grads, ctx.placement.copies, to_parts=True)  # type: ignore[attr-defined]
+        copy_runs(grad, grads, ctx.placement.copies, to_parts=True)
         return (None, None, *grads)
 
 
@@ -273,24 +290,23 @@ class _PermuteReceived(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: _PermuteReceivedCtx,
         flat: torch.Tensor,
         rows: int,
         dims: tuple[int, ...],
         placement: _Placement,
     ) -> torch.Tensor:
-        ctx.rows, ctx.dims, ctx.placement = rows, dims, placement  # type: ignore[attr-defined]
+        ctx.rows, ctx.dims, ctx.placement = rows, dims, placement
         return _copy_out(_chunks(flat, rows, dims), placement.copies, sum(dims))
 
     @staticmethod
     @once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+        ctx: _PermuteReceivedCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        rows, dims = ctx.rows, ctx.dims  # type: ignore[attr-defined]
+        rows, dims = ctx.rows, ctx.dims
         flat = grad.new_empty(rows * sum(dims))
-        copy_runs(grad, _chunks(flat, rows, dims), ctx.placement.copies,  # type: ignore[attr-defined]
-                  to_parts=True)
+        copy_runs(grad, _chunks(flat, rows, dims), ctx.placement.copies, to_parts=True)
         return flat, None, None, None
 
 

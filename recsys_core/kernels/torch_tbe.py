@@ -284,28 +284,37 @@ class TorchTableBatchedEmbedding(nn.Module):
         return w - lr * ratio * update
 
 
+class _FusedLookupCtx(torch.autograd.function.FunctionCtx):
+    """The autograd context of :class:`_FusedLookup` as its methods use it (torch's
+    ``FunctionCtx`` declares neither what forward stores nor the backward-time attributes)."""
+
+    kernel: TorchTableBatchedEmbedding
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    needs_input_grad: tuple[bool, ...]
+
+
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: _FusedLookupCtx,
         kernel: TorchTableBatchedEmbedding,
         placeholder: torch.Tensor,
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        ctx.kernel = kernel  # type: ignore[attr-defined]
+        ctx.kernel = kernel
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         with torch.no_grad():
             return kernel.pooled(indices, offsets, per_sample_weights)
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+        ctx: _FusedLookupCtx, grad_out: torch.Tensor
     ) -> tuple[None, None, None, None, torch.Tensor | None]:
-        indices, offsets, psw = ctx.saved_tensors  # type: ignore[attr-defined]
-        want_psw_grad = bool(ctx.needs_input_grad[4])  # type: ignore[attr-defined]
-        psw_grad = ctx.kernel.backward_and_update(  # type: ignore[attr-defined]
+        indices, offsets, psw = ctx.saved_tensors
+        want_psw_grad = bool(ctx.needs_input_grad[4])
+        psw_grad = ctx.kernel.backward_and_update(
             grad_out.contiguous(), indices, offsets, psw, want_psw_grad
         )
         return None, None, None, None, psw_grad

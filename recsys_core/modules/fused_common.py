@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -16,6 +16,8 @@ from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 from recsys_core.optim.fused import EmbeddingFusedOptimizer
 from recsys_core.optim.keyed import CombinedOptimizer
 from recsys_core.optim.rowwise_adagrad import RowWiseAdagrad
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def resolve_fused_config(
@@ -144,8 +146,8 @@ def fused_table_weights(
 
 
 def deepcopy_with_kernel_views(
-    module: nn.Module, kernels: list[nn.Module], memo: dict[int, Any]
-) -> nn.Module:
+    module: ModuleT, kernels: list[nn.Module], memo: dict[int, Any]
+) -> ModuleT:
     """``copy.deepcopy`` of a fused collection whose table parameters stay views of the copied
     kernels' storage.
 

@@ -95,7 +95,7 @@ class FusedEmbeddingCollection(nn.Module):
         self.embeddings = nn.ModuleDict(holders)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingCollection:
-        return deepcopy_with_kernel_views(self, self._kernels, memo)  # type: ignore[return-value]
+        return deepcopy_with_kernel_views(self, self._kernels, memo)
 
     @property
     def _kernels(self) -> list[nn.Module]:

@@ -163,7 +163,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         return fused
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingBagCollection:
-        return deepcopy_with_kernel_views(self, self._kernels, memo)  # type: ignore[return-value]
+        return deepcopy_with_kernel_views(self, self._kernels, memo)
 
     @property
     def _kernels(self) -> list[nn.Module]:

@@ -291,8 +291,8 @@ class ManagedCollisionModule(nn.Module):
         """A module owning rows ``[start, end)`` of this one (a row-wise shard)."""
 
 
-def _validate_after_load(module: nn.Module, incompatible_keys: object) -> None:
-    module.validate_state()  # type: ignore[operator]
+def _validate_after_load(module: ManagedCollisionModule, incompatible_keys: object) -> None:
+    module.validate_state()
 
 
 # ---- the sorted-table module ----------------------------------------------------------------

@@ -96,10 +96,10 @@ class MLP(nn.Module):
         for i, out_size in enumerate(layer_sizes):
             if not activation_on_last and i == len(layer_sizes) - 1:
                 act: Activation = nn.Identity()
-            elif activation == "swish_layernorm":
+            elif isinstance(activation, str):  # "swish_layernorm": the other names are resolved
                 act = SwishLayerNorm(out_size, device=device)
             else:
-                act = extract_module_or_tensor_callable(activation)  # type: ignore[arg-type]
+                act = extract_module_or_tensor_callable(activation)
             in_i = layer_sizes[i - 1] if i > 0 else in_size
             layers.append(Perceptron(in_i, out_size, bias, act, device=device, dtype=dtype))
         self._mlp: nn.Module = nn.Sequential(*layers)

@@ -70,9 +70,9 @@ def check_module_output_dimension(
     module: Iterable[nn.Module] | nn.Module, in_features: int, out_features: int
 ) -> bool:
     """True if ``module`` (or every module of a (nested) list) maps in_features -> out_features."""
-    if isinstance(module, (list, nn.ModuleList)):
-        return all(check_module_output_dimension(m, in_features, out_features) for m in module)
-    return get_module_output_dimension(module, in_features) == out_features  # type: ignore[arg-type]
+    if isinstance(module, nn.Module) and not isinstance(module, nn.ModuleList):
+        return get_module_output_dimension(module, in_features) == out_features
+    return all(check_module_output_dimension(m, in_features, out_features) for m in module)
 
 
 def init_mlp_weights_xavier_uniform(m: nn.Module) -> None:
