@@ -1,2 +1,2 @@
-"""Reporting: a run directory -> ``report.md`` with its plots (``report``, ``plots``) and
-TensorBoard event files."""
+"""Reporting: a run directory -> ``report.md`` with its plots (``report``, ``plots``; the ROC
+and calibration points from ``curves``) and TensorBoard event files."""
