@@ -81,6 +81,11 @@ class BaseEmbeddingSharder(ModuleSharder[M]):
         """``{table name: weight}`` (TorchRec's keys: the table names)."""
         return table_weights(module)  # type: ignore[return-value]
 
+    @property
+    def storage_usage_type(self) -> StorageUsageType:
+        """How :meth:`storage_usage` counts tensors (the planner's ``SharderData``)."""
+        return StorageUsageType.BASE
+
     def storage_usage(
         self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
     ) -> dict[str, int]:
@@ -129,6 +134,11 @@ class BaseQuantEmbeddingSharder(ModuleSharder[M]):
                 )
             params = {n: p for n, p in params.items() if n in self._shardable_params}
         return params  # type: ignore[return-value]
+
+    @property
+    def storage_usage_type(self) -> StorageUsageType:
+        """How :meth:`storage_usage` counts tensors (the planner's ``SharderData``)."""
+        return StorageUsageType.BASE_QUANT
 
     def storage_usage(
         self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str

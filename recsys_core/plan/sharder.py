@@ -6,10 +6,15 @@ without importing the runtime (``EmbeddingBagCollectionSharder`` matches it stru
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from recsys_core.kernels.config import EmbOptimType
 
 
 class Sharder(Protocol):
@@ -21,6 +26,92 @@ class Sharder(Protocol):
     def sharding_types(self, compute_device_type: str) -> list[str]: ...
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]: ...
+
+
+class _OptimizerConfig(Protocol):
+    @property
+    def optimizer(self) -> EmbOptimType: ...
+
+
+class PlanningSharder(Sharder, Protocol):
+    """What the planner reads of a sharder beyond :class:`Sharder`, when the sharder has it.
+
+    Every ``ModuleSharder`` of ``recsys_core.distributed`` has all of it but ``optimizer_config``
+    (the collection sharders have that); a sharder that is only a :class:`Sharder` gets the
+    defaults of the functions below. The planner reads sharders only through these, so it never
+    imports the runtime.
+    """
+
+    @property
+    def fused_params(self) -> Mapping[str, Any] | None:
+        """TorchRec's fused-optimizer dict (``{"optimizer": ..., "learning_rate": ...}``)."""
+        ...
+
+    @property
+    def qcomm_codecs_registry(self) -> Mapping[str, Any] | None:
+        """``{CommOp name: codecs}``: the precision of the embedding collectives."""
+        ...
+
+    @property
+    def storage_usage_type(self) -> Enum:
+        """TorchRec's ``StorageUsageType`` of this sharder (the planner's ``SharderData``)."""
+        ...
+
+    def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """``{table name: weight}`` this sharder shards in ``module``."""
+        ...
+
+    def storage_usage(
+        self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
+    ) -> dict[str, int]:
+        """``{"hbm" | "ddr": bytes}`` a shard of ``tensor`` takes with ``compute_kernel``."""
+        ...
+
+    def optimizer_config(self, module: nn.Module) -> _OptimizerConfig:
+        """The fused optimizer this sharder gives ``module``'s tables."""
+        ...
+
+
+def fused_params_of(sharder: object) -> dict[str, Any]:
+    """The sharder's ``fused_params`` as a new dict (empty when it has none)."""
+    return dict(getattr(sharder, "fused_params", None) or {})
+
+
+def qcomm_codecs_of(sharder: object) -> Mapping[str, Any]:
+    """The sharder's ``qcomm_codecs_registry`` (empty when it has none)."""
+    return getattr(sharder, "qcomm_codecs_registry", None) or {}
+
+
+def storage_usage_type_of(sharder: object) -> Enum | None:
+    """The sharder's ``storage_usage_type`` (None when it has none)."""
+    return getattr(sharder, "storage_usage_type", None)
+
+
+def storage_usage_of(sharder: object) -> Callable[[torch.Tensor, str, str], dict[str, int]]:
+    """The sharder's ``storage_usage`` (the whole tensor in host memory on CPU, else in device
+    memory, when it has none: TorchRec's ``ModuleSharder`` rule)."""
+    method = getattr(sharder, "storage_usage", None)
+    return method if callable(method) else default_storage_usage
+
+
+def default_storage_usage(tensor: torch.Tensor, compute_device_type: str,
+                          compute_kernel: str) -> dict[str, int]:
+    """TorchRec's ``ModuleSharder.storage_usage``: the tensor's bytes in host memory on CPU,
+    in device memory elsewhere."""
+    return {"ddr" if compute_device_type == "cpu" else "hbm": tensor.numel() * tensor.element_size()}
+
+
+def shardable_parameters_of(sharder: object, module: nn.Module) -> dict[str, nn.Parameter] | None:
+    """The sharder's ``shardable_parameters(module)`` (None when it has no such method)."""
+    method = getattr(sharder, "shardable_parameters", None)
+    return dict(method(module)) if callable(method) else None
+
+
+def optimizer_of(sharder: object, module: nn.Module) -> EmbOptimType | None:
+    """The fused optimizer the sharder's ``optimizer_config(module)`` names (None when it has
+    no such method)."""
+    method = getattr(sharder, "optimizer_config", None)
+    return method(module).optimizer if callable(method) else None
 
 
 _default_sharders: Callable[[], list[Sharder]] | None = None

@@ -86,3 +86,7 @@ def kernel_bw_lookup(
         "dram_virtual_table": hbm_to_ddr_mem_bw,
         "dram_ssd_virtual_table": hbm_to_ddr_mem_bw,
     }.get(str(compute_kernel))
+
+PIPELINE_TYPES = ("none", "train_base", "train_sparse_dist", "train_prefetch_sparse_dist")
+"""The values of TorchRec's ``PipelineType`` (``recsys_core.distributed.types``): the pipelines
+the storage estimator sizes inputs for (named by value in a ``PlannerConfig``)."""

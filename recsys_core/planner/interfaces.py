@@ -10,16 +10,18 @@ topology, rate the partitioned plans and keep the best.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
+from recsys_core.plan.sharder import default_storage_usage
 from recsys_core.planner.constants import CROSS_NODE_BANDWIDTH, INTRA_NODE_BANDWIDTH
 
 if TYPE_CHECKING:
-    from recsys_core.distributed.types import StorageUsageType
     from recsys_core.plan.types import ShardingPlan
     from recsys_core.planner.constraints import ParameterConstraints
     from recsys_core.planner.sharding_option import ShardingOption
@@ -42,7 +44,12 @@ class SharderData:
     fused_params: dict[str, Any]
     qcomm_dtype_sizes: dict[str, tuple[float, float]]
     """Forward and backward bytes per element of each quantized CommOp (by name)."""
-    storage_usage_type: StorageUsageType
+    storage_usage_type: Enum | None
+    """TorchRec's ``StorageUsageType`` of the sharder (None: a sharder without one)."""
+    storage_usage: Callable[[torch.Tensor, str, str], dict[str, int]] = field(
+        default=default_storage_usage, compare=False, repr=False)
+    """The sharder's ``storage_usage(tensor, compute_device_type, compute_kernel)`` (TorchRec
+    1.8 asks the sharder itself); TorchRec's ``ModuleSharder`` rule by default."""
 
 
 SharderDataMap = dict[str, SharderData]

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from recsys_core.plan.sharder import fused_params_of
 from recsys_core.planner.results import ModelArch, SharderArch, TableArch
 from recsys_core.planner.utils import sharder_name
 
@@ -50,7 +51,7 @@ def _config_of(module: nn.Module, table: str) -> Any | None:
 
 
 def _sharder_arch(sharder: Any) -> SharderArch:
-    params = dict(getattr(sharder, "fused_params", None) or {})
+    params = fused_params_of(sharder)
     return SharderArch(
         sharder_type=type(sharder).__name__,
         optimizer=_value(params.get("optimizer")),

@@ -20,7 +20,7 @@ from recsys_core.plan.generators import (
     table_row_wise,
     table_wise,
 )
-from recsys_core.plan.sharder import Sharder
+from recsys_core.plan.sharder import Sharder, shardable_parameters_of
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingPlan, ShardingType
 from recsys_core.planner.constraints import CacheParams
 from recsys_core.planner.errors import PlannerError
@@ -53,9 +53,9 @@ def collections_of(
                 "embedding_bag_configs() nor embedding_configs()); plan embedding (bag) "
                 "collections"
             )
-        listed = getattr(sharder, "shardable_parameters", None)
-        if callable(listed):  # TorchRec: a sharder may shard only some tables (shardable_params)
-            names = set(listed(sub))
+        listed = shardable_parameters_of(sharder, sub)
+        if listed is not None:  # TorchRec: a sharder may shard only some tables (shardable_params)
+            names = set(listed)
             configs = [c for c in configs if c.name in names]
             if not configs:
                 continue

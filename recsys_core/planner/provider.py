@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from recsys_core.distributed.types import PipelineType
+from recsys_core.planner.constants import PIPELINE_TYPES
 from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
 from recsys_core.planner.perf_models import NoopStorageModel
 from recsys_core.planner.perf_partitioners import (
@@ -130,7 +130,11 @@ class DefaultPlannerProvider:
 
     def _build_enumerator(self, topology: Topology, ctx: PlannerSessionContext) -> EmbeddingEnumerator:
         request, cfg = ctx.request, ctx.request.planner_config
-        pipeline = PipelineType(cfg.pipeline_type) if cfg.pipeline_type else PipelineType.NONE
+        pipeline = cfg.pipeline_type or "none"
+        if pipeline not in PIPELINE_TYPES:  # TorchRec's PipelineType values
+            raise ValueError(
+                f"planner_config.pipeline_type {pipeline!r} is not a pipeline the storage "
+                f"estimator knows; use one of {list(PIPELINE_TYPES)} (PipelineType values)")
         return EmbeddingEnumerator(
             topology=topology, batch_size=request.batch_size, constraints=request.constraints,
             estimator=[

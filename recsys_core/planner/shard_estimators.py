@@ -254,14 +254,12 @@ def calculate_shard_storages(
     kv_cache_load_factor: float = KV_CACHING_RATIO, use_virtual_table: bool = False,
 ) -> list[Storage]:
     """Each shard's :class:`Storage` by TorchRec's rule (module docstring)."""
-    from recsys_core.distributed.types import compute_storage_usage
-
     kernel = str(compute_kernel)
     inputs, outputs = _calculate_shard_io_sizes(
         sharding_type, batch_sizes, world_size, local_world_size, input_lengths,
         tensor.shape[1], shard_sizes, input_data_type_size, output_data_type_size,
         num_poolings, is_pooled)
-    usage = compute_storage_usage(tensor, compute_device, kernel, sharder_data.storage_usage_type)
+    usage = sharder_data.storage_usage(tensor, compute_device, kernel)
     hbm, ddr = usage.get("hbm", 0), usage.get("ddr", 0)
     cached = kernel in _CACHED_KERNELS
     if cached:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, BaseEmbeddingConfig, DataType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
+from recsys_core.plan.sharder import optimizer_of
 from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.estimators import DEFAULT_OPTIMIZER
@@ -33,8 +34,7 @@ def table_specs(
         )
     specs = []
     for path, (sub, sharder, configs) in collections.items():
-        optimizer_config = getattr(sharder, "optimizer_config", None)
-        optimizer = optimizer_config(sub).optimizer if callable(optimizer_config) else DEFAULT_OPTIMIZER
+        optimizer = optimizer_of(sharder, sub) or DEFAULT_OPTIMIZER
         weighted = bool(getattr(sub, "is_weighted", lambda: False)())
         for config in configs:
             given = constraints_by_table.get(config.name)

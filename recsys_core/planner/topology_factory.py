@@ -11,6 +11,7 @@ from (TorchRec's constants unless ``use_hardware_based_bandwidth`` or a
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,21 @@ from recsys_core.planner.constants import (
 )
 from recsys_core.planner.interfaces import GeneralizedCommsBandwidth
 from recsys_core.planner.topology import Topology
+
+
+def _torchrec_logger(destination: str) -> logging.Logger:
+    # The loggers of recsys_core.distributed.logger (TorchRec's names and set-up), without
+    # importing the runtime: the same logging.Logger objects by name.
+    logger = logging.getLogger(f"{destination}-NullHandler")
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+    return logger
+
+
+_STATIC_LOGGER = _torchrec_logger("SingleRankStaticLogger")
+_ONE_TIME_LOGGER = _torchrec_logger("Cap1Logger")
 
 CAP_OVERRIDE_THRESHOLD = 0.05
 """A TrainerConfig capacity further than this fraction from the detected one is logged."""
@@ -92,11 +108,9 @@ class HardwareConfig(TopologyConfigBase):
     def validate(self, compute_device: str | None = None) -> None:
         """Logs one warning listing :meth:`get_validation_issues` (never raises: a detected
         value may be overridden by the TrainerConfig)."""
-        from recsys_core.distributed.logger import static_logger
-
         issues = self.get_validation_issues(compute_device)
         if issues:
-            static_logger.warning("HardwareConfig validation: " + "; ".join(issues))
+            _STATIC_LOGGER.warning("HardwareConfig validation: " + "; ".join(issues))
 
 
 @dataclass(frozen=True)
@@ -175,9 +189,7 @@ class TopologyFactory:
             _comms_bandwidths(kwargs, hardware, kernel)
             return Topology(**kwargs, created_by_factory=True)
         except Exception as error:
-            from recsys_core.distributed.logger import one_time_logger
-
-            one_time_logger.error(f"TopologyFactory.create_topology failed: {error}")
+            _ONE_TIME_LOGGER.error(f"TopologyFactory.create_topology failed: {error}")
             raise
 
 
@@ -216,12 +228,10 @@ def _warn_if_cap_override(name: str, trainer_value: int | None, hardware_value: 
         return
     ratio = abs(trainer_value - hardware_value) / hardware_value
     if ratio > CAP_OVERRIDE_THRESHOLD:
-        from recsys_core.distributed.logger import static_logger
-
         message = (f"TopologyFactory: TrainerConfig {name} ({trainer_value / 1024**3:.1f} GiB) "
                    f"differs from HardwareConfig {name} ({hardware_value / 1024**3:.1f} GiB) "
                    f"by {ratio:.0%}. Using TrainerConfig value.")
-        static_logger.warning(f"{message} {hint}" if hint else message)
+        _STATIC_LOGGER.warning(f"{message} {hint}" if hint else message)
 
 
 def _memory_bandwidths(kwargs: dict[str, Any], hardware: HardwareConfig,

@@ -13,6 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsys_core.plan.sharder import (
+    fused_params_of,
+    qcomm_codecs_of,
+    shardable_parameters_of,
+    storage_usage_of,
+    storage_usage_type_of,
+)
 from recsys_core.plan.types import ShardingType
 from recsys_core.planner.constants import NUM_POOLINGS
 from recsys_core.planner.interfaces import SharderData, SharderDataMap
@@ -26,22 +33,11 @@ _POOLED_RS = "POOLED_EMBEDDINGS_REDUCE_SCATTER"
 _QCOMM_OPS = (_POOLED_A2A, _SEQUENCE_A2A, _POOLED_RS)
 
 
-def _sharder_classes(name: str) -> tuple[type, ...]:
-    # Imported here: recsys_core.distributed imports the planner.
-    from recsys_core.distributed import embedding_types
-
-    cls = getattr(embedding_types, name, None)
-    return (cls,) if isinstance(cls, type) else ()
-
-
 def build_sharder_data(sharder: Any) -> SharderData:
     """What estimators read of ``sharder``: its fused params (a dict copy), the element sizes of
     its quantized collectives, and how its tensors are counted (quantized inference sharders
     count a 4-byte row header; fused ones keep UVM tables in host memory)."""
-    from recsys_core.distributed.types import StorageUsageType
-
-    fused = getattr(sharder, "fused_params", None)
-    registry = getattr(sharder, "qcomm_codecs_registry", None) or {}
+    registry = qcomm_codecs_of(sharder)
     sizes: dict[str, tuple[float, float]] = {}
     for op in _QCOMM_OPS:
         if op in registry:
@@ -50,14 +46,9 @@ def build_sharder_data(sharder: Any) -> SharderData:
                 torch.tensor([], dtype=codecs.forward.quantized_dtype).element_size(),
                 torch.tensor([], dtype=codecs.backward.quantized_dtype).element_size(),
             )
-    if isinstance(sharder, _sharder_classes("BaseQuantEmbeddingSharder")):
-        usage = StorageUsageType.BASE_QUANT
-    elif isinstance(sharder, _sharder_classes("BaseEmbeddingSharder")):
-        usage = StorageUsageType.BASE
-    else:
-        usage = StorageUsageType.DEFAULT
-    return SharderData(fused_params=dict(fused) if fused else {}, qcomm_dtype_sizes=sizes,
-                       storage_usage_type=usage)
+    return SharderData(fused_params=fused_params_of(sharder), qcomm_dtype_sizes=sizes,
+                       storage_usage_type=storage_usage_type_of(sharder),
+                       storage_usage=storage_usage_of(sharder))
 
 
 def build_sharder_data_map(sharder_map: dict[str, Any]) -> SharderDataMap:
@@ -271,9 +262,9 @@ class LuusJaakolaSearch:
 def shardable_parameters(sharder: Any, module: nn.Module) -> dict[str, nn.Parameter]:
     """``{table name: weight}`` a sharder shards in ``module``: the sharder's own
     ``shardable_parameters`` where it has one, else the module's embedding tables."""
-    method = getattr(sharder, "shardable_parameters", None)
-    if callable(method):
-        return dict(method(module))
+    listed = shardable_parameters_of(sharder, module)
+    if listed is not None:
+        return listed
     configs = getattr(module, "embedding_bag_configs", None) or getattr(
         module, "embedding_configs", None)
     if not callable(configs):
