@@ -7,7 +7,7 @@ from recsys_core.planner.constraints import (
     KeyValueParams,
     ParameterConstraints,
 )
-from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
+from recsys_core.planner.enumerators import EmbeddingEnumerator
 from recsys_core.planner.errors import MemoryShortfall, PlannerError, PlannerErrorType, TableMemory
 from recsys_core.planner.machine import (
     MemoryReading,
@@ -18,8 +18,8 @@ from recsys_core.planner.machine import (
     smallest_over_ranks,
 )
 from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
+from recsys_core.planner.search.stats import CachedTableStats, PlanStats, RankStats
 from recsys_core.planner.sharding_option import ShardingOption
-from recsys_core.planner.stats import CachedTableStats, PlanStats, RankStats
 from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage, Tier
 from recsys_core.planner.storage_reservations import (
     HeuristicalStorageReservation,

@@ -1,286 +1,316 @@
-"""Candidate layouts of one table: every allowed sharding type x compute kernel x shard geometry.
+"""TorchRec's :class:`EmbeddingEnumerator`: every (sharding type, compute kernel) a table's
+sharder offers that its constraints allow, as :class:`ShardingOption` with TorchRec's shard
+geometry, then estimated by the given shard estimators.
 
-What is allowed is the intersection of what the sharder executes, what the table's constraints
-permit and what is meaningful on the topology:
+This is the component TorchRec's pluggable planner loop runs (``planners.search_plan``); this
+library's own search enumerates its candidates itself (``enumerators.enumerate_options``).
 
-- table-wise: one shard; the partitioner picks the rank.
-- column-wise: ``k`` equal column blocks (``dim % k == 0``, width >= min_partition, widths that
-  are a multiple of 4 when any is), each on a rank the partitioner picks.
-- table-column-wise: ``k`` column blocks on local ranks ``0..k-1`` of a host it picks.
-- row-wise: row blocks (``row_blocks(rows, world_size)``) on every rank.
-- table-row-wise: row blocks over the ranks of a host it picks.
-- data-parallel: a replica per rank; proposed unprompted only for tables of at most
-  ``DATA_PARALLEL_MAX_BYTES`` (it all-reduces the whole table's gradient every step).
+Rules, as TorchRec's:
 
-Splits that repeat another layout are dropped: on one rank nothing is split, and on one host
-the table-row/column-wise layouts are row/column-wise. Column splits are dropped for optimizers
-whose state or update spans a whole row (row-wise Adagrad, partial row-wise Adam, LAMB): a
-column block would compute it over its own columns only, so training would differ from the
-unsharded module. Constraints that name a type bring it back.
-
-Kernels, in order of preference (:func:`planner_kernels`):
-
-- CUDA: FUSED (HBM), FUSED_UVM_CACHING (an HBM cache over host memory), FUSED_UVM (host memory).
-- CPU with disk (``Topology.ssd_cap > 0``): FUSED (RAM), FUSED_UVM_CACHING (a RAM cache over
-  files on local disk). No FUSED_UVM: with the table on disk and no cache, every lookup would
-  read the disk.
-- CPU without disk: FUSED only.
-
-``enforce_hbm`` keeps FUSED only; data-parallel replicas are never cached (FUSED only).
+- Modules are visited from a stack (last child first; ``use_exact_enumerate_order``: a queue,
+  ``named_children`` order); a module with a sharder is not descended into.
+- Sharding types: the sharder's, minus ``grid_shard`` unless a constraint names it, minus
+  row-wise / table-row-wise / grid for feature-processed bag collections; with constraints
+  naming types, the intersection (a warning when empty), in the sharder's order (TorchRec's
+  comes from a set, so it changes from run to run).
+- Kernels: the sharder's for that type intersected with the constraint's (default: every
+  kernel but the key-value / virtual-table ones); ``key_value`` only with disk on some rank;
+  ``dense`` dropped where ``fused`` is offered.
+- Shards: ``plan.shard_sizes.calculate_shard_sizes_and_offsets`` over ``world_size`` and
+  ``intra_group_size``; the constraint's ``min_partition`` is the column block width.
+- A table with a ``device_group`` other than the topology's device is skipped; a table with
+  no option left is a RuntimeError.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any
 
-from recsys_core.kernels.config import EmbOptimType
-from recsys_core.modules.embedding_configs import DATA_TYPE_BITS
-from recsys_core.plan.sharder import Sharder
+from torch import nn
+
+from recsys_core.modules.embedding_collection import EmbeddingCollection
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection
+from recsys_core.plan.shard_sizes import calculate_shard_sizes_and_offsets
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
-from recsys_core.planner.errors import PlannerError, PlannerErrorType
-from recsys_core.planner.estimators import (
-    DATA_PARALLEL_MAX_BYTES,
-    DEFAULT_MIN_PARTITION,
-    estimate_option,
-)
+from recsys_core.planner.constants import DEFAULT_PERF_ESTIMATOR, POOLING_FACTOR
+from recsys_core.planner.constraints import ParameterConstraints
+from recsys_core.planner.interfaces import Enumerator, PartitionByType, ShardEstimator
+from recsys_core.planner.sharding_option import ShardingOption
+from recsys_core.planner.storage import Shard
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import Candidate, Placement, TableSpec
+from recsys_core.planner.utils import build_sharder_data_map, sharder_name
 
-# Also the tie-break order between equally good options: simplest layout first.
-SHARDING_TYPE_ORDER = (
-    ShardingType.TABLE_WISE,
-    ShardingType.COLUMN_WISE,
-    ShardingType.TABLE_COLUMN_WISE,
-    ShardingType.TABLE_ROW_WISE,
-    ShardingType.ROW_WISE,
-    ShardingType.DATA_PARALLEL,
+logger = logging.getLogger(__name__)
+
+GUARDED_COMPUTE_KERNELS = frozenset(
+    k for k in EmbeddingComputeKernel
+    if k.value in ("key_value", "ssd_virtual_table", "dram_virtual_table",
+                   "dram_ssd_virtual_table")
 )
-# Optimizers whose update of an element depends only on that element (and the step): column
-# blocks then train exactly like the whole table.
-COLUMN_SPLIT_EXACT = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.ADAM})
-UVM_KERNELS = (EmbeddingComputeKernel.FUSED_UVM_CACHING, EmbeddingComputeKernel.FUSED_UVM)
-TRAINING_KERNELS = (EmbeddingComputeKernel.FUSED, *UVM_KERNELS)
+"""Kernels proposed only when a constraint names them."""
+GUARDED_SHARDING_TYPES_FOR_FP_MODULES = frozenset({"row_wise", "table_row_wise", "grid_shard"})
+"""Sharding types a feature-processed bag collection gets only when a constraint names them."""
 
 
-def planner_kernels(topology: Topology) -> tuple[EmbeddingComputeKernel, ...]:
-    """The kernels the planner may choose on ``topology``, in order of preference (fastest
-    memory first; see the module docstring)."""
-    if topology.is_cuda:
-        return TRAINING_KERNELS
-    if topology.ssd_per_rank > 0:
-        return (EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.FUSED_UVM_CACHING)
-    return (EmbeddingComputeKernel.FUSED,)
+class EmbeddingEnumerator(Enumerator):
+    """Lists every sharding option of a module's shardable tables (see the module docstring).
 
-
-def enumerate_options(
-    table: TableSpec, sharder: Sharder, topology: Topology, with_perf: bool = False,
-    memory_only: bool = False,
-) -> list[Candidate]:
-    """Every candidate of ``table`` with its per-shard estimates, in preference order
-    (``with_perf``: also its cost by phase, ``Candidate.perf``). ``memory_only``: leave out the
-    kernels over slower memory (cached, UVM) unless the table's constraints name its kernels:
-    the planner's first try where memory clearly suffices."""
-    options = []
-    refused: dict[ShardingType, list[str]] = {}  # types whose sharder runs none of the kernels
-    for sharding_type in allowed_sharding_types(table, sharder, topology):
-        kernels = allowed_kernels(table, sharding_type, sharder, topology)
-        if memory_only and table.constraints.compute_kernels is None:
-            kernels = [k for k in kernels if k not in UVM_KERNELS] or kernels
-        if not kernels:
-            refused[sharding_type] = sharder.compute_kernels(
-                sharding_type.value, topology.compute_device
-            )
-        for placement, rows, cols in _geometries(table, sharding_type, topology):
-            for kernel in kernels:
-                options.append(
-                    estimate_option(
-                        table, sharding_type, kernel, placement, rows, cols, topology, with_perf
-                    )
-                )
-    requested = table.constraints.compute_kernels
-    if not options and requested is not None and refused:
-        runs = "; ".join(f"{t.value}: {sorted(k)}" for t, k in refused.items())
-        hbm = " with enforce_hbm (fused only)" if table.constraints.enforce_hbm else ""
-        raise PlannerError(
-            f"table {table.name!r}: constraints allow compute kernels "
-            f"{[k.value for k in requested]}{hbm}, but no allowed sharding type runs one: "
-            f"{type(sharder).__name__} runs only ({runs}) on {topology.compute_device}, and "
-            "data-parallel replicas are never cached; allow one of those",
-            PlannerErrorType.STRICT_CONSTRAINTS
-        )
-    if not options:
-        raise PlannerError(
-            f"table {table.name!r}: no layout satisfies its constraints and sharder on this "
-            f"topology ({topology.world_size} ranks, {topology.local_size} per host); relax "
-            "ParameterConstraints.sharding_types / compute_kernels for it",
-            PlannerErrorType.STRICT_CONSTRAINTS
-        )
-    return options
-
-
-def allowed_sharding_types(
-    table: TableSpec, sharder: Sharder, topology: Topology
-) -> list[ShardingType]:
-    device = topology.compute_device
-    supported = [ShardingType(t) for t in sharder.sharding_types(device)]
-    requested = table.constraints.sharding_types
-    if requested is not None:
-        unsupported = [t.value for t in requested if t not in supported]
-        if unsupported:
-            raise PlannerError(
-                f"table {table.name!r}: constraints ask for sharding types {unsupported}, which "
-                f"{type(sharder).__name__} does not support on {device} (it supports "
-                f"{[t.value for t in supported]}); choose among those",
-                PlannerErrorType.STRICT_CONSTRAINTS
-            )
-        return [t for t in SHARDING_TYPE_ORDER if t in requested]
-    config = table.config
-    table_bytes = config.num_embeddings * config.embedding_dim * DATA_TYPE_BITS[config.data_type] / 8
-    dropped = set()
-    if table_bytes > DATA_PARALLEL_MAX_BYTES:
-        dropped.add(ShardingType.DATA_PARALLEL)
-    if topology.world_size == 1:
-        dropped |= {ShardingType.ROW_WISE, ShardingType.COLUMN_WISE}
-    if topology.num_hosts == 1:
-        dropped |= {ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE}
-    if table.optimizer.canonical not in COLUMN_SPLIT_EXACT:
-        dropped |= {ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
-    kept = [t for t in SHARDING_TYPE_ORDER if t in supported and t not in dropped]
-    # A sharder that runs only dropped types (e.g. column-wise on one rank) still gets them,
-    # as TorchRec's planner gives them: better a redundant layout than no plan.
-    return kept or [t for t in SHARDING_TYPE_ORDER if t in supported]
-
-
-def allowed_kernels(
-    table: TableSpec, sharding_type: ShardingType, sharder: Sharder, topology: Topology
-) -> list[EmbeddingComputeKernel]:
-    """The kernels ``table`` may use split by ``sharding_type``, in order of preference: the
-    planner's (:func:`planner_kernels`) that its constraints allow and its sharder runs.
-
-    Raises PlannerError when the constraints ask for a kernel the topology cannot have."""
-    device = topology.compute_device
-    constraints = table.constraints
-    requested = constraints.compute_kernels
-    if requested is not None:
-        _check_requested(table.name, requested, topology)
-    kernels = [k for k in planner_kernels(topology) if requested is None or k in requested]
-    if constraints.enforce_hbm or sharding_type is ShardingType.DATA_PARALLEL:
-        kernels = [k for k in kernels if k is EmbeddingComputeKernel.FUSED]
-    supported = {
-        EmbeddingComputeKernel(k) for k in sharder.compute_kernels(sharding_type.value, device)
-    }
-    chosen = [k for k in kernels if k in supported]
-    dense = EmbeddingComputeKernel.DENSE
-    if not chosen and dense in supported and (requested is None or dense in requested):
-        # TorchRec's rule: DENSE (weights as parameters, stepped by the dense optimizer) when
-        # the sharder offers it and no fused kernel (e.g. a sharder of DENSE only)
-        return [dense]
-    return chosen
-
-
-def _check_requested(
-    name: str, requested: list[EmbeddingComputeKernel], topology: Topology
-) -> None:
-    allowed = (*TRAINING_KERNELS, EmbeddingComputeKernel.DENSE)
-    not_fused = [k.value for k in requested if k not in allowed]
-    if not_fused:
-        raise PlannerError(
-            f"table {name!r}: constraints ask for compute kernels {not_fused}; training plans "
-            "use fused kernels: fused, fused_uvm_caching, or fused_uvm (CUDA only), or dense "
-            "(where the sharder offers it)",
-            PlannerErrorType.STRICT_CONSTRAINTS
-        )
-    if topology.is_cuda:
-        return
-    if EmbeddingComputeKernel.FUSED_UVM in requested:
-        raise PlannerError(
-            f"table {name!r}: constraints ask for compute kernel fused_uvm on a CPU topology; "
-            "on CPU a table too large for memory lives on local disk, and without a cache every "
-            "lookup would read the disk: use fused_uvm_caching (a cache in RAM over files on "
-            "disk; give the Topology an ssd_cap) or EmbeddingComputeKernel.FUSED",
-            PlannerErrorType.STRICT_CONSTRAINTS
-        )
-    if EmbeddingComputeKernel.FUSED_UVM_CACHING in requested and topology.ssd_per_rank == 0:
-        raise PlannerError(
-            f"table {name!r}: constraints ask for compute kernel fused_uvm_caching on a CPU "
-            "topology without disk (ssd_cap 0); on CPU the cached kernel keeps the table in "
-            "files on local disk behind a cache in RAM: give the Topology an ssd_cap (bytes of "
-            "disk per rank) or use detect_topology(offload_dir=...), or use "
-            "EmbeddingComputeKernel.FUSED",
-            PlannerErrorType.STRICT_CONSTRAINTS
-        )
-
-
-def column_counts(dim: int, min_partition: int, max_shards: int) -> list[int]:
-    """Numbers of equal column blocks ``k >= 2`` (``dim % k == 0``, width >= min_partition,
-    ``k <= max_shards``); widths that are a multiple of 4 only, when there are any.
-
-    ``column_counts(128, 32, 8) == [2, 4]``; ``column_counts(24, 4, 8) == [2, 3, 6]``.
+    ``estimator``: one ShardEstimator or a list (default: the perf estimator registered as
+    ``DEFAULT_PERF_ESTIMATOR``, then :class:`EmbeddingStorageEstimator`).
     """
-    counts = [
-        k for k in range(2, min(max_shards, dim) + 1) if dim % k == 0 and dim // k >= min_partition
-    ]
-    aligned = [k for k in counts if (dim // k) % 4 == 0]
-    return aligned or counts
 
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int = 512,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        estimator: ShardEstimator | list[ShardEstimator] | None = None,
+        use_exact_enumerate_order: bool | None = False,
+    ) -> None:
+        from recsys_core.planner.estimator import EmbeddingPerfEstimatorFactory
+        from recsys_core.planner.shard_estimators import EmbeddingStorageEstimator
 
-def torchrec_column_block(dim: int, min_partition: int) -> int:
-    """TorchRec's column block width: the narrowest divisor of ``dim`` that is at least
-    ``min_partition`` and a multiple of 4, else ``dim``: ``torchrec_column_block(24, 4) == 4``,
-    ``torchrec_column_block(24, 5) == 8``, ``torchrec_column_block(10, 4) == 10``."""
-    for width in range(min_partition, dim):
-        if dim % width == 0 and width % 4 == 0:
-            return width
-    return dim
-
-
-def row_block_sizes(rows: int, num_shards: int) -> np.ndarray:
-    """The sizes of :func:`row_blocks` (blocks of ``ceil(rows / n)``, trailing ones short or
-    empty), computed with numpy: ``row_block_sizes(10, 4) == [3, 3, 3, 1]``."""
-    block = -(-rows // num_shards)
-    starts = np.minimum(np.arange(num_shards) * block, rows)
-    return np.minimum(starts + block, rows) - starts
-
-
-def _geometries(
-    table: TableSpec, sharding_type: ShardingType, topology: Topology
-) -> list[tuple[Placement, np.ndarray, np.ndarray]]:
-    """(placement, shard rows, shard cols) of each candidate geometry of ``sharding_type``."""
-    rows, dim = table.config.num_embeddings, table.config.embedding_dim
-    world, local = topology.world_size, topology.local_size
-    min_partition = table.constraints.min_partition or DEFAULT_MIN_PARTITION
-
-    def blocks(n: int) -> np.ndarray:
-        return row_block_sizes(rows, n)
-
-    def columns(k: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.full(k, rows), np.full(k, dim // k)
-
-    if sharding_type is ShardingType.TABLE_WISE:
-        return [(Placement.ANY_RANKS, np.array([rows]), np.array([dim]))]
-    if sharding_type in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
-        limit = world if sharding_type is ShardingType.COLUMN_WISE else local
-        # One block (the whole width) only when no split is possible: it is a table-wise shard.
-        counts = column_counts(dim, min_partition, limit) or [1]
-        if world == 1 and sharding_type is ShardingType.COLUMN_WISE and table.constraints.min_partition:
-            # One rank (asked for column-wise anyway): TorchRec's blocks of the narrowest
-            # width >= min_partition that divides dim and is a multiple of 4, all on that rank.
-            counts = [dim // torchrec_column_block(dim, table.constraints.min_partition)]
-        placement = (
-            Placement.ANY_RANKS if sharding_type is ShardingType.COLUMN_WISE else Placement.ANY_HOST
+        self._topology = topology
+        self._compute_device = topology.compute_device
+        self._world_size = topology.world_size
+        self._local_world_size = topology.intra_group_size
+        self._batch_size = batch_size
+        self._constraints = constraints
+        self._sharder_map: dict[str, Any] = {}
+        self._sharder_data_map: dict[str, Any] = {}
+        self._use_exact_enumerate_order = bool(use_exact_enumerate_order)
+        memory = "hbm_cap" if topology.compute_device in ("cuda", "mtia") else "ddr_cap"
+        custom = topology.custom_topology_data
+        self._device_memory_sizes = (
+            custom.get_data(memory) if custom is not None and custom.has_data(memory) else None
         )
-        return [(placement, *columns(k)) for k in counts]
-    if sharding_type is ShardingType.ROW_WISE:
-        return [(Placement.ALL_RANKS, blocks(world), np.full(world, dim))]
-    if sharding_type is ShardingType.TABLE_ROW_WISE:
-        return [(Placement.ANY_HOST, blocks(local), np.full(local, dim))]
-    return [(Placement.ALL_RANKS, np.full(world, rows), np.full(world, dim))]  # data-parallel
+        self._has_ssd = any(d.storage.ssd > 0 for d in topology.devices)
+        if estimator:
+            self._estimators = list(estimator) if isinstance(estimator, list) else [estimator]
+        else:
+            self._estimators = [
+                EmbeddingPerfEstimatorFactory.create(DEFAULT_PERF_ESTIMATOR, topology=topology,
+                                                     constraints=constraints),
+                EmbeddingStorageEstimator(topology=topology, constraints=constraints),
+            ]
+        self._last_stored_search_space: list[ShardingOption] | None = None
+        self._last_stored_module: nn.Module | None = None
+        self._last_stored_sharders: list[Any] | None = None
+
+    @property
+    def sharder_map(self) -> dict[str, Any]:
+        return self._sharder_map
+
+    @property
+    def last_stored_search_space(self) -> list[ShardingOption] | None:
+        return self._last_stored_search_space
+
+    def enumerate(self, module: nn.Module, sharders: Sequence[Any]) -> list[ShardingOption]:
+        """Every sharding option of ``module``'s tables, estimated (a copy of the last result
+        when called again with the same module and sharders)."""
+        sharders = list(sharders)
+        if self._last_stored_module is module and self._last_stored_sharders == sharders:
+            assert self._last_stored_search_space is not None
+            return copy.deepcopy(self._last_stored_search_space)
+        self._sharder_map = {sharder_name(s.module_type): s for s in sharders}
+        self._sharder_data_map = build_sharder_data_map(self._sharder_map)
+        options: list[ShardingOption] = []
+        queue: list[tuple[str, nn.Module]] = [("", module)]
+        while queue:
+            path, child = queue.pop(0) if self._use_exact_enumerate_order else queue.pop()
+            key = sharder_name(type(child))
+            sharder = self._sharder_map.get(key)
+            if sharder is None:
+                queue.extend((f"{path}.{n}" if path else n, m) for n, m in child.named_children())
+                continue
+            options.extend(self._table_options(path, child, sharder, key))
+        self.populate_estimates(options)
+        self._last_stored_module = module
+        self._last_stored_sharders = sharders
+        self._last_stored_search_space = copy.deepcopy(options)
+        return options
+
+    def _table_options(self, path: str, child: nn.Module, sharder: Any,
+                       key: str) -> list[ShardingOption]:
+        from recsys_core.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
+
+        is_pooled = ShardingOption.module_pooled(child, path)
+        options: list[ShardingOption] = []
+        for name, param in sharder.shardable_parameters(child).items():
+            c = (self._constraints or {}).get(name)
+            if c is not None and c.device_group and c.device_group != self._compute_device:
+                continue
+            num_buckets = self._get_num_buckets(name, child)
+            per_table = []
+            for sharding_type in self._filter_sharding_types(
+                name, sharder.sharding_types(self._compute_device), key
+            ):
+                kernels = sharder.compute_kernels(sharding_type, self._compute_device)
+                for kernel in self._filter_compute_kernels(name, kernels, sharding_type):
+                    sizes, offsets = calculate_shard_sizes_and_offsets(
+                        tensor=param, world_size=self._world_size,
+                        local_world_size=self._local_world_size, sharding_type=sharding_type,
+                        col_wise_shard_dim=None if c is None else c.min_partition,
+                        device_memory_sizes=self._device_memory_sizes, num_buckets=num_buckets,
+                    )
+                    dependency = None
+                    if isinstance(child, EmbeddingTower):
+                        dependency = path
+                    elif isinstance(child, EmbeddingTowerCollection):
+                        dependency = f"{path}.tower_{_get_tower_index(name, child)}"
+                    per_table.append(ShardingOption(
+                        name=name, tensor=param, module=(path, child),
+                        input_lengths=list(c.pooling_factors) if c is not None
+                        and c.pooling_factors is not None else [POOLING_FACTOR],
+                        batch_size=self._batch_size, sharding_type=_value(sharding_type),
+                        partition_by=get_partition_by_type(_value(sharding_type)),
+                        compute_kernel=_value(kernel),
+                        shards=[Shard(size=list(s), offset=list(o))
+                                for s, o in zip(sizes, offsets, strict=True)],
+                        cache_params=None if c is None else copy.deepcopy(c.cache_params),
+                        enforce_hbm=None if c is None else c.enforce_hbm,
+                        stochastic_rounding=None if c is None else c.stochastic_rounding,
+                        bounds_check_mode=None if c is None else c.bounds_check_mode,
+                        dependency=dependency, is_pooled=is_pooled,
+                        feature_names=None if c is None else c.feature_names,
+                        output_dtype=None if c is None else c.output_dtype,
+                        key_value_params=None if c is None else copy.deepcopy(c.key_value_params),
+                        stash_weights=_stash_weights(name, child),
+                    ))
+            if not per_table:
+                raise RuntimeError(
+                    "No available sharding type and compute kernel combination after applying "
+                    f"user provided constraints for {name}. Module: {key}, sharder: "
+                    f"{type(sharder).__name__}, compute device: {self._compute_device}. To "
+                    "debug, search above for warning logs about no available sharding "
+                    f"types/compute kernels for table: {name}"
+                )
+            options.extend(per_table)
+        return options
+
+    def _get_num_buckets(self, parameter: str, module: nn.Module) -> int | None:
+        """The table's bucket count when it is a virtual table (whole buckets per shard)."""
+        if isinstance(module, EmbeddingBagCollection):
+            configs = module.embedding_bag_configs()
+        elif isinstance(module, EmbeddingCollection):
+            configs = module.embedding_configs()
+        else:
+            mcc = getattr(module, "_managed_collision_collection", None)
+            buckets = getattr(mcc, "table_to_number_buckets", None)
+            if not callable(buckets):
+                return None
+            count = buckets().get(parameter)
+            if count is None or count % self._world_size == 0:
+                return None
+            raise ValueError(
+                f"Table '{parameter}' has uneven buckets per rank ({count} buckets across "
+                f"{self._world_size} ranks); planning uneven buckets is not supported: give it "
+                "a bucket count divisible by the world size"
+            )
+        for config in configs:
+            if config.name == parameter and getattr(config, "use_virtual_table", False):
+                return getattr(config, "total_num_buckets", None)
+        return None
+
+    def populate_estimates(self, sharding_options: list[ShardingOption]) -> None:
+        for estimator in self._estimators:
+            estimator.estimate(sharding_options, sharder_data_map=self._sharder_data_map)
+
+    def _filter_sharding_types(self, name: str, allowed_sharding_types: list[str],
+                               sharder_key: str = "") -> list[str]:
+        allowed = [_value(t) for t in allowed_sharding_types]
+        c = (self._constraints or {}).get(name)
+        if c is None or not c.sharding_types:
+            filtered = [t for t in allowed if t != ShardingType.GRID_SHARD.value]
+            if "FeatureProcessedEmbeddingBagCollection" in sharder_key:
+                filtered = [t for t in filtered if t not in GUARDED_SHARDING_TYPES_FOR_FP_MODULES]
+            return filtered
+        constrained = [_value(t) for t in c.sharding_types]
+        filtered = [t for t in allowed if t in constrained]  # the sharder's order (TorchRec: a set's)
+        if not filtered:
+            logger.warning(
+                f"No available sharding types after applying user provided constraints for "
+                f"{name}. Constrained sharding types: {constrained}, allowed sharding types: "
+                f"{allowed}, filtered sharding types: {filtered}. Please check if the "
+                "constrained sharding types are too restrictive, if the sharder allows the "
+                "sharding types, or if non-strings are passed in."
+            )
+        return filtered
+
+    def _filter_compute_kernels(self, name: str, allowed_compute_kernels: list[str],
+                                sharding_type: str) -> list[str]:
+        allowed = [_value(k) for k in allowed_compute_kernels]
+        c = (self._constraints or {}).get(name)
+        if c is not None and c.compute_kernels:
+            constrained = [_value(k) for k in c.compute_kernels]
+        else:
+            constrained = [k.value for k in EmbeddingComputeKernel
+                           if k not in GUARDED_COMPUTE_KERNELS]
+        filtered = [k for k in allowed if k in constrained]  # the sharder's order (TorchRec: a set's)
+        if not self._has_ssd and "key_value" in filtered:
+            filtered.remove("key_value")
+        if "dense" in filtered and "fused" in filtered:
+            filtered.remove("dense")
+        if not filtered:
+            logger.warning(
+                f"No available compute kernels after applying user provided constraints for "
+                f"{name}. Constrained compute kernels: {constrained}, allowed compute kernels: "
+                f"{allowed}, filtered compute kernels: {filtered}, sharding type: "
+                f"{sharding_type}. Please check if the constrained compute kernels are too "
+                "restrictive, if the sharder allows the compute kernels, or if non-strings are "
+                "passed in."
+            )
+        return filtered
 
 
-def __getattr__(name: str) -> object:
-    # TorchRec's EmbeddingEnumerator (embedding_enumerator.py) imports this module.
-    if name == "EmbeddingEnumerator":
-        from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
+def _value(kind: Any) -> str:
+    return getattr(kind, "value", kind)
 
-        return EmbeddingEnumerator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def get_partition_by_type(sharding_type: str) -> str:
+    """How a partitioner places shards of ``sharding_type`` (a :class:`PartitionByType`
+    value): table-/column-wise on any device, table-row/column-wise on one host, row-wise and
+    data-parallel on every rank, grid over several hosts."""
+    kind = _value(sharding_type)
+    if kind in ("table_wise", "column_wise"):
+        return PartitionByType.DEVICE.value
+    if kind in ("table_row_wise", "table_column_wise"):
+        return PartitionByType.HOST.value
+    if kind in ("row_wise", "data_parallel"):
+        return PartitionByType.UNIFORM.value
+    if kind == "grid_shard":
+        return PartitionByType.MULTI_HOST.value
+    raise ValueError(f"Unrecognized or unsupported sharding type provided: {sharding_type}")
+
+
+def _get_tower_index(name: str, child_module: nn.Module) -> int:
+    for i, tower in enumerate(child_module.towers):
+        for n, m in tower.named_modules():
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag) and n.split(".")[-1] == name:
+                return i
+    raise RuntimeError(
+        f"couldn't get the tower index for table {name}, tower collection: {child_module}")
+
+
+def _stash_weights(parameter: str, module: nn.Module) -> bool:
+    """TorchRec 1.9: the ``stash_weights`` flag of the table's config (of the inner collection
+    of a feature-processed one, or from a ``tables()`` accessor), False when none is found."""
+    inner = getattr(module, "_embedding_bag_collection", None)
+    if isinstance(inner, EmbeddingBagCollection):
+        module = inner
+    if isinstance(module, EmbeddingBagCollection):
+        configs: list[Any] = list(module.embedding_bag_configs())
+    elif isinstance(module, EmbeddingCollection):
+        configs = list(module.embedding_configs())
+    else:
+        tables = getattr(module, "tables", None)
+        if not callable(tables):
+            return False
+        configs = list(tables())
+    return any(
+        bool(getattr(config, "stash_weights", False))
+        for config in configs if config.name == parameter
+    )

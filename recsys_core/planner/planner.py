@@ -23,22 +23,19 @@ from recsys_core.plan.env import ShardingEnv
 from recsys_core.plan.sharder import Sharder, default_sharders
 from recsys_core.plan.types import ShardingPlan
 from recsys_core.planner.constraints import ParameterConstraints
-from recsys_core.planner.enumerators import UVM_KERNELS, enumerate_options, planner_kernels
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
-from recsys_core.planner.estimators import weights_and_state_bytes
 from recsys_core.planner.machine import detect_topology, smallest_over_ranks
-from recsys_core.planner.partitioners import GreedyPartitioner
-from recsys_core.planner.plan_builder import build_plan, collections_of
-from recsys_core.planner.shortfall import check_total, no_fit_error
-from recsys_core.planner.stats import PlanStats
+from recsys_core.planner.search.plan_builder import collections_of
+from recsys_core.planner.search.search import plan_tables
+from recsys_core.planner.search.shortfall import ReservedFraction
+from recsys_core.planner.search.stats import PlanStats
+from recsys_core.planner.search.table_specs import table_specs
 from recsys_core.planner.storage_reservations import (
     DEFAULT_STORAGE_RESERVATION,
     HeuristicalStorageReservation,
     StorageReservation,
 )
-from recsys_core.planner.table_specs import table_specs
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import TableSpec
 
 if TYPE_CHECKING:
     from recsys_core.planner.sharding_option import ShardingOption
@@ -47,7 +44,7 @@ DEFAULT_BATCH_SIZE = 512  # TorchRec's BATCH_SIZE: samples per rank per step
 
 
 def _default_stats() -> object:
-    from recsys_core.planner.embedding_stats import EmbeddingStats
+    from recsys_core.planner.stats import EmbeddingStats
 
     return EmbeddingStats()
 
@@ -226,7 +223,7 @@ class EmbeddingShardingPlanner:
         if self._given_enumerator is not None or self._own_search is None:
             return self._given_enumerator
         if "enumerator" not in self._own_views:
-            from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
+            from recsys_core.planner.enumerators import EmbeddingEnumerator
 
             module, sharders, topology, _ = self._own_search
             enumerator = EmbeddingEnumerator(topology, self._batch_size, self._constraints)
@@ -292,43 +289,11 @@ class EmbeddingShardingPlanner:
         reserved = self._storage_reservation.reserve(
             topology, self._batch_size, module, sharders, self._constraints
         )
-        hbm_budget, ddr_budget = float(reserved.hbm_per_rank), float(reserved.ddr_per_rank)
-        # disk is not reserved: dense parameters and activations live in memory
-        ssd_budget = float(reserved.ssd_per_rank)
-        reservation = _reserved_fraction(topology, reserved, self._storage_reservation)
-        specs = {spec.key: spec for spec in tables}
         deadline = None if self._timeout_seconds is None else start + self._timeout_seconds
-        partitioner = GreedyPartitioner(topology, hbm_budget, ddr_budget, ssd_budget)
-        partition, failed, options = None, None, {}
-        if (any(k in UVM_KERNELS for k in planner_kernels(topology))
-                and _memory_clearly_suffices(tables, topology, hbm_budget, ddr_budget)):
-            # Cached layouts cannot win where every table fits in memory with room to spare
-            # (they cost more for the same geometry): plan without them, and with them only
-            # if that fails. Half the candidates to estimate. (Without such kernels on the
-            # topology both tries would be the same: one is made.)
-            options = {
-                spec.key: enumerate_options(spec, collections[spec.path][1], topology,
-                                            memory_only=True)
-                for spec in tables
-            }
-            partition, failed = partitioner.partition(options, deadline=deadline)
-        if partition is None or failed is not None:
-            options = {
-                spec.key: enumerate_options(spec, collections[spec.path][1], topology)
-                for spec in tables
-            }
-            check_total(specs, options, topology, hbm_budget, ddr_budget, reservation,
-                        ssd_budget=ssd_budget)
-            partition, failed = partitioner.partition(options, deadline=deadline)
-        if failed is not None:
-            raise no_fit_error(
-                specs, options, failed, partition, topology, hbm_budget, ddr_budget, reservation,
-                ssd_budget=ssd_budget,
-            )
-        plan = build_plan(collections, partition, topology)
-        self._plan_stats = PlanStats.from_partition(
-            partition, topology, hbm_budget, ddr_budget, self._batch_size,
-            time.perf_counter() - start, ssd_budget=ssd_budget,
+        plan, self._plan_stats = plan_tables(
+            collections, tables, topology, reserved,
+            _reserved_fraction(topology, reserved, self._storage_reservation),
+            batch_size=self._batch_size, start=start, deadline=deadline,
         )
         if self._debug:
             print(plan)
@@ -340,9 +305,9 @@ class EmbeddingShardingPlanner:
     # ---- TorchRec's search ----------------------------------------------------------------------
     def _components(self, topology: Topology) -> None:
         """TorchRec's default components where none were given (they need the topology)."""
-        from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
+        from recsys_core.planner.enumerators import EmbeddingEnumerator
+        from recsys_core.planner.partitioners import GreedyPerfPartitioner
         from recsys_core.planner.perf_models import NoopPerfModel
-        from recsys_core.planner.perf_partitioners import GreedyPerfPartitioner
         from recsys_core.planner.proposers import (
             GreedyProposer,
             GridSearchProposer,
@@ -449,26 +414,9 @@ def plan_for_env(
     return planner.plan(module, sharders)
 
 
-MEMORY_ONLY_FRACTION = 0.5
-"""Memory clearly suffices when all tables, whole and with their optimizer state, take at most
-this fraction of the fast memory (HBM on CUDA, host memory on CPU) of all ranks together."""
-
-
-def _memory_clearly_suffices(tables: Sequence[TableSpec], topology: Topology,
-                             hbm_budget: float, ddr_budget: float) -> bool:
-    """Whether the planner may first try kernels over fast memory only (no cache, no UVM)."""
-    budget = hbm_budget if topology.is_cuda else ddr_budget
-    total = sum(float(weights_and_state_bytes(t.config.num_embeddings, t.config.embedding_dim,
-                                              t.config.data_type, t.optimizer))
-                for t in tables)
-    return total <= MEMORY_ONLY_FRACTION * budget * topology.world_size
-
-
 def _reserved_fraction(topology: Topology, reserved: Topology, reservation: object = None) -> float:
     """The fraction of memory a reservation kept back (for messages): of HBM on CUDA, of host
     memory on CPU; a fixed absolute reservation says its GB per device."""
-    from recsys_core.planner.shortfall import ReservedFraction
-
     full, left = (
         (topology.hbm_per_rank, reserved.hbm_per_rank) if topology.is_cuda
         else (topology.ddr_per_rank, reserved.ddr_per_rank)

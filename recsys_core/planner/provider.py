@@ -17,13 +17,13 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from recsys_core.planner.constants import PIPELINE_TYPES
-from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
-from recsys_core.planner.perf_models import NoopStorageModel
-from recsys_core.planner.perf_partitioners import (
+from recsys_core.planner.enumerators import EmbeddingEnumerator
+from recsys_core.planner.partitioners import (
     GreedyPerfPartitioner,
     MemoryBalancedPartitioner,
     SortBy,
 )
+from recsys_core.planner.perf_models import NoopStorageModel
 from recsys_core.planner.planner import EmbeddingShardingPlanner
 from recsys_core.planner.proposers import (
     EmbeddingOffloadScaleupProposer,

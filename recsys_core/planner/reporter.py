@@ -22,6 +22,6 @@ class DefaultPlanReporter:
     a fresh one per target."""
 
     def build_stats(self, ctx: PlannerSessionContext, sku: str) -> list[Any]:
-        from recsys_core.planner.embedding_stats import EmbeddingStats
+        from recsys_core.planner.stats import EmbeddingStats
 
         return [EmbeddingStats()]

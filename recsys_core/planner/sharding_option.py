@@ -26,10 +26,10 @@ from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.plan.params import BoundsCheckMode, CacheParams, KeyValueParams
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.planner.constraints import ParameterConstraints
-from recsys_core.planner.estimators import DEFAULT_CACHE_LOAD_FACTOR, estimate_option
+from recsys_core.planner.search.cost import DEFAULT_CACHE_LOAD_FACTOR, estimate_option
+from recsys_core.planner.search.types import Placement, TableSpec
 from recsys_core.planner.storage import Perf, Shard, Storage
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import Placement, TableSpec
 
 DEFAULT_BATCH_SIZE = 512  # TorchRec's BATCH_SIZE
 _PARTITION_BY = {Placement.ANY_RANKS: "device", Placement.ANY_HOST: "host",
@@ -215,7 +215,7 @@ def _model_kernel(kernel: str) -> EmbeddingComputeKernel:
 def _table_spec_of(so: ShardingOption,
                    constraints: Mapping[str, ParameterConstraints] | None) -> TableSpec:
     from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, EmbeddingBagConfig
-    from recsys_core.planner.estimators import DEFAULT_OPTIMIZER
+    from recsys_core.planner.search.cost import DEFAULT_OPTIMIZER
 
     spec = getattr(so, "_table_spec", None)
     if spec is not None:

@@ -22,8 +22,8 @@ from recsys_core.planner import (
     PlannerErrorType,
     Topology,
 )
-from recsys_core.planner.estimators import estimate_option
-from recsys_core.planner.types import Placement, TableSpec
+from recsys_core.planner.search.cost import estimate_option
+from recsys_core.planner.search.types import Placement, TableSpec
 
 TORCHREC_FIELDS = [
     "sharding_types", "compute_kernels", "min_partition", "pooling_factors", "num_poolings",

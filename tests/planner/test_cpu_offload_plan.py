@@ -42,10 +42,10 @@ from recsys_core.planner import (
     detect_topology,
     smallest_over_ranks,
 )
-from recsys_core.planner.enumerators import enumerate_options
-from recsys_core.planner.estimators import estimate_option
+from recsys_core.planner.search.cost import estimate_option
+from recsys_core.planner.search.enumerate import enumerate_options
+from recsys_core.planner.search.types import Placement, TableSpec
 from recsys_core.planner.topology import DEFAULT_SSD_MEM_BW
-from recsys_core.planner.types import Placement, TableSpec
 from recsys_core.testing import run_gloo
 
 GIB = 1024**3

@@ -83,8 +83,8 @@ def test_shard_perf_is_torchrecs_type() -> None:
 @pytest.mark.parametrize("kernel", ["fused", "fused_uvm", "fused_uvm_caching"])
 def test_perf_phases_sum_to_the_planners_cost(kind: str, kernel: str) -> None:
     from recsys_core.distributed import EmbeddingComputeKernel, ShardingType
-    from recsys_core.planner.estimators import estimate_option
-    from recsys_core.planner.types import Placement, TableSpec
+    from recsys_core.planner.search.cost import estimate_option
+    from recsys_core.planner.search.types import Placement, TableSpec
 
     config = EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=1000, feature_names=["f"])
     table = TableSpec(path="", config=config, pooled=True, optimizer=EmbOptimType.EXACT_ADAGRAD,

@@ -14,9 +14,9 @@ from recsys_core.distributed import (
 )
 from recsys_core.distributed.sharding_plan import row_blocks
 from recsys_core.planner import ParameterConstraints, PlannerError, Topology
-from recsys_core.planner.enumerators import column_counts, enumerate_options, row_block_sizes
-from recsys_core.planner.estimators import estimate_option, state_bytes_per_row
-from recsys_core.planner.types import Placement, TableSpec
+from recsys_core.planner.search.cost import estimate_option, state_bytes_per_row
+from recsys_core.planner.search.enumerate import column_counts, enumerate_options, row_block_sizes
+from recsys_core.planner.search.types import Placement, TableSpec
 
 
 def spec(rows: int = 1000, dim: int = 64, optimizer: EmbOptimType = EmbOptimType.EXACT_SGD,

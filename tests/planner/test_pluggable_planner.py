@@ -12,10 +12,10 @@ from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
 from recsys_core.distributed import EmbeddingBagCollectionSharder
 from recsys_core.planner import EmbeddingShardingPlanner, Topology
 from recsys_core.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW, kernel_bw_lookup
-from recsys_core.planner.embedding_enumerator import EmbeddingEnumerator
+from recsys_core.planner.enumerators import EmbeddingEnumerator
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
+from recsys_core.planner.partitioners import GreedyPerfPartitioner
 from recsys_core.planner.perf_models import NoopPerfModel, NoopStorageModel
-from recsys_core.planner.perf_partitioners import GreedyPerfPartitioner
 from recsys_core.planner.planners import (
     extract_plan,
     validate_modules_inclusion_in_sharding_plan,

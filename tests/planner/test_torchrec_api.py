@@ -27,8 +27,8 @@ from recsys_core.planner import (
     Storage,
     Topology,
 )
-from recsys_core.planner.estimators import estimate_option
-from recsys_core.planner.types import Placement, TableSpec
+from recsys_core.planner.search.cost import estimate_option
+from recsys_core.planner.search.types import Placement, TableSpec
 
 GIB = 1024**3
 MIB = 1024**2

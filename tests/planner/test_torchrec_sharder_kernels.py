@@ -20,7 +20,7 @@ from recsys_core.distributed import (
     ShardingType,
 )
 from recsys_core.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from recsys_core.planner.enumerators import torchrec_column_block
+from recsys_core.planner.search.enumerate import torchrec_column_block
 
 
 class OneWaySharder(EmbeddingBagCollectionSharder):

@@ -20,16 +20,16 @@ from recsys_core.planner.errors import (
     PlannerErrorType,
     TableMemory,
 )
-from recsys_core.planner.estimators import (
+from recsys_core.planner.search.cost import (
     CPU_CACHE_ROW_BOOKKEEPING_BYTES,
     MIN_CACHE_LOAD_FACTOR,
     least_load_factor,
     storage_bytes,
 )
-from recsys_core.planner.partitioners import KERNEL_TIERS, Partition, TableKey
+from recsys_core.planner.search.placement import KERNEL_TIERS, Partition, TableKey
+from recsys_core.planner.search.types import Candidate, TableSpec
 from recsys_core.planner.storage import Tier
 from recsys_core.planner.topology import DEFAULT_DDR_CAP, DEFAULT_HBM_CAP, Topology
-from recsys_core.planner.types import Candidate, TableSpec
 from recsys_core.planner.units import format_bytes
 
 REMEDIES = (

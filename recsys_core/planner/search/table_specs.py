@@ -11,10 +11,10 @@ from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.plan.sharder import optimizer_of
 from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
-from recsys_core.planner.estimators import DEFAULT_OPTIMIZER
-from recsys_core.planner.plan_builder import Collections
+from recsys_core.planner.search.cost import DEFAULT_OPTIMIZER
+from recsys_core.planner.search.plan_builder import Collections
+from recsys_core.planner.search.types import TableSpec
 from recsys_core.planner.topology import Topology
-from recsys_core.planner.types import TableSpec
 
 
 def table_specs(

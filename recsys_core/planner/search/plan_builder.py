@@ -24,7 +24,7 @@ from recsys_core.plan.sharder import Sharder, shardable_parameters_of
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingPlan, ShardingType
 from recsys_core.planner.constraints import CacheParams
 from recsys_core.planner.errors import PlannerError
-from recsys_core.planner.partitioners import Assignment, Partition
+from recsys_core.planner.search.placement import Assignment, Partition
 from recsys_core.planner.topology import Topology
 
 Collections = dict[str, tuple[nn.Module, Sharder, list[BaseEmbeddingConfig]]]
