@@ -37,8 +37,8 @@ from recsys_core.distributed import EmbeddingBagCollectionSharder
 from recsys_core.distributed.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.kernels import fbgemm_available
 from recsys_core.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from recsys_core.planner.search import search as planner_module
 from recsys_core.planner.estimators import estimate_option
+from recsys_core.planner.search import search as planner_module
 from recsys_core.planner.types import Placement, TableSpec
 
 # Criteo 1TB (24 days) cardinalities of the 26 categorical features (TorchRec's DLRM example).

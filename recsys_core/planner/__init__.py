@@ -17,7 +17,7 @@ from recsys_core.planner.machine import (
     host_memory,
     smallest_over_ranks,
 )
-from recsys_core.planner.planner import EmbeddingShardingPlanner, plan_for_env
+from recsys_core.planner.planners import EmbeddingShardingPlanner, plan_for_env
 from recsys_core.planner.search.stats import CachedTableStats, PlanStats, RankStats
 from recsys_core.planner.sharding_option import ShardingOption
 from recsys_core.planner.storage import DeviceHardware, Perf, Shard, Storage, Tier

@@ -24,7 +24,7 @@ from recsys_core.planner.partitioners import (
     SortBy,
 )
 from recsys_core.planner.perf_models import NoopStorageModel
-from recsys_core.planner.planner import EmbeddingShardingPlanner
+from recsys_core.planner.planners import EmbeddingShardingPlanner
 from recsys_core.planner.proposers import (
     EmbeddingOffloadScaleupProposer,
     GreedyProposer,

@@ -170,7 +170,7 @@ def test_enumerator_names_a_table_left_without_options() -> None:
 def test_own_search_exposes_torchrecs_enumerator_best_plan_and_stats() -> None:
     planner = EmbeddingShardingPlanner(Topology(2, "cuda"), batch_size=8)
     plan = planner.plan(ebc(), [EmbeddingBagCollectionSharder()])
-    assert planner._own_views == {}  # nothing built until read
+    assert planner._own_views.enumerator is None and planner._own_views.best_plan is None  # nothing built until read
     best = planner._best_plan
     assert best is not None and sorted(o.name for o in best) == ["t0", "t1"]
     for so in best:
