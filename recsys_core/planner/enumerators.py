@@ -37,7 +37,9 @@ from recsys_core.plan.shard_sizes import calculate_shard_sizes_and_offsets
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.planner.constants import DEFAULT_PERF_ESTIMATOR, POOLING_FACTOR
 from recsys_core.planner.constraints import ParameterConstraints
+from recsys_core.planner.estimator import EmbeddingPerfEstimatorFactory
 from recsys_core.planner.interfaces import Enumerator, PartitionByType, ShardEstimator
+from recsys_core.planner.shard_estimators import EmbeddingStorageEstimator
 from recsys_core.planner.sharding_option import ShardingOption
 from recsys_core.planner.storage import Shard
 from recsys_core.planner.topology import Topology
@@ -70,9 +72,6 @@ class EmbeddingEnumerator(Enumerator):
         estimator: ShardEstimator | list[ShardEstimator] | None = None,
         use_exact_enumerate_order: bool | None = False,
     ) -> None:
-        from recsys_core.planner.estimator import EmbeddingPerfEstimatorFactory
-        from recsys_core.planner.shard_estimators import EmbeddingStorageEstimator
-
         self._topology = topology
         self._compute_device = topology.compute_device
         self._world_size = topology.world_size

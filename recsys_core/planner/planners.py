@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,10 @@ from recsys_core.plan.env import ShardingEnv
 from recsys_core.plan.sharder import Sharder, default_sharders
 from recsys_core.plan.types import ShardingPlan
 from recsys_core.planner.constraints import ParameterConstraints
+from recsys_core.planner.context_hash import (
+    hash_planner_context_inputs,
+    hash_planner_context_inputs_str,
+)
 from recsys_core.planner.enumerators import EmbeddingEnumerator
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.interfaces import (
@@ -197,7 +202,7 @@ class EmbeddingShardingPlanner:
                 f"collective_plan: the topology has world_size {topology.world_size} but the "
                 f"process group has {world} ranks; plan for the group's size"
             )
-        payload: list[object] = [None]
+        payload: list[Any] = [None]
         failure: BaseException | None = None
         if dist.get_rank(pg) == 0:
             try:
@@ -208,7 +213,7 @@ class EmbeddingShardingPlanner:
                 extra = (exc.error_type, exc.shortfall) if isinstance(exc, PlannerError) else None
                 payload = [("error", f"{type(exc).__name__} on rank 0: {exc}", extra)]
         dist.broadcast_object_list(payload, group=pg, group_src=0)
-        status, text, extra = payload[0]  # type: ignore[misc]  # stats, or (type, shortfall)
+        status, text, extra = payload[0]  # extra: stats, or (error type, shortfall)
         if failure is not None:
             raise failure
         if status == "error":
@@ -383,15 +388,11 @@ class EmbeddingShardingPlanner:
     def hash_planner_context_inputs(self) -> int:
         """TorchRec's hash of this planner's inputs (after a plan: it needs the enumerator's
         search space and the reservation's topology)."""
-        from recsys_core.planner.context_hash import hash_planner_context_inputs
-
         return hash_planner_context_inputs(self._topology, self._batch_size, self._enumerator,
                                            self._storage_reservation, self._constraints)
 
     def hash_planner_context_inputs_str(self) -> str:
         """As :meth:`hash_planner_context_inputs`, as hex."""
-        from recsys_core.planner.context_hash import hash_planner_context_inputs_str
-
         return hash_planner_context_inputs_str(self._topology, self._batch_size,
                                                self._enumerator, self._storage_reservation,
                                                self._constraints)

@@ -43,7 +43,7 @@ from recsys_core.planner.partitioners import GreedyPerfPartitioner
 from recsys_core.planner.perf_models import NoopPerfModel
 from recsys_core.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from recsys_core.planner.sharding_option import ShardingOption
-from recsys_core.planner.storage import Storage
+from recsys_core.planner.storage import Shard, Storage
 from recsys_core.planner.storage_reservations import StorageReservation
 from recsys_core.planner.topology import Topology
 from recsys_core.planner.utils import (
@@ -96,8 +96,6 @@ def plan_as_sharding_options(plan: ShardingPlan,
     when the enumerator has no such geometry, of the same type and kernel) with the plan's
     shards, ranks and cache parameters. Estimates are those of the copied option (run the
     enumerator's ``populate_estimates`` after a geometry change)."""
-    from recsys_core.planner.storage import Shard
-
     chosen: dict[tuple[str, str], ShardingOption] = {}
     for so in search_space:
         ps = plan.plan.get(so.path, {}).get(so.name) if so.path in plan.plan else None

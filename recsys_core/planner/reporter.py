@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from recsys_core.planner.results import PlannerSessionContext
+from recsys_core.planner.stats import EmbeddingStats
 
 __all__ = ["DefaultPlanReporter", "PlanReporter"]
 
@@ -22,6 +23,4 @@ class DefaultPlanReporter:
     a fresh one per target."""
 
     def build_stats(self, ctx: PlannerSessionContext, sku: str) -> list[Any]:
-        from recsys_core.planner.stats import EmbeddingStats
-
         return [EmbeddingStats()]

@@ -45,10 +45,11 @@ from recsys_core.planner.constants import (
     KV_CACHING_RATIO,
     UVM_CACHING_RATIO,
 )
-from recsys_core.planner.interfaces import SharderDataMap, ShardEstimator
-from recsys_core.planner.sharding_option import ShardingOption
+from recsys_core.planner.interfaces import SharderData, SharderDataMap, ShardEstimator
+from recsys_core.planner.sharding_option import ShardingOption, estimate_perf
 from recsys_core.planner.storage import Perf, Storage
 from recsys_core.planner.topology import Topology
+from recsys_core.planner.torchrec_perf import HardwarePerfConfig, shard_perfs
 from recsys_core.planner.utils import get_num_poolings, prod
 
 _CACHED_KERNELS = {"fused_uvm_caching", "quant_uvm_caching", "key_value", "ssd_virtual_table",
@@ -372,8 +373,6 @@ class EmbeddingPerfEstimator(ShardEstimator):
         self, topology: Topology, constraints: dict[str, Any] | None = None,
         is_inference: bool = False, config: Any = None,
     ) -> None:
-        from recsys_core.planner.torchrec_perf import HardwarePerfConfig
-
         self._topology = topology
         self._constraints = constraints
         self._is_inference = is_inference
@@ -390,9 +389,6 @@ class EmbeddingPerfEstimator(ShardEstimator):
     def estimate(
         self, sharding_options: list[ShardingOption], sharder_data_map: SharderDataMap | None = None
     ) -> None:
-        from recsys_core.planner.interfaces import SharderData
-        from recsys_core.planner.torchrec_perf import shard_perfs
-
         plain = SharderData(fused_params={}, qcomm_dtype_sizes={}, storage_usage_type=None)
         for so in sharding_options:
             data = (sharder_data_map or {}).get(so.module_type_key, plain)
@@ -419,8 +415,6 @@ class CalibratedPerfEstimator(ShardEstimator):
     def estimate(
         self, sharding_options: list[ShardingOption], sharder_data_map: SharderDataMap | None = None
     ) -> None:
-        from recsys_core.planner.sharding_option import estimate_perf
-
         for so in sharding_options:
             estimate_perf(so, self._topology, self._constraints)
             for shard in so.shards:

@@ -21,12 +21,16 @@ import torch
 from torch import nn
 
 from recsys_core.modules.embedding_collection import EmbeddingCollection
-from recsys_core.modules.embedding_configs import DataType
+from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, DataType, EmbeddingBagConfig
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.plan.params import BoundsCheckMode, CacheParams, KeyValueParams
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
 from recsys_core.planner.constraints import ParameterConstraints
-from recsys_core.planner.search.cost import DEFAULT_CACHE_LOAD_FACTOR, estimate_option
+from recsys_core.planner.search.cost import (
+    DEFAULT_CACHE_LOAD_FACTOR,
+    DEFAULT_OPTIMIZER,
+    estimate_option,
+)
 from recsys_core.planner.search.types import Placement, TableSpec
 from recsys_core.planner.storage import Perf, Shard, Storage
 from recsys_core.planner.topology import Topology
@@ -214,9 +218,6 @@ def _model_kernel(kernel: str) -> EmbeddingComputeKernel:
 
 def _table_spec_of(so: ShardingOption,
                    constraints: Mapping[str, ParameterConstraints] | None) -> TableSpec:
-    from recsys_core.modules.embedding_configs import DATA_TYPE_BITS, EmbeddingBagConfig
-    from recsys_core.planner.search.cost import DEFAULT_OPTIMIZER
-
     spec = getattr(so, "_table_spec", None)
     if spec is not None:
         return spec

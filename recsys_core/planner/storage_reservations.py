@@ -23,6 +23,7 @@ from recsys_core.planner.constraints import ParameterConstraints
 from recsys_core.planner.errors import PlannerError, PlannerErrorType
 from recsys_core.planner.storage import Storage
 from recsys_core.planner.topology import Topology
+from recsys_core.planner.utils import shardable_parameters, sharder_name, storage_repr_in_gb
 
 DEFAULT_STORAGE_RESERVATION = 0.15  # of each rank's memory: dense parameters, activations
 
@@ -102,8 +103,6 @@ class HeuristicalStorageReservation:
             device.storage.ddr = int(original.storage.ddr * keep) - taken.ddr
         first = reserved.devices[0].storage
         if first.hbm < 0:  # TorchRec's check (host memory short: the planner's own report)
-            from recsys_core.planner.utils import storage_repr_in_gb
-
             raise PlannerError(
                 f"HeuristicalStorageReservation: after keeping {self.percentage:.0%} of each "
                 f"rank's memory ({storage_repr_in_gb(topology.devices[0].storage)} per rank), "
@@ -164,8 +163,6 @@ def _get_batch_inputs_and_shardable_parameters(
     A module with a sharder is not descended into; per table, the constraint's
     ``pooling_factors`` (default one feature of 1.0) times its ``batch_sizes`` (default
     ``batch_size``)."""
-    from recsys_core.planner.utils import shardable_parameters, sharder_name
-
     by_name = {sharder_name(s.module_type): s for s in sharders}
     lengths: list[float] = []
     batches: list[float] = []

@@ -19,6 +19,7 @@ from recsys_core.planner.constants import (
     SSD_MEM_BW,
     WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER,
 )
+from recsys_core.planner.context_hash import hash_sha256_to_int
 from recsys_core.planner.interfaces import (
     BasicCommsBandwidths,
     CustomTopologyData,
@@ -310,8 +311,6 @@ class Topology:
 
     def _hash(self) -> int:
         """A hash of everything that sets a plan (TorchRec's ``Topology._hash``)."""
-        from recsys_core.planner.context_hash import hash_sha256_to_int
-
         return hash_sha256_to_int([
             self.world_size, self.compute_device,
             [d.storage.hbm for d in self.devices], [d.storage.ddr for d in self.devices],

@@ -117,6 +117,8 @@ class Candidate:
     """The forward's part of ``miss_cost`` (caching only)."""
     load_factor: float | None = None
     """A load factor fixed by the table's constraints (caching only)."""
+    _fixed: np.ndarray = field(init=False, repr=False)
+    """``hbm``, ``ddr``, ``ssd`` stacked once, read-only (set in ``__post_init__``)."""
 
     def __post_init__(self) -> None:
         # The per-tier bytes, stacked once: the partitioner asks for them at every placement.
@@ -145,7 +147,7 @@ class Candidate:
     def memory(self, load_factor: float | None = None) -> np.ndarray:
         """Bytes of each shard per tier, shape [3, shards] (rows in :class:`Tier` order), the
         cache at ``load_factor`` included (None: without cache slots). Read-only."""
-        fixed: np.ndarray = self._fixed  # type: ignore[attr-defined]
+        fixed = self._fixed
         if load_factor is None or not self.is_caching:
             return fixed
         mem = fixed.copy()
