@@ -2,8 +2,8 @@
 sharder offers that its constraints allow, as :class:`ShardingOption` with TorchRec's shard
 geometry, then estimated by the given shard estimators.
 
-This is the component TorchRec's pluggable planner loop runs (``planners.search_plan``); this
-library's own search enumerates its candidates itself (``enumerators.enumerate_options``).
+This is the component TorchRec's pluggable planner loop runs (``pluggable.PluggableSearch``);
+this library's own search enumerates its candidates itself (``search/enumerate.py``).
 
 Rules, as TorchRec's:
 

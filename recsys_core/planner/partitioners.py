@@ -1,5 +1,6 @@
-"""TorchRec's partitioners over :class:`ShardingOption` proposals (exported by
-``partitioners.py``): :class:`GreedyPerfPartitioner` and :class:`MemoryBalancedPartitioner`.
+"""TorchRec's partitioners over :class:`ShardingOption` proposals: :class:`GreedyPerfPartitioner`
+and :class:`MemoryBalancedPartitioner` (this library's own search places tables with
+``search/placement.py``).
 
 Greedy: "uniform" options (row-wise, data-parallel) put shard i on rank i; the others, in
 groups (by ``dependency`` or fqn) sorted largest first (storage or perf), go shard by shard

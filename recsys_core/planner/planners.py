@@ -105,8 +105,8 @@ class EmbeddingShardingPlanner:
     TorchRec's argument order. Without ``enumerator``, ``proposer``, ``partitioner``,
     ``performance_model``, ``stats``, ``callbacks`` or ``plan_loader`` it runs this library's
     search (every candidate layout, one greedy placement with local search, see
-    ``partitioners.py``). Given any of them, it runs TorchRec's search
-    (``planners.search_plan``: enumerate, propose, partition, rate, keep the best) with them,
+    ``search/``). Given any of them, it runs TorchRec's search (``pluggable.PluggableSearch``:
+    enumerate, propose, partition, rate, keep the best) with them,
     TorchRec's defaults for the others: :class:`EmbeddingEnumerator`, GridSearch + Greedy (by
     depth and by sum) + Uniform proposers, :class:`GreedyPerfPartitioner`,
     :class:`NoopPerfModel`, :class:`EmbeddingStats`. TorchRec's search also runs for
@@ -118,30 +118,30 @@ class EmbeddingShardingPlanner:
         self,
         topology: Topology | None = None,
         batch_size: int | None = None,
-        enumerator: object | None = None,
+        enumerator: Enumerator | None = None,
         storage_reservation: StorageReservation | float | None = None,
-        proposer: object | None = None,
-        partitioner: object | None = None,
-        performance_model: object | None = None,
-        stats: object | None = None,
+        proposer: Proposer | Sequence[Proposer] | None = None,
+        partitioner: Partitioner | None = None,
+        performance_model: PerfModel | None = None,
+        stats: Stats | Sequence[Stats] | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
         debug: bool = False,
-        callbacks: object | None = None,
+        callbacks: Sequence[Callable[[list[ShardingOption]], list[ShardingOption]]] | None = None,
         timeout_seconds: float | None = None,
-        plan_loader: object | None = None,
+        plan_loader: PlanLoader | None = None,
     ) -> None:
         batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"EmbeddingShardingPlanner: batch_size must be an int >= 1, got {batch_size!r}")
-        if proposer is not None and not isinstance(proposer, list | tuple):
-            proposer = [proposer]
-        if stats is not None and not isinstance(stats, list | tuple):
-            stats = [stats]
+        # One component or a list of them (duck-typed components too: anything but a list or
+        # tuple is one).
+        proposers = proposer if isinstance(proposer, list | tuple) or proposer is None else [proposer]
+        stats_list = stats if isinstance(stats, list | tuple) or stats is None else [stats]
         # TorchRec's search and its components; any component given selects it.
         self._torchrec_search = PluggableSearch(
-            enumerator=enumerator, proposers=proposer, partitioner=partitioner,
+            enumerator=enumerator, proposers=proposers, partitioner=partitioner,
             perf_model=performance_model,
-            stats=list(stats) if stats is not None else [EmbeddingStats()],
+            stats=list(stats_list) if stats_list is not None else [EmbeddingStats()],
             callbacks=list(callbacks or []), plan_loader=plan_loader)
         self._pluggable = any(x is not None for x in (
             enumerator, proposer, partitioner, performance_model, stats, callbacks, plan_loader))

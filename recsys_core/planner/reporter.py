@@ -19,7 +19,7 @@ class PlanReporter(Protocol):
 
 
 class DefaultPlanReporter:
-    """The console table only (:class:`~recsys_core.planner.embedding_stats.EmbeddingStats`),
+    """The console table only (:class:`~recsys_core.planner.stats.EmbeddingStats`),
     a fresh one per target."""
 
     def build_stats(self, ctx: PlannerSessionContext, sku: str) -> list[Any]:

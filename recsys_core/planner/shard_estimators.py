@@ -17,7 +17,7 @@
     HBM (cuda/mtia) = tensor (or cache) + input + output; DDR (cpu) = tensor + input +
     output; UVM kernels keep the tensor in DDR.
 
-Worked example (the figures our own planner gives differ; see ``estimators.py``): a 10,000 x
+Worked example (the figures our own planner gives differ; see ``search/cost.py``): a 10,000 x
 64 fp32 table split row-wise over 2 CUDA ranks, batch 512, pooling 1, no optimizer class:
 each shard is 5,000 x 64 -> T = 1,280,000; input = 512 * 8 = 4,096; output = 512 * 2 * 64 * 4
 = 262,144: HBM 1,546,240 bytes (1.47 MiB). This library's planner counts, in addition, the
@@ -26,7 +26,7 @@ fused optimizer's state (row-wise Adagrad: 4 bytes per row, 20,000), the output 
 larger figure.
 
 :class:`EmbeddingPerfEstimator` fills in ``Perf`` with this library's calibrated cost model
-(``estimators.py``: bandwidths of the topology, per-row update costs measured on CPU), split
+(``search/cost.py``: bandwidths of the topology, per-row update costs measured on CPU), split
 into TorchRec's phases; it is not TorchRec's perf model, whose figures differ.
 """
 
@@ -401,7 +401,7 @@ class EmbeddingPerfEstimator(ShardEstimator):
 
 class CalibratedPerfEstimator(ShardEstimator):
     """Sets each shard's ``perf`` with this library's calibrated cost model (what its own
-    search ranks layouts by: ``estimators.py``), split into TorchRec's phases. Registered with
+    search ranks layouts by: ``search/cost.py``), split into TorchRec's phases. Registered with
     ``EmbeddingPerfEstimatorFactory`` as ``"recsys_core"``."""
 
     def __init__(

@@ -176,7 +176,7 @@ class ShardingOption:
 
 def estimate_perf(so: ShardingOption, topology: Topology,
                   constraints: Mapping[str, ParameterConstraints] | None = None) -> None:
-    """Sets each shard's ``perf`` with this planner's cost model (``estimators.py``), at the
+    """Sets each shard's ``perf`` with this planner's cost model (``search/cost.py``), at the
     option's current kernel and cache load factor (a FUSED_UVM_CACHING option's expected misses
     included), split into TorchRec's phases.
 

@@ -1,4 +1,4 @@
-"""TorchRec's plan statistics (exported by ``stats.py``): :class:`EmbeddingStats` (a per-rank
+"""TorchRec's plan statistics: :class:`EmbeddingStats` (a per-rank
 table of the chosen plan: storage, estimated time, shards by type), :class:`NoopEmbeddingStats`
 and the imbalance measures of a distribution ``p`` over ``k`` ranks (0 when balanced).
 """

@@ -1,6 +1,6 @@
 """TorchRec's shard perf formulas (its ``EmbeddingPerfEstimator``), for TorchRec-style planner
 components: what a custom proposer or partitioner written against TorchRec reads in
-``Shard.perf``. This library's own search keeps its calibrated model (``estimators.py``).
+``Shard.perf``. This library's own search keeps its calibrated model (``search/cost.py``).
 
 Per shard of ``hash_size x emb_dim``, with ``B = sum(batch x pooling factor x poolings)`` ids and
 ``O`` output rows (pooled: ``sum(batch x poolings x min(1, pooling factor))``; sequence: ``B``)
