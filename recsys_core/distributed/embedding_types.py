@@ -81,10 +81,9 @@ class BaseEmbeddingSharder(ModuleSharder[M]):
         """``{table name: weight}`` (TorchRec's keys: the table names)."""
         return table_weights(module)  # type: ignore[return-value]
 
-    @property
-    def storage_usage_type(self) -> StorageUsageType:
-        """How :meth:`storage_usage` counts tensors (the planner's ``SharderData``)."""
-        return StorageUsageType.BASE
+    storage_usage_type = StorageUsageType.BASE
+    """How :meth:`storage_usage` counts this class's tensors (the planner's ``SharderData``
+    reads it from the class, as TorchRec decides by the sharder's class)."""
 
     def storage_usage(
         self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
@@ -135,10 +134,9 @@ class BaseQuantEmbeddingSharder(ModuleSharder[M]):
             params = {n: p for n, p in params.items() if n in self._shardable_params}
         return params  # type: ignore[return-value]
 
-    @property
-    def storage_usage_type(self) -> StorageUsageType:
-        """How :meth:`storage_usage` counts tensors (the planner's ``SharderData``)."""
-        return StorageUsageType.BASE_QUANT
+    storage_usage_type = StorageUsageType.BASE_QUANT
+    """How :meth:`storage_usage` counts this class's tensors (the planner's ``SharderData``
+    reads it from the class, as TorchRec decides by the sharder's class)."""
 
     def storage_usage(
         self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str

@@ -213,10 +213,9 @@ class ModuleSharder(abc.ABC, Generic[M]):
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [ComputeKernel.DEFAULT.value]
 
-    @property
-    def storage_usage_type(self) -> StorageUsageType:
-        """How :meth:`storage_usage` counts tensors (the planner's ``SharderData``)."""
-        return StorageUsageType.DEFAULT
+    storage_usage_type = StorageUsageType.DEFAULT
+    """How :meth:`storage_usage` counts this class's tensors (the planner's ``SharderData``
+    reads it from the class, as TorchRec decides by the sharder's class)."""
 
     def storage_usage(
         self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str

@@ -52,10 +52,9 @@ class PlanningSharder(Sharder, Protocol):
         """``{CommOp name: codecs}``: the precision of the embedding collectives."""
         ...
 
-    @property
-    def storage_usage_type(self) -> Enum:
-        """TorchRec's ``StorageUsageType`` of this sharder (the planner's ``SharderData``)."""
-        ...
+    storage_usage_type: Enum
+    """TorchRec's ``StorageUsageType`` of the sharder's class: how its tensors are counted
+    (:func:`storage_usage`)."""
 
     def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """``{table name: weight}`` this sharder shards in ``module``."""
@@ -83,22 +82,36 @@ def qcomm_codecs_of(sharder: object) -> Mapping[str, Any]:
 
 
 def storage_usage_type_of(sharder: object) -> Enum | None:
-    """The sharder's ``storage_usage_type`` (None when it has none)."""
-    return getattr(sharder, "storage_usage_type", None)
+    """The ``storage_usage_type`` of the sharder's class (None when it has none). Read from
+    ``__class__``, as TorchRec decides by the sharder's class (a mock made with
+    ``spec=SomeSharder`` reports its spec's)."""
+    kind = getattr(sharder.__class__, "storage_usage_type", None)
+    return kind if isinstance(kind, Enum) else None
 
 
-def storage_usage_of(sharder: object) -> Callable[[torch.Tensor, str, str], dict[str, int]]:
-    """The sharder's ``storage_usage`` (the whole tensor in host memory on CPU, else in device
-    memory, when it has none: TorchRec's ``ModuleSharder`` rule)."""
-    method = getattr(sharder, "storage_usage", None)
-    return method if callable(method) else default_storage_usage
+_UVM_KERNELS = frozenset({"fused_uvm", "fused_uvm_caching"})
+_QUANT_UVM_KERNELS = frozenset({"quant_uvm", "quant_uvm_caching"})
 
 
-def default_storage_usage(tensor: torch.Tensor, compute_device_type: str,
-                          compute_kernel: str) -> dict[str, int]:
-    """TorchRec's ``ModuleSharder.storage_usage``: the tensor's bytes in host memory on CPU,
-    in device memory elsewhere."""
-    return {"ddr" if compute_device_type == "cpu" else "hbm": tensor.numel() * tensor.element_size()}
+def storage_usage(tensor: torch.Tensor, compute_device_type: str, compute_kernel: str,
+                  storage_usage_type: Enum | None) -> dict[str, int]:
+    """``{"hbm" | "ddr": bytes}`` a shard of ``tensor`` takes, by TorchRec's rule for a
+    ``StorageUsageType`` (named: ``BASE_QUANT``, ``BASE``, anything else the default):
+    quantized tables add 4 bytes per row (scale and bias) and sit in host memory with a UVM
+    kernel, else in HBM on CUDA; training tables with a UVM kernel sit in host memory;
+    otherwise host memory on CPU, device memory elsewhere. The same rule as
+    ``recsys_core.distributed.types.compute_storage_usage`` (which the sharders use)."""
+    size = tensor.numel() * tensor.element_size()
+    kernel = getattr(compute_kernel, "value", compute_kernel)
+    kind = getattr(storage_usage_type, "name", None)
+    if kind == "BASE_QUANT":
+        size += tensor.shape[0] * 4
+        if kernel in _QUANT_UVM_KERNELS:
+            return {"ddr": size}
+        return {"hbm" if compute_device_type == "cuda" else "ddr": size}
+    if kind == "BASE" and kernel in _UVM_KERNELS:
+        return {"ddr": size}
+    return {"ddr" if compute_device_type == "cpu" else "hbm": size}
 
 
 def shardable_parameters_of(sharder: object, module: nn.Module) -> dict[str, nn.Parameter] | None:

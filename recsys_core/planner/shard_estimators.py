@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from recsys_core.plan.params import CacheStatistics, KeyValueParams
+from recsys_core.plan.sharder import storage_usage
 from recsys_core.plan.types import ShardingType
 from recsys_core.planner.constants import (
     BIGINT_DTYPE,
@@ -260,7 +261,7 @@ def calculate_shard_storages(
         sharding_type, batch_sizes, world_size, local_world_size, input_lengths,
         tensor.shape[1], shard_sizes, input_data_type_size, output_data_type_size,
         num_poolings, is_pooled)
-    usage = sharder_data.storage_usage(tensor, compute_device, kernel)
+    usage = storage_usage(tensor, compute_device, kernel, sharder_data.storage_usage_type)
     hbm, ddr = usage.get("hbm", 0), usage.get("ddr", 0)
     cached = kernel in _CACHED_KERNELS
     if cached:

@@ -10,6 +10,11 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
+from recsys_core.planner.comms import (
+    BasicCommsBandwidths,
+    CustomTopologyData,
+    GeneralizedCommsBandwidth,
+)
 from recsys_core.planner.constants import (
     CROSS_NODE_BANDWIDTH,
     DDR_MEM_BW,
@@ -20,11 +25,6 @@ from recsys_core.planner.constants import (
     WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER,
 )
 from recsys_core.planner.context_hash import hash_sha256_to_int
-from recsys_core.planner.interfaces import (
-    BasicCommsBandwidths,
-    CustomTopologyData,
-    GeneralizedCommsBandwidth,
-)
 from recsys_core.planner.storage import DeviceHardware, Perf, Storage, Tier
 
 GIB = 1024**3

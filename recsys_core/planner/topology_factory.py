@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from recsys_core.planner.comms import GeneralizedCommsBandwidth
 from recsys_core.planner.constants import (
     BWD_COMPUTE_MULTIPLIER,
     CROSS_NODE_BANDWIDTH,
@@ -25,7 +26,6 @@ from recsys_core.planner.constants import (
     SSD_MEM_BW,
     WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER,
 )
-from recsys_core.planner.interfaces import GeneralizedCommsBandwidth
 from recsys_core.planner.topology import Topology
 
 

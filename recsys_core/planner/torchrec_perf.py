@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from recsys_core.modules.embedding_configs import DATA_TYPE_NUM_BITS
+from recsys_core.planner.comms import CollectiveType, GeneralizedCommsBandwidth
 from recsys_core.planner.constants import (
     BATCHED_COPY_PERF_FACTOR,
     BIGINT_DTYPE,
@@ -48,7 +49,7 @@ from recsys_core.planner.constants import (
     WEIGHTED_KERNEL_MULTIPLIER,
     kernel_bw_lookup,
 )
-from recsys_core.planner.interfaces import CollectiveType, GeneralizedCommsBandwidth, SharderData
+from recsys_core.planner.interfaces import SharderData
 from recsys_core.planner.sharding_option import ShardingOption
 from recsys_core.planner.storage import Perf
 from recsys_core.planner.topology import Topology

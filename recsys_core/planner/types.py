@@ -16,6 +16,12 @@ from recsys_core.kernels.config import EmbOptimType
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
 from recsys_core.plan.sharder import Sharder
 from recsys_core.plan.types import EmbeddingComputeKernel, ShardingPlan, ShardingType
+from recsys_core.planner.comms import (
+    BasicCommsBandwidths,
+    CollectiveType,
+    CustomTopologyData,
+    GeneralizedCommsBandwidth,
+)
 from recsys_core.planner.constraints import CacheAlgorithm, CacheParams, ParameterConstraints
 from recsys_core.planner.context_hash import (
     hash_planner_context_inputs,
@@ -30,11 +36,7 @@ from recsys_core.planner.errors import (
     PlannerErrorType,
 )
 from recsys_core.planner.interfaces import (
-    BasicCommsBandwidths,
-    CollectiveType,
-    CustomTopologyData,
     Enumerator,
-    GeneralizedCommsBandwidth,
     PartitionByType,
     Partitioner,
     PerfModel,

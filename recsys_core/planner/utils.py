@@ -17,7 +17,6 @@ from recsys_core.plan.sharder import (
     fused_params_of,
     qcomm_codecs_of,
     shardable_parameters_of,
-    storage_usage_of,
     storage_usage_type_of,
 )
 from recsys_core.plan.types import ShardingType
@@ -47,8 +46,7 @@ def build_sharder_data(sharder: Any) -> SharderData:
                 torch.tensor([], dtype=codecs.backward.quantized_dtype).element_size(),
             )
     return SharderData(fused_params=fused_params_of(sharder), qcomm_dtype_sizes=sizes,
-                       storage_usage_type=storage_usage_type_of(sharder),
-                       storage_usage=storage_usage_of(sharder))
+                       storage_usage_type=storage_usage_type_of(sharder))
 
 
 def build_sharder_data_map(sharder_map: dict[str, Any]) -> SharderDataMap:

@@ -13,9 +13,9 @@ from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
 from recsys_core.distributed import EmbeddingBagCollectionSharder
 from recsys_core.distributed.logger import static_logger
 from recsys_core.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from recsys_core.planner.comms import CustomTopologyData
 from recsys_core.planner.constants import CROSS_NODE_BANDWIDTH, HBM_MEM_BW, INTRA_NODE_BANDWIDTH
 from recsys_core.planner.enumerators import EmbeddingEnumerator, get_partition_by_type
-from recsys_core.planner.interfaces import CustomTopologyData
 from recsys_core.planner.stats import EmbeddingStats
 from recsys_core.planner.types import (
     HardwareConfig,

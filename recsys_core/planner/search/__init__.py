@@ -5,6 +5,6 @@ placement with local search (``placement``), the plan (``plan_builder``), the pe
 
 It imports only ``recsys_core.plan``, ``recsys_core.modules``, ``recsys_core.kernels`` and the
 planner's floor (``topology``, ``storage``, ``constraints``, ``errors``, ``units`` and what they
-stand on: ``constants``, ``interfaces``' bandwidth types, ``context_hash``), never TorchRec's
+stand on: ``constants``, ``comms``, ``context_hash``), never TorchRec's
 pipeline modules of the planner.
 """
