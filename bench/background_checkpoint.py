@@ -3,7 +3,7 @@ files' sha256 manifest, the rename) against ``--background-checkpoints`` (the tr
 only copies the state; a thread writes it on a process group of its own), same run.
 
 A sharded EmbeddingBagCollection (``--tables`` tables of ``--rows`` x ``--dim``, table-wise over
-``--world`` gloo ranks, row-wise Adagrad state) saved through ``dlrm_app.checkpoint`` into
+``--world`` gloo ranks, row-wise Adagrad state) saved through ``dlrm_app.training.checkpoint`` into
 fresh directories, alternating in ``--rounds`` rounds (the first warms up). One JSON line per
 way: the median milliseconds the training thread was held (``blocked_ms``) and until the
 checkpoint was complete on disk (``complete_ms``), rank 0, and the CPU.
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torchrec_program import cpu_name  # the sibling bench's (this folder is on sys.path)
 
-from dlrm_app import checkpoint
-from dlrm_app.checkpoint import BackgroundSaver, save_checkpoint
+from dlrm_app.training import checkpoint
+from dlrm_app.training.checkpoint import BackgroundSaver, save_checkpoint
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, KeyedJaggedTensor
 from recsys_core.distributed import (
     EmbeddingBagCollectionSharder,
@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2048, help="ids per table a step; 0: no steps")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--writer-nice", type=int, default=None,
-                   help="the writer thread's nice value (default: dlrm_app.checkpoint's)")
+                   help="the writer thread's nice value (default: dlrm_app.training.checkpoint's)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = run_gloo(args.world, worker, vars(args), tmp, timeout_s=900.0)

@@ -25,7 +25,7 @@ import time
 import torch
 from torchrec_program import cpu_name
 
-from dlrm_app.runtime import reuse_freed_memory
+from dlrm_app.training.runtime import reuse_freed_memory
 from recsys_core.kernels.packed import (
     column_permutation,
     permute_parts,

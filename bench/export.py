@@ -151,7 +151,7 @@ def train_main_job(root: Path, steps: int) -> Path:
     """The README's main job: preprocess the Kaggle sample and train with the default flags."""
     from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
-    from dlrm_app.train import train
+    from dlrm_app.training.trainer import train
 
     if not KAGGLE.is_file():
         raise SystemExit(f"bench/export.py: {KAGGLE} not found (the shared samples are expected "
@@ -167,7 +167,7 @@ def train_demo(root: Path, steps: int, rows: int) -> Path:
     """``dlrm-app demo``'s dataset and training flags (run_demo's), stopped after ``steps``."""
     from dlrm_app.config import TrainConfig
     from dlrm_app.demo import demo_data
-    from dlrm_app.train import train
+    from dlrm_app.training.trainer import train
 
     demo_data(root / "data", rows, progress=False)
     train(TrainConfig(data=str(root / "data"), out=str(root / "run"), max_steps=steps,

@@ -29,9 +29,9 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.demo import DEMO_CARDINALITY
-from dlrm_app.evaluate import evaluate_checkpoint
 from dlrm_app.reporting.report import LEARNING_CURVE, write_report
-from dlrm_app.train import train
+from dlrm_app.training.evaluate import evaluate_checkpoint
+from dlrm_app.training.trainer import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import teacher_form  # noqa: E402  (bench/ is a folder of scripts)

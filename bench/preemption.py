@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dlrm_app.components.preemption import PreemptionGuard
+from dlrm_app.training.components.preemption import PreemptionGuard
 from recsys_core.testing import run_gloo
 
 

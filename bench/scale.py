@@ -13,7 +13,7 @@ process, so its peak RSS is its own.
                            the largest single process's peak RSS (``wait4``), the peak PSS summed
                            over the process tree (workers included; sampled every 0.25 s) and
                            the tables the vocabulary made.
-  --table-caps C ...       training of the DLRM of ``dlrm_app.build`` (the app's model, planner,
+  --table-caps C ...       training of the DLRM of ``dlrm_app.training.build`` (the app's model, planner,
   --criteo-1tb             sharder and optimizers) at dim ``--dim`` on 26 tables of
                            min(Criteo 1TB's cardinality i, C) rows (``--criteo-1tb``: uncapped,
                            177.9M rows, 46.3 GB with row-wise Adagrad at dim 64), planned for
@@ -76,7 +76,7 @@ def criteo_1tb_tables(cap: int | None) -> list[int]:
 
 def tables_bytes(rows: list[int], dim: int) -> int:
     """What the tables need in training: fp32 weights + row-wise Adagrad's one float per row."""
-    from dlrm_app.resources import table_memory_bytes
+    from dlrm_app.training.resources import table_memory_bytes
 
     return table_memory_bytes(rows, dim, "rowwise_adagrad")
 
@@ -257,13 +257,13 @@ def train_case(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from dlrm_app.build import build_model, build_optimizer, plan_summary
     from dlrm_app.config import TrainConfig
     from dlrm_app.data.loader import Batch
     from dlrm_app.data.schema import SPLIT_NAMES, DatasetKind, DatasetSpec, SparseFeature, SplitSpec
     from dlrm_app.model import ModelConfig
-    from dlrm_app.pipeline import device_batches
-    from dlrm_app.runtime import amp_enabled, autocast
+    from dlrm_app.training.build import build_model, build_optimizer, plan_summary
+    from dlrm_app.training.pipeline import device_batches
+    from dlrm_app.training.runtime import amp_enabled, autocast
     from recsys_core import KeyedJaggedTensor
 
     torch.set_num_threads(args.threads)

@@ -145,7 +145,7 @@ def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], A
     from dlrm_app.data.criteo import preprocess_criteo
     from dlrm_app.model import ModelConfig
     from dlrm_app.serving.export import export_model
-    from dlrm_app.train import train
+    from dlrm_app.training.trainer import train
 
     rng = np.random.default_rng(args.seed)
     rows = random_rows(rng, args.train_rows)

@@ -2,7 +2,7 @@
 (``dlrm_app.threads``: affinity, cgroup quota, ranks per host, the loader's thread) against
 1, 2, ..., N threads, N the CPUs this process may use.
 
-Each run is a short real training run with the default flags (``dlrm_app.train.train``, in this
+Each run is a short real training run with the default flags (``dlrm_app.training.trainer.train``, in this
 process, ``--threads K`` or none) on a dataset preprocessed from the shared samples (found
 beside the repository: ../shared/data from its root, as tests/shared_data.py does):
 
@@ -44,7 +44,7 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.movielens import preprocess_movielens
 from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
-from dlrm_app.train import train
+from dlrm_app.training.trainer import train
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DATASETS = {

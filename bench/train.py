@@ -4,7 +4,7 @@ Two implementations of one DLRM (26 one-hot sparse features, 13 dense, reference
 bottom 512-256-128, top 1024-1024-512-256-1, dot interaction) train on the same synthetic
 Parquet dataset, read with ``ParquetLoader`` (so data time is real loading), in the same run:
 
-  recsys_core_dmp   the training step of ``dlrm_app/train.py`` (built by ``dlrm_app/build.py``): DistributedModelParallel with the
+  recsys_core_dmp   the training step of ``dlrm_app/training/trainer.py`` (built by ``dlrm_app/training/build.py``): DistributedModelParallel with the
                     planner's plan, fused row-wise Adagrad on the tables (applied in backward),
                     dense Adagrad, DDP with a summing comm hook, pipelined batches (the next
                     batch's ids all-to-all overlaps this batch's compute)
@@ -69,7 +69,7 @@ also all-reduces its sparse table gradients, as DDP does), optimizer (dense step
 Adagrad also updates the tables here). The baseline has no input_dist / output_dist.
 
 Both implementations run with the allocator setting of ``dlrm-app`` (``init_distributed`` ->
-``dlrm_app.runtime.reuse_freed_memory``: per-step buffers stay on the heap for reuse).
+``dlrm_app.training.runtime.reuse_freed_memory``: per-step buffers stay on the heap for reuse).
 
 Default tables: 100_000 rows each (dim 128: 1.3 GB of fp32 weights per full model; the baseline
 holds a replica plus its Adagrad state per rank, 2.7 GB, so 2 of its ranks fit in ~7 GB).
@@ -97,13 +97,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrm_app.build import (
-    build_model,
-    build_optimizer,
-    comm_precision,
-    set_learning_rates,
-    world_hosts,
-)
 from dlrm_app.config import CommPrecision, TrainConfig
 from dlrm_app.data.loader import Batch, ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
@@ -116,8 +109,15 @@ from dlrm_app.model import (
     fill_table_region,
     table_name,
 )
-from dlrm_app.pipeline import device_batches
-from dlrm_app.runtime import autocast, init_distributed
+from dlrm_app.training.build import (
+    build_model,
+    build_optimizer,
+    comm_precision,
+    set_learning_rates,
+    world_hosts,
+)
+from dlrm_app.training.pipeline import device_batches
+from dlrm_app.training.runtime import autocast, init_distributed
 from recsys_core.distributed import DistributedModelParallel, shm_comm
 from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.optim import CombinedOptimizer, in_backward_optimizer_filter
@@ -311,7 +311,7 @@ def dense_logits(model: nn.Module, dense: torch.Tensor, pooled: torch.Tensor,
 
 # ---- ours: DistributedModelParallel -------------------------------------------------------------
 class Ours:
-    """The model, optimizer and step of ``dlrm_app/train.py``."""
+    """The model, optimizer and step of ``dlrm_app/training/trainer.py``."""
 
     def __init__(self, config: TrainConfig, spec: DatasetSpec, device: torch.device) -> None:
         self.dmp: DistributedModelParallel = build_model(config, spec, device)
@@ -337,7 +337,7 @@ class Ours:
         for _ in range(steps):
             batch = next(batches)
             set_learning_rates(self.dmp, self.optimizer, self.base_lrs, 1.0)
-            with autocast(self.device, self.amp):  # as dlrm_app/train.py
+            with autocast(self.device, self.amp):  # as dlrm_app/training/trainer.py
                 logits = self.dmp(batch.dense, batch.sparse).squeeze(1)
             loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels,
                                                           reduction="sum")

@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from dlrm_app.config import TrainConfig  # noqa: E402
 from dlrm_app.data.schema import DatasetSpec, sha256_file  # noqa: E402
-from dlrm_app.evaluate import evaluate_checkpoint  # noqa: E402
-from dlrm_app.train import train  # noqa: E402
+from dlrm_app.training.evaluate import evaluate_checkpoint  # noqa: E402
+from dlrm_app.training.trainer import train  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 

@@ -229,7 +229,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given = config_values(args, TrainConfig)
     saved = Path(given["out"]) / "config.json"
     if given.get("resume") and saved.is_file():
-        from dlrm_app.run_dir import trained
+        from dlrm_app.training.run_dir import trained
 
         if trained(saved.parent):  # a start that failed before its first step is no base
             return resume_config(TrainConfig.load(saved), given, where=str(saved))
@@ -248,8 +248,8 @@ def _cmd_train(command: TrainCommand) -> int:
     config = command.config
     inputs.check_dataset(config.data)  # before torch: 3.6 s to say that a path is mistyped
     try:
-        from dlrm_app.runtime import shutdown_distributed, world
-        from dlrm_app.train import train
+        from dlrm_app.training.runtime import shutdown_distributed, world
+        from dlrm_app.training.trainer import train
 
         summary = train(config, progress=not command.quiet)
     except KeyboardInterrupt as stop:
@@ -310,8 +310,8 @@ def evaluate_summary(result: dict) -> str:
 
 def _cmd_evaluate(args: EvaluateConfig) -> int:
     inputs.check_run(args.run)
-    from dlrm_app.evaluate import evaluate_checkpoint
-    from dlrm_app.runtime import shutdown_distributed, world
+    from dlrm_app.training.evaluate import evaluate_checkpoint
+    from dlrm_app.training.runtime import shutdown_distributed, world
 
     result = evaluate_checkpoint(args.run, split=args.split, checkpoint=args.checkpoint,
                                  data=args.data, batch_size=args.batch_size)
@@ -453,7 +453,7 @@ def describe_error(exc: BaseException) -> str:
     path = getattr(exc, "filename", None)
     where = f" ({path})" if path else ""
     # tables kept on disk: their errors name --offload-dir (loaded only by runs that built them)
-    resources = sys.modules.get("dlrm_app.resources")
+    resources = sys.modules.get("dlrm_app.training.resources")
     offload = resources.offload_error_for_user(exc) if resources is not None else None
     if resources is not None and isinstance(exc, resources.DoesNotFit):
         # the planner's refusal: its first line says what and the fix, the next ones the
@@ -486,7 +486,7 @@ def describe_error(exc: BaseException) -> str:
                 "that error and rerun (--resume continues from the last checkpoint)")
     elif isinstance(exc, RuntimeError) and any(
             word in str(exc).lower() for word in ("timed out", "timeout")):  # gloo's, nccl's
-        runtime = sys.modules.get("dlrm_app.runtime")  # loaded by whatever ran a collective
+        runtime = sys.modules.get("dlrm_app.training.runtime")  # loaded by whatever ran a collective
         silent = runtime.stalled_ranks_text() if runtime is not None else ""
         who = f"{silent} stopped answering" if silent else "one stalled or died"
         site = runtime.collective_site(exc) if runtime is not None else ""

@@ -391,7 +391,7 @@ MAX_AUTO_VALIDATE_EVERY = 10_000
 FIXED_ON_RESUME = ("model", "embedding_optimizer", "dense_optimizer")
 """What a resumed run cannot change: the shapes of its model and optimizer state. ``--data``
 may change: training then continues on the new data if the model reads it the same way
-(``dlrm_app.train.check_continuation``: raw ids, or the same encoding)."""
+(``dlrm_app.training.trainer.check_continuation``: raw ids, or the same encoding)."""
 
 
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}

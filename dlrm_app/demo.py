@@ -23,10 +23,10 @@ from typing import Any
 from dlrm_app.config import DEMO_ROWS, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
-from dlrm_app.evaluate import evaluate_checkpoint
 from dlrm_app.reporting.report import human_summary
 from dlrm_app.serving.export import export_model, stage_printer
-from dlrm_app.train import train
+from dlrm_app.training.evaluate import evaluate_checkpoint
+from dlrm_app.training.trainer import train
 
 DEMO_CARDINALITY = 1_000
 

@@ -8,7 +8,7 @@
      "train_memory_bytes": {"16": ..., "64": ..., "128": ...},  # per embedding dim
      "raw_id_features": ["user_id", ...]}   # only with --id-mapping zch: sized at training
 
-The memory is :func:`dlrm_app.resources.table_memory_bytes`: fp32 weights plus the fused
+The memory is :func:`dlrm_app.training.resources.table_memory_bytes`: fp32 weights plus the fused
 optimizer's state (row-wise Adagrad: one float per row), summed over the tables; buffers and
 the dense model come on top.
 """
@@ -36,7 +36,7 @@ def table_summary(features: Sequence[SparseFeature]) -> dict[str, Any]:
     """The ``tables`` summary (see the module doc) of a dataset's sparse features."""
     # resources imports torch and the planner: only the parent of a preprocessing run needs
     # them, not its worker processes (which import the preprocessors).
-    from dlrm_app.resources import table_memory_bytes
+    from dlrm_app.training.resources import table_memory_bytes
 
     sized = [f for f in features if not f.raw_ids]
     sizes = [f.num_embeddings for f in sized]

@@ -41,13 +41,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dlrm_app.checkpoint import (
-    BEST,
-    best_checkpoint,
-    latest_checkpoint,
-    resolve_run,
-    verify_checkpoint,
-)
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
 from dlrm_app.data.integrity import verify_file
@@ -70,6 +63,13 @@ from dlrm_app.serving.reproducible import (
     ARCHIVE_FILE,
     normalized_sources,
     settle_serialization_id,
+)
+from dlrm_app.training.checkpoint import (
+    BEST,
+    best_checkpoint,
+    latest_checkpoint,
+    resolve_run,
+    verify_checkpoint,
 )
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.inference import QuantEmbeddingBagCollection, quantize_inference_model

@@ -13,7 +13,7 @@ import pytest
 
 CHILD = """
 import json, resource, sys, torch
-from dlrm_app.runtime import init_distributed
+from dlrm_app.training.runtime import init_distributed
 if sys.argv[1] == "reuse":
     init_distributed()
 def faults():
@@ -42,7 +42,7 @@ def _run(mode: str) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 @pytest.mark.slow
 def test_freed_step_buffers_are_reused_without_page_faults() -> None:
-    from dlrm_app.runtime import reuse_freed_memory
+    from dlrm_app.training.runtime import reuse_freed_memory
 
     assert reuse_freed_memory() is True  # glibc here
     default, reuse = _run("default"), _run("reuse")

@@ -33,7 +33,7 @@ from dlrm_app.serving.artifact import (
 )
 from dlrm_app.serving.export import export_model
 from dlrm_app.serving.server import PredictionServer, ServeConfig
-from dlrm_app.train import train
+from dlrm_app.training.trainer import train
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch\\.jit\\.:DeprecationWarning"),

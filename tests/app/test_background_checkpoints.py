@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrm_app.checkpoint import verify_checkpoint
 from dlrm_app.data.synthetic import generate
+from dlrm_app.training.checkpoint import verify_checkpoint
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
 ARGS = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
@@ -89,7 +89,7 @@ def test_the_writer_thread_runs_at_its_nice_value(tmp_path: Path, monkeypatch) -
     import os
     import threading
 
-    from dlrm_app import checkpoint
+    from dlrm_app.training import checkpoint
 
     seen = {}
 

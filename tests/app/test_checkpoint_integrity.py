@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrm_app.checkpoint import (
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.synthetic import generate
+from dlrm_app.model import ModelConfig
+from dlrm_app.serving.export import load_unsharded
+from dlrm_app.training.checkpoint import (
     MANIFEST,
     CheckpointError,
     latest_checkpoint,
     resolve_run,
     verify_checkpoint,
 )
-from dlrm_app.config import TrainConfig
-from dlrm_app.data.synthetic import generate
-from dlrm_app.evaluate import evaluate_checkpoint
-from dlrm_app.model import ModelConfig
-from dlrm_app.serving.export import load_unsharded
-from dlrm_app.train import train
+from dlrm_app.training.evaluate import evaluate_checkpoint
+from dlrm_app.training.trainer import train
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
 SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))

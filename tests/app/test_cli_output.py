@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrm_app.checkpoint import (
+from dlrm_app.cli import main
+from dlrm_app.data.synthetic import generate
+from dlrm_app.training.checkpoint import (
     SHARDED_TENSOR_NOTICE,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from dlrm_app.cli import main
-from dlrm_app.data.synthetic import generate
 from recsys_core.plan.types import ShardingPlan
 from recsys_core.testing import run_gloo
 
@@ -104,9 +104,9 @@ def test_export_prints_a_line_per_stage(dataset: Path, tmp_path: Path,
 def _checkpoint_warnings(rank: int, world_size: int, data: str, root: str) -> dict[str, list[str]]:
     """On each rank: the warnings our checkpoint save and load raise, and those the library's
     own DCP load raises on the same files (the control: it does warn)."""
-    from dlrm_app.build import build_model
     from dlrm_app.config import ModelConfig, TrainConfig
     from dlrm_app.data.schema import DatasetSpec
+    from dlrm_app.training.build import build_model
     from recsys_core.distributed import checkpoint as dcp_checkpoint
 
     config = TrainConfig(data=data, out=root, batch_size=64, model=ModelConfig(
@@ -133,6 +133,6 @@ def test_two_rank_checkpoints_print_no_sharded_tensor_notice(tmp_path: Path) -> 
     ranks = run_gloo(2, _checkpoint_warnings, str(data), str(tmp_path / "ckpt"))
     if not any(SHARDED_TENSOR_NOTICE in m for seen in ranks for m in seen["library"]):
         pytest.skip("the library's DCP load no longer warns about ShardedTensor: "
-                    "dlrm_app.checkpoint's filter can go")
+                    "dlrm_app.training.checkpoint's filter can go")
     for seen in ranks:
         assert not [m for m in seen["ours"] if "ShardedTensor" in m], seen["ours"]

@@ -21,11 +21,11 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.synthetic import binary_auc, generate
-from dlrm_app.evaluate import load_trained_model
 from dlrm_app.model import ModelConfig
 from dlrm_app.serving.artifact import load_artifact
 from dlrm_app.serving.export import export_model
-from dlrm_app.train import train
+from dlrm_app.training.evaluate import load_trained_model
+from dlrm_app.training.trainer import train
 
 SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
 

@@ -1,4 +1,4 @@
-"""The heartbeat thread (``dlrm_app.runtime.Heartbeat``) that names a stalled rank.
+"""The heartbeat thread (``dlrm_app.training.runtime.Heartbeat``) that names a stalled rank.
 
 Its beats reach the store and stop when asked; and a process that beats exits cleanly: a
 daemon thread caught inside the store's C++ write at interpreter exit used to abort the
@@ -18,7 +18,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dlrm_app import runtime
+from dlrm_app.training import runtime
 from recsys_core.testing import find_free_port
 
 
@@ -55,7 +55,7 @@ def test_a_beating_process_exits_cleanly() -> None:
     program = textwrap.dedent("""
         import os, sys
         import torch.distributed as dist
-        from dlrm_app import runtime
+        from dlrm_app.training import runtime
         from recsys_core.testing import find_free_port
         statuses = []
         for _ in range(16):
@@ -95,6 +95,6 @@ def test_a_timed_out_collective_is_named_with_its_caller(monkeypatch) -> None:
         caught = exc
     text = describe_error(caught)
     assert text.startswith("a collective operation in `all_reduce`, called by `global_mean` "
-                           "(dlrm_app/runtime.py:"), text
+                           "(dlrm_app/training/runtime.py:"), text
     assert "timed out waiting for the other ranks" in text and "--timeout" in text
     assert runtime.collective_site(RuntimeError("no traceback")) == ""

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from dlrm_app import train as train_module
 from dlrm_app.cli import main
-from dlrm_app.components.checkpointer import Checkpointer
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.synthetic import generate
+from dlrm_app.training import trainer as train_module
+from dlrm_app.training.components.checkpointer import Checkpointer
 from tests.shared_data import KAGGLE_10K
 
 needs_kaggle = pytest.mark.shared_data(KAGGLE_10K)

@@ -168,7 +168,7 @@ def test_closing_the_pipeline_after_a_failed_prefetch_raises_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from torch import nn
 
-    from dlrm_app.pipeline import device_batches
+    from dlrm_app.training.pipeline import device_batches
 
     class Failing(nn.Module):
         """A sharded collection whose prefetched rows could not be moved (the disk is full):

@@ -14,9 +14,9 @@ import pytest
 from shared_data import CRITEO, KAGGLE_10K
 
 from dlrm_app import jsonline
-from dlrm_app.checkpoint import latest_checkpoint
 from dlrm_app.cli import main
 from dlrm_app.serving.export import export_model
+from dlrm_app.training.checkpoint import latest_checkpoint
 
 DAY = CRITEO / "terabyte_day_sample_1k.tsv"
 TINY = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dlrm_app.components.preemption import EVERY, Preempted, PreemptionGuard
+from dlrm_app.training.components.preemption import EVERY, Preempted, PreemptionGuard
 from recsys_core.testing import run_gloo
 
 
@@ -63,7 +63,7 @@ def test_ranks_agree_on_the_interval_and_the_stop() -> None:
 
 def _in_process(program: str) -> subprocess.CompletedProcess:
     head = ("import os, signal\n"
-            "from dlrm_app.components.preemption import PreemptionGuard\n")
+            "from dlrm_app.training.components.preemption import PreemptionGuard\n")
     return subprocess.run([sys.executable, "-c", head + program], capture_output=True,
                           text=True, timeout=60)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dlrm_app.config import EmbeddingOptimizer
-from dlrm_app.resources import table_memory_bytes
+from dlrm_app.training.resources import table_memory_bytes
 
 
 @pytest.mark.parametrize("optimizer", list(EmbeddingOptimizer))

@@ -1,4 +1,4 @@
-"""dlrm_app.build.replicated_collections: on several ranks of one CPU host, the DLRM's small
+"""dlrm_app.training.build.replicated_collections: on several ranks of one CPU host, the DLRM's small
 collections (embeddings, wide part) are planned data-parallel; large ones, other hosts, other
 devices and raw-id tables keep the planner's choice."""
 
@@ -9,9 +9,13 @@ import dataclasses
 import torch
 from test_resources import SHARDERS, dlrm_spec
 
-from dlrm_app.build import REPLICATE_COLLECTION_BYTES, collection_bytes, replicated_collections
 from dlrm_app.config import EmbeddingOptimizer
 from dlrm_app.model import ModelConfig, build_dlrm
+from dlrm_app.training.build import (
+    REPLICATE_COLLECTION_BYTES,
+    collection_bytes,
+    replicated_collections,
+)
 from recsys_core.distributed import ShardingEnv
 from recsys_core.planner import plan_for_env
 

@@ -1,4 +1,4 @@
-"""dlrm_app.resources: the run's topology (--memory-per-rank), table memory, and the user-level
+"""dlrm_app.training.resources: the run's topology (--memory-per-rank), table memory, and the user-level
 error when the DLRM's tables do not fit."""
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ import re
 import pytest
 import torch
 
-from dlrm_app.build import WideSharder
 from dlrm_app.config import EmbeddingOptimizer
 from dlrm_app.data.schema import DatasetKind, DatasetSpec, SparseFeature, SplitSpec
 from dlrm_app.model import ModelConfig, build_dlrm
-from dlrm_app.resources import planning_error_for_user, table_memory_bytes, topology_for_run
+from dlrm_app.training.build import WideSharder
+from dlrm_app.training.resources import (
+    planning_error_for_user,
+    table_memory_bytes,
+    topology_for_run,
+)
 from recsys_core import EmbOptimType
 from recsys_core.distributed import EmbeddingBagCollectionSharder, ShardingEnv
 from recsys_core.planner import PlannerError, plan_for_env
@@ -24,7 +28,7 @@ GIB = 1024**3
 ROWS = [40_000_000, 3_000_000, 1_000_000, 200_000] + [10_000] * 22
 SHARDER = EmbeddingBagCollectionSharder(fused_params={
     "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
-# as dlrm_app.build.build_model shards the DLRM: the wide part's tables by their own sharder
+# as dlrm_app.training.build.build_model shards the DLRM: the wide part's tables by their own sharder
 SHARDERS = [WideSharder(fused_params=SHARDER.fused_params), SHARDER]
 
 
@@ -171,7 +175,7 @@ def test_without_offload_the_error_offers_it() -> None:
 
 
 def test_sizes_in_planning_messages_take_the_unit_that_fits() -> None:
-    from dlrm_app.resources import _gib
+    from dlrm_app.training.resources import _gib
 
     # a tiny offload folder's shortfall read "0.00 GiB"
     assert [_gib(v) for v in (3.5 * 2**30, 12.3 * 2**10, 600 * 2**20, 5, 0)] == [

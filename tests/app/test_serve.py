@@ -489,7 +489,7 @@ def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
     from dlrm_app.data.criteo import preprocess_criteo
     from dlrm_app.model import ModelConfig
     from dlrm_app.serving import export
-    from dlrm_app.train import train
+    from dlrm_app.training.trainer import train
 
     rng = np.random.default_rng(0)
     rows = random_rows(rng, 1500)

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrm_app import checkpoint as app_checkpoint
-from dlrm_app.checkpoint import latest_checkpoint
 from dlrm_app.config import MIN_LR_SCALE, EmbeddingOptimizer, TrainConfig, lr_scale
 from dlrm_app.data.synthetic import generate
-from dlrm_app.evaluate import evaluate_checkpoint
 from dlrm_app.model import ModelConfig
-from dlrm_app.train import train
+from dlrm_app.training import checkpoint as app_checkpoint
+from dlrm_app.training.checkpoint import latest_checkpoint
+from dlrm_app.training.evaluate import evaluate_checkpoint
+from dlrm_app.training.trainer import train
 
 SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
 
@@ -178,7 +178,7 @@ def test_same_seed_same_run(data: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("amp", [False, True])
 def test_cuda_training_matches_cpu(data: Path, tmp_path: Path, amp: bool) -> None:
     """On CUDA (NCCL-free single process): same loss curve as CPU in fp32, close with bf16."""
-    import dlrm_app.train as train_module
+    import dlrm_app.training.trainer as train_module
 
     cpu = train(_config(data, tmp_path / "cpu", max_steps=20), progress=False)
     original = train_module.init_distributed
@@ -275,7 +275,7 @@ def test_bf16_fast_path_keeps_the_auc_of_fp32(data: Path, tmp_path: Path) -> Non
 
 
 def test_amp_default_is_on_where_the_device_has_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dlrm_app import runtime
+    from dlrm_app.training import runtime
 
     cpu, detect = torch.device("cpu"), runtime.cpu_has_native_bf16.__wrapped__
     assert runtime.amp_enabled(cpu, True) and not runtime.amp_enabled(cpu, False)
@@ -298,9 +298,9 @@ def test_amp_default_is_on_where_the_device_has_bf16(monkeypatch: pytest.MonkeyP
 
 def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from dlrm_app import build, runtime
     from dlrm_app.config import CommPrecision, TrainConfig
     from dlrm_app.model import Interaction, ModelConfig
+    from dlrm_app.training import build, runtime
 
     monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
     cpu = torch.device("cpu")
@@ -334,8 +334,8 @@ def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts
                                           ("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD")])
 def test_embedding_optimizer_flag_reaches_the_kernel_typed(flag: str, kernel: str,
                                                            tmp_path: Path) -> None:
-    from dlrm_app.build import fused_optimizer
     from dlrm_app.config import EmbeddingOptimizer, TrainConfig
+    from dlrm_app.training.build import fused_optimizer
     from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 
     config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"),
@@ -378,7 +378,7 @@ def test_embedding_eps_damps_a_rarely_seen_rows_step(eps: float, tmp_path: Path)
     (FBGEMM's definition): with eps 1e-8 a row seen once takes a full lr-sized step whatever its
     gradient's size; with the default 1e-2 a small gradient gives a small step, a large one
     almost the full step."""
-    from dlrm_app.build import fused_optimizer
+    from dlrm_app.training.build import fused_optimizer
     from recsys_core.modules.embedding_configs import EmbeddingBagConfig
     from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
     from recsys_core.sparse import KeyedJaggedTensor

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dlrm_app.checkpoint import latest_checkpoint
 from dlrm_app.data.synthetic import generate
+from dlrm_app.training.checkpoint import latest_checkpoint
 
 SMALL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
          "8-1", "--batch-size", "32", "--save-every", "5", "--log-every", "5", "--quiet"]

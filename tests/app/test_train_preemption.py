@@ -100,7 +100,7 @@ def test_a_second_sigterm_ends_the_process_at_once() -> None:
     one (a scheduler out of patience) ends the process at once, by the signal."""
     program = (
         "import os, signal, time\n"
-        "from dlrm_app.components.preemption import PreemptionGuard\n"
+        "from dlrm_app.training.components.preemption import PreemptionGuard\n"
         "with PreemptionGuard(1) as guard:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)  # a launcher's relay: the same stop\n"

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from dlrm_app.checkpoint import best_checkpoint, latest_checkpoint, resolve_run
 from dlrm_app.cli import build_parser, config_from_args
 from dlrm_app.config import DenseOptimizer, TrainConfig
 from dlrm_app.data.synthetic import generate
-from dlrm_app.evaluate import evaluate_checkpoint
 from dlrm_app.model import ModelConfig
-from dlrm_app.train import TrainingDiverged, train
+from dlrm_app.training.checkpoint import best_checkpoint, latest_checkpoint, resolve_run
+from dlrm_app.training.evaluate import evaluate_checkpoint
+from dlrm_app.training.trainer import TrainingDiverged, train
 
 SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
 
@@ -208,7 +208,7 @@ def test_a_start_that_failed_before_its_first_step_is_not_a_run(
 def test_a_best_chosen_before_a_continuation_on_new_data_is_not_kept(tmp_path: Path) -> None:
     """Checkpointer.keep_best(chosen_from=N): a best of step < N (the earlier data's) gives
     way to the newest checkpoint; one of step >= N is kept (and loaded)."""
-    from dlrm_app.components import Checkpointer
+    from dlrm_app.training.components import Checkpointer
 
     root = tmp_path / "checkpoints"
     for step in (10, 20):

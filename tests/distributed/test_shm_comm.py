@@ -221,7 +221,7 @@ def test_slots_and_region_are_reused() -> None:
 def _ddp_hook_step(rank: int, world: int, transport: str) -> list[torch.Tensor]:
     from torch.nn.parallel import DistributedDataParallel
 
-    from dlrm_app.build import _sum_allreduce_hook
+    from dlrm_app.training.build import _sum_allreduce_hook
 
     os.environ[shm_comm.ENV_SWITCH] = "1" if transport == "shm" else "0"
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from process_tree import kill_tree
 
-from dlrm_app.checkpoint import verify_checkpoint
 from dlrm_app.data.synthetic import generate
+from dlrm_app.training.checkpoint import verify_checkpoint
 from recsys_core.testing import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]

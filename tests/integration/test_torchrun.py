@@ -28,9 +28,9 @@ import torch
 from process_tree import descendants, kill_tree
 from shared_data import CRITEO
 
-from dlrm_app.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 from dlrm_app.data.schema import DatasetSpec, ShardFile, sha256_file
 from dlrm_app.data.synthetic import generate
+from dlrm_app.training.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 from recsys_core.testing import find_free_port
 
 BATCH = 128  # rows per rank; the 1-rank run uses 2 * BATCH
@@ -252,7 +252,7 @@ def test_sigterm_to_torchrun_saves_one_step_and_resume_equals_uninterrupted(
 def test_torchrun_restarts_a_killed_rank_and_the_run_resumes(
         data: Path, two_rank_run: tuple[Path, dict], tmp_path: Path) -> None:
     """``torchrun --max-restarts 1``: a rank killed mid-run (SIGKILL, a lost host) makes torchrun
-    restart the group; the new workers join (their own store keys: dlrm_app.runtime), resume
+    restart the group; the new workers join (their own store keys: dlrm_app.training.runtime), resume
     from the newest checkpoint by themselves, and finish as the uninterrupted run would."""
     run2, _ = two_rank_run
     run = tmp_path / "restarted"

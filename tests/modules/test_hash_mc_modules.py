@@ -176,7 +176,7 @@ def test_import_prints_no_torchscript_deprecation_notice():
 
     result = subprocess.run(
         [sys.executable, "-W", "error:`torch.jit", "-c",
-         "import recsys_core, dlrm_app.train; import recsys_core.modules.hash_mc_modules as m; "
+         "import recsys_core, dlrm_app.training.trainer; import recsys_core.modules.hash_mc_modules as m; "
          "print(m.HashZchEvictionConfig(features=['f'], single_ttl=3).single_ttl)"],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from dlrm_app.components.checkpointer import Checkpointer
-from dlrm_app.components.metrics_logger import MetricsLogger
-from dlrm_app.components.state import TrainState, diverged
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
-from dlrm_app.evaluate import evaluate_model
+from dlrm_app.training.components.checkpointer import Checkpointer
+from dlrm_app.training.components.metrics_logger import MetricsLogger
+from dlrm_app.training.components.state import TrainState, diverged
+from dlrm_app.training.evaluate import evaluate_model
 
 
 class Validator:

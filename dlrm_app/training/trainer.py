@@ -2,10 +2,10 @@
 
     torchrun --nproc-per-node 2 -m dlrm_app train --data data/synthetic --out runs/a
 
-``Trainer`` sets a run up (process group from ``dlrm_app.runtime``, the sharded model and
-optimizers from ``dlrm_app.build``, the run directory from ``dlrm_app.run_dir``), runs the step
-loop (``fit``; batches staged by ``dlrm_app.pipeline``) and ends it (``finish``). The loop only
-steps: the components in ``dlrm_app.components`` each decide when they act after a step (metrics
+``Trainer`` sets a run up (process group from ``dlrm_app.training.runtime``, the sharded model and
+optimizers from ``dlrm_app.training.build``, the run directory from ``dlrm_app.training.run_dir``), runs the step
+loop (``fit``; batches staged by ``dlrm_app.training.pipeline``) and ends it (``finish``). The loop only
+steps: the components in ``dlrm_app.training.components`` each decide when they act after a step (metrics
 log, validation and early stopping, checkpoints).
 
 Keeping the best model: validation runs on a schedule that suits the data (about 4 times an
@@ -38,7 +38,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dlrm_app.build import (
+from dlrm_app.config import TrainConfig, lr_scale
+from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.reporting.report import write_report
+from dlrm_app.threads import configure_threads
+from dlrm_app.training.build import (
     build_model,
     build_optimizer,
     comm_precision,
@@ -46,8 +51,8 @@ from dlrm_app.build import (
     set_learning_rates,
     world_hosts,
 )
-from dlrm_app.checkpoint import latest_checkpoint
-from dlrm_app.components import (
+from dlrm_app.training.checkpoint import latest_checkpoint
+from dlrm_app.training.components import (
     Checkpointer,
     MetricsLogger,
     Preempted,
@@ -57,13 +62,9 @@ from dlrm_app.components import (
     Validator,
     checkpoint_step,
 )
-from dlrm_app.config import TrainConfig, lr_scale
-from dlrm_app.data.loader import ParquetLoader
-from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.pipeline import device_batches
-from dlrm_app.reporting.report import write_report
-from dlrm_app.run_dir import prepare_run_dir
-from dlrm_app.runtime import (
+from dlrm_app.training.pipeline import device_batches
+from dlrm_app.training.run_dir import prepare_run_dir
+from dlrm_app.training.runtime import (
     amp_enabled,
     amp_warning,
     autocast,
@@ -73,7 +74,6 @@ from dlrm_app.runtime import (
     restart_count,
     world,
 )
-from dlrm_app.threads import configure_threads
 
 __all__ = ["Preempted", "Trainer", "TrainingDiverged", "train"]
 

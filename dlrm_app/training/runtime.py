@@ -152,7 +152,7 @@ _TRANSPORTS = (str(Path(dist.__file__).resolve().parent) + os.sep,
 def collective_site(exc: BaseException) -> str:
     """Where a failed collective was called, from ``exc``'s traceback: ``"in `all_reduce`,
     called by `all_reduce_sum_` (recsys_core/distributed/comm.py:120), during `Trainer.step`
-    (dlrm_app/train.py:312)"``: the transport's collective (torch.distributed's, or the
+    (dlrm_app/training/trainer.py:312)"``: the transport's collective (torch.distributed's, or the
     shared-memory one's), this project's frame that called it (else the innermost frame of this
     project), and the innermost frame of the application (training, validation, a save); empty
     without one."""

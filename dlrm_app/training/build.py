@@ -3,7 +3,7 @@ benchmarks.
 
 Initialization is independent of the plan: tables from (seed, table, row block), dense layers
 from ``torch.manual_seed(seed)`` after sharding. Dense gradients are summed over ranks by a DDP
-comm hook (the default averages), as the embedding gradients are; see ``dlrm_app.train``.
+comm hook (the default averages), as the embedding gradients are; see ``dlrm_app.training.trainer``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ from torch import nn
 from dlrm_app.config import CommPrecision, DenseOptimizer, EmbeddingOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.model import Interaction, WideBagCollection, build_dlrm, table_initializer
-from dlrm_app.resources import planning_error_for_user, table_memory_bytes, topology_for_run
-from dlrm_app.runtime import amp_enabled
+from dlrm_app.training.resources import (
+    planning_error_for_user,
+    table_memory_bytes,
+    topology_for_run,
+)
+from dlrm_app.training.runtime import amp_enabled
 from recsys_core.distributed import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
@@ -61,7 +65,7 @@ REPLICATE_MEMORY_FRACTION = 0.01
 
 def collection_bytes(collection: EmbeddingBagCollection, optimizer: EmbeddingOptimizer) -> int:
     """Bytes of a collection's fp32 weights and its fused optimizer's state
-    (:func:`dlrm_app.resources.table_memory_bytes` of each table)."""
+    (:func:`dlrm_app.training.resources.table_memory_bytes` of each table)."""
     return sum(table_memory_bytes([c.num_embeddings], c.embedding_dim, optimizer)
                for c in collection.embedding_bag_configs())
 

@@ -14,11 +14,11 @@ its own schedule.
   143 or 130).
 """
 
-from dlrm_app.components.checkpointer import Checkpointer, checkpoint_step
-from dlrm_app.components.metrics_logger import PHASES, MetricsLogger
-from dlrm_app.components.preemption import Preempted, PreemptionGuard
-from dlrm_app.components.state import TrainingDiverged, TrainState, diverged
-from dlrm_app.components.validator import Validator
+from dlrm_app.training.components.checkpointer import Checkpointer, checkpoint_step
+from dlrm_app.training.components.metrics_logger import PHASES, MetricsLogger
+from dlrm_app.training.components.preemption import Preempted, PreemptionGuard
+from dlrm_app.training.components.state import TrainingDiverged, TrainState, diverged
+from dlrm_app.training.components.validator import Validator
 
 __all__ = ["PHASES", "Checkpointer", "MetricsLogger", "Preempted", "PreemptionGuard",
            "checkpoint_step", "TrainState", "TrainingDiverged", "Validator", "diverged"]

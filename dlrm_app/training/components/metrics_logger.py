@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dlrm_app.components.state import TrainState, diverged
 from dlrm_app.config import TrainConfig
-from dlrm_app.runtime import global_mean
+from dlrm_app.training.components.state import TrainState, diverged
+from dlrm_app.training.runtime import global_mean
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

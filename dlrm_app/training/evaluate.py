@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlrm_app.build import build_model
-from dlrm_app.checkpoint import load_checkpoint, resolve_run
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.reporting.report import save_evaluation, write_report
-from dlrm_app.runtime import amp_enabled, autocast, init_distributed, world
+from dlrm_app.training.build import build_model
+from dlrm_app.training.checkpoint import load_checkpoint, resolve_run
+from dlrm_app.training.runtime import amp_enabled, autocast, init_distributed, world
 from recsys_core.metrics import BinaryClassificationMetrics
 
 

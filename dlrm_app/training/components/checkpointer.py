@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from dlrm_app.checkpoint import (
+from dlrm_app.config import TrainConfig, duration_seconds
+from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.training.checkpoint import (
     BackgroundSaver,
     best_checkpoint,
     latest_checkpoint,
@@ -16,9 +18,7 @@ from dlrm_app.checkpoint import (
     newest_intact_checkpoint,
     save_checkpoint,
 )
-from dlrm_app.components.state import TrainState
-from dlrm_app.config import TrainConfig, duration_seconds
-from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.training.components.state import TrainState
 
 
 class Checkpointer:
