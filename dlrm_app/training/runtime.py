@@ -142,11 +142,12 @@ def stalled_ranks_text() -> str:
                                     " (never answered)") for r, age in silent)
 
 
-_OURS = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep
+_REPO = Path(__file__).resolve().parents[2]
+"""The source tree (dlrm_app/training/runtime.py -> the folder holding dlrm_app/)."""
+_OURS = tuple(str(_REPO / name) + os.sep
               for name in ("dlrm_app", "recsys_core"))
 _TRANSPORTS = (str(Path(dist.__file__).resolve().parent) + os.sep,
-               str(Path(__file__).resolve().parents[1] / "recsys_core" / "distributed"
-                   / "shm_comm.py"))
+               str(_REPO / "recsys_core" / "distributed" / "shm_comm.py"))
 
 
 def collective_site(exc: BaseException) -> str:
@@ -165,7 +166,7 @@ def collective_site(exc: BaseException) -> str:
     ours = [i for i, code in enumerate(codes) if code.co_filename.startswith(_OURS)]
     if not ours:
         return ""
-    root = Path(__file__).resolve().parents[1]
+    root = _REPO
 
     def name(i: int) -> str:
         path = Path(codes[i].co_filename).relative_to(root).as_posix()
