@@ -38,7 +38,13 @@ from dlrm_app.config import (
     TrainConfig,
     resume_config,
 )
-from dlrm_app.flags import HelpFormatter, add_config_flags, config_from_values, config_values
+from dlrm_app.flags import (
+    HelpFormatter,
+    add_config_flags,
+    config_from_values,
+    config_values,
+    short_usage,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -412,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
             where = groups[words[0]]
         command = where.add_parser(words[-1], help=help_text, formatter_class=HELP_FORMAT)
         add_config_flags(command, cls)
+        command.usage = short_usage(command)
         command.set_defaults(func=func, config_cls=cls)
     return parser
 

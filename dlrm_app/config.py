@@ -62,29 +62,21 @@ class ModelConfig:
     1024-1024-512-256-1)."""
 
     embedding_dim: int = 16
-    """Width of every embedding table (and of the bottom MLP's output)."""
+    """Width of every embedding table."""
     dense_arch_layer_sizes: tuple[int, ...] | None = None
-    """Bottom MLP; the last size must equal the embedding dim. None: 512-256-64 and then the
-    embedding dim."""
+    """Bottom MLP, ending at the embedding dim; None: 512-256-64-DIM."""
     over_arch_layer_sizes: tuple[int, ...] = (512, 256, 1)
-    """Top MLP; the last size must be 1 (one logit)."""
+    """Top MLP, ending at 1 (one logit)."""
     interaction: Interaction = Interaction.DOT
-    """``dot``: pairwise dot products (DLRM paper); ``dcn``: DCN-v2 low-rank cross network."""
+    """dot: pairwise dot products (DLRM); dcn: DCN-v2 cross layers."""
     dcn_num_layers: int = 3
-    """Cross layers (``dcn`` only)."""
+    """Cross layers (dcn only)."""
     dcn_low_rank_dim: int = 512
-    """Rank of each cross layer's weight (``dcn`` only)."""
+    """Rank of a cross layer (dcn only)."""
     wide: bool = True
-    """Add a logistic regression's terms to the logit (the "wide" part of wide & deep): a
-    learned scalar per id of each feature (dim-1 tables, trained like the embeddings) and a
-    linear term of the dense features, both starting at zero. Measured with the held-out
-    protocol of bench/quality.py: Kaggle sample 5 folds x 3 seeds 0.738 -> 0.744, the demo's
-    data 0.753 -> 0.759, MovieLens 100K level (docs/training.md). --no-wide: the plain DLRM.
-    Features with raw ids (--id-mapping zch) have no wide table."""
+    """Add a wide (logistic regression) part."""
     zch_rows: int | None = None
-    """Rows of each table of a raw-id feature (data preprocessed with ``--id-mapping zch``):
-    its ids get rows of their own by zero-collision hashing, the last row is shared by ids
-    without one. None: from memory, ZCH_MEMORY_BYTES (256 MiB) spread over those tables."""
+    """Rows per raw-id table (--id-mapping zch); None: 256 MiB over them."""
 
     def __post_init__(self) -> None:
         if self.dense_arch_layer_sizes is None:
@@ -149,115 +141,86 @@ class DenseOptimizer(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything ``dlrm-app train`` needs; each field is one flag."""
+    """Everything ``dlrm-app train`` needs; each field is one flag, its docstring the flag's
+    help (what each does in full, and the measurements behind the defaults: docs/training.md,
+    "dlrm-app train flags in detail")."""
 
     data: str
-    """Dataset directory (dataset.json + Parquet shards); required except with --resume of an
-    existing run, whose config names its data."""
+    """Dataset directory; required unless --resume."""
     out: str = required()
-    """Run directory: config, metrics log, plan, checkpoints, report."""
+    """Run directory (config, logs, checkpoints, report)."""
     model: ModelConfig = ModelConfig()
     """Layer sizes and interaction."""
     epochs: int = 3
-    """Passes over the train split (early stopping usually ends training sooner)."""
+    """Passes over the train split."""
     max_steps: int | None = None
-    """Stop after this many steps in total (over epochs); None: run all epochs."""
+    """Cap on steps in all (None: no cap)."""
     batch_size: int | None = None
-    """Rows per rank per step (the global batch is batch_size * world_size); None: from the
-    data, about 64 steps an epoch: train rows / (64 * ranks) as a power of two in 32..1024."""
+    """Rows per rank per step; None: about 64 steps an epoch."""
     embedding_optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD
-    """Optimizer of the embedding tables, fused into backward."""
+    """Optimizer of the tables, fused into backward."""
     embedding_learning_rate: float = 0.05
-    """Learning rate of the embedding tables."""
+    """Learning rate of the tables."""
     dense_optimizer: DenseOptimizer = DenseOptimizer.ADAGRAD
     """Optimizer of the MLPs."""
     learning_rate: float = 0.01
     """Learning rate of the MLPs."""
     embedding_eps: float = 1e-2
-    """Epsilon of the tables' Adagrad, added to the root of a row's summed squared gradients.
-    A row's step is about ``lr * g / (|g| + eps)``: a row seen once or twice moves in
-    proportion to its small gradient instead of taking a full ``lr`` step on one example,
-    which it would memorize; frequent rows are unaffected. Gradients are of the loss summed
-    over the batch, so it does not depend on the batch size. 1e-8 is FBGEMM's and TorchRec's
-    default; 1e-2 removed the overfitting after the first epoch on generated data (demo: test
-    AUC 0.7527 against 0.7415, 3 seeds) and was level on the Kaggle and MovieLens samples
-    (docs/training.md)."""
+    """Epsilon of the tables' Adagrad."""
     eps: float = 1e-8
-    """Adagrad / Adam epsilon of the MLPs' optimizer."""
+    """Epsilon of the MLPs' optimizer."""
     lr_warmup_steps: int = 0
-    """Linear warm-up from 0 over this many steps (reference DLRM ``--lr-num-warmup-steps``)."""
+    """Linear warm-up steps."""
     lr_decay_start: int = 0
-    """Step where the polynomial (power 2) decay starts; 0 with lr_decay_steps 0: none."""
+    """Step where the decay (power 2) starts."""
     lr_decay_steps: int = 0
-    """Length of the decay; afterwards the rates stay at 1e-7 times their base."""
+    """Steps of the decay to 1e-7x (0: none)."""
     pipelined: bool = True
-    """Overlap the next batch's copy and sparse all-to-all with this batch (off: plain loop,
-    same results, easier to debug)."""
+    """Overlap the next batch's copy and all-to-all with this step."""
     amp: bool | None = None
-    """bfloat16 autocast of the MLPs and the interaction in training, validation and
-    `evaluate` (fp32 weights, optimizer state and loss; exported models are fp32). Default
-    (auto, None in config.json): on where the device computes bf16 natively (CUDA with bf16,
-    a CPU with AVX-512 BF16 or AMX), off elsewhere. --no-amp trains in fp32."""
+    """bf16 autocast (auto: where native)."""
     comm_precision: CommPrecision = CommPrecision.AUTO
-    """Precision the pooled embeddings and their gradients travel in between ranks (half the
-    bytes in bf16 or fp16); the partial sums of row-wise tables are always summed in fp32, so
-    only finished values are rounded. auto: bf16 where it changes no value (--amp on and the dot
-    interaction, which rounds the embeddings and their gradients to bf16 anyway) and the ranks
-    span several hosts; fp32 on one host, where the casts cost what the halved bytes save.
-    fp16 overflows past 65504 and flushes tiny gradients."""
+    """Precision of pooled embeddings between ranks (auto: bf16 across hosts where lossless)."""
     seed: int = 0
-    """Seed of the initialization and of the data order."""
+    """Seed of the initialization and data order."""
     validate_every: int | None = None
-    """Steps between validations; None: about 4 per epoch (at most every 10000 steps); 0:
-    only at the end of each epoch."""
+    """Steps between validations; None: 4 an epoch; 0: epoch ends."""
     val_batches: int = 0
-    """Cap on validation batches per rank (0: the whole validation split)."""
+    """Validation batches per rank (0: all)."""
     patience: int = 3
-    """Stop after this many validations in a row without a better AUC (0: never stop early)."""
+    """Stop after N stale validations (0: never)."""
     target_auc: float | None = None
     """Stop once validation AUC reaches this."""
     save_every: int | str = dataclasses.field(
         default=0, metadata={"type": lambda text: parse_save_every(text, "--save-every"),
                              "metavar": "N|DURATION"})
-    """Also checkpoint every N steps, or every DURATION of training (30s, 10m, 2h; the ranks
-    agree on when, within 8 steps); 0: only the best and the last checkpoint."""
+    """Also checkpoint every N steps or DURATION (30s, 10m, 2h)."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept besides the best one (older ones are deleted)."""
+    """Checkpoints kept besides the best."""
     background_checkpoints: bool = False
-    """Write checkpoints while training goes on: the state is copied (memory for one more
-    copy of this rank's tables and optimizer state) and written, hashed and renamed by a
-    thread; training waits only for the copy (and for a previous save still writing)."""
+    """Write checkpoints on a thread while training goes on."""
     grace_period: float = 30.0
-    """Seconds a scheduler waits between SIGTERM and SIGKILL (Kubernetes' default: 30). On
-    SIGTERM or SIGINT the ranks agree on a step within a quarter of it (fewer steps between
-    agreements when steps are slow) and save that step's checkpoint in the rest."""
+    """Seconds from SIGTERM to SIGKILL."""
     resume: bool = False
-    """Continue the run in --out from its newest complete checkpoint, with its saved config."""
+    """Continue the run in --out."""
     overwrite: bool = False
-    """Start over in an --out that already holds a run (deletes its checkpoints and logs)."""
+    """Delete the run in --out, start over."""
     plan: str | None = None
-    """A saved plan.json to use instead of planning."""
+    """Use this plan.json, no planning."""
     memory_per_rank: float | None = None
-    """GiB of memory the planner may use per rank; None: detected from the machine."""
+    """GiB per rank for the planner (None: detected)."""
     offload: bool = True
-    """Tables that do not fit in that memory live in files on local disk (--offload-dir) behind
-    a cache in memory that the planner sizes: training gives the same model, only slower.
-    --no-offload makes such tables an error instead."""
-    offload_dir: str | None = None
-    """Directory for the offloaded tables' files, on a local disk (None: OUT/offload); its
-    free space is the disk the planner may use. The files are deleted when training ends."""
+    """Tables larger than memory live on local disk."""
+    offload_dir: str | None = dataclasses.field(default=None, metadata={"metavar": "DIR"})
+    """Directory of offloaded tables (None: OUT/offload)."""
     log_every: int = 50
     """Steps between metrics-log lines."""
     timeout: float = 600.0
-    """Seconds a rank waits in a collective (all-to-all, all-reduce, barrier) for the others
-    before the run fails, instead of torch's 30 minutes: a stalled or dead rank ends the run.
-    The slowest legitimate wait is a checkpoint save or a validation on a big split."""
+    """Seconds a rank waits in a collective."""
     shuffle: bool = True
-    """Shuffle the train split's rows per (seed, epoch)."""
+    """Shuffle the train rows per (seed, epoch)."""
     threads: int | None = None
-    """torch threads per rank (intra-op and inter-op). None: OMP_NUM_THREADS where set (torchrun
-    sets 1 per rank), else the CPUs this process may use (affinity, cgroup quota) shared by the
-    ranks on this host, less the data loader's thread; train prints the choice and why."""
+    """torch threads per rank (None: auto)."""
 
     def __post_init__(self) -> None:
         positive = ("epochs", "keep_checkpoints", "log_every")
@@ -496,8 +459,8 @@ class ServeConfig:
     """On SIGTERM (or ``stop()``): stop accepting, then answer the requests already received
     for at most this long before exiting."""
     watch_interval_s: float = 0.5
-    """How often the model file and its .sha256 are checked for a new model renamed over them
-    (taken once both have been unchanged for 1 s; as on SIGHUP); 0: on SIGHUP only."""
+    """Seconds between checks for a new model renamed over the file (0: on SIGHUP only;
+    docs/serving.md)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_body_bytes", "max_rows", "latency_window"):
@@ -587,9 +550,8 @@ class CriteoConfig:
     """Cap on vocabulary rows per table, the most frequent ids kept: one int or a comma list of
     26 (default: 10000000)."""
     id_mapping: IdMapping | None = None
-    """How raw ids become table rows: vocabulary (default) or hash here, or zch: keep the raw
-    ids and let the model map them at training time with zero-collision hashing (tables sized
-    by train --zch-rows; new ids keep arriving in later files)."""
+    """How raw ids become rows: vocabulary (default), hash, or zch (raw ids, mapped while
+    training; docs/zch.md)."""
     one_split: Split | None = None
     """With --like: every row into this split (a held-out file to score whole with `dlrm-app
     evaluate RUN --data OUT --split test`)."""
@@ -606,10 +568,8 @@ class CriteoConfig:
     """Encode with this existing dataset's hashing or vocabulary (so its model reads the
     output)."""
     workers: int = 1
-    """Processes that parse, encode and write (1, the default, needs the least memory; it runs
-    two tasks at a time on threads where 2 CPUs are usable, one for gzip input; each further
-    worker adds about 0.4 GB); the output is byte-identical for every N; more workers pay off
-    past two cores."""
+    """Processes that parse, encode and write (about 0.4 GB each; the same output for any N;
+    docs/data.md)."""
     days: int | None = None
     """kaggle: cut the inputs' lines into this many days of consecutive lines (default: one
     day); terabyte inputs are one day each."""
@@ -634,9 +594,8 @@ class MovieLensConfig:
     test_fraction: float = 0.1
     """Fraction of each user's ratings in test (--split-method fraction)."""
     id_mapping: IdMapping = "vocabulary"
-    """user_id and movie_id: vocabulary (ids 0..n-1 of the ids in the ratings), hash (raw id
-    modulo --num-embeddings-per-feature rows) or zch (the raw ids kept, mapped by the model at
-    training time with zero-collision hashing; tables sized by train --zch-rows)."""
+    """user_id and movie_id: vocabulary, hash (--num-embeddings-per-feature rows) or zch (raw
+    ids, docs/zch.md)."""
     num_embeddings_per_feature: int | None = None
     """With --id-mapping hash: rows of the user_id and movie_id tables."""
     seed: int = 0
@@ -653,7 +612,7 @@ class TrainCommand:
     console shows it."""
 
     quiet: bool = False
-    """No progress bar, plan line or summary on stderr (stdout keeps the JSON line)."""
+    """No progress bar or summary on stderr."""
     config: TrainConfig
     """The run."""
 
@@ -685,11 +644,11 @@ class ExportConfig:
     out: str = required()
     """The artifact to write, e.g. model.pt2 (model.pt with --format torchscript)."""
     format: Literal["pt2", "torchscript"] = "pt2"
-    """pt2: AOTInductor-compiled torch.export programs + manifest; torchscript: one TorchScript
-    file, for stacks that cannot load .pt2 yet (TorchScript is deprecated in PyTorch)."""
+    """pt2: torch.export + AOTInductor programs and manifest; torchscript: one legacy
+    TorchScript file."""
     lookup: Literal["auto", "fbgemm", "torch"] = "auto"
-    """.pt2 embedding lookups: FBGEMM's int-n-bit op (the loader imports fbgemm_gpu) or plain
-    torch ops (loads with torch alone); auto: FBGEMM where it loads."""
+    """.pt2 lookups: FBGEMM's op, or plain torch (loads without FBGEMM); auto: FBGEMM where it
+    loads."""
     dtype: Literal["fp32", "fp16", "int8", "int4"] = "int8"
     """Embedding table storage (row-wise scale/bias for int8/int4)."""
     checkpoint: str = "best"
@@ -706,8 +665,8 @@ class ServeCommand:
     model: str = positional()
     """Exported model file (dlrm-app export)."""
     expect_sha256: str | None = dataclasses.field(default=None, metadata={"metavar": "HEX"})
-    """The model file's sha256 (as `dlrm-app export` printed it); a mismatch refuses the file
-    before anything in it is loaded. None: the digest in <model>.sha256 beside it, if any."""
+    """The model file's sha256 (as export printed it), checked before loading; None:
+    MODEL.sha256 if any."""
     server: ServeConfig = ServeConfig()
     """Binding, batching and bounds."""
 

@@ -175,7 +175,27 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
             kwargs["metavar"] = "A-B-C"
         else:
             kwargs["type"] = _optional(base) if optional else base
+            if base in SHORT_METAVARS:
+                kwargs.setdefault("metavar", SHORT_METAVARS[base])
         parser.add_argument(flag, **kwargs)
+
+
+SHORT_METAVARS = {int: "N", float: "X"}
+"""Placeholders of number flags (``--batch-size N``): argparse's default, the name in capitals,
+pushed most help lines of ``train`` onto a line of their own."""
+
+
+def short_usage(parser: argparse.ArgumentParser) -> str:
+    """``PROG`` with its positional and required arguments and ``[options]``: the usage line of
+    a command with many flags (the whole list took 32 lines of ``train --help``)."""
+    words = []
+    for action in parser._actions:
+        if not action.option_strings:
+            name = action.metavar or action.dest
+            words.append(f"{name} [{name} ...]" if action.nargs == "+" else str(name))
+        elif action.required:
+            words.append(f"{action.option_strings[0]} {action.metavar or action.dest.upper()}")
+    return " ".join(["%(prog)s", *words, "[options]"])
 
 
 def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
