@@ -36,7 +36,6 @@ from dlrm_app.config import (
     ServeCommand,
     TrainCommand,
     TrainConfig,
-    resume_config,
 )
 from dlrm_app.flags import (
     HelpFormatter,
@@ -45,6 +44,7 @@ from dlrm_app.flags import (
     config_values,
     short_usage,
 )
+from dlrm_app.training import resume
 
 if TYPE_CHECKING:
     import torch
@@ -233,12 +233,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     is the base and only the flags given on the command line change it (a flag that would
     change the model or the data is an error naming it)."""
     given = config_values(args, TrainConfig)
-    saved = Path(given["out"]) / "config.json"
-    if given.get("resume") and saved.is_file():
-        from dlrm_app.training.run_dir import trained
-
-        if trained(saved.parent):  # a start that failed before its first step is no base
-            return resume_config(TrainConfig.load(saved), given, where=str(saved))
+    if (resumed := resume.from_command_line(given)) is not None:
+        return resumed
     if "data" not in given:
         raise ValueError("--data is required (it may be left out only with --resume of an "
                          "existing run, whose config names its data)")

@@ -45,6 +45,7 @@ from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.optim import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
 from recsys_core.planner import ParameterConstraints, PlannerError, plan_for_env
+from recsys_core.planner.constants import BATCH_SIZE
 
 
 def fused_optimizer(config: TrainConfig) -> FusedOptimizerConfig:
@@ -102,11 +103,6 @@ def replicated_collections(model: nn.Module, env: ShardingEnv, device: torch.dev
         constraints.update((c.name, ParameterConstraints(sharding_types=["data_parallel"]))
                            for c in collection.embedding_bag_configs())
     return constraints
-
-
-DEFAULT_PLAN_BATCH = 512
-"""Rows per rank the planner sizes traffic and caches for when the config names no batch size
-(a config not yet given ``with_batch_size``)."""
 
 
 def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
@@ -170,10 +166,12 @@ def comm_codecs(precision: CommPrecision) -> dict[str, QuantizedCommCodecs] | No
         comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])
 
 
-def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
-                ) -> DistributedModelParallel:
+def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device,
+                batch_size: int | None = None) -> DistributedModelParallel:
     """The DLRM sharded over the world (plan from ``config.plan`` or the planner), initialized
-    from ``config.seed`` the same way for any plan."""
+    from ``config.seed`` the same way for any plan. The planner sizes traffic and caches for
+    ``batch_size`` rows per rank (None: ``config.batch_size``; where that is not decided yet,
+    the planner's default, TorchRec's 512)."""
     plan = None
     if config.plan:
         try:
@@ -208,7 +206,7 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device
                 model, env, device, config.embedding_optimizer,
                 topology.ddr_per_rank)
             plan = plan_for_env(model, env, sharders, device, topology=topology,
-                                batch_size=config.batch_size or DEFAULT_PLAN_BATCH,
+                                batch_size=batch_size or config.batch_size or BATCH_SIZE,
                                 constraints=constraints or None)
         except PlannerError as e:
             raise planning_error_for_user(e, config.offload, config.memory_per_rank) from None

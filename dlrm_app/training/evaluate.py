@@ -52,8 +52,10 @@ def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
 
 
 def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
-                       data: str | None = None) -> tuple[Any, TrainConfig, DatasetSpec, Path]:
-    """(sharded model with the checkpoint's weights, its config, dataset spec, checkpoint)."""
+                       data: str | None = None, batch_size: int | None = None,
+                       ) -> tuple[Any, TrainConfig, DatasetSpec, Path]:
+    """(sharded model with the checkpoint's weights, its config, dataset spec, checkpoint),
+    planned for batches of ``batch_size`` rows per rank (None: the run's training batch)."""
     config, path = resolve_run(run, checkpoint)
     device = init_distributed(config.timeout)
     spec = DatasetSpec.load(data or config.data)
@@ -67,7 +69,7 @@ def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
     # training world (another number of ranks, another batch per rank), not this one.
     config_for_eval = TrainConfig.from_json_dict(
         {**config.to_json_dict(), "plan": None, "memory_per_rank": None})
-    model = build_model(config_for_eval, spec, device)
+    model = build_model(config_for_eval, spec, device, batch_size=batch_size)
     load_checkpoint(path, model=model, optimizer=None, extra={})
     return model, config, spec, path
 
@@ -77,7 +79,7 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
                         batch_size: int = 8192) -> dict[str, Any]:
     """Metrics of the run's best (or the given) checkpoint on ``split`` of the run's dataset
     (or of ``data``: a dataset encoded like it); saved with curves in the run for its report."""
-    model, config, spec, path = load_trained_model(run, checkpoint, data)
+    model, config, spec, path = load_trained_model(run, checkpoint, data, batch_size)
     rank, world_size = world()
     loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
                            world_size=world_size, drop_last=False, pad_last=True)

@@ -57,14 +57,8 @@ def topology_for_run(
     CUDA the device's free memory), or ``--memory-per-rank`` GiB per rank where given (host
     memory on CPU, GPU memory on CUDA); with ``offload_dir``, also the disk free there for
     tables kept in files behind a cache (CPU)."""
-    override = None
-    if memory_per_rank_gib is not None:
-        if not (math.isfinite(memory_per_rank_gib) and memory_per_rank_gib > 0):
-            raise ValueError(
-                f"--memory-per-rank {memory_per_rank_gib}: give a positive number of GiB per "
-                "rank, e.g. --memory-per-rank 16"
-            )
-        override = int(memory_per_rank_gib * GIB)
+    # a positive finite number where given: TrainConfig checks it
+    override = None if memory_per_rank_gib is None else int(memory_per_rank_gib * GIB)
     import torch
 
     from recsys_core.planner import detect_topology

@@ -28,7 +28,6 @@ interleaved like the shares, in tests/integration/test_torchrun.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import sys
 import time
@@ -43,6 +42,7 @@ from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.reporting.report import write_report
 from dlrm_app.threads import configure_threads
+from dlrm_app.training import resume
 from dlrm_app.training.build import (
     build_model,
     build_optimizer,
@@ -54,11 +54,14 @@ from dlrm_app.training.build import (
 from dlrm_app.training.checkpoint import latest_checkpoint
 from dlrm_app.training.components import (
     Checkpointer,
+    DataPosition,
     MetricsLogger,
     Preempted,
     PreemptionGuard,
+    RngState,
     TrainingDiverged,
     TrainState,
+    Validation,
     Validator,
     checkpoint_step,
 )
@@ -71,7 +74,6 @@ from dlrm_app.training.runtime import (
     gather,
     init_distributed,
     peak_memory_mb,
-    restart_count,
     world,
 )
 
@@ -109,17 +111,14 @@ class Trainer:
         self.device = device = init_distributed(config.timeout)
         self.rank, self.world_size = world()
         world_size = self.world_size
-        config = restarted(config, self.rank)
+        config = resume.restarted(config, self.rank)
         if self.rank == 0 and progress:
             print(threads.describe(), file=sys.stderr)
         if self.rank == 0 and threads.warning:
             print(threads.warning, file=sys.stderr)
         self.spec = spec = DatasetSpec.load(config.data)
         check_validation_labels(spec, config.data)
-        previous_data = resumed_data(config)
-        new_data = previous_data is not None and not same_path(previous_data, config.data)
-        if new_data:
-            check_continuation(previous_data, spec, config.data)
+        previous_data = resume.previous_data(config, spec)
         self.config = config = prepare_run_dir(
             config.with_batch_size(spec.split("train").rows, world_size), self.rank)
         self.out = out = Path(config.out)
@@ -147,24 +146,23 @@ class Trainer:
         if config.max_steps is not None:
             self.total_steps = min(self.total_steps, config.max_steps)
 
-        self.checkpointer = Checkpointer(out / "checkpoints", self.model, self.optimizer, config,
-                                         world_size)
-        self.state, resumed_from = TrainState(), None
-        if config.resume and (restored := self.checkpointer.restore(
-                self.train_loader, self.steps_per_epoch)) is not None:
-            self.state, resumed_from = restored[0], str(restored[1])
-            if new_data:
-                # continue on other data: its epochs from the start, the model, optimizer and
-                # step (learning-rate schedule) as they were; its validation split is another
-                # yardstick
-                self.train_loader.load_state_dict({"epoch": 0, "batches_yielded": 0})
-                self.state = TrainState(step=self.state.step)
-                self.total_steps += self.state.step
+        self.state = TrainState()
+        data = DataPosition(self.train_loader, self.state, world_size, config.batch_size,
+                            self.steps_per_epoch)
+        self.checkpointer = Checkpointer(
+            out / "checkpoints", self.model, self.optimizer,
+            {"train_state": self.state, "data": data, "rng": RngState()},
+            keep=config.keep_checkpoints, save_every=config.save_every,
+            background=config.background_checkpoints)
+        resumed = resume.restore(self.checkpointer, self.state, data, config, previous_data)
+        new_data = resumed.previous_data is not None
+        if new_data:
+            self.total_steps += self.state.step
         self.start_step = self.state.step
-        if self.rank == 0 and resumed_from is not None:
-            print(f"resumed from {resumed_from} at step {self.start_step}"
+        if self.rank == 0 and resumed.checkpoint is not None:
+            print(f"resumed from {resumed.checkpoint} at step {self.start_step}"
                   + (f", continuing on {config.data}" if new_data else ""), file=sys.stderr)
-        self.new_data_from = self.start_step + 1 if new_data and resumed_from else 0
+        self.new_data_from = self.start_step + 1 if new_data else 0
         """The first step on new data (0: not continued on new data)."""
         self.global_batch = config.batch_size * world_size
         self.metrics = MetricsLogger(
@@ -172,15 +170,16 @@ class Trainer:
             total_steps=self.total_steps, start_step=self.start_step,
             global_batch=self.global_batch, optimizer=self.optimizer, device=device)
         self.validator = Validator(self.model, val_loader, device, config, self.steps_per_epoch,
-                                   self.metrics, self.checkpointer)
+                                   self.metrics)
         self.metrics.write({
             "event": "start", "world_size": world_size, "device": str(device),
             "amp": amp_enabled(device, config.amp),
             "comm_precision": comm_precision(config, device, world_hosts()).value,
             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-            "validate_every": self.validator.every, "resumed_from": resumed_from,
-            "continued_on_new_data": config.data if new_data and resumed_from else None,
-            "previous_data": previous_data if new_data and resumed_from else None,
+            "validate_every": self.validator.every,
+            "resumed_from": None if resumed.checkpoint is None else str(resumed.checkpoint),
+            "continued_on_new_data": config.data if new_data else None,
+            "previous_data": resumed.previous_data,
             "start_step": self.start_step, "threads": threads.intra_op,
             "interop_threads": threads.inter_op, "threads_reason": threads.reason})
         if self.rank == 0 and (message := amp_warning(device, config.amp)) is not None:
@@ -246,10 +245,10 @@ class Trainer:
                 state.step += 1
                 state.epoch_batches += 1
                 metrics.after_step(state, loss_sum, len(batch.labels))
-                self.validator.after_step(state)
+                self._keep_if_best(self.validator.after_step(state))
                 stop = guard.agreed()
                 self.checkpointer.after_step(state, guard.since_save_s)
-                if self.checkpointer.saved_at == state.step:  # by the validator too
+                if self.checkpointer.saved_at == state.step:  # the best one too
                     guard.saved()
                 if stop:
                     self.preempted = int(guard.signal or signal.SIGTERM)
@@ -261,9 +260,16 @@ class Trainer:
             if self.preempted:
                 return
             if state.epoch_batches >= self.steps_per_epoch or state.step >= self.total_steps:
-                self.validator.at_epoch_end(state)
+                self._keep_if_best(self.validator.at_epoch_end(state))
                 if state.step < self.total_steps and not state.stop_reason:
                     self._next_epoch()
+
+    def _keep_if_best(self, validation: Validation | None) -> None:
+        """A validation that found the best model so far: its checkpoint, recorded as best."""
+        if validation is not None and validation.best:
+            self.checkpointer.save(self.state, best=True)
+            self.metrics.write({"event": "best", "step": self.state.step,
+                                "auc": self.state.best_auc})
 
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step on ``batch``; returns the summed log loss of its rows.
@@ -340,19 +346,6 @@ class Trainer:
         return summary
 
 
-def restarted(config: TrainConfig, rank: int) -> TrainConfig:
-    """Under a torchrun restart (``--max-restarts``) the run goes on from its newest checkpoint:
-    ``--resume`` is implied (and ``--overwrite`` dropped: it would erase the run being
-    continued)."""
-    restarts = restart_count()
-    if restarts == 0 or (config.resume and not config.overwrite):
-        return config
-    if rank == 0:
-        print(f"torchrun restart {restarts}: resuming the run in {config.out} from its newest "
-              "checkpoint", file=sys.stderr)
-    return dataclasses.replace(config, resume=True, overwrite=False)
-
-
 def check_validation_labels(spec: DatasetSpec, data: str) -> None:
     """Refuse a validation split on which no AUC can be computed: no model could be kept as
     the best, early stopping could not work, and the run would end with a NaN."""
@@ -363,43 +356,3 @@ def check_validation_labels(spec: DatasetSpec, data: str) -> None:
         raise ValueError(
             f"--data {data}: {note}, so no checkpoint could be kept as the best; preprocess "
             "more rows (more of the input file) so that the validation split has both labels")
-
-
-def resumed_data(config: TrainConfig) -> str | None:
-    """The data of the run ``--resume`` continues (its saved config's), or None."""
-    saved = Path(config.out) / "config.json"
-    if not (config.resume and saved.is_file()):
-        return None
-    return TrainConfig.load(saved).data
-
-
-def same_path(a: str, b: str) -> bool:
-    return Path(a).resolve() == Path(b).resolve()
-
-
-def check_continuation(previous: str, spec: DatasetSpec, data: str) -> None:
-    """``--resume --data NEW`` continues a run on other data only where the model reads it the
-    same way: the same features and table sizes, and ids that mean the same rows (raw ids, whose
-    rows the model's zero-collision hashing assigns, or the same encoding / id map)."""
-    try:
-        before = DatasetSpec.load(previous)
-    except ValueError:
-        before = None  # gone: the checkpoint's shapes are the remaining check
-    if before is None:
-        return
-
-    def shape(s: DatasetSpec) -> list[Any]:
-        return [list(s.dense_features), [(f.name, f.num_embeddings, f.raw_ids, f.multi_hot)
-                                         for f in s.sparse_features]]
-
-    fix = (f"resume with the run's data ({previous}), or preprocess the new files with "
-           f"--id-mapping zch (raw ids) or --like {previous}")
-    if shape(before) != shape(spec):
-        raise ValueError(f"--data {data}: its features or table sizes differ from those of the "
-                         f"run's data {previous}, so the model cannot continue on it; {fix}")
-    encoded = [f.name for f in spec.sparse_features if not f.raw_ids]
-    for key in ("encoding", "id_map_sha256"):
-        if encoded and before.parameters.get(key) != spec.parameters.get(key):
-            raise ValueError(f"--data {data}: the ids of {encoded[:3]}... were encoded with "
-                             f"another {key.replace('_', ' ')} than the run's data {previous}, "
-                             f"so the same id would mean another row; {fix}")

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from dlrm_app.config import EmbeddingOptimizer
+from dlrm_app.config import EmbeddingOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetKind, DatasetSpec, SparseFeature, SplitSpec
 from dlrm_app.model import ModelConfig, build_dlrm
 from dlrm_app.training.build import WideSharder
@@ -78,8 +78,9 @@ def test_cuda_run_reads_the_device() -> None:
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
 def test_bad_memory_per_rank_names_the_flag(bad: float) -> None:
-    with pytest.raises(ValueError, match="--memory-per-rank"):
-        topology_for_run(1, 1, "cpu", bad)
+    # checked once, where the flag becomes the config (topology_for_run takes it as given)
+    with pytest.raises(ValueError, match="--memory-per-rank .*: give a positive number of GiB"):
+        TrainConfig(data="d", out="o", memory_per_rank=bad)
 
 
 @pytest.mark.parametrize(("optimizer", "expected"), [

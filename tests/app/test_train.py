@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dlrm_app.config import MIN_LR_SCALE, EmbeddingOptimizer, TrainConfig, lr_scale
+from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.model import ModelConfig
 from dlrm_app.training import checkpoint as app_checkpoint
@@ -410,3 +411,54 @@ def test_embedding_eps_damps_a_rarely_seen_rows_step(eps: float, tmp_path: Path)
         assert small > 0.99 and large > 0.99
     else:  # rms(g) 0.0019 against eps 0.01: 16% of the step; rms 1.9: 99%
         assert small < 0.2 and large > 0.95
+
+
+def test_each_model_is_planned_for_the_batch_it_runs(data: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training plans for its batch size, `evaluate` for its own (--batch-size 8192 by default,
+    not the run's), and a config with no batch size yet for the planner's default (TorchRec's
+    512)."""
+    from dlrm_app.training import build
+
+    train(_config(data, tmp_path / "run", max_steps=2), progress=False)
+    planned: list[int] = []
+    real = build.plan_for_env
+    monkeypatch.setattr(build, "plan_for_env",
+                        lambda *a, **k: planned.append(k["batch_size"]) or real(*a, **k))
+    evaluate_checkpoint(tmp_path / "run", split="validation", batch_size=1000)
+    train(_config(data, tmp_path / "again", max_steps=1), progress=False)
+    cpu = torch.device("cpu")
+    build.build_model(_config(data, tmp_path / "x", batch_size=None), DatasetSpec.load(data), cpu)
+    assert planned == [1000, 256, 512]
+
+
+def test_the_checkpointer_saves_and_restores_the_parts_it_is_given(tmp_path: Path) -> None:
+    from dlrm_app.training.components import Checkpointer, TrainState
+
+    model = torch.nn.Linear(2, 1)
+
+    class Position:
+        def __init__(self) -> None:
+            self.rows = 0
+
+        def state_dict(self) -> dict:
+            return {"rows": self.rows}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.rows = int(state["rows"])
+
+    state, position = TrainState(step=7, epoch=1, epoch_batches=3, best_auc=0.7, best_step=5),\
+        Position()
+    position.rows = 42
+    checkpointer = Checkpointer(tmp_path, model, None, {"train_state": state, "data": position},
+                                keep=2)
+    checkpointer.save(state)
+    restored, again = TrainState(), Position()
+    path = Checkpointer(tmp_path, model, None, {"train_state": restored, "data": again},
+                        keep=2).restore()
+    assert path is not None and path.name == "step_00000007"
+    assert (restored, again.rows) == (TrainState(step=7, epoch=1, epoch_batches=3, best_auc=0.7,
+                                                 best_step=5), 42)
+    # the parts make one flat record, as checkpoints always had: a key twice is an error
+    with pytest.raises(ValueError, match="repeats the keys"):
+        Checkpointer(tmp_path, model, None, {"a": state, "b": TrainState()}, keep=2).save(state)

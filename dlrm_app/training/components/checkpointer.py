@@ -1,15 +1,16 @@
-"""Checkpoints during training: when to save, what a checkpoint holds besides the model and
-optimizer, and restoring it for ``--resume``."""
+"""Checkpoints during training: when to save, and saving and restoring the parts it is given
+(the model, the optimizer, and ``Stateful`` parts: the train state, the data position, the
+RNG), as torchtitan's checkpointer does."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dlrm_app.config import TrainConfig, duration_seconds
-from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.config import duration_seconds
 from dlrm_app.training.checkpoint import (
     BackgroundSaver,
     best_checkpoint,
@@ -18,27 +19,32 @@ from dlrm_app.training.checkpoint import (
     newest_intact_checkpoint,
     save_checkpoint,
 )
-from dlrm_app.training.components.state import TrainState
+from dlrm_app.training.components.state import Stateful, TrainState
 
 
 class Checkpointer:
-    """Schedule: the best checkpoint whenever the validator finds a better AUC (``save(...,
-    best=True)``), one every ``--save-every`` steps, and the last state at the end (``at_end``)
-    for ``--resume``; never twice at one step. ``--keep-checkpoints`` complete ones are kept
-    besides the best."""
+    """Schedule: the best checkpoint whenever the trainer is told of a better validation AUC
+    (``save(..., best=True)``), one every ``--save-every`` steps, and the last state at the end
+    (``at_end``) for ``--resume``; never twice at one step. ``keep`` complete ones are kept
+    besides the best.
+
+    A checkpoint holds ``model``, ``optimizer`` and the ``parts``' ``state_dict()`` values
+    (their keys are disjoint: one flat record, as checkpoints have always had); ``restore``
+    loads them back in the parts' order."""
 
     def __init__(self, directory: Path, model: torch.nn.Module, optimizer: Any,
-                 config: TrainConfig, world_size: int) -> None:
+                 parts: Mapping[str, Stateful], *, keep: int, save_every: int | str = 0,
+                 background: bool = False) -> None:
         self.directory, self._model, self._optimizer = directory, model, optimizer
-        self._config, self._world_size = config, world_size
+        self._parts, self._keep, self._every = dict(parts), keep, save_every
         self._saved_at = -1
         # --background-checkpoints: collective (a process group of its own), every rank here
-        self._background = BackgroundSaver() if config.background_checkpoints else None
+        self._background = BackgroundSaver() if background else None
 
     def save(self, state: TrainState, best: bool = False) -> None:
         save = save_checkpoint if self._background is None else self._background.save
         save(self.directory, state.step, model=self._model, optimizer=self._optimizer,
-             best=best, keep=self._config.keep_checkpoints, extra=self._extra(state))
+             best=best, keep=self._keep, extra=self._record())
         self._saved_at = state.step
 
     def wait(self) -> None:
@@ -54,7 +60,7 @@ class Checkpointer:
     def after_step(self, state: TrainState, since_save_s: float | None = None) -> None:
         """``--save-every``: N steps, or a duration; ``since_save_s`` is the ranks' agreed
         time since the last save (None between agreements: no time-based save)."""
-        every = self._config.save_every
+        every = self._every
         if isinstance(every, str):
             due = since_save_s is not None and since_save_s >= duration_seconds(every)
         else:
@@ -80,35 +86,26 @@ class Checkpointer:
             load_checkpoint(best, model=self._model, optimizer=None, extra={})
         return best or latest
 
-    def _extra(self, state: TrainState) -> dict[str, Any]:
-        return {"step": state.step, "epoch": state.epoch, "batches_yielded": state.epoch_batches,
-                "world_size": self._world_size, "batch_size": self._config.batch_size,
-                "best_auc": state.best_auc, "best_step": state.best_step,
-                "stale_validations": state.stale_validations, "rng": torch.get_rng_state()}
+    def _record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {}
+        for name, part in self._parts.items():
+            values = part.state_dict()
+            if clash := set(values) & set(record):
+                raise ValueError(f"checkpoint part {name!r} repeats the keys {sorted(clash)}")
+            record.update(values)
+        return record
 
-    def restore(self, loader: ParquetLoader, steps_per_epoch: int
-                ) -> tuple[TrainState, Path] | None:
-        """``--resume``: the newest intact checkpoint's weights, optimizer, RNG, data position
-        and best AUC (None where there is none). Under another world size or batch size the
-        data position is the same number of global rows into the epoch."""
+    def restore(self) -> Path | None:
+        """The newest intact checkpoint loaded into the model, the optimizer and the parts
+        (in their order); None where there is none."""
         path = newest_intact_checkpoint(self.directory)
         if path is None:
             return None
-        config = self._config
-        extra = load_checkpoint(path, model=self._model, optimizer=self._optimizer,
-                                extra=self._extra(TrainState()), verified=True)
-        torch.set_rng_state(extra["rng"])
-        batches = int(extra["batches_yielded"])
-        if (int(extra["world_size"]), int(extra["batch_size"])) != (self._world_size,
-                                                                     config.batch_size):
-            rows = batches * int(extra["batch_size"]) * int(extra["world_size"])
-            batches = rows // (config.batch_size * self._world_size)
-        batches = min(batches, steps_per_epoch)
-        loader.load_state_dict({"epoch": int(extra["epoch"]), "batches_yielded": batches})
-        return TrainState(step=int(extra["step"]), epoch=int(extra["epoch"]),
-                          epoch_batches=batches, best_auc=float(extra["best_auc"]),
-                          best_step=int(extra["best_step"]),
-                          stale_validations=int(extra["stale_validations"])), path
+        saved = load_checkpoint(path, model=self._model, optimizer=self._optimizer,
+                                extra=self._record(), verified=True)
+        for part in self._parts.values():
+            part.load_state_dict({key: saved[key] for key in part.state_dict()})
+        return path
 
 
 def checkpoint_step(path: Path) -> int:

@@ -1,11 +1,24 @@
 """Where a training run is: a few numbers, saved in every checkpoint and restored by
-``--resume``."""
+``--resume``; each part saves and restores itself (``state_dict`` / ``load_state_dict``), the
+checkpointer only stores what the parts give it."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
+
+import torch
 
 from dlrm_app.config import TrainConfig
+from dlrm_app.data.loader import ParquetLoader
+
+
+class Stateful(Protocol):
+    """A part of a checkpoint: plain values (and tensors) out, the same back in."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass
@@ -25,6 +38,56 @@ class TrainState:
 
     def next_epoch(self) -> None:
         self.epoch, self.epoch_batches = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # the keys checkpoints have always had (``batches_yielded``: the epoch's batches)
+        return {"step": self.step, "epoch": self.epoch, "batches_yielded": self.epoch_batches,
+                "best_auc": self.best_auc, "best_step": self.best_step,
+                "stale_validations": self.stale_validations}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.epoch_batches = int(state["batches_yielded"])
+        self.best_auc, self.best_step = float(state["best_auc"]), int(state["best_step"])
+        self.stale_validations = int(state["stale_validations"])
+        self.stop_reason = None
+
+
+class DataPosition:
+    """The train loader's place: the epoch and batches the ``TrainState`` counts, and the world
+    and batch size they were counted in. Restored (after the state) under another world size or
+    batch size, the position is the same number of global rows into the epoch."""
+
+    def __init__(self, loader: ParquetLoader, state: TrainState, world_size: int,
+                 batch_size: int, steps_per_epoch: int) -> None:
+        self._loader, self._state = loader, state
+        self._world_size, self._batch_size = world_size, batch_size
+        self._steps_per_epoch = steps_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"world_size": self._world_size, "batch_size": self._batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        batches = self._state.epoch_batches
+        saved = int(state["world_size"]), int(state["batch_size"])
+        if saved != (self._world_size, self._batch_size):
+            batches = batches * saved[0] * saved[1] // (self._batch_size * self._world_size)
+        self.start_epoch(self._state.epoch, min(batches, self._steps_per_epoch))
+
+    def start_epoch(self, epoch: int, batches: int = 0) -> None:
+        """Continue ``epoch`` after ``batches`` batches (0: from its start)."""
+        self._state.epoch, self._state.epoch_batches = epoch, batches
+        self._loader.load_state_dict({"epoch": epoch, "batches_yielded": batches})
+
+
+class RngState:
+    """torch's global random generator, as the run left it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["rng"])
 
 
 class TrainingDiverged(ValueError):

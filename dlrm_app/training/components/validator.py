@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -9,36 +10,45 @@ import torch
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
-from dlrm_app.training.components.checkpointer import Checkpointer
 from dlrm_app.training.components.metrics_logger import MetricsLogger
 from dlrm_app.training.components.state import TrainState, diverged
 from dlrm_app.training.evaluate import evaluate_model
 
 
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """What a validation found: its metrics, and whether the model is the best so far (the
+    trainer then saves it as the ``best`` checkpoint)."""
+
+    metrics: dict[str, float]
+    best: bool
+
+
 class Validator:
     """Schedule: every ``config.validation_interval(steps_per_epoch)`` steps (about 4 times an
-    epoch by default; 0: never in an epoch) and at each epoch's end unless it just ran. Every
-    better AUC is saved as the ``best`` checkpoint; ``--patience`` validations in a row without
-    one, or reaching ``--target-auc``, set the state's stop reason. A non-finite model output
+    epoch by default; 0: never in an epoch) and at each epoch's end unless it just ran. Each
+    validation returns a ``Validation``; ``--patience`` validations in a row without a better
+    AUC, or reaching ``--target-auc``, set the state's stop reason. A non-finite model output
     stops the run with ``TrainingDiverged``."""
 
     def __init__(self, model: torch.nn.Module, loader: ParquetLoader, device: torch.device,
-                 config: TrainConfig, steps_per_epoch: int, logger: MetricsLogger,
-                 checkpointer: Checkpointer) -> None:
+                 config: TrainConfig, steps_per_epoch: int, logger: MetricsLogger) -> None:
         self._model, self._loader, self._device, self._config = model, loader, device, config
         self.every = config.validation_interval(steps_per_epoch)
-        self._logger, self._checkpointer = logger, checkpointer
+        self._logger = logger
         self._last_step = -1
 
-    def after_step(self, state: TrainState) -> None:
+    def after_step(self, state: TrainState) -> Validation | None:
         if self.every and state.step % self.every == 0:
-            self.validate(state)
+            return self.validate(state)
+        return None
 
-    def at_epoch_end(self, state: TrainState) -> None:
+    def at_epoch_end(self, state: TrainState) -> Validation | None:
         if self._last_step != state.step:
-            self.validate(state)
+            return self.validate(state)
+        return None
 
-    def validate(self, state: TrainState) -> None:
+    def validate(self, state: TrainState) -> Validation:
         config = self._config
         try:
             metrics = evaluate_model(self._model, self._loader, self._device, config.val_batches,
@@ -51,10 +61,9 @@ class Validator:
         self._last_step = state.step
         self._logger.write({"event": "validation", "step": state.step, "epoch": state.epoch,
                             **metrics})
-        if metrics["auc"] > state.best_auc:  # NaN (one class only) never improves
+        best = metrics["auc"] > state.best_auc  # NaN (one class only) never improves
+        if best:
             state.best_auc, state.best_step, state.stale_validations = metrics["auc"], state.step, 0
-            self._checkpointer.save(state, best=True)
-            self._logger.write({"event": "best", "step": state.step, "auc": state.best_auc})
         else:
             state.stale_validations += 1
         if config.target_auc is not None and metrics["auc"] >= config.target_auc:
@@ -63,6 +72,7 @@ class Validator:
             state.stop_reason = (f"no better validation AUC in {config.patience} validations "
                                  f"(--patience); best {state.best_auc:.4f} at step "
                                  f"{state.best_step}")
+        return Validation(metrics=metrics, best=best)
 
     def final(self, out: Path) -> dict[str, Any]:
         """The kept model's metrics on the whole validation split (its scores saved in ``out``
