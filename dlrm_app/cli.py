@@ -330,8 +330,10 @@ def _cmd_export(args: ExportConfig) -> int:
 
     meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,
                         quantize_dense=args.quantize_dense, fmt=args.format,
-                        lookup=args.lookup, progress=stage_printer("dlrm-app export"))
-    print(jsonline.dumps({k: meta.get(k) for k in ("path", "bytes", "format", "embedding_dtype",
+                        lookup=args.lookup, full=args.full,
+                        progress=stage_printer("dlrm-app export"))
+    print(jsonline.dumps({k: meta.get(k) for k in ("published", "why", "path", "bytes",
+                                                 "format", "embedding_dtype",
                                                  "dense_dtype", "lookup", "raw_input",
                                                  "needs_fbgemm", "checkpoint", "sha256")}))
     return 0

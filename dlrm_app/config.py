@@ -623,6 +623,10 @@ class ExportConfig:
     or a step_* directory."""
     quantize_dense: bool = False
     """Also dynamic-int8 quantize the MLPs' linear layers (--format torchscript only)."""
+    full: bool = False
+    """Compile the program even when --out already holds it (a .pt2 with this checkpoint's
+    program fingerprint: same model config, tables and export options), where the export
+    otherwise writes the weights alone beside it (model.weights for model.pt2)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

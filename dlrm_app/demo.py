@@ -58,7 +58,8 @@ def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
                          overwrite=True, threads=threads)
     summary = train(config, progress=progress)
     test = evaluate_checkpoint(run, split="test")
-    artifact = export_model(run, out / "model_int8.pt2", "int8",
+    # full: a demo run again into the same folder would otherwise publish its weights alone
+    artifact = export_model(run, out / "model_int8.pt2", "int8", full=True,
                             progress=stage_printer("export") if progress else None)
     print(human_summary(run), file=sys.stderr)
     return {

@@ -270,6 +270,12 @@ class CompiledArtifact:
     def eval(self) -> CompiledArtifact:
         return self
 
+    @property
+    def programs(self) -> dict[str, Any]:
+        """The compiled programs by name (``model``, and ``encode`` where there is one)."""
+        return {MODEL_PROGRAM: self._model,
+                **({ENCODE_PROGRAM: self._encoder} if self._encoder is not None else {})}
+
     def _rows(self, dense: Tensor, name: str) -> int:
         if dense.dim() != 2 or dense.size(1) != self.num_dense:
             raise ValueError(f"{name} must be [B, {self.num_dense}], got {list(dense.shape)}")

@@ -33,6 +33,7 @@ import shutil
 import sys
 import time
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from dlrm_app.serving.artifact import (
     MODEL_PROGRAM,
     PROGRAM_SIGNATURES,
     digest_path,
+    read_manifest,
     write_digest,
 )
 from dlrm_app.serving.program import LOOKUPS, EncodedPredictor, RawEncoder, WideLookup
@@ -63,6 +65,13 @@ from dlrm_app.serving.reproducible import (
     ARCHIVE_FILE,
     normalized_sources,
     settle_serialization_id,
+)
+from dlrm_app.serving.weights import (
+    constant_specs,
+    program_constants,
+    program_fingerprint,
+    weights_path,
+    write_weights,
 )
 from dlrm_app.training.checkpoint import (
     BEST,
@@ -226,12 +235,19 @@ def _check_chosen(run: Path, checkpoint: str | Path | None) -> None:
 
 def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
                  checkpoint: str | Path | None = None, quantize_dense: bool = False,
-                 fmt: str = "pt2", lookup: str = "auto",
+                 fmt: str = "pt2", lookup: str = "auto", full: bool = False,
                  progress: Progress | None = None) -> dict[str, Any]:
     """Write the artifact for the run's (newest or given) checkpoint and its ``.sha256``
-    beside it; returns its manifest (with ``path``, ``bytes`` and ``sha256``), also recorded as
-    an ``export`` event in the run's ``metrics.jsonl``. ``progress`` is told each stage as it
-    starts."""
+    beside it; returns its manifest (with ``path``, ``bytes``, ``sha256`` and ``published``),
+    also recorded as an ``export`` event in the run's ``metrics.jsonl``. ``progress`` is told
+    each stage as it starts.
+
+    A ``.pt2`` whose program is the one ``out`` already holds (the same program fingerprint,
+    :mod:`dlrm_app.serving.weights`) is published as its weights alone, no compile:
+    ``model.weights`` (and ``.sha256``) beside ``out``, which is left as it is; the result's
+    ``published`` is ``"weights"`` and its ``path`` the weights file. Otherwise, or with
+    ``full``, the program is compiled and ``out`` replaced (``published``: ``"program"``), and
+    the weights published for the previous program beside it are removed first."""
     progress = progress or _ignore
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -289,6 +305,22 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         "training": _training_summary(run, config, path),
         "created_by": f"dlrm_app {importlib.metadata.version('recsys-dlrm')}",
     }
+    programs: dict[str, tuple[torch.export.ExportedProgram, tuple]] = {}
+    if fmt == "pt2":
+        meta["lookup"] = lookup
+        programs = _export_programs(model, spec, prep, lookup, id_map, progress)
+        meta["programs"] = {name: PROGRAM_SIGNATURES[name] for name in programs}
+        exported = {name: program for name, (program, _) in programs.items()}
+        constants = program_constants(exported)
+        meta["program_fingerprint"] = program_fingerprint(exported, meta, AOTI_OPTIONS)
+        meta["constants"] = constant_specs(constants)
+        held = _fingerprint_at(out)
+        if held == meta["program_fingerprint"] and not full:
+            return _publish_weights(run, out, meta, constants, progress)
+        reason = ("--full" if full else f"the program differs from the one in {out}" if held
+                  else f"{out} holds no program with a fingerprint")
+    else:
+        reason = "TorchScript is exported in full"
     # written in a folder beside it, then moved into place: an interrupted export leaves no
     # partial file
     staging = out.parent / f".{out.name}.partial"
@@ -296,9 +328,10 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
     staging.mkdir(parents=True)
     try:
         if fmt == "pt2":
-            meta["lookup"] = lookup
-            meta["programs"] = _write_pt2(model, spec, prep, lookup, meta, staging / out.name,
-                                          progress, id_map)
+            _write_pt2(programs, meta, staging / out.name, progress)
+            # weights published for the program being replaced would not fit the new one
+            for stale in (weights_path(out), digest_path(weights_path(out))):
+                stale.unlink(missing_ok=True)
         else:
             progress("scripting the model (TorchScript)")
             _write_torchscript(model, spec, prep, meta, staging / out.name, id_map)
@@ -310,7 +343,36 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         progress(f"wrote {out} (sha256 {digest}, also in {digest_path(out).name})")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    result = {**meta, "path": str(out), "bytes": out.stat().st_size, "sha256": digest}
+    result = {**meta, "published": "program", "why": reason, "path": str(out),
+              "bytes": out.stat().st_size, "sha256": digest}
+    _record_export(run, result)
+    return result
+
+
+def _fingerprint_at(out: Path) -> str | None:
+    """The program fingerprint recorded in the .pt2 at ``out``; None when there is none (no
+    file, not a .pt2, exported before fingerprints). Its digest is not checked here: the server
+    checks it, and a weights file only ever loads into the program it was made for."""
+    try:
+        return read_manifest(out).get("program_fingerprint") if out.is_file() else None
+    except (ValueError, OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError):
+        return None
+
+
+def _publish_weights(run: Path, out: Path, meta: dict[str, Any], constants: dict[str, Tensor],
+                     progress: Progress) -> dict[str, Any]:
+    """The weights of ``out``'s program from this checkpoint, written beside it."""
+    target = weights_path(out)
+    progress(f"the program in {out} is unchanged (fingerprint {meta['program_fingerprint'][:16]}"
+             f"): writing the weights alone to {target}")
+    header = {"program_fingerprint": meta["program_fingerprint"],
+              **{k: meta[k] for k in ("dataset", "embedding_dtype", "checkpoint", "training",
+                                      "created_by")}}
+    digest = write_weights(target, constants, header)
+    progress(f"wrote {target} (sha256 {digest}, also in {digest_path(target).name})")
+    result = {**meta, "published": "weights", "why": "the program is unchanged",
+              "path": str(target), "program": str(out),
+              "bytes": target.stat().st_size, "sha256": digest}
     _record_export(run, result)
     return result
 
@@ -321,8 +383,8 @@ def _record_export(run: Path, result: dict[str, Any]) -> None:
     checkpoint. A run directory that cannot be written keeps no record; a warning says so."""
     event = {"event": "export", "time": round(time.time(), 3),
              "path": str(Path(result["path"]).resolve()), "sha256": result["sha256"],
-             **{k: result.get(k) for k in ("bytes", "format", "embedding_dtype", "dense_dtype",
-                                            "lookup", "checkpoint")}}
+             **{k: result.get(k) for k in ("published", "bytes", "format", "embedding_dtype",
+                                            "dense_dtype", "lookup", "checkpoint")}}
     try:
         with open(run / "metrics.jsonl", "a") as log:
             log.write(json.dumps(event) + "\n")
@@ -373,6 +435,10 @@ AOTI_OPTIONS = {
     # above 1) that read the thread count when they run (the server's --threads) instead.
     "cpp.threads": 2,
     "cpp.dynamic_threads": True,
+    # every parameter and buffer stays a constant of the compiled program, replaceable when
+    # weights are published alone (inductor would otherwise write 0-d and 1-d tensors of up to
+    # 8 values, biases for instance, into the generated code as literals)
+    "always_keep_tensor_constants": True,
 }
 
 EXAMPLE_BATCH = 3
@@ -411,34 +477,41 @@ def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup
     return programs
 
 
-def _write_pt2(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
-               meta: dict[str, Any], out: Path, progress: Progress,
-               id_map: FrozenIdMap | None = None) -> dict[str, Any]:
-    """Export and AOT-compile the programs, package them with the manifest into ``out`` (a
-    path in a private folder: the sources are normalized beside it). The same checkpoint gives
-    the same bytes whatever the inductor cache held and whatever ``out`` is named
-    (:mod:`dlrm_app.serving.reproducible`)."""
-    from torch.export.pt2_archive._package import package_pt2
-
-    files: dict[str, list] = {}
-    described: dict[str, Any] = {}
+def _export_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup: str,
+                     id_map: FrozenIdMap | None, progress: Progress
+                     ) -> dict[str, tuple[torch.export.ExportedProgram, tuple]]:
+    """``torch.export`` each program: ``{name: (exported program, example inputs)}``."""
+    out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, (module, args, dynamic) in serving_programs(model, spec, prep, lookup,
                                                                id_map).items():
             with torch.no_grad():
                 progress(f"torch.export: program {name!r}")
-                program = torch.export.export(module, args, dynamic_shapes=dynamic)
+                out[name] = torch.export.export(module, args, dynamic_shapes=dynamic), args
+    return out
+
+
+def _write_pt2(programs: dict[str, tuple[torch.export.ExportedProgram, tuple]],
+               meta: dict[str, Any], out: Path, progress: Progress) -> None:
+    """AOT-compile the exported programs, package them with the manifest into ``out`` (a
+    path in a private folder: the sources are normalized beside it). The same checkpoint gives
+    the same bytes whatever the inductor cache held and whatever ``out`` is named
+    (:mod:`dlrm_app.serving.reproducible`)."""
+    from torch.export.pt2_archive._package import package_pt2
+
+    files: dict[str, list] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (program, args) in programs.items():
+            with torch.no_grad():
                 progress(f"AOTInductor: compiling {name!r} for CPU")
                 compiled = torch._inductor.aot_compile(program.module(), args,
                                                        options=AOTI_OPTIONS)
             files[name] = normalized_sources(compiled, out.parent / "sources" / name)
-            described[name] = PROGRAM_SIGNATURES[name]
         progress("packaging the programs and the manifest")
         archive = out.with_name(ARCHIVE_FILE)  # the archive's top folder: "archive/"
         package_pt2(str(archive), aoti_files=files,
-                    extra_files={MANIFEST_FILE: json.dumps({**meta, "lookup": lookup,
-                                                            "programs": described})})
+                    extra_files={MANIFEST_FILE: json.dumps(meta)})
     settle_serialization_id(archive)
     archive.replace(out)
-    return described

@@ -37,8 +37,9 @@ larger request runs alone), waiting at most ``max_wait_ms`` after the first for 
 other requests are being read or parsed (not at all when none is), and hands each request its
 slice of the result.
 
-A new model is taken without a restart (:class:`Reloader`): on SIGHUP, or when a new file is
-renamed over the served path (and its ``.sha256`` beside it), see :meth:`PredictionServer.swap`.
+A new model, or new weights for the model (``model.weights`` beside ``model.pt2``), is taken
+without a restart (:mod:`dlrm_app.serving.reload`): on SIGHUP, or when a new file is renamed over
+the served path (and its ``.sha256`` beside it).
 """
 
 from __future__ import annotations
@@ -46,10 +47,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import datetime
 import errno
 import json
-import os
 import queue
 import signal
 import socket
@@ -66,7 +65,7 @@ import numpy as np
 import torch
 
 from dlrm_app.config import ServeConfig
-from dlrm_app.serving.artifact import digest_path, load_artifact
+from dlrm_app.serving.reload import Reloader, load_program, now, swap_program, swap_weights
 from dlrm_app.serving.request import (
     EncodedRows,
     Inputs,
@@ -105,6 +104,7 @@ class Batcher:
                                         daemon=True)
         self._stopped = False
         self._lock = threading.Lock()
+        self._running = threading.Lock()  # held while a batch runs
         self._arriving = 0
 
     def start(self) -> None:
@@ -162,7 +162,15 @@ class Batcher:
                     break
                 batch.append(item)
                 rows += item.inputs.rows
-            self._run(batch)
+            with self._running:
+                self._run(batch)
+
+    def switch(self, model: Any) -> None:
+        """Run the next batches on ``model``; returns once no batch runs on the previous one
+        (which may then be changed)."""
+        self.model = model  # read once per batch by the worker
+        with self._running:
+            pass
 
     def _run(self, batch: list[_Pending]) -> None:
         rows = sum(p.inputs.rows for p in batch)
@@ -447,7 +455,7 @@ class PredictionServer:
         self.metadata = metadata
         self.config = config
         self.name = name
-        self.loaded_at = _now()
+        self.loaded_at = now()
         """When the model serving now was loaded (ISO 8601, UTC)."""
         self.load_seconds = load_seconds
         """How long checking its digest and loading it took (None: not loaded from a file)."""
@@ -463,16 +471,27 @@ class PredictionServer:
         self._last_change = 0.0
         self._idle = threading.Lock()
         self.reloads = 0
-        """Models taken in place of the first one (:meth:`swap`)."""
-        self._swapping = threading.Lock()
+        """Models or weights taken in place of the first ones (:meth:`swap`,
+        :meth:`swap_weights`)."""
+        self.swapping = threading.Lock()
+        self.path: Path | None = None
+        """The program's file (None: not loaded from one)."""
+        self.weights: dict[str, Any] | None = None
+        """The published weights serving in the program (None: the program's own)."""
+        self.weights_refused: str | None = None
+        """Why the weights beside the program were not taken when it was loaded."""
+        self.standby: Any = None
+        """A second instance of the .pt2 program, the next weights' place (after the first)."""
 
     @classmethod
     def from_file(cls, path: str | Path, config: ServeConfig, *,
                   expect_sha256: str | None = None) -> PredictionServer:
         """Load an exported model, its sha256 checked first against ``expect_sha256`` or
         ``<path>.sha256`` (see :func:`dlrm_app.serving.artifact.verify_artifact`)."""
-        model, metadata, seconds = _load_unchanged(path, expect_sha256)
-        return cls(model, metadata, config, name=Path(path).name, load_seconds=seconds)
+        model, metadata, seconds, weights, refused = load_program(path, expect_sha256)
+        server = cls(model, metadata, config, name=Path(path).name, load_seconds=seconds)
+        server.path, server.weights, server.weights_refused = Path(path), weights, refused
+        return server
 
     @property
     def port(self) -> int:
@@ -557,35 +576,22 @@ class PredictionServer:
 
     def swap(self, path: str | Path, *, expect_sha256: str | None = None) -> dict[str, Any]:
         """Serve the model at ``path`` from now on, without a failed or lost request: it is
-        loaded (its sha256 checked as at start), checked to take the same inputs, and warmed
-        up while the current model serves; then the next batch runs on it (a batch already
-        running finishes on the old one). Raises ``ValueError`` (or ``OSError``) for a model
-        that fails its digest, cannot be loaded, takes other inputs or fails its warm-up, and
-        the current model goes on serving; ``/health``'s ``last_reload`` says why. Returns what
-        ``/health`` will show."""
-        with self._swapping:  # one swap at a time
-            try:
-                model, metadata, seconds = _load_unchanged(path, expect_sha256)
-                if _inputs_of(metadata) != _inputs_of(self.metadata):
-                    raise ValueError(f"{path} takes other inputs than the model being served "
-                                     "(its features or raw row format differ); start a server "
-                                     "for it")
-                try:
-                    self.warm_up(model)
-                except Exception as e:
-                    last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-                    raise ValueError(f"{path}: its warm-up calls failed ({last}); export it "
-                                     "again") from e
-            except Exception as e:
-                self.last_reload = {"ok": False, "at": _now(), "file": str(path),
-                                    "reason": str(e).strip() or type(e).__name__}
-                raise
-            self.batcher.model = model  # read once per batch by the worker
-            self.model, self.metadata, self.name = model, metadata, Path(path).name
-            self.loaded_at, self.load_seconds = _now(), seconds
-            self.reloads += 1
-            self.last_reload = {"ok": True, "at": self.loaded_at, "file": str(path)}
-            return self.health()
+        loaded (its sha256 checked as at start), checked to take the same inputs, given the
+        weights published beside it when they were made for it, and warmed up while the
+        current model serves; then the next batch runs on it (a batch already running finishes
+        on the old one). Raises ``ValueError`` (or ``OSError``) for a model that fails its
+        digest, cannot be loaded, takes other inputs or fails its warm-up, and the current
+        model goes on serving; ``/health``'s ``last_reload`` says why. Returns what
+        ``/health`` will show (:mod:`dlrm_app.serving.reload`)."""
+        return swap_program(self, path, expect_sha256=expect_sha256)
+
+    def swap_weights(self, path: str | Path) -> dict[str, Any]:
+        """Serve the weights at ``path`` (``dlrm-app export`` of an unchanged program) from now
+        on, in the program being served: verified (digest before anything in the file is
+        read, then its program fingerprint), loaded into a second instance of the compiled
+        program, warmed up, then switched to between batches. Raises ``ValueError`` when
+        refused (the current weights serve on; ``last_reload`` says why)."""
+        return swap_weights(self, path)
 
     def __enter__(self) -> PredictionServer:
         self.start()
@@ -610,49 +616,12 @@ class PredictionServer:
                 "sha256": meta.get("sha256"), "loaded_at": self.loaded_at,
                 "load_seconds": (None if self.load_seconds is None else
                                  round(self.load_seconds, 3)),
+                "program_fingerprint": meta.get("program_fingerprint"),
+                "weights": self.weights, "weights_refused": self.weights_refused,
                 "reloads": self.reloads, "last_reload": self.last_reload,
                 "accepts": ["rows", "instances"] if self.parser.accepts_rows else ["instances"],
                 "dense_features": len(meta["dense_features"]),
                 "sparse_features": len(meta["sparse_features"])}
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def _load_unchanged(path: str | Path, expect_sha256: str | None
-                    ) -> tuple[Any, dict[str, Any], float]:
-    """``load_artifact`` (its digest checked before anything in the file is read), timed; a
-    file replaced or rewritten meanwhile is refused: the digest and the load each open the
-    path, so the model loaded would not be the file whose digest was checked."""
-    before = _file_state(Path(path))
-    start = time.perf_counter()
-    model, metadata = load_artifact(path, expect_sha256=expect_sha256)
-    seconds = time.perf_counter() - start
-    if _file_state(Path(path)) != before:
-        raise ValueError(f"{path} was replaced or rewritten while its digest was checked and it "
-                         "was loaded, so it was not taken (what was loaded may not be the file "
-                         "that was checked); publish models by renaming them into place (mv), "
-                         "then load it again")
-    return model, metadata, seconds
-
-
-def _file_state(path: Path) -> tuple[int, ...] | None:
-    """What changes when a file is renamed over ``path`` or rewritten: (device, inode, size,
-    mtime in ns); None when there is no file."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _inputs_of(metadata: dict[str, Any]) -> tuple[Any, ...]:
-    """What a request must hold for a model: its features and raw row format."""
-    return (tuple(metadata["dense_features"]),
-            tuple((f["name"], f["num_embeddings"], f.get("multi_hot")) for f in
-                  metadata["sparse_features"]),
-            metadata.get("raw_format"))
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -694,92 +663,18 @@ def serve_forever(model: str | Path, config: ServeConfig, *,
     print(json.dumps({"listening": f"http://{config.host}:{port}", "port": port,
                       "model": str(model),
                       "embedding_dtype": server.metadata.get("embedding_dtype"),
-                      "verified": server.metadata.get("verified")}), flush=True)
+                      "verified": server.metadata.get("verified"),
+                      **({"weights": server.weights} if server.weights else {}),
+                      **({"weights_refused": server.weights_refused}
+                         if server.weights_refused else {})}), flush=True)
     try:
-        stop.wait()
+        # woken often: a signal the kernel hands to another thread does not interrupt this
+        # wait, and Python runs its handler only when the main thread runs again
+        while not stop.wait(0.1):
+            pass
     except KeyboardInterrupt:
         pass
     reloader.stop()  # a reload under way finishes first
     unanswered = server.stop()
     print(json.dumps({"stopped": True, "unanswered": unanswered}), flush=True)
     return 0
-
-
-_SETTLE_S = 1.0
-"""A changed model file (or ``.sha256``) is taken once both have been unchanged this long: a
-publisher renames the model and then its digest, or the reverse."""
-
-_FileStates = tuple[tuple[int, ...] | None, ...]
-
-
-class Reloader:
-    """Takes the model now at the served path (:meth:`PredictionServer.swap`): at once on
-    :meth:`request` (SIGHUP), or when the file or its ``.sha256`` has changed (a new one renamed
-    over it) and both have then been unchanged for ``settle_s``, seen by a thread that checks
-    them every ``interval_s`` (0: only on request). A refused file is not tried again until one
-    of them changes again. One JSON line on stdout per attempt: ``reloaded`` or
-    ``reload_failed`` (the current model serves on)."""
-
-    def __init__(self, server: PredictionServer, path: str | Path, *,
-                 expect_sha256: str | None = None, interval_s: float = 0.5,
-                 settle_s: float = _SETTLE_S, files: _FileStates | None = None) -> None:
-        self.server = server
-        self.path = Path(path)
-        self.expect_sha256 = expect_sha256
-        self.interval_s = interval_s
-        self.settle_s = settle_s
-        self._tried = self.watched_files(path, expect_sha256) if files is None else files
-        """The files as they were when the serving model was loaded, or at the last attempt."""
-        self._requested = threading.Event()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="dlrm-serve-reload",
-                                        daemon=True)
-
-    @staticmethod
-    def watched_files(path: str | Path, expect_sha256: str | None) -> _FileStates:
-        """The model file's state and its ``.sha256``'s (only read when no ``expect_sha256``
-        pins the digest)."""
-        paths = [Path(path)] + ([digest_path(path)] if expect_sha256 is None else [])
-        return tuple(_file_state(p) for p in paths)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def request(self) -> None:
-        """Reload now (from a signal handler too: it only sets an event)."""
-        self._requested.set()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._requested.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        seen, since = self._tried, time.monotonic()
-        while True:
-            requested = self._requested.wait(self.interval_s or None)
-            if self._stopped.is_set():
-                return
-            if requested:
-                self._requested.clear()
-                self._reload("SIGHUP")
-                continue
-            now = self.watched_files(self.path, self.expect_sha256)
-            if now != seen:  # changing: wait for the publisher to finish
-                seen, since = now, time.monotonic()
-            elif now != self._tried and time.monotonic() - since >= self.settle_s:
-                self._reload("file changed")
-
-    def _reload(self, cause: str) -> None:
-        self._tried = self.watched_files(self.path, self.expect_sha256)
-        start = time.perf_counter()
-        server = self.server
-        try:
-            health = server.swap(self.path, expect_sha256=self.expect_sha256)
-        except Exception as e:  # anything a new file does leaves the current model serving
-            print(json.dumps({"reload_failed": str(e), "on": cause, "serving": server.name,
-                              "sha256": server.metadata.get("sha256")}), flush=True)
-            return
-        print(json.dumps({"reloaded": str(self.path), "on": cause, "sha256": health["sha256"],
-                          "verified": server.metadata.get("verified"),
-                          "seconds": round(time.perf_counter() - start, 2)}), flush=True)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import export as bench  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 STAGES = [("load", None), ("quantize", None), ("torch_export", "model"),
-          ("aot_compile", "model"), ("torch_export", "encode"), ("aot_compile", "encode"),
+          ("torch_export", "encode"), ("aot_compile", "model"), ("aot_compile", "encode"),
           ("package", None), ("total", None)]
 
 
