@@ -76,6 +76,10 @@ def inputs_of(metadata: dict[str, Any]) -> tuple[Any, ...]:
             metadata.get("raw_format"))
 
 
+class WeightsLoadError(ValueError):
+    """Loading checked weights into a program failed part way: that instance is unusable."""
+
+
 def load_weights_into(model: Any, path: Path, metadata: dict[str, Any]) -> dict[str, Any]:
     """Read the weights at ``path`` (every byte hashed and checked against its ``.sha256``
     before any is interpreted), check that they were made for the program of ``metadata``, and
@@ -85,17 +89,25 @@ def load_weights_into(model: Any, path: Path, metadata: dict[str, Any]) -> dict[
     start = time.perf_counter()
     weights = read_weights(path)
     check_weights(weights, path, metadata)
-    model.weights_storage = weights.buffer  # the constants below are views of it
-    for name, runner in model.programs.items():
+    maps = {}
+    for name, runner in model.programs.items():  # all checked before any is loaded
         given = weights.of(name)
         needed = runner.get_constant_fqns()
         missing = [fqn for fqn in needed if fqn not in given]
         if missing:
             raise ValueError(f"{path}: lacks {name}'s constants {missing[:5]}; publish the "
                              "weights again")
-        # user_managed: the program keeps pointers into weights.buffer (no copy)
-        runner.load_constants({fqn: given[fqn] for fqn in needed}, check_full_update=True,
-                              user_managed=True)
+        maps[name] = {fqn: given[fqn] for fqn in needed}
+    model.weights_storage = weights.buffer  # the constants below are views of it
+    for name, runner in model.programs.items():
+        # user_managed: the program keeps pointers into weights.buffer (no copy). Should this
+        # raise, the instance holds a mix: the callers then drop it (never serve it).
+        try:
+            runner.load_constants(maps[name], check_full_update=True, user_managed=True)
+        except Exception as e:
+            last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise WeightsLoadError(f"{path}: program {name!r} refused the weights ({last}); "
+                                   "publish them again, or export the program in full") from e
     training = weights.header.get("training") or {}
     return {"file": str(path), "sha256": weights.sha256, "verified": weights.note,
             "checkpoint": weights.header.get("checkpoint"), "step": training.get("step"),
@@ -119,7 +131,9 @@ def _beside(program: Path, model: Any, metadata: dict[str, Any]
         return None, None
     try:
         return load_weights_into(model, path, metadata), None
-    except ValueError as e:
+    except WeightsLoadError:
+        raise  # the instance holds a mix: the program's load fails as a whole
+    except ValueError as e:  # refused before anything was loaded: the program's own serve
         return None, str(e)
 
 
