@@ -88,7 +88,7 @@ def http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
 
 def train_more(data: Path, run: Path, steps: int, first: bool) -> None:
     from dlrm_app.config import TrainConfig
-    from dlrm_app.train import train
+    from dlrm_app.training.trainer import train
 
     train(TrainConfig(data=str(data), out=str(run), max_steps=steps, resume=not first),
           progress=False)

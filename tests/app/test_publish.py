@@ -33,7 +33,7 @@ from dlrm_app.serving import export
 from dlrm_app.serving.artifact import digest_path, load_artifact, write_digest
 from dlrm_app.serving.server import PredictionServer
 from dlrm_app.serving.weights import read_weights, weights_path, write_weights
-from dlrm_app.train import train
+from dlrm_app.training.trainer import train
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch\\.jit\\.:DeprecationWarning"),
