@@ -1,17 +1,36 @@
 """TorchRec's ``torchrec.types``: small mixins shared by modules, and ``DataType``.
 
-``DataType`` is the same enum as ``recsys_core.modules.embedding_configs.DataType`` (TorchRec
-defines it here and re-exports it there; identity, not a copy, so ``is`` comparisons hold).
+``DataType`` is defined here, on the ground floor, and re-exported by
+``recsys_core.modules.embedding_configs`` (as TorchRec does: one enum, so ``is`` holds).
 """
 
 from __future__ import annotations
 
 import abc
+from enum import Enum, unique
 
 import torch
 from torch import nn
 
-from recsys_core.modules.embedding_configs import DataType
+
+@unique
+class DataType(Enum):
+    """Storage precision of an embedding table (TorchRec's members and order; INT64/INT32
+    name id dtypes, NFP8 an 8-bit float storage of quantized inference)."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    INT64 = "INT64"
+    INT32 = "INT32"
+    INT8 = "INT8"
+    UINT8 = "UINT8"
+    INT4 = "INT4"
+    INT2 = "INT2"
+    NFP8 = "NFP8"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class CacheMixin(abc.ABC):

@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from recsys_core.types import DataType
+
 
 @unique
 class PoolingType(Enum):
@@ -23,26 +25,6 @@ class PoolingType(Enum):
     SUM = "SUM"
     MEAN = "MEAN"
     NONE = "NONE"
-
-
-@unique
-class DataType(Enum):
-    """Storage precision of an embedding table (TorchRec's members and order; INT64/INT32
-    name id dtypes, NFP8 an 8-bit float storage of quantized inference)."""
-
-    FP32 = "FP32"
-    FP16 = "FP16"
-    BF16 = "BF16"
-    INT64 = "INT64"
-    INT32 = "INT32"
-    INT8 = "INT8"
-    UINT8 = "UINT8"
-    INT4 = "INT4"
-    INT2 = "INT2"
-    NFP8 = "NFP8"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class ShardingType(Enum):
