@@ -16,13 +16,9 @@ import torch
 from torch.fx.node import Argument
 
 from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.sparse._fx import fx_tracing, is_fx_tracing
 
-_tracing = False
-
-
-def is_fx_tracing() -> bool:
-    """True while :class:`Tracer` traces (TorchRec: ``torchrec.fx.tracer.is_fx_tracing``)."""
-    return _tracing
+__all__ = ["Tracer", "is_fx_tracing", "symbolic_trace"]
 
 
 class Tracer(torch.fx.Tracer):
@@ -43,12 +39,8 @@ class Tracer(torch.fx.Tracer):
         root: torch.nn.Module | Callable[..., Any],
         concrete_args: dict[str, Any] | None = None,
     ) -> torch.fx.Graph:
-        global _tracing
-        previous, _tracing = _tracing, True
-        try:
+        with fx_tracing():
             return super().trace(root, concrete_args)
-        finally:
-            _tracing = previous
 
     def create_arg(self, a: Any) -> Argument:
         if isinstance(a, Awaitable):

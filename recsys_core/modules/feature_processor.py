@@ -21,14 +21,7 @@ import torch
 from torch import nn
 
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
-
-
-def is_fx_tracing() -> bool:
-    """``recsys_core.fx.tracer.is_fx_tracing``, imported late: the tracer imports the
-    distributed package, whose sharders import this module."""
-    from recsys_core.fx import tracer
-
-    return tracer.is_fx_tracing()
+from recsys_core.sparse._fx import is_fx_tracing
 
 
 @torch.fx.wrap

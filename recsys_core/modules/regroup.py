@@ -11,16 +11,9 @@ import torch
 
 from recsys_core.modules.embedding_configs import data_type_to_dtype
 from recsys_core.sparse import KeyedTensor
+from recsys_core.sparse._fx import is_fx_tracing
 from recsys_core.sparse.keyed_tensor import _regroup
 from recsys_core.types import CacheMixin, DataType
-
-
-def is_fx_tracing() -> bool:
-    """``recsys_core.fx.tracer.is_fx_tracing``, imported late: the tracer imports the
-    distributed package, whose sharders import this module."""
-    from recsys_core.fx import tracer
-
-    return tracer.is_fx_tracing()
 
 
 @torch.fx.wrap

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch.fx._symbolic_trace import ProxyableClassMeta, is_fx_symbolic_tracing
+
+# Set while ``recsys_core.fx.Tracer`` traces. Kept here, below the modules that ask
+# (``modules.regroup``, ``modules.feature_processor``), because the tracer itself sits above
+# the distributed runtime (it resolves sharded modules' awaitables).
+_tracing = False
+
+
+def is_fx_tracing() -> bool:
+    """True while :class:`recsys_core.fx.Tracer` traces (TorchRec: ``torchrec.fx.tracer.
+    is_fx_tracing``)."""
+    return _tracing
+
+
+@contextmanager
+def fx_tracing() -> Iterator[None]:
+    """Mark the span of one ``Tracer.trace`` (nested traces restore the outer state)."""
+    global _tracing
+    previous, _tracing = _tracing, True
+    try:
+        yield
+    finally:
+        _tracing = previous
 
 
 class SparseTypeMeta(ProxyableClassMeta):
