@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from recsys_core.distributed.train_pipeline import pipelined_batches
+from recsys_core.distributed.train_pipeline.prefetch import pipelined_batches
 from recsys_core.sparse import KeyedJaggedTensor
 
 In = TypeVar("In")
