@@ -6,7 +6,7 @@ from recsys_core.sparse.conversions import (
     jt_is_equal,
     kjt_is_equal,
 )
-from recsys_core.sparse.jagged_tensor import JaggedTensor
+from recsys_core.sparse.jagged import JaggedTensor
 from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from recsys_core.sparse.keyed_tensor import KeyedTensor
 

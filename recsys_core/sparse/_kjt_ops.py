@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from recsys_core.sparse import _jit_ops
-from recsys_core.sparse.jagged_tensor import BatchedRows, JaggedTensor, jagged_view, row_views_eager
+from recsys_core.sparse.jagged import BatchedRows, JaggedTensor, jagged_view, row_views_eager
 
 
 def compute_stride(

@@ -33,7 +33,7 @@ from recsys_core.sparse._utils import check_values_cover
 from recsys_core.sparse.jagged_tensor_validator import describe_position, raise_negative_length
 
 if TYPE_CHECKING:
-    from recsys_core.sparse.jagged_tensor import JaggedTensor
+    from recsys_core.sparse.jagged import JaggedTensor
     from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
 _OWNER = "KeyedJaggedTensor"

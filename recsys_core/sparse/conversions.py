@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from recsys_core.sparse.jagged_tensor import JaggedTensor
+from recsys_core.sparse.jagged import JaggedTensor
 from recsys_core.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
 

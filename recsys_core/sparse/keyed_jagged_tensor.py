@@ -14,7 +14,7 @@ from recsys_core.sparse._utils import (
     index_select_batch,
     keyed_jagged_string,
 )
-from recsys_core.sparse.jagged_tensor import JaggedTensor
+from recsys_core.sparse.jagged import JaggedTensor
 from recsys_core.sparse.jagged_tensor_validator import check_keyed_jagged_tensor
 
 _OWNER = "KeyedJaggedTensor"
