@@ -3,7 +3,7 @@ EmbeddingCollections, plain and behind managed collision.
 
 As for quantized bag collections (``distributed.quant_embeddingbag``), shards go on the devices
 of one process, one per rank of ``env`` (rank ``r`` is ``cuda:r`` for a CUDA device, the host for
-CPU); tables are placed table-wise with the QUANT kernel (``recsys_core.inference.sharding``).
+CPU); tables are placed table-wise with the QUANT kernel (``recsys_core.quant.sharding``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from recsys_core.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from recsys_core.inference.quant_sequence import (
+from recsys_core.quant.quant_sequence import (
     QuantEmbeddingCollection,
     QuantManagedCollisionEmbeddingCollection,
 )
-from recsys_core.inference.sharding import (
+from recsys_core.quant.sharding import (
     ShardedQuantEmbeddingCollection,
     ShardedQuantManagedCollisionEmbeddingCollection,
     sharded_quant_module,

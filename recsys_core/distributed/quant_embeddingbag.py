@@ -3,7 +3,7 @@
 
 Shards go on the devices of one process, one per rank of ``env`` (TorchRec's inference
 sharding): rank ``r`` is ``cuda:r`` for a CUDA device, the host for CPU. Tables are placed
-table-wise with the QUANT kernel (``recsys_core.inference.sharding``)."""
+table-wise with the QUANT kernel (``recsys_core.quant.sharding``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from recsys_core.distributed.types import (
     ShardingType,
     rank_device,
 )
-from recsys_core.inference.quant_embedding import (
+from recsys_core.quant.quant_embedding import (
     QuantEmbeddingBagCollection,
     QuantFeatureProcessedEmbeddingBagCollection,
 )
-from recsys_core.inference.sharding import (
+from recsys_core.quant.sharding import (
     ShardedQuantEmbeddingBagCollection,
     ShardedQuantFeatureProcessedEmbeddingBagCollection,
     sharded_quant_module,

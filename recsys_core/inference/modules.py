@@ -1,7 +1,7 @@
 """TorchRec's ``torchrec.inference.modules``: the serving helpers with TorchRec's signatures.
 
 They delegate to this library's quantization (:mod:`recsys_core.inference.quantize`) and
-table placement (:mod:`recsys_core.inference.sharding`). Differences from TorchRec, by design:
+table placement (:mod:`recsys_core.quant.sharding`). Differences from TorchRec, by design:
 
 - quantized collections are :class:`QuantEmbeddingBagCollection` (all tables in one int-n-bit
   buffer, FBGEMM's or the torch kernel), not FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen``
@@ -35,14 +35,6 @@ from recsys_core.distributed.quant_embeddingbag import (
 )
 from recsys_core.distributed.types import ModuleSharder
 from recsys_core.inference import quantize as _quantize
-from recsys_core.inference.quant_embedding import QuantEmbeddingBagCollection
-from recsys_core.inference.quant_sequence import QuantEmbeddingCollection
-from recsys_core.inference.sharding import (
-    ShardedQuantEmbeddingBagCollection,
-    ShardedQuantEmbeddingCollection,
-    quant_table_wise_plan,
-)
-from recsys_core.inference.sharding import shard_quant_model as _shard_quant_model
 from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import QuantConfig
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
@@ -53,6 +45,14 @@ from recsys_core.quant.embedding_modules import (
     MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT,
     quantize_meta_collections,
 )
+from recsys_core.quant.quant_embedding import QuantEmbeddingBagCollection
+from recsys_core.quant.quant_sequence import QuantEmbeddingCollection
+from recsys_core.quant.sharding import (
+    ShardedQuantEmbeddingBagCollection,
+    ShardedQuantEmbeddingCollection,
+    quant_table_wise_plan,
+)
+from recsys_core.quant.sharding import shard_quant_model as _shard_quant_model
 
 DEFAULT_FUSED_PARAMS: dict[str, Any] = {
     FUSED_PARAM_REGISTER_TBE_BOOL: True,

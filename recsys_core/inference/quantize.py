@@ -16,43 +16,16 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from recsys_core.inference.quant_embedding import QuantEmbeddingBagCollection
 from recsys_core.kernels.config import KernelBackend
 from recsys_core.modules.embedding_configs import DataType
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-
-# The torch dtypes TorchRec users pass (``quantize_embeddings(model, dtype=torch.qint8)``).
-TORCH_DTYPE_ALIASES: dict[torch.dtype, DataType] = {
-    torch.float32: DataType.FP32,
-    torch.float16: DataType.FP16,
-    torch.qint8: DataType.INT8,
-    torch.quint8: DataType.INT8,
-    torch.int8: DataType.INT8,
-    torch.uint8: DataType.INT8,
-    torch.quint4x2: DataType.INT4,
-    torch.quint2x4: DataType.INT2,
-}
-
-QuantDType = DataType | torch.dtype
-
-# The attribute TorchRec's ``set_pruning_data`` puts on a collection: {table: rows kept}.
-MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT: str = (
-    "__emb_name_to_num_rows_post_pruning"
+from recsys_core.quant.dtypes import (
+    MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT,
+    QuantDType,
+    resolve_quant_dtype,
 )
-
-
-def resolve_quant_dtype(dtype: QuantDType) -> DataType:
-    """A DataType from a DataType or one of the torch dtypes in :data:`TORCH_DTYPE_ALIASES`."""
-    if isinstance(dtype, DataType):
-        return dtype
-    if isinstance(dtype, torch.dtype) and dtype in TORCH_DTYPE_ALIASES:
-        return TORCH_DTYPE_ALIASES[dtype]
-    aliases = ", ".join(str(d) for d in TORCH_DTYPE_ALIASES)
-    raise ValueError(
-        f"unsupported quantization dtype {dtype!r}; use a DataType (FP32, FP16, INT8, INT4, "
-        f"INT2) or one of {aliases}"
-    )
+from recsys_core.quant.quant_embedding import QuantEmbeddingBagCollection
 
 
 def quantize_inference_model(
@@ -83,12 +56,12 @@ def quantize_inference_model(
             per batch; CPU only).
         backend: kernel choice for the quantized collections (AUTO: FBGEMM where available).
     """
-    from recsys_core.inference.quant_sequence import (
+    from recsys_core.modules.embedding_collection import EmbeddingCollection
+    from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+    from recsys_core.quant.quant_sequence import (
         QuantEmbeddingCollection,
         QuantManagedCollisionEmbeddingCollection,
     )
-    from recsys_core.modules.embedding_collection import EmbeddingCollection
-    from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
 
     default = resolve_quant_dtype(dtype)
     overrides = {name: resolve_quant_dtype(d) for name, d in (table_dtypes or {}).items()}

@@ -2,7 +2,7 @@
 
 ``EmbeddingBagCollection`` here IS :class:`recsys_core.inference.QuantEmbeddingBagCollection`
 (one int-n-bit buffer for all tables, FBGEMM's layout; see that class); ``EmbeddingCollection``
-is the quantized sequence collection (:class:`recsys_core.inference.quant_sequence.
+is the quantized sequence collection (:class:`recsys_core.quant.quant_sequence.
 QuantEmbeddingCollection`), ``FeatureProcessedEmbeddingBagCollection`` and
 ``QuantManagedCollisionEmbeddingCollection`` the quantized forms of those modules. Each has
 ``from_float`` reading the float module's ``qconfig``, so TorchRec's
@@ -19,19 +19,19 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from recsys_core.inference.quant_embedding import (
-    QuantEmbeddingBagCollection,
-    QuantFeatureProcessedEmbeddingBagCollection,
-)
-from recsys_core.inference.quant_sequence import (
-    QuantEmbeddingCollection,
-    QuantManagedCollisionEmbeddingCollection,
-)
-from recsys_core.inference.quantize import (
+from recsys_core.modules.embedding_modules import EmbeddingBagCollection as _FloatEBC
+from recsys_core.quant.dtypes import (
     MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT,
     resolve_quant_dtype,
 )
-from recsys_core.modules.embedding_modules import EmbeddingBagCollection as _FloatEBC
+from recsys_core.quant.quant_embedding import (
+    QuantEmbeddingBagCollection,
+    QuantFeatureProcessedEmbeddingBagCollection,
+)
+from recsys_core.quant.quant_sequence import (
+    QuantEmbeddingCollection,
+    QuantManagedCollisionEmbeddingCollection,
+)
 
 EmbeddingBagCollection = QuantEmbeddingBagCollection
 EmbeddingCollection = QuantEmbeddingCollection
