@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dlrm_app.reporting.report import Run, _column, _fmt
+from dlrm_app.reporting.values import column as _column
+from dlrm_app.reporting.values import fmt as _fmt
+
+if TYPE_CHECKING:  # the report imports this module
+    from dlrm_app.reporting.report import Run
 
 
 def write_plots(run: Run) -> dict[str, Path]:

@@ -38,6 +38,11 @@ from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.inputs import check_run_to_report
 from dlrm_app.reporting.curves import calibration_curve, roc_curve
+from dlrm_app.reporting.plots import write_plots
+from dlrm_app.reporting.values import as_float as _float
+from dlrm_app.reporting.values import column as _column
+from dlrm_app.reporting.values import fmt as _fmt
+from dlrm_app.reporting.values import number as _number
 
 ROC_POINTS = 201
 """Most ROC points stored per evaluation (vertices of the exact curve, spread along it)."""
@@ -215,22 +220,6 @@ def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [latest[s] for s in sorted(latest)]
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _float(value: Any) -> float:
-    number = _number(value)
-    return math.nan if number is None else number
-
-
-def _column(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    return (np.array([r["step"] for r in records], dtype=np.float64),
-            np.array([_float(r.get(key)) for r in records], dtype=np.float64))
-
-
 def _read_learning_curve(run_dir: Path) -> list[dict[str, Any]] | None:
     try:
         curve = json.loads((run_dir / LEARNING_CURVE).read_text())
@@ -265,8 +254,6 @@ def _curve_section(curve: list[dict[str, Any]]) -> list[str]:
 # ---- report.md ----------------------------------------------------------------------------------
 def write_report(run_dir: str | Path) -> Path:
     """(Re)write RUN/report.md and RUN/plots/*.png from what the run holds now; the md path."""
-    from dlrm_app.reporting.plots import write_plots  # it imports this module's Run
-
     run = read_run(run_dir)
     plots = write_plots(run)
     lines = [f"# Run report: {run.path.name}", "",
@@ -400,11 +387,6 @@ def _plan_table(path: Path) -> list[str]:
         return [f"plan.json is not a readable sharding plan ({e})."]
     return ["| module | table | sharding type | kernel | ranks | shards |",
             "|---|---|---|---|---|---|", *rows]
-
-
-def _fmt(value: Any, digits: int = 4) -> str:
-    number = _number(value)
-    return "n/a" if number is None or math.isnan(number) else f"{number:.{digits}f}"
 
 
 def _count(value: Any) -> str:
