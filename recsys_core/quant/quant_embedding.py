@@ -54,6 +54,7 @@ from recsys_core.quant.dtypes import (
 )
 from recsys_core.quant.dtypes import resolve_quant_dtype
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
+from recsys_core.sparse.key_order import KeyOrder
 
 # Storage types a quantized table may use, and their FBGEMM weight type.
 QUANT_DATA_TYPES: dict[DataType, WeightType] = {
@@ -329,7 +330,7 @@ class QuantEmbeddingBagCollection(nn.Module):
             if config.name in given:
                 copy_quant_rows(config.name, view, given[config.name])
             self.embedding_bags[config.name] = QuantTableWeight(view)
-        self._input_permutations: dict[tuple[str, ...], list[int] | None] = {}
+        self._key_order = KeyOrder(self._feature_names, "QuantEmbeddingBagCollection")
 
     @classmethod
     def from_float(
@@ -429,7 +430,7 @@ class QuantEmbeddingBagCollection(nn.Module):
             features, self._feature_names, "QuantEmbeddingBagCollection", self._is_weighted
         )
         pooled = pooled_lookup(
-            self._tbe, self._in_kernel_order(features), self._is_weighted,
+            self._tbe, self._key_order.apply(features), self._is_weighted,
             "QuantEmbeddingBagCollection",
         )
         if self._output_dtype != torch.float32:
@@ -437,15 +438,6 @@ class QuantEmbeddingBagCollection(nn.Module):
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
 
     # ---- internals ----------------------------------------------------------------------------
-    def _in_kernel_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        if keys not in self._input_permutations:
-            index = {k: i for i, k in enumerate(keys)}
-            order = [index[f] for f in self._feature_names]
-            self._input_permutations[keys] = None if order == list(range(len(keys))) else order
-        permutation = self._input_permutations[keys]
-        return features if permutation is None else features.permute(permutation)
-
     def _apply(self, fn: Any, recurse: bool = True) -> QuantEmbeddingBagCollection:
         if fn(torch.zeros(1, device=self._device)).device != self._device:
             raise ValueError(

@@ -51,6 +51,7 @@ from recsys_core.quant.quant_embedding import (
     stored_rows,
 )
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
+from recsys_core.sparse.key_order import KeyOrder
 
 _POOLING_NONE = 2  # FBGEMM's PoolingMode.NONE
 
@@ -201,7 +202,7 @@ class QuantEmbeddingCollection(nn.Module):
             if config.name in given:
                 copy_quant_rows(config.name, view, given[config.name])
             self.embeddings[config.name] = QuantTableWeight(view)
-        self._input_permutations: dict[tuple[str, ...], list[int]] = {}
+        self._key_order = KeyOrder(self._feature_names, "QuantEmbeddingCollection")
 
     @classmethod
     def from_float(
@@ -279,7 +280,7 @@ class QuantEmbeddingCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         check_features(features, self._feature_names, "QuantEmbeddingCollection", False)
         out = sequence_lookup(
-            self._tbe, features.permute(self._permutation(features)), self._need_indices,
+            self._tbe, self._key_order.apply(features), self._need_indices,
             "QuantEmbeddingCollection", features.device(),
         )
         if self._output_dtype != torch.float32:
@@ -287,13 +288,6 @@ class QuantEmbeddingCollection(nn.Module):
         return out
 
     # ---- internals ----------------------------------------------------------------------------
-    def _permutation(self, features: KeyedJaggedTensor) -> list[int]:
-        keys = tuple(features.keys())
-        if keys not in self._input_permutations:
-            index = {k: i for i, k in enumerate(keys)}
-            self._input_permutations[keys] = [index[f] for f in self._feature_names]
-        return self._input_permutations[keys]
-
     def _apply(self, fn: Any, recurse: bool = True) -> QuantEmbeddingCollection:
         if fn(torch.zeros(1, device=self._device)).device != self._device:
             raise ValueError(

@@ -57,6 +57,7 @@ from recsys_core.quant.quant_sequence import (
     sequence_lookup,
 )
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recsys_core.sparse.key_order import KeyOrder
 
 _NAME = "ShardedQuantEmbeddingBagCollection"
 
@@ -184,8 +185,7 @@ class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
         self.embedding_bags = nn.ModuleDict({c.name: QuantTableWeight(views[c.name]) for c in configs})
 
         kernel_order = [f for bag in self.shards for f in bag.feature_names]
-        self._kernel_order = kernel_order
-        self._input_permutations: dict[tuple[str, ...], list[int] | None] = {}
+        self._key_order = KeyOrder(kernel_order, "ShardedQuantEmbeddingBagCollection")
         start, column_of = 0, {}
         dims = dict(zip(self._feature_names, self._dims, strict=True))
         for name in kernel_order:
@@ -207,7 +207,7 @@ class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         check_features(features, self._feature_names, _NAME, self._is_weighted)
-        kjt = self._in_kernel_order(features)
+        kjt = self._key_order.apply(features)
         parts = kjt.split([len(bag.feature_names) for bag in self.shards])
         out_device = features.device()
         pooled = [
@@ -218,15 +218,6 @@ class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
         if self._columns is not None:
             values = values.index_select(1, self._columns.to(out_device))
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=values)
-
-    def _in_kernel_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        if keys not in self._input_permutations:
-            index = {k: i for i, k in enumerate(keys)}
-            order = [index[f] for f in self._kernel_order]
-            self._input_permutations[keys] = None if order == list(range(len(keys))) else order
-        permutation = self._input_permutations[keys]
-        return features if permutation is None else features.permute(permutation)
 
 
 class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
@@ -263,7 +254,10 @@ class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
         self._kernel_features = [
             [f for c in by_rank[r] for f in c.feature_names] for r in self.ranks
         ]
-        self._input_permutations: dict[tuple[str, ...], list[int]] = {}
+        self._key_order = KeyOrder(
+            [f for per_rank in self._kernel_features for f in per_rank],
+            "ShardedQuantEmbeddingCollection",
+        )
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self._configs)
@@ -288,7 +282,7 @@ class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         name = "ShardedQuantEmbeddingCollection"
         check_features(features, self._feature_names, name, False)
-        kjt = features.permute(self._permutation(features))
+        kjt = self._key_order.apply(features)
         parts = kjt.split([len(f) for f in self._kernel_features])
         out_device = features.device()
         out: dict[str, JaggedTensor] = {}
@@ -298,14 +292,6 @@ class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
             out = {k: cast_values(jt, self._output_dtype) for k, jt in out.items()}
         return {n: out[n] for names in self._embedding_names_by_table for n in names}
 
-    def _permutation(self, features: KeyedJaggedTensor) -> list[int]:
-        keys = tuple(features.keys())
-        if keys not in self._input_permutations:
-            index = {k: i for i, k in enumerate(keys)}
-            self._input_permutations[keys] = [
-                index[f] for per_rank in self._kernel_features for f in per_rank
-            ]
-        return self._input_permutations[keys]
 
 
 def shard_quant_model(
