@@ -24,18 +24,17 @@ from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
-    ShardedCollectionCore,
     StrategyFactory,
 )
-from recsys_core.distributed.sharded_state import LocalShard, ShardedFusedOptimizer
-from recsys_core.distributed.sharding.common import KernelContext, ShardedTable
+from recsys_core.distributed.sharded_module import ShardedEmbeddingModule, dense_source
+from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.row_wise import RwSequenceSharding
 from recsys_core.distributed.sharding.sequence import SequenceSharding
+from recsys_core.distributed.sharding.shards import ShardedTable
 from recsys_core.distributed.sharding.table_wise import TwSequenceSharding
 from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -96,7 +95,7 @@ def sequence_strategy_factory(env: ShardingEnv) -> StrategyFactory:
     return build
 
 
-class ShardedEmbeddingCollection(nn.Module):
+class ShardedEmbeddingCollection(ShardedEmbeddingModule[EmbeddingCollectionAwaitable]):
     """An EmbeddingCollection whose tables are sharded over ``env`` according to ``plan``.
 
     Same input and output as the unsharded module (``forward(...).wait()`` is a
@@ -118,45 +117,20 @@ class ShardedEmbeddingCollection(nn.Module):
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
-        device = torch.device(device or "cpu")  # TorchRec: optional
-        optimizer = optimizer or sharder_fused_config(module, None)  # in-backward, else SGD
         configs = module.embedding_configs()
-        source = None
-        state = module.state_dict()  # EC or FusedEC: the same keys
-        if not any(t.is_meta for t in state.values()):
-            source = {c.name: state[f"embeddings.{c.name}.weight"].detach() for c in configs}
         ctx = KernelContext(
-            device=device, optimizer=optimizer, backend=backend, is_weighted=False,
-            source=source, table_init=table_init, qcomm_codecs_registry=qcomm_codecs_registry,
+            device=torch.device(device or "cpu"),  # TorchRec: optional
+            optimizer=optimizer or sharder_fused_config(module, None),  # in-backward, else SGD
+            backend=backend, is_weighted=False,
+            source=dense_source(module, "embeddings", configs), table_init=table_init,
+            qcomm_codecs_registry=qcomm_codecs_registry,
         )
         spec = CollectionSpec(
             name="ShardedEmbeddingCollection", state_prefix="embeddings", configs=tuple(configs),
             supported=SUPPORTED_SHARDING_TYPES, families=(_TW_FAMILY, (ShardingType.ROW_WISE,)),
         )
-        self._core = ShardedCollectionCore(spec, plan, env, ctx, sequence_strategy_factory(env))
-        self.embeddings = self._core.table_parameters()  # before lookups: names as TorchRec
-        self.lookups = self._core.lookups
+        self._build_core(spec, plan, env, ctx, sequence_strategy_factory(env))
         self._need_indices = module.need_indices()
-        self._core.register_state_hooks(self)
-
-    @property
-    def fused_optimizer(self) -> ShardedFusedOptimizer:
-        return self._core.fused_optimizer
-
-    @property
-    def env(self) -> ShardingEnv:
-        return self._core.env
-
-    def table_shards(self) -> dict[str, list[LocalShard]]:
-        """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
-        return self._core.table_shards()
-
-    def sharded_tables(self) -> list[ShardedTable]:
-        return list(self._core.tables)
-
-    def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
-        """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
-        return self._core.input_dist(features)
 
     def compute_and_output_dist(
         self, features: KeyedJaggedTensor, dist_inputs: DistInputs
@@ -172,18 +146,6 @@ class ShardedEmbeddingCollection(nn.Module):
             self._core.feature_of,
             self._need_indices,
         )
-
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start the input dist of ``features`` now (see ``ShardedCollectionCore.prefetch``)."""
-        self._core.prefetch(features)
-
-    def drop_prefetched(self) -> None:
-        """Finish and discard prefetched input dists no forward consumed."""
-        self._core.drop_prefetched()
-
-    def forward(self, features: KeyedJaggedTensor) -> EmbeddingCollectionAwaitable:
-        return self.compute_and_output_dist(features, self._core.take_input_dist(features))
-
 
 class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
     """Shards EmbeddingCollections (TABLE_WISE, COLUMN_WISE and ROW_WISE tables).
@@ -221,15 +183,14 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
         the tables (see :func:`~recsys_core.optim.optimizers.sharder_fused_config`)."""
         return sharder_fused_config(module, self.fused_params)
 
-    def shard(
+    def sharded_module(
         self,
         module: EmbeddingCollection,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedEmbeddingCollection:
         return ShardedEmbeddingCollection(
-            module, params, env, torch.device(device or "cpu"), self.optimizer_config(module),
+            module, params, env, device, self.optimizer_config(module),
             self._backend, self._table_init, self.qcomm_codecs_registry,
         )

@@ -1,7 +1,7 @@
 """TorchRec's ``torchrec.distributed.embedding_lookup`` path: the grouped lookups a sharded
 collection runs on each rank.
 
-In this library one :class:`~recsys_core.distributed.sharding.common.LocalKernels` per sharding
+In this library one :class:`~recsys_core.distributed.sharding.local_kernels.LocalKernels` per sharding
 strategy holds a rank's shards, one table-batched kernel per pooling type: TorchRec's
 ``GroupedPooledEmbeddingsLookup`` (pooled) and ``GroupedEmbeddingsLookup`` (sequence, whose ids
 are looked up as bags of one). Its kernels and lookups are a
@@ -11,7 +11,7 @@ LocalKernels adds the shards' geometry, their initialization and the caches' upk
 
 from __future__ import annotations
 
-from recsys_core.distributed.sharding.common import LocalKernels
+from recsys_core.distributed.sharding.local_kernels import LocalKernels
 from recsys_core.plan.types import EmbeddingComputeKernel
 
 GroupedPooledEmbeddingsLookup = LocalKernels

@@ -17,7 +17,7 @@ from torch import nn
 
 from recsys_core.distributed.embedding_types import BaseEmbeddingSharder, table_weights
 from recsys_core.distributed.types import (
-    EmbeddingModuleShardingPlan,
+    ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
     ShardingType,
@@ -54,13 +54,12 @@ class EmbeddingTowerSharder(BaseEmbeddingSharder[EmbeddingTower]):
         """The tables of the tower's embedding module (not its interaction's weights)."""
         return table_weights(module.embedding)  # type: ignore[return-value]
 
-    def shard(
+    def sharded_module(
         self,
         module: EmbeddingTower,
-        params: EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> nn.Module:
         raise _refuse("EmbeddingTower")
 
@@ -89,13 +88,12 @@ class EmbeddingTowerCollectionSharder(BaseEmbeddingSharder[EmbeddingTowerCollect
             out.update(table_weights(tower.embedding))  # type: ignore[arg-type]
         return out
 
-    def shard(
+    def sharded_module(
         self,
         module: EmbeddingTowerCollection,
-        params: EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> nn.Module:
         raise _refuse("EmbeddingTowerCollection")
 

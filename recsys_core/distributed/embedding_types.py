@@ -20,12 +20,13 @@ from torch import nn
 from recsys_core.distributed.types import (
     ModuleSharder,
     QuantizedCommCodecs,
+    ShardingEnv,
     StorageUsageType,
     compute_storage_usage,
 )
 from recsys_core.kernels.config import FusedOptimizerConfig
 from recsys_core.modules.embedding_configs import EmbeddingTableConfig
-from recsys_core.plan.types import EmbeddingComputeKernel, ShardingType
+from recsys_core.plan.types import EmbeddingComputeKernel, ParameterSharding, ShardingType
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -40,7 +41,32 @@ def table_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-class BaseEmbeddingSharder(ModuleSharder[M]):
+class EmbeddingSharderBase(ModuleSharder[M]):
+    """The one ``shard`` of the embedding sharders: TorchRec's signature, the device defaulted
+    to the host; each sharder says what it builds in :meth:`sharded_module`."""
+
+    def shard(
+        self,
+        module: M,
+        params: Mapping[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> nn.Module:
+        return self.sharded_module(module, params, env, torch.device(device or "cpu"))
+
+    def sharded_module(
+        self, module: M, params: Mapping[str, ParameterSharding], env: ShardingEnv,
+        device: torch.device,
+    ) -> nn.Module:
+        """The sharded form of ``module`` on ``device`` under ``params`` (one entry per table)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} builds no sharded module: implement "
+            "sharded_module(module, params, env, device) (or override shard)"
+        )
+
+
+class BaseEmbeddingSharder(EmbeddingSharderBase[M]):
     """Common part of the training sharders (TorchRec's arguments).
 
     ``fused_params``: TorchRec's dict of the fused optimizer (``{"optimizer": ...,
@@ -93,7 +119,7 @@ class BaseEmbeddingSharder(ModuleSharder[M]):
         )
 
 
-class BaseQuantEmbeddingSharder(ModuleSharder[M]):
+class BaseQuantEmbeddingSharder(EmbeddingSharderBase[M]):
     """Common part of the quantized (inference) sharders: QUANT kernel; table-wise, row-wise
     and column-wise types; 4 bytes per row more than the weights (scale and bias).
     ``shardable_params``: shard only these tables (all or none of a module's)."""

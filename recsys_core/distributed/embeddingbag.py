@@ -21,34 +21,27 @@ from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
-    ShardedCollectionCore,
     StrategyFactory,
 )
-from recsys_core.distributed.sharded_state import LocalShard, ShardedFusedOptimizer
-from recsys_core.distributed.sharding.common import (
-    ColumnPermutation,
-    KernelContext,
-    PooledSharding,
-    ShardedTable,
-    column_permutation,
-    permute_parts,
-    planned_caches,
-    with_cache_load_factor,
-)
+from recsys_core.distributed.sharded_module import ShardedEmbeddingModule, dense_source
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
 from recsys_core.distributed.sharding.dense_data_parallel import DpDenseSharding
+from recsys_core.distributed.sharding.kernel_plan import planned_caches, with_cache_load_factor
+from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.row_wise import RwPooledSharding
+from recsys_core.distributed.sharding.shards import ShardedTable
+from recsys_core.distributed.sharding.strategy import PooledSharding
 from recsys_core.distributed.sharding.table_wise import TwPooledSharding
 from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
     ShardingType,
 )
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.packed import ColumnPermutation, column_permutation, permute_parts
 from recsys_core.modules.embedding_modules import (
     EmbeddingBagCollection,
     should_skip_data_parallel_grad_sync,
@@ -131,7 +124,7 @@ class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
         return KeyedTensor(keys=self._keys, length_per_key=self._lengths, values=values)
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(ShardedEmbeddingModule[EmbeddingBagCollectionAwaitable]):
     """An EmbeddingBagCollection whose tables are sharded over ``env`` according to ``plan``.
 
     Same input and output as the unsharded module (``forward(...).wait()`` is a KeyedTensor
@@ -153,17 +146,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
-        device = torch.device(device or "cpu")  # TorchRec: optional
-        optimizer = optimizer or sharder_fused_config(module, None)  # in-backward, else SGD
         configs = module.embedding_bag_configs()
-        source = None
-        state = module.state_dict()  # EBC or FusedEBC: the same keys
-        if not any(t.is_meta for t in state.values()):
-            source = {c.name: state[f"embedding_bags.{c.name}.weight"].detach() for c in configs}
         ctx = KernelContext(
-            device=device, optimizer=optimizer, backend=backend, is_weighted=module.is_weighted(),
-            source=source, table_init=table_init, caches=planned_caches(plan),
-            offload_dir=offload_dir, qcomm_codecs_registry=qcomm_codecs_registry,
+            device=torch.device(device or "cpu"),  # TorchRec: optional
+            optimizer=optimizer or sharder_fused_config(module, None),  # in-backward, else SGD
+            backend=backend, is_weighted=module.is_weighted(),
+            source=dense_source(module, "embedding_bags", configs), table_init=table_init,
+            caches=planned_caches(plan), offload_dir=offload_dir,
+            qcomm_codecs_registry=qcomm_codecs_registry,
             sync_replica_gradients=not should_skip_data_parallel_grad_sync(module),
         )
         spec = CollectionSpec(
@@ -172,9 +162,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             families=_FAMILIES,
             variable_batch=True,
         )
-        self._core = ShardedCollectionCore(spec, plan, env, ctx, pooled_strategy_factory(env))
-        self.embedding_bags = self._core.table_parameters()  # before lookups: names as TorchRec
-        self.lookups = self._core.lookups
+        self._build_core(spec, plan, env, ctx, pooled_strategy_factory(env))
         self._embedding_names = self._core.embedding_names
         self._dims = [t.config.embedding_dim for t in self._core.tables for _ in t.embedding_names]
         # strategies return their features' columns in strategy order: restore module order
@@ -186,42 +174,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._columns = column_permutation(
             [start[f] + d for f in self._embedding_names for d in range(dims[f])]
         )
-        self._core.register_state_hooks(self)
         self._configs = list(configs)
         self._validated_input = False
-
-    def table_shards(self) -> dict[str, list[LocalShard]]:
-        """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
-        return self._core.table_shards()
-
-    def sharded_tables(self) -> list[ShardedTable]:
-        return list(self._core.tables)
-
-    @property
-    def fused_optimizer(self) -> ShardedFusedOptimizer:
-        return self._core.fused_optimizer
-
-    @property
-    def env(self) -> ShardingEnv:
-        return self._core.env
 
     @property
     def strategies(self) -> list[PooledSharding]:
         """The per-sharding-type strategies, in output order (for benchmarks and debugging)."""
         return list(self._core.strategies)  # type: ignore[arg-type]
 
-    def _validate_first_input(self, features: KeyedJaggedTensor) -> None:
+    def _check_input(self, features: KeyedJaggedTensor) -> None:
         """TorchRec's check of the first input: a consistent KJT with unique keys (ids are
         checked on every batch by the input dist)."""
         if not self._validated_input:
             logger.info("Validating input features...")
             validate_keyed_jagged_tensor(features, self._configs)
             self._validated_input = True
-
-    def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
-        """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
-        self._validate_first_input(features)
-        return self._core.input_dist(features)
 
     def compute_and_output_dist(
         self, features: KeyedJaggedTensor, dist_inputs: DistInputs
@@ -234,20 +201,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         ]
         return EmbeddingBagCollectionAwaitable(parts, self._embedding_names, self._dims, self._columns)
-
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start the input dist of ``features`` now (see ``ShardedCollectionCore.prefetch``)."""
-        self._validate_first_input(features)
-        self._core.prefetch(features)
-
-    def drop_prefetched(self) -> None:
-        """Finish and discard prefetched input dists no forward consumed."""
-        self._core.drop_prefetched()
-
-    def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
-        self._validate_first_input(features)
-        return self.compute_and_output_dist(features, self._core.take_input_dist(features))
-
 
 class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
     """Shards EmbeddingBagCollections.
@@ -288,17 +241,16 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
         the tables (see :func:`~recsys_core.optim.optimizers.sharder_fused_config`)."""
         return sharder_fused_config(module, self.fused_params)
 
-    def shard(
+    def sharded_module(
         self,
         module: EmbeddingBagCollection,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedEmbeddingBagCollection:
         return ShardedEmbeddingBagCollection(
             module, with_cache_load_factor(params, self.fused_params), env,
-            torch.device(device or "cpu"), self.optimizer_config(module),
+            device, self.optimizer_config(module),
             self._backend, self._table_init, self._offload_dir, self.qcomm_codecs_registry,
         )
 
@@ -321,13 +273,12 @@ class EmbeddingBagSharder(BaseEmbeddingSharder[nn.EmbeddingBag]):
     def module_type(self) -> type[nn.EmbeddingBag]:
         return nn.EmbeddingBag
 
-    def shard(
+    def sharded_module(
         self,
         module: nn.EmbeddingBag,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> nn.Module:
         raise ValueError(
             "EmbeddingBagSharder: sharding a single nn.EmbeddingBag is not supported by "

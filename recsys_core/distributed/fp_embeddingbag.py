@@ -20,7 +20,6 @@ from torch import nn
 from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from recsys_core.distributed.types import (
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -106,16 +105,15 @@ class FeatureProcessedEmbeddingBagCollectionSharder(
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
 
-    def shard(
+    def sharded_module(
         self,
         module: FeatureProcessedEmbeddingBagCollection,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedFeatureProcessedEmbeddingBagCollection:
         return ShardedFeatureProcessedEmbeddingBagCollection(
-            module, params, self._ebc_sharder, env, torch.device(device or "cpu")
+            module, params, self._ebc_sharder, env, device
         )
 
 

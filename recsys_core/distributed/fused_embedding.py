@@ -18,7 +18,6 @@ from recsys_core.distributed.embedding import (
 from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -74,13 +73,12 @@ class FusedEmbeddingCollectionSharder(BaseEmbeddingSharder[FusedEmbeddingCollect
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [EmbeddingComputeKernel.FUSED.value]
 
-    def shard(
+    def sharded_module(
         self,
         module: FusedEmbeddingCollection,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedFusedEmbeddingCollection:
         return ShardedFusedEmbeddingCollection(
             module, params, env, device, self._backend, self.qcomm_codecs_registry

@@ -24,7 +24,6 @@ from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection, 
 from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -106,13 +105,12 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[FusedEmbeddingBagC
             if name.endswith(".weight")
         }
 
-    def shard(
+    def sharded_module(
         self,
         module: FusedEmbeddingBagCollection,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedFusedEmbeddingBagCollection:
         return ShardedFusedEmbeddingBagCollection(
             module, params, env, device, self._backend, self._table_init, self._offload_dir,

@@ -26,7 +26,6 @@ from recsys_core.distributed.mc_modules import (
     ManagedCollisionCollectionSharder,
 )
 from recsys_core.distributed.types import (
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -87,16 +86,15 @@ class ManagedCollisionEmbeddingCollectionSharder(
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
-    def shard(
+    def sharded_module(
         self,
         module: ManagedCollisionEmbeddingCollection,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedManagedCollisionEmbeddingCollection:
         return ShardedManagedCollisionEmbeddingCollection(
-            module, params, self._e_sharder, self._mc_sharder, env, torch.device(device or "cpu")
+            module, params, self._e_sharder, self._mc_sharder, env, device
         )
 
     @property

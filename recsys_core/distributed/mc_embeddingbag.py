@@ -30,7 +30,6 @@ from recsys_core.distributed.mc_embedding_modules import (
 )
 from recsys_core.distributed.mc_modules import ManagedCollisionCollectionSharder
 from recsys_core.distributed.types import (
-    EmbeddingModuleShardingPlan,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -83,13 +82,12 @@ class ManagedCollisionEmbeddingBagCollectionSharder(
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
-    def shard(
+    def sharded_module(
         self,
         module: ManagedCollisionEmbeddingBagCollection,
-        params: Mapping[str, ParameterSharding] | EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedManagedCollisionEmbeddingBagCollection:
         e_sharder: BaseEmbeddingSharder[Any] = self._e_sharder
         if isinstance(module._embedding_module, FusedEmbeddingBagCollection):
@@ -97,7 +95,7 @@ class ManagedCollisionEmbeddingBagCollectionSharder(
                 qcomm_codecs_registry=self.qcomm_codecs_registry
             )
         return ShardedManagedCollisionEmbeddingBagCollection(
-            module, params, e_sharder, self._mc_sharder, env, torch.device(device or "cpu")
+            module, params, e_sharder, self._mc_sharder, env, device
         )
 
     @property

@@ -47,7 +47,7 @@ from recsys_core.distributed.comm import TensorAllToAll
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
 from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_state import gather_global_metadata, sharded_tensor
-from recsys_core.distributed.sharding.common import resolve_shards
+from recsys_core.distributed.sharding.shards import resolve_shards
 from recsys_core.distributed.types import (
     ParameterSharding,
     QuantizedCommCodecs,
@@ -64,6 +64,7 @@ from recsys_core.modules.mc_modules import (
     route_blocks,
 )
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
+from recsys_core.sparse.key_order import KeyOrder
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +299,7 @@ class ShardedManagedCollisionCollection(nn.Module):
             list(self._table_feature_splits)
         ]
         self._input_sizes = {t: m.input_size() for t, m in self._managed_collision_modules.items()}
-        self._features_order: dict[tuple[str, ...], list[int] | None] = {}
+        self._key_order = KeyOrder(self._feature_names, "ShardedManagedCollisionCollection")
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._export_metadata: dict[tuple[str, str], ShardedTensorMetadata] | None = None
         """The state dict's ShardedTensor layouts, gathered on the first export."""
@@ -397,19 +398,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         return NoWait(FunctionAwaitable(lambda: KJTList([exchange.wait()])))
 
     def _in_table_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        order = self._features_order.get(keys)
-        if keys not in self._features_order:
-            missing = [f for f in self._feature_names if f not in keys]
-            if missing:
-                raise ValueError(
-                    f"ShardedManagedCollisionCollection: features {missing} are missing from "
-                    f"the input (keys {list(keys)}); every table's features must be present"
-                )
-            order = [keys.index(f) for f in self._feature_names]
-            order = None if order == list(range(len(keys))) else order
-            self._features_order[keys] = order
-        return features if order is None else features.permute(order)
+        return self._key_order.apply(features)
 
     def get_lookup_value(
         self, table: str, features: KeyedJaggedTensor, write_weights: torch.Tensor | None = None

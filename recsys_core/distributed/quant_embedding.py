@@ -8,12 +8,15 @@ CPU); tables are placed table-wise with the QUANT kernel (``recsys_core.quant.sh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from recsys_core.distributed.embedding_types import BaseQuantEmbeddingSharder
 from recsys_core.distributed.quant_embeddingbag import process_devices
 from recsys_core.distributed.types import (
     EmbeddingModuleShardingPlan,
+    ParameterSharding,
     ShardingEnv,
     ShardingType,
 )
@@ -39,13 +42,12 @@ class QuantEmbeddingCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddingCo
         """TABLE_WISE: the placement this library executes for quantized tables."""
         return [ShardingType.TABLE_WISE.value]
 
-    def shard(
+    def sharded_module(
         self,
         module: QuantEmbeddingCollection,
-        params: EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedQuantEmbeddingCollection:
         return sharded_quant_module(  # type: ignore[return-value]
             module, EmbeddingModuleShardingPlan(params), process_devices(env, device)

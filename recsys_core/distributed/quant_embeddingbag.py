@@ -7,11 +7,14 @@ table-wise with the QUANT kernel (``recsys_core.quant.sharding``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from recsys_core.distributed.embedding_types import BaseQuantEmbeddingSharder
 from recsys_core.distributed.types import (
     EmbeddingModuleShardingPlan,
+    ParameterSharding,
     ShardingEnv,
     ShardingType,
     rank_device,
@@ -38,13 +41,12 @@ class QuantEmbeddingBagCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddin
         """TABLE_WISE: the placement this library executes for quantized tables."""
         return [ShardingType.TABLE_WISE.value]
 
-    def shard(
+    def sharded_module(
         self,
         module: QuantEmbeddingBagCollection,
-        params: EmbeddingModuleShardingPlan,
+        params: Mapping[str, ParameterSharding],
         env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
+        device: torch.device,
     ) -> ShardedQuantEmbeddingBagCollection:
         return sharded_quant_module(  # type: ignore[return-value]
             module, EmbeddingModuleShardingPlan(params), process_devices(env, device)

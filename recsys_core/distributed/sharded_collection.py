@@ -35,15 +35,10 @@ from recsys_core.distributed.sharded_state import (
     import_tensor,
     shards_by_table,
 )
-from recsys_core.distributed.sharding.common import (
-    KernelContext,
-    LocalKernels,
-    ShardedTable,
-    check_kernel_placement,
-    planned_caches,
-    require_process_group,
-    resolve_shards,
-)
+from recsys_core.distributed.sharding.kernel_plan import check_kernel_placement, planned_caches
+from recsys_core.distributed.sharding.local_kernels import KernelContext, LocalKernels
+from recsys_core.distributed.sharding.shards import ShardedTable, resolve_shards
+from recsys_core.distributed.sharding.strategy import require_process_group
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -62,6 +57,7 @@ from recsys_core.modules.fused_common import TableWeight, kernel_optimizer
 from recsys_core.optim.keyed import CombinedOptimizer
 from recsys_core.plan.validation import validate_module_sharding_plan
 from recsys_core.sparse import KeyedJaggedTensor
+from recsys_core.sparse.key_order import KeyOrder
 
 
 class Strategy(Protocol):
@@ -161,7 +157,11 @@ class ShardedCollectionCore:
         for c in configs:
             for f in c.feature_names:
                 rows[f] = min(rows.get(f, c.num_embeddings), c.num_embeddings)
-        self._input_orders: dict[tuple[str, ...], list[list[int] | None]] = {}
+        # each strategy's features from the input, in the order it reads them
+        self._key_orders = [
+            KeyOrder([self.feature_of[n] for n in s.output_features], spec.name)
+            for s in self.strategies
+        ]
         self._ids = IdRangeCheck(rows, f"{spec.name}, rank {env.rank}")
         self._prefetched: deque[tuple[KeyedJaggedTensor, DistInputs]] = deque()
         optimizer = ctx.optimizer.optimizer
@@ -253,31 +253,11 @@ class ShardedCollectionCore:
                 )
             features = expand_variable_batch(features, self.spec.name)
         pending = self._ids.start(features)
-        local = [
-            features if order is None else features.permute(order)
-            for order in self._orders(tuple(features.keys()))
-        ]
+        local = [order.apply(features) for order in self._key_orders]
         return DistInputs(
             [s.input_dist(kjt) for s, kjt in zip(self.strategies, local, strict=True)],
             local, pending,
         )
-
-    def _orders(self, keys: tuple[str, ...]) -> list[list[int] | None]:
-        orders = self._input_orders.get(keys)
-        if orders is None:
-            if len(set(keys)) != len(keys):  # checked once per key order (cached below)
-                repeated = sorted({k for k in keys if keys.count(k) > 1})
-                raise ValueError(
-                    f"{self.spec.name}: keys must be unique, but {repeated} appear more than "
-                    "once in the input KeyedJaggedTensor; give each feature once"
-                )
-            index = {k: i for i, k in enumerate(keys)}
-            orders = []
-            for s in self.strategies:
-                order = [index[self.feature_of[n]] for n in s.output_features]
-                orders.append(None if order == list(range(len(keys))) else order)
-            self._input_orders[keys] = orders
-        return orders
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Start the input dist of ``features`` now; the forward that later receives this same

@@ -31,7 +31,7 @@ from torch.distributed._shard.sharded_tensor.utils import (
     build_metadata_from_local_shards,
 )
 
-from recsys_core.distributed.sharding.common import ShardedTable, ShardSpec
+from recsys_core.distributed.sharding.shards import ShardedTable, ShardSpec
 from recsys_core.distributed.types import ShardingEnv, ShardingType
 from recsys_core.kernels.config import FusedOptimizerConfig
 from recsys_core.optim.keyed import CombinedOptimizer, KeyedOptimizer

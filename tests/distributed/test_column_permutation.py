@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsys_core.distributed.sharding.common import column_permutation, select_columns
+from recsys_core.kernels.packed import column_permutation, select_columns
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ def test_bad_plan_is_rejected_before_communication() -> None:
 
 def test_kernel_placement_checks() -> None:
     from recsys_core.distributed import EmbeddingComputeKernel
-    from recsys_core.distributed.sharding.common import check_kernel_placement
+    from recsys_core.distributed.sharding.kernel_plan import check_kernel_placement
 
     ebc = EmbeddingBagCollection(CKPT_TABLES, device="meta")
     cached = construct_module_sharding_plan(

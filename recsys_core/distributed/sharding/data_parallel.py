@@ -19,16 +19,12 @@ import torch.distributed as dist
 from recsys_core.distributed.awaitable import Awaitable, LazyNoWait
 from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.distributed.comm_ops import get_gradient_division
-from recsys_core.distributed.sharding.common import (
-    KernelContext,
-    LocalKernels,
-    ShardedTable,
-    Slot,
-    column_permutation,
-    select_columns,
-)
+from recsys_core.distributed.sharding.local_kernels import KernelContext
+from recsys_core.distributed.sharding.shards import ShardedTable, Slot
+from recsys_core.distributed.sharding.strategy import StrategyBase
 from recsys_core.distributed.types import ShardingEnv
 from recsys_core.kernels.config import KernelBackend
+from recsys_core.kernels.packed import column_permutation, select_columns
 from recsys_core.kernels.torch_tbe import TorchTableBatchedEmbedding
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
@@ -67,7 +63,7 @@ class ReplicaLayout:
         return LazyNoWait(select_columns(pooled, self._columns))
 
 
-class DpPooledSharding:
+class DpPooledSharding(StrategyBase):
     """DATA_PARALLEL tables of one collection (always on the torch kernel, whose backward can
     sum gradients across ranks before updating)."""
 
@@ -77,11 +73,9 @@ class DpPooledSharding:
         env: ShardingEnv,
         ctx: KernelContext,
     ) -> None:
-        self._env, self._is_weighted = env, ctx.is_weighted
+        super().__init__(tables, env, ctx)
         self._layout = ReplicaLayout(tables, env.rank)
-        self.output_features = self._layout.output_features
-        configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(self._layout.slots, ctx, configs, backend=KernelBackend.TORCH)
+        self._build_kernels(self._layout.slots, ctx, backend=KernelBackend.TORCH)
         for kernel in self.local.kernels:
             assert isinstance(kernel, TorchTableBatchedEmbedding)
             if ctx.sync_replica_gradients:  # else each replica steps on its own gradient
@@ -114,9 +108,6 @@ class DpPooledSharding:
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
         return self._layout.input_dist(features)
-
-    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.local.lookup(features, self._is_weighted)
 
     def output_dist(
         self,

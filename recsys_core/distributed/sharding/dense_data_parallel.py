@@ -22,13 +22,15 @@ from torch.autograd import Variable
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.distributed.comm_ops import get_gradient_division
-from recsys_core.distributed.sharding.common import KernelContext, LocalKernels, ShardedTable
 from recsys_core.distributed.sharding.data_parallel import ReplicaLayout
+from recsys_core.distributed.sharding.local_kernels import KernelContext
+from recsys_core.distributed.sharding.shards import ShardedTable
+from recsys_core.distributed.sharding.strategy import StrategyBase
 from recsys_core.distributed.types import ShardingEnv
 from recsys_core.sparse import KeyedJaggedTensor
 
 
-class DpDenseSharding:
+class DpDenseSharding(StrategyBase):
     """DATA_PARALLEL tables on the DENSE kernel: each rank looks up its own batch in its
     replica; no communication in forward; the replicas' gradients are summed over the ranks
     (and divided by their number under gradient division) at the end of each backward.
@@ -36,11 +38,9 @@ class DpDenseSharding:
     ``mark_data_parallel_skip_grad_sync`` skips the sum: each replica keeps its own gradient."""
 
     def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
-        self._is_weighted = ctx.is_weighted
+        super().__init__(tables, env, ctx)
         self._layout = ReplicaLayout(tables, env.rank)
-        self.output_features = self._layout.output_features
-        configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(self._layout.slots, ctx, configs)
+        self._build_kernels(self._layout.slots, ctx)
         group = env.pg if env.world_size > 1 else None
         # A collection marked by mark_data_parallel_skip_grad_sync: no sum in backward.
         self._group = group if ctx.sync_replica_gradients else None
@@ -54,7 +54,7 @@ class DpDenseSharding:
         return self._layout.input_dist(features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.local.lookup(features, self._is_weighted)
+        pooled = super().lookup(features)
         if self._group is not None and pooled.requires_grad:
             pooled.register_hook(self._queue_gradient_sum)
         return pooled

@@ -25,27 +25,26 @@ import torch.distributed as dist
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d, reduce_scatter_dim0
 from recsys_core.distributed.dist_data import bucketize_by_row
-from recsys_core.distributed.sharding.common import (
-    ColumnPermutation,
-    KernelContext,
-    LocalKernels,
-    ShardedTable,
-    Slot,
-    column_permutation,
-    permute_parts,
-    select_columns,
-)
+from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.sequence import (
     SequenceBatch,
     return_rows,
     sequence_slots,
 )
+from recsys_core.distributed.sharding.shards import ShardedTable, Slot
+from recsys_core.distributed.sharding.strategy import StrategyBase
 from recsys_core.distributed.types import CommOp, ShardingEnv
+from recsys_core.kernels.packed import (
+    ColumnPermutation,
+    column_permutation,
+    permute_parts,
+    select_columns,
+)
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
 
-class RwPooledSharding:
+class RwPooledSharding(StrategyBase):
     """ROW_WISE tables (``domain_size = world_size``) or TABLE_ROW_WISE tables
     (``domain_size = local_world_size``; a table's shards all sit on one host)."""
 
@@ -59,13 +58,12 @@ class RwPooledSharding:
         domain_group: dist.ProcessGroup | None,
         cross_group: dist.ProcessGroup | None,
     ) -> None:
-        self._env, self._is_weighted = env, ctx.is_weighted
+        super().__init__(tables, env, ctx)
         self._scatter_codecs = ctx.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
         self._a2a_codecs = ctx.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         self._domain_size = domain_size
         self._num_domains = env.world_size // domain_size
         self._domain_group, self._cross_group = domain_group, cross_group
-        self.output_features = [f for t in tables for f in t.embedding_names]
         self._mean = [t.config.pooling is PoolingType.MEAN for t in tables for _ in t.embedding_names]
         self._dims = [t.config.embedding_dim for t in tables for _ in t.embedding_names]
         self._domain_of_feature: list[int] = []
@@ -85,15 +83,14 @@ class RwPooledSharding:
                 for sh in shards:
                     # SUM kernels for all: partial means do not add up, full sums do
                     self._slots[sh.rank].append(Slot(feature, sh, PoolingType.SUM))
-        configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(self._slots[env.rank], ctx, configs)
+        self._build_kernels(self._slots[env.rank], ctx)
         self._my_domain = env.rank // domain_size
         self._domain_features = [
             [i for i, d in enumerate(self._domain_of_feature) if d == dom]
             for dom in range(self._num_domains)
         ]
         self._columns = self._column_index()
-        feature_index = {f: i for i, f in enumerate(self.output_features)}
+        feature_index = self._feature_index()
         self._features_per_dest = [
             [feature_index[s.feature] for s in slots] for slots in self._slots
         ]
@@ -116,9 +113,6 @@ class RwPooledSharding:
             [s.key for s in self._slots[self._env.rank]], self._env, self._is_weighted,
             variable_batch=True,
         ).exchange
-
-    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.local.lookup(features, self._is_weighted)
 
     def output_dist(
         self,
@@ -223,7 +217,7 @@ class RwPooledSharding:
         return out * torch.cat(scales, dim=1)
 
 
-class RwSequenceSharding:
+class RwSequenceSharding(StrategyBase):
     """ROW_WISE tables of one EmbeddingCollection: each id goes to the rank owning its row."""
 
     def __init__(
@@ -232,13 +226,10 @@ class RwSequenceSharding:
         env: ShardingEnv,
         ctx: KernelContext,
     ) -> None:
-        self._env = env
+        super().__init__(tables, env, ctx)
         self._codecs = ctx.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = sequence_slots(tables, env.world_size)
-        self.local = LocalKernels(
-            self._slots[env.rank], ctx, {t.config.name: t.config for t in tables}
-        )
+        self._build_kernels(self._slots[env.rank], ctx)
         self._owners: list[torch.Tensor] = []  # per feature: rank of each non-empty row block
         self._starts: list[torch.Tensor] = []  # per feature: first row of each non-empty block
         for t in tables:
@@ -248,7 +239,7 @@ class RwSequenceSharding:
             for _ in t.embedding_names:
                 self._owners.append(torch.tensor([sh.rank for sh in blocks]))
                 self._starts.append(torch.tensor([sh.row_offset for sh in blocks]))
-        index = {f: i for i, f in enumerate(self.output_features)}
+        index = self._feature_index()
         self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
         # Rows come back grouped by owner rank, ascending (the stable sort by destination).
         where = {(s.feature, r): j for r, sl in enumerate(self._slots) for j, s in enumerate(sl)}

@@ -48,7 +48,8 @@ import torch
 
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.comm import all_to_all_1d
-from recsys_core.distributed.sharding.common import LocalKernels, ShardedTable, Slot
+from recsys_core.distributed.sharding.local_kernels import LocalKernels
+from recsys_core.distributed.sharding.shards import ShardedTable, Slot
 from recsys_core.distributed.types import QuantizedCommCodecs, ShardingEnv
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor

@@ -23,21 +23,16 @@ import torch
 from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d, pooled_all_to_all_assembled
 from recsys_core.distributed.dist_data import send_whole_bags
-from recsys_core.distributed.sharding.common import (
-    ColumnPermutation,
-    KernelContext,
-    LocalKernels,
-    ShardedTable,
-    Slot,
-    column_permutation,
-    permute_received,
-)
+from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.sequence import (
     SequenceBatch,
     return_rows,
     sequence_slots,
 )
+from recsys_core.distributed.sharding.shards import ShardedTable, Slot
+from recsys_core.distributed.sharding.strategy import StrategyBase
 from recsys_core.distributed.types import CommOp, ShardingEnv
+from recsys_core.kernels.packed import ColumnPermutation, column_permutation, permute_received
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -58,7 +53,7 @@ def slots_by_rank(tables: Sequence[ShardedTable], world_size: int) -> list[list[
     return out
 
 
-class TwPooledSharding:
+class TwPooledSharding(StrategyBase):
     """TABLE_WISE / COLUMN_WISE / TABLE_COLUMN_WISE tables of one collection."""
 
     def __init__(
@@ -67,14 +62,11 @@ class TwPooledSharding:
         env: ShardingEnv,
         ctx: KernelContext,
     ) -> None:
-        self._env = env
-        self._is_weighted = ctx.is_weighted
+        super().__init__(tables, env, ctx)
         self._codecs = ctx.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
-        self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = slots_by_rank(tables, env.world_size)
-        configs = {t.config.name: t.config for t in tables}
-        self.local = LocalKernels(self._slots[env.rank], ctx, configs)
-        index = {f: i for i, f in enumerate(self.output_features)}
+        self._build_kernels(self._slots[env.rank], ctx)
+        index = self._feature_index()
         self._send_order = [index[s.feature] for slots in self._slots for s in slots]
         self._send_counts = [len(slots) for slots in self._slots]
         self._dims = [sum(s.shard.cols for s in slots) for slots in self._slots]
@@ -103,9 +95,6 @@ class TwPooledSharding:
             [s.key for s in self._slots[self._env.rank]], self._env, self._is_weighted,
             variable_batch=True,
         )
-
-    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.local.lookup(features, self._is_weighted)
 
     def output_dist(
         self,
@@ -151,7 +140,7 @@ class TwPooledSharding:
         return pooled_all_to_all_assembled(pooled, sizes, batch, dims, runs, self._env.pg)
 
 
-class TwSequenceSharding:
+class TwSequenceSharding(StrategyBase):
     """TABLE_WISE and COLUMN_WISE tables of one EmbeddingCollection.
 
     Every shard spans all rows, so each feature's ids go whole to every rank holding a shard of
@@ -164,14 +153,11 @@ class TwSequenceSharding:
         env: ShardingEnv,
         ctx: KernelContext,
     ) -> None:
-        self._env = env
+        super().__init__(tables, env, ctx)
         self._codecs = ctx.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        self.output_features = [f for t in tables for f in t.embedding_names]
         self._slots = sequence_slots(tables, env.world_size)
-        self.local = LocalKernels(
-            self._slots[env.rank], ctx, {t.config.name: t.config for t in tables}
-        )
-        index = {f: i for i, f in enumerate(self.output_features)}
+        self._build_kernels(self._slots[env.rank], ctx)
+        index = self._feature_index()
         self._send_order = [index[s.feature] for slots in self._slots for s in slots]
         self._send_counts = [len(slots) for slots in self._slots]
         # per output feature: (rank, slot index) of each of its table's shards, in column order

@@ -1,106 +1,34 @@
-"""What every sharding strategy shares: shard geometry, local kernels and the strategy protocol.
-
-A strategy owns some tables of an EmbeddingBagCollection and implements three steps:
-
-    input_dist(local KJT)      -> awaitable KJT of the ids this rank's shards look up
-    lookup(KJT)                -> pooled rows for those shards
-    output_dist(pooled, KJT, batch_size_per_rank)
-                               -> awaitable [local batch, sum of its features' dims]
-
-Ranks may use different batch sizes: the input dist reports every rank's
-(``dist_data.batch_sizes``) and the output dist sends each rank its own rows.
-
-The output columns follow ``output_features`` (each feature at its table's full dim).
-"""
+"""One rank's kernels for one strategy: the context they are built with (device, optimizer,
+backend, where the rows come from) and the kernels holding the rank's shards."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.batched_embedding_kernel import dense_kernel_builder
+from recsys_core.distributed.sharding.kernel_plan import DEFAULT_LOAD_FACTOR
+from recsys_core.distributed.sharding.shards import ShardSpec, Slot
 from recsys_core.distributed.table_init import TableInitializer, TableRegion
 from recsys_core.distributed.types import (
     CommOp,
-    EmbeddingComputeKernel,
-    ParameterSharding,
     QuantizedCommCodecs,
-    ShardingEnv,
-    ShardingType,
 )
 from recsys_core.kernels.batched import BatchedTables
 from recsys_core.kernels.cached_tbe import CachedTableBatchedEmbedding, TableCache, cache_slots
 from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
-from recsys_core.kernels.packed import ColumnPermutation as ColumnPermutation
-from recsys_core.kernels.packed import PackedKernelSpec, PackedTable
-from recsys_core.kernels.packed import column_permutation as column_permutation
-from recsys_core.kernels.packed import permute_parts as permute_parts
-from recsys_core.kernels.packed import permute_received as permute_received
-from recsys_core.kernels.packed import select_columns as select_columns
+from recsys_core.kernels.packed import (
+    PackedKernelSpec,
+    PackedTable,
+    column_permutation,
+    select_columns,
+)
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig, PoolingType, table_dtype
 from recsys_core.plan.params import CacheParams
 from recsys_core.sparse import KeyedJaggedTensor
-
-# Cache share of a FUSED_UVM_CACHING shard whose plan gives no load factor (TorchRec's default).
-DEFAULT_LOAD_FACTOR = 0.2
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """One shard of one table: ``table[row_offset : +rows, col_offset : +cols]`` on ``rank``."""
-
-    table: str
-    rank: int
-    row_offset: int
-    rows: int
-    col_offset: int
-    cols: int
-
-
-@dataclass(frozen=True)
-class ShardedTable:
-    """A table with its plan entry and resolved shards.
-
-    ``embedding_names`` name the table's outputs, one per feature: the feature's name, or
-    ``<feature>@<table>`` for a feature several tables share (TorchRec's naming)."""
-
-    config: BaseEmbeddingConfig
-    sharding: ParameterSharding
-    shards: tuple[ShardSpec, ...]
-    embedding_names: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.embedding_names:
-            object.__setattr__(self, "embedding_names", tuple(self.config.feature_names))
-
-
-def resolve_shards(
-    config: BaseEmbeddingConfig,
-    ps: ParameterSharding,
-    world_size: int,
-    embedding_names: Sequence[str] = (),
-) -> ShardedTable:
-    if ps.sharding_type is ShardingType.DATA_PARALLEL:
-        ranks = ps.ranks or list(range(world_size))
-        shards = tuple(
-            ShardSpec(config.name, r, 0, config.num_embeddings, 0, config.embedding_dim)
-            for r in ranks
-        )
-    else:
-        shards = tuple(
-            ShardSpec(
-                config.name, m.rank, m.shard_offsets[0], m.shard_sizes[0],
-                m.shard_offsets[1], m.shard_sizes[1],
-            )
-            for m in ps.shards
-        )
-    return ShardedTable(config, ps, shards, tuple(embedding_names))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,20 +66,6 @@ class KernelContext:
     def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
         registry = self.qcomm_codecs_registry
         return None if registry is None else registry.get(op.name)
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One (feature, shard) lookup performed on some rank."""
-
-    feature: str
-    shard: ShardSpec
-    pooling: PoolingType
-
-    @property
-    def key(self) -> str:
-        # unique even when one rank holds two column shards of the same table
-        return f"{self.feature}@{self.shard.row_offset}:{self.shard.col_offset}"
 
 
 class LocalKernels(nn.Module):
@@ -321,79 +235,3 @@ def _init_shard(
                             shard.col_offset : shard.col_offset + shard.cols])
         else:
             config.init_weight_(view)
-
-
-class PooledSharding(Protocol):
-    """The interface every strategy implements (see the module docstring)."""
-
-    output_features: list[str]
-    local: LocalKernels
-
-    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]: ...
-
-    def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor: ...
-
-    def output_dist(
-        self,
-        pooled: torch.Tensor,
-        local_features: KeyedJaggedTensor,
-        batch_size_per_rank: Sequence[int] | None = None,
-    ) -> Awaitable[torch.Tensor]: ...
-
-
-def require_process_group(env: ShardingEnv, module: str) -> None:
-    """Sharding over several ranks needs a process group: without one every collective would
-    degenerate to a local copy and the results would be silently wrong."""
-    if env.pg is None and env.world_size > 1:
-        raise ValueError(
-            f"{module}: sharding over {env.world_size} ranks needs a process group; build the "
-            "environment with ShardingEnv.from_process_group(pg) (from_local is for planning "
-            "and single-rank use)"
-        )
-
-
-def check_kernel_placement(plan: Mapping[str, ParameterSharding], device: torch.device) -> None:
-    """FUSED_UVM_CACHING tables run the cached kernel (a cache over a backing file on CPU, over
-    host memory on CUDA), except data-parallel ones (replicas are updated densely). On CPU a
-    FUSED_UVM table is a FUSED one (host memory is where CPU tables live); on CUDA UVM without a
-    cache is not placed by these kernels: refuse rather than put the table in device memory."""
-    for name, ps in plan.items():
-        caching = ps.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
-        if caching and ps.sharding_type is ShardingType.DATA_PARALLEL:
-            raise ValueError(
-                f"table {name!r}: a data-parallel table cannot be cached (fused_uvm_caching); "
-                "shard it table-wise or row-wise, or use EmbeddingComputeKernel.FUSED"
-            )
-        if device.type == "cuda" and ps.compute_kernel is EmbeddingComputeKernel.FUSED_UVM:
-            raise ValueError(
-                f"table {name!r}: compute kernel {ps.compute_kernel} (UVM without a cache) is "
-                "not available for sharded CUDA tables; use fused_uvm_caching or fused"
-            )
-
-
-def with_cache_load_factor(
-    plan: Mapping[str, ParameterSharding], fused_params: Mapping[str, Any] | None,
-) -> dict[str, ParameterSharding]:
-    """``plan`` with the sharder's ``fused_params["cache_load_factor"]`` (TorchRec's key) as
-    the load factor of every FUSED_UVM_CACHING table whose plan gives none."""
-    clf = (fused_params or {}).get("cache_load_factor")
-    out = dict(plan)
-    if clf is None:
-        return out
-    for name, ps in plan.items():
-        if ps.compute_kernel is not EmbeddingComputeKernel.FUSED_UVM_CACHING:
-            continue
-        params = ps.cache_params or CacheParams()
-        if params.load_factor is None:
-            out[name] = dataclasses.replace(
-                ps, cache_params=dataclasses.replace(params, load_factor=float(clf)))
-    return out
-
-
-def planned_caches(plan: Mapping[str, ParameterSharding]) -> dict[str, CacheParams]:
-    """The cache settings of the tables ``plan`` puts in FUSED_UVM_CACHING."""
-    return {
-        name: ps.cache_params or CacheParams()
-        for name, ps in plan.items()
-        if ps.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
-    }

@@ -1,0 +1,111 @@
+"""The contract every sharded embedding collection keeps (TorchRec: ``ShardedEmbeddingModule``).
+
+A sharded collection is a :class:`ShardedCollectionCore` (tables, strategies, optimizer, input
+dists; see ``sharded_collection``) plus what its output looks like. This base holds the first
+part once: building the core, the table parameters under TorchRec's attribute name, and the
+delegations (``fused_optimizer``, ``env``, ``table_shards``, ``sharded_tables``, ``input_dist``,
+``prefetch``, ``drop_prefetched``, ``forward``). A subclass builds its core with
+:meth:`ShardedEmbeddingModule._build_core` and implements ``compute_and_output_dist``::
+
+    forward(kjt) = compute_and_output_dist(kjt, input_dist(kjt) or the prefetched one)
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from recsys_core.distributed.awaitable import LazyAwaitable
+from recsys_core.distributed.sharded_collection import (
+    CollectionSpec,
+    DistInputs,
+    ShardedCollectionCore,
+    StrategyFactory,
+)
+from recsys_core.distributed.sharded_state import LocalShard, ShardedFusedOptimizer
+from recsys_core.distributed.sharding.local_kernels import KernelContext
+from recsys_core.distributed.sharding.shards import ShardedTable
+from recsys_core.distributed.types import ParameterSharding, ShardingEnv
+from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
+from recsys_core.sparse import KeyedJaggedTensor
+
+
+def dense_source(
+    module: nn.Module, state_prefix: str, configs: Sequence[BaseEmbeddingConfig]
+) -> dict[str, torch.Tensor] | None:
+    """Each table's weight from the unsharded ``module`` (``<state_prefix>.<table>.weight``), or
+    None when it lives on the meta device (the tables are initialized, not copied)."""
+    state = module.state_dict()  # plain or fused collection: the same keys
+    if any(t.is_meta for t in state.values()):
+        return None
+    return {c.name: state[f"{state_prefix}.{c.name}.weight"].detach() for c in configs}
+
+
+Out = TypeVar("Out", bound=LazyAwaitable[Any])
+
+
+class ShardedEmbeddingModule(nn.Module, abc.ABC, Generic[Out]):
+    """A collection whose tables are sharded over ``env``: same input and output as the
+    unsharded module, through ``forward(...).wait()`` (``Out``: the awaitable it returns)."""
+
+    _core: ShardedCollectionCore
+
+    def _build_core(
+        self,
+        spec: CollectionSpec,
+        plan: Mapping[str, ParameterSharding],
+        env: ShardingEnv,
+        ctx: KernelContext,
+        factory: StrategyFactory,
+    ) -> None:
+        self._core = ShardedCollectionCore(spec, plan, env, ctx, factory)
+        # Before the lookups, so that parameter names are TorchRec's (embedding_bags.<t>.weight).
+        self.register_module(spec.state_prefix, self._core.table_parameters())
+        self.lookups = self._core.lookups
+        self._core.register_state_hooks(self)
+
+    @property
+    def fused_optimizer(self) -> ShardedFusedOptimizer:
+        return self._core.fused_optimizer
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._core.env
+
+    def table_shards(self) -> dict[str, list[LocalShard]]:
+        """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
+        return self._core.table_shards()
+
+    def sharded_tables(self) -> list[ShardedTable]:
+        return list(self._core.tables)
+
+    def _check_input(self, features: KeyedJaggedTensor) -> None:
+        """Checks a subclass makes before its input leaves the rank (ids are checked anyway)."""
+
+    def input_dist(self, features: KeyedJaggedTensor) -> DistInputs:
+        """Start every strategy's input all-to-all (checks ids first: no bad id is sent)."""
+        self._check_input(features)
+        return self._core.input_dist(features)
+
+    @abc.abstractmethod
+    def compute_and_output_dist(
+        self, features: KeyedJaggedTensor, dist_inputs: DistInputs
+    ) -> Out:
+        """Look up the received ids and start the output dist back to this rank's batch."""
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start the input dist of ``features`` now (see ``ShardedCollectionCore.prefetch``)."""
+        self._check_input(features)
+        self._core.prefetch(features)
+
+    def drop_prefetched(self) -> None:
+        """Finish and discard prefetched input dists no forward consumed."""
+        self._core.drop_prefetched()
+
+    def forward(self, features: KeyedJaggedTensor) -> Out:
+        self._check_input(features)
+        return self.compute_and_output_dist(features, self._core.take_input_dist(features))
