@@ -62,10 +62,10 @@ DEFAULT_FUSED_PARAMS: dict[str, Any] = {
 }
 
 # Each sharder copies the dict, so editing one sharder's fused_params changes no other.
-DEFAULT_SHARDERS: list[ModuleSharder[nn.Module]] = [
-    QuantEmbeddingBagCollectionSharder(fused_params=DEFAULT_FUSED_PARAMS),  # type: ignore[list-item]
-    QuantEmbeddingCollectionSharder(fused_params=DEFAULT_FUSED_PARAMS),  # type: ignore[list-item]
-    QuantFeatureProcessedEmbeddingBagCollectionSharder(  # type: ignore[list-item]
+DEFAULT_SHARDERS: list[ModuleSharder[Any]] = [
+    QuantEmbeddingBagCollectionSharder(fused_params=DEFAULT_FUSED_PARAMS),
+    QuantEmbeddingCollectionSharder(fused_params=DEFAULT_FUSED_PARAMS),
+    QuantFeatureProcessedEmbeddingBagCollectionSharder(
         fused_params=DEFAULT_FUSED_PARAMS
     ),
 ]

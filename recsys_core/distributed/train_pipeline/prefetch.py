@@ -17,7 +17,7 @@ must iterate the same number of batches (collectives match in issue order).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import Protocol, TypeVar
 
 import torch
@@ -64,7 +64,7 @@ def pipelined_batches(
     to_device: Callable[[BatchT], BatchT],
     features: Callable[[BatchT], KeyedJaggedTensor],
     device: torch.device | None = None,
-) -> Iterator[BatchT]:
+) -> Generator[BatchT, None, None]:
     """``to_device(batch)`` for each batch, one batch ahead, with the input dists of
     ``features(batch)`` already started on every sharded collection of ``model``.
 

@@ -11,7 +11,7 @@ batch has been run. Results equal the plain loop over the same batches.
 import abc
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -63,12 +63,12 @@ class _Pipeline(TrainPipeline[In, Out]):
         self._device = device
         self._model_fwd = custom_model_fwd or model
         self._source: Iterator[In] | None = None
-        self._batches: Iterator[In] | None = None
+        self._batches: Generator[In, None, None] | None = None
 
     def _stream(self, dataloader_iter: Iterator[In]) -> Iterator[In]:
         if self._source is not dataloader_iter or self._batches is None:
             if self._batches is not None:
-                self._batches.close()  # type: ignore[attr-defined]
+                self._batches.close()
             self._source = dataloader_iter
             model = self._model if self._prefetch_input_dist else nn.Module()
             device = self._device
