@@ -74,7 +74,8 @@ class Arrow(NamedTuple):
 
 
 def find_modules(root: Path) -> dict[str, Path]:
-    """Module name -> file, for .py files and compiled extensions (which import nothing here)."""
+    """Module name -> file, for .py files and compiled extensions (which import nothing here),
+    found by their built file or their C source: a checkout need not have built them."""
     mods: dict[str, Path] = {}
     for pkg in PACKAGES:
         for path in sorted((root / pkg).rglob("*")):
@@ -84,7 +85,7 @@ def find_modules(root: Path) -> dict[str, Path]:
                 parts = list(path.relative_to(root).with_suffix("").parts)
                 if parts[-1] == "__init__":
                     parts.pop()
-            elif path.suffix in (".so", ".pyd"):
+            elif path.suffix in (".so", ".pyd", ".c"):  # an extension, built or not yet
                 parts = list(path.relative_to(root).parts)
                 parts[-1] = parts[-1].split(".")[0]
             else:
