@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlrm_app.data.criteo import preprocess, preprocess_criteo
+from dlrm_app.data.criteo import job, preprocess_criteo
 from dlrm_app.data.criteo.encoding import EncodeSpec, encoder
 from dlrm_app.data.criteo.lines import line_counts
 from dlrm_app.data.criteo.vocabulary import count_lines_of, load_vocabulary, merge_counts
@@ -146,7 +146,7 @@ def test_default_vocabulary_rerun_keeps_finished_shards(tmp_path: Path, monkeypa
         raise KeyboardInterrupt("simulated kill")
 
     with monkeypatch.context() as patch:
-        patch.setattr(preprocess, "finalize", killed)
+        patch.setattr(job, "finalize", killed)
         with pytest.raises(KeyboardInterrupt):
             preprocess_criteo([path], tmp_path / "resumed", **kwargs)
     staged = {p: p.stat().st_mtime_ns for p in (tmp_path / "resumed").rglob("stage-*.parquet")}

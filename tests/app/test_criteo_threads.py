@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_criteo_workers import write_rows
 
-from dlrm_app.data.criteo import preprocess, preprocess_criteo, workers
+from dlrm_app.data.criteo import job, preprocess_criteo, workers
 from dlrm_app.data.criteo.workers import InProcess, default_threads, runner, task_threads
 
 SMALL = dict(rows_per_shard=700, row_group_size=256, block_bytes=20_000)
@@ -111,7 +111,7 @@ def test_gzip_input_runs_on_one_thread(tmp_path: Path, monkeypatch: pytest.Monke
         seen.append(threads)
         return real(n, threads)
 
-    monkeypatch.setattr(preprocess, "runner", recording)
+    monkeypatch.setattr(job, "runner", recording)
     plain = tmp_path / "a.tsv"
     write_rows(plain, 300, seed=3)
     gz = tmp_path / "a.tsv.gz"

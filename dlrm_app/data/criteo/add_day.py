@@ -51,9 +51,9 @@ from dlrm_app.data.criteo.format import (
     SplitRule,
     value_problem,
 )
+from dlrm_app.data.criteo.job import _Job, day_name, run_job
 from dlrm_app.data.criteo.lines import line_counts
 from dlrm_app.data.criteo.parse import check_not_empty
-from dlrm_app.data.criteo.preprocess import _Job, day_name, run_job
 from dlrm_app.data.criteo.vocabulary import (
     DEFAULT_VOCABULARY_MEMORY_BYTES,
     GROWN_VOCABULARY,
