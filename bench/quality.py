@@ -65,6 +65,7 @@ Usage: python bench/quality.py [--nproc 1] [--seeds 0] [--datasets criteo_kaggle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -224,18 +225,28 @@ def _train_config(run_dir: Path) -> dict:
                                                           "resume", "offload_dir", "log_every")}
 
 
-def run(name: str, work: Path, nproc: int, seeds: list[int]) -> list[dict]:
+def run(name: str, work: Path, nproc: int, seeds: list[int], extra: Extra | None = None,
+        fp32_twin: bool = True) -> list[dict]:
+    """The dataset's own split: the DLRM per seed (and its --no-amp twin unless not
+    ``fp32_twin``), the logistic regression and the base rate; ``extra`` flags added to
+    preprocess and train."""
+    extra = extra or Extra()
     kind, src = SOURCES[name]
     if not src.exists():
         raise SystemExit(f"{src} not found: pass --criteo / --movielens")
     data = work / f"{name}_data"
-    _cli(1, "preprocess", kind, str(src), "--out", str(data))
+    _cli(1, "preprocess", kind, str(src), "--out", str(data), *extra.preprocess)
     baselines = logistic_regression(data)
     common = {"dataset": name, "rows": baselines["rows"]}
+    if extra.preprocess or extra.train:
+        common["extra_flags"] = {"preprocess": extra.preprocess, "train": extra.train}
     lines = []
     for seed in seeds:
-        default = _dlrm(data, work / f"{name}_run_{seed}", nproc, seed)
-        fp32 = _dlrm(data, work / f"{name}_fp32_{seed}", nproc, seed, "--no-amp")
+        default = _dlrm(data, work / f"{name}_run_{seed}", nproc, seed, *extra.train)
+        if not fp32_twin:
+            lines.append({**common, "system": "dlrm_defaults", **default})
+            continue
+        fp32 = _dlrm(data, work / f"{name}_fp32_{seed}", nproc, seed, "--no-amp", *extra.train)
         lines.append({**common, "system": "dlrm_defaults", **default,
                       "auc_minus_fp32": default["auc"] - fp32["auc"]})
         lines.append({**common, "system": "dlrm_fp32", **fp32})
@@ -453,37 +464,44 @@ def main() -> None:
                         help="F in (0, 1): train on the log's earlier rows, score on its last "
                              "fraction F (Criteo; quality forward in time)")
     parser.add_argument("--preprocess-flags", default="",
-                        help="--kfold/--forward: flags added to preprocess (one string)")
+                        help="flags added to preprocess (one string; not the generated data)")
     parser.add_argument("--train-flags", default="",
-                        help="--kfold/--forward: flags added to train (one string)")
+                        help="flags added to train (one string; not the generated data)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="keep the datasets and runs in this new folder (default: a "
+                             "temporary one, deleted at the end), e.g. to evaluate the runs again")
     parser.add_argument("--criteo", type=Path, default=None, help="a Criteo Kaggle TSV")
     parser.add_argument("--movielens", type=Path, default=None, help="an ml-100k folder")
     parser.add_argument("--rows", type=int, default=None,
                         help="rows (all splits) of the generated datasets instead of "
                              + ", ".join(f"{k}'s {v:,}" for k, v in GENERATED.items()))
-    parser.add_argument("--fp32-twin", action=argparse.BooleanOptionalAction, default=False,
-                        help="generated datasets: also train each seed with --no-amp (the "
-                             "small datasets always do)")
+    parser.add_argument("--fp32-twin", action=argparse.BooleanOptionalAction, default=None,
+                        help="also train each seed with --no-amp (default: the small datasets "
+                             "do, the generated ones do not)")
     args = parser.parse_args()
     extra = Extra(tuple(args.preprocess_flags.split()), tuple(args.train_flags.split()))
     if args.criteo:
         SOURCES["criteo_kaggle_10k"] = ("criteo", args.criteo)
     if args.movielens:
         SOURCES["movielens_100k"] = ("movielens", args.movielens)
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.work is not None:
+        args.work.mkdir(parents=True)  # a new folder: never mixes runs of two invocations
+    with (contextlib.nullcontext(str(args.work)) if args.work is not None
+          else tempfile.TemporaryDirectory()) as tmp:
         for name in args.datasets:
             if name in GENERATED:
                 if args.kfold > 1:
                     raise SystemExit(f"--kfold is for the Criteo sample; {name} has its own "
                                      f"generated test split")
                 lines = run_generated(name, Path(tmp), args.nproc, args.seeds, args.rows,
-                                      args.fp32_twin)
+                                      bool(args.fp32_twin))
             elif args.forward:
                 lines = run_forward(name, Path(tmp), args.nproc, args.seeds, args.forward, extra)
             elif args.kfold > 1:
                 lines = run_kfold(name, Path(tmp), args.nproc, args.seeds, args.kfold, extra)
             else:
-                lines = run(name, Path(tmp), args.nproc, args.seeds)
+                lines = run(name, Path(tmp), args.nproc, args.seeds, extra,
+                            fp32_twin=args.fp32_twin is not False)
             for line in lines:
                 print(json.dumps(line), flush=True)
 
