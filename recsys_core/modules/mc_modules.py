@@ -134,24 +134,27 @@ def route_blocks(ids: torch.Tensor, input_size: int, blocks: int) -> torch.Tenso
     ids = ids.to(torch.int64)
     if blocks == 1:
         return torch.zeros_like(ids)
-    block = max((input_size + blocks - 1) // blocks, 1)
+    # ceil without overflow: TorchScript's ints are int64 and input_size is often int64's max
+    block = max(input_size // blocks + (1 if input_size % blocks != 0 else 0), 1)
     by_block = torch.div(ids.clamp(min=0), block, rounding_mode="floor")
-    limit = block * blocks
-    inside = ids >= 0 if limit > _INT64_MAX_ROUTE else (ids >= 0) & (ids < limit)
+    inside = (ids >= 0) & (by_block < blocks)  # id < block * blocks, never computed
     return torch.where(inside, by_block, ids.remainder(blocks))
 
 
-_INT64_MAX_ROUTE = (1 << 63) - 1
-
-
+@torch.fx.wrap
 def _mch_remap(
     features: dict[str, JaggedTensor],
     mch_sorted_raw_ids: torch.Tensor,
     mch_remapped_ids_mapping: torch.Tensor,
-    zch_index: int | Callable[[torch.Tensor], torch.Tensor],
+    zch_index: int,
+    miss_block_ends: torch.Tensor | None = None,
+    first_row: int = 0,
+    input_size: int = 0,
 ) -> dict[str, JaggedTensor]:
-    """Each id's row: its entry's row when the sorted table holds it, else ``zch_index`` (a row,
-    or a function of the ids giving each one's row)."""
+    """Each id's row: its entry's row when the sorted table holds it, else ``zch_index``; with
+    ``miss_block_ends`` (the last row of each training row block), the last row of the block
+    the id was routed to, where that row lies in ``[first_row, zch_index]``. A leaf when traced
+    (``torch.fx.wrap``), as TorchRec's: its loop over the features is not traceable."""
     remapped: dict[str, JaggedTensor] = {}
     for name, feature in features.items():
         values = feature.values()
@@ -159,7 +162,12 @@ def _mch_remap(
         ids = values.to(torch.int64)
         position = torch.searchsorted(mch_sorted_raw_ids[:-1], ids)
         hit = mch_sorted_raw_ids[position] == ids
-        miss = zch_index(ids) if callable(zch_index) else torch.full_like(ids, zch_index)
+        if miss_block_ends is None:
+            miss = torch.full_like(ids, zch_index)
+        else:
+            block_rows = miss_block_ends[route_blocks(ids, input_size, miss_block_ends.numel())]
+            in_module = (block_rows >= first_row) & (block_rows <= zch_index)
+            miss = torch.where(in_module, block_rows, torch.full_like(ids, zch_index))
         rows = torch.where(hit, mch_remapped_ids_mapping[position], miss)
         remapped[name] = JaggedTensor(
             values=rows.to(values.dtype),
@@ -517,16 +525,11 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             return _mch_remap(
                 features, self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping, last
             )
+        # the training's row block of each id; its last row where this module holds it
         ends = torch.tensor(segments[1:], dtype=torch.int64, device=self._device) - 1
-        first = self._output_global_offset
-
-        def miss(ids: torch.Tensor) -> torch.Tensor:
-            # the training's row block of each id; its last row where this module holds it
-            rows = ends[route_blocks(ids, self.input_size(), len(segments) - 1)]
-            return torch.where((rows >= first) & (rows <= last), rows, last)
-
         return _mch_remap(
-            features, self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping, miss
+            features, self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping, last, ends,
+            self._output_global_offset, self.input_size(),
         )
 
     def forward(

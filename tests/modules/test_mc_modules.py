@@ -211,3 +211,30 @@ def test_fused_mc_ebc_resets_weights_and_optimizer_state_of_evicted_rows() -> No
     assert momentum[2].item() == 0.0 and bool((momentum[:2] > 0).all())
     assert not torch.equal(weight[2], before[2])
     torch.testing.assert_close(weight[:2], before[:2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("blocks", [None, [0, 2, 4]])
+def test_eval_remap_traces_and_scripts_to_the_eager_rows(blocks: list[int] | None) -> None:
+    """TorchRec traces an eval-mode collection with torch.fx and scripts the graph (its
+    inference path): the remap must be one traced leaf, and scriptable. ``blocks``: a state
+    loaded from a 2-block row-wise training, where a missing id gets its block's last row."""
+    from recsys_core.fx import symbolic_trace
+
+    mcc = _mcc(_tables())
+    mcc(_kjt([10, 20, 10, 30, 40], [50, 60]))  # train once: some ids get rows
+    mcc.eval()
+    module = mcc._managed_collision_modules["t"]
+    module._miss_segments = blocks
+    probe = _kjt([10, 99, 7, 30], [98, 40, 3])
+    eager = mcc(probe)
+    traced = symbolic_trace(mcc)
+    scripted = torch.jit.script(traced)
+    for out in (traced(probe), scripted(probe)):
+        assert out.keys() == eager.keys()
+        assert torch.equal(out.values(), eager.values())
+        assert torch.equal(out.lengths(), eager.lengths())
+    missing = eager.values()[torch.tensor([1, 2, 4, 6])]  # 99, 7, 98, 3 have no row
+    if blocks is None:
+        assert missing.tolist() == [3, 3, 3, 3]  # the table's last row
+    else:  # ids route to blocks of ceil(input_size / 2); each gets its block's last row, 1 or 3
+        assert set(missing.tolist()) <= {1, 3} and missing.tolist() != [3, 3, 3, 3]
