@@ -221,6 +221,12 @@ class TrainConfig:
     """Shuffle the train rows per (seed, epoch)."""
     threads: int | None = None
     """torch threads per rank (None: auto)."""
+    follow: bool = False
+    """Evaluate, then train on each new day."""
+    wait: float | None = dataclasses.field(default=None, metadata={"metavar": "SECONDS"})
+    """Poll for new days every SECONDS."""
+    publish: str | None = dataclasses.field(default=None, metadata={"metavar": "PATH"})
+    """Export each day's model to PATH."""
 
     def __post_init__(self) -> None:
         positive = ("epochs", "keep_checkpoints", "log_every")
@@ -273,6 +279,26 @@ class TrainConfig:
             raise ValueError(f"--threads must be a positive int, got {self.threads!r}")
         if self.target_auc is not None and not 0.5 < self.target_auc <= 1.0:
             raise ValueError(f"--target-auc must be in (0.5, 1], got {self.target_auc}")
+        self._check_follow()
+
+    def _check_follow(self) -> None:
+        """``--follow`` and the flags that exist only with it (docs/training.md, "Day by
+        day")."""
+        if not self.follow:
+            for name in ("wait", "publish"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name} goes with --follow (day-by-day training); add "
+                                     f"--follow or drop --{name}")
+            return
+        if self.wait is not None and (isinstance(self.wait, bool) or not isinstance(
+                self.wait, (int, float)) or not math.isfinite(self.wait) or self.wait <= 0):
+            raise ValueError(f"--wait must be a number of seconds > 0, got {self.wait!r}")
+        if self.publish is not None and not str(self.publish).endswith(".pt2"):
+            raise ValueError(f"--publish {self.publish}: the published model is a .pt2 "
+                             "artifact, its name must end in .pt2")
+        if self.max_steps is not None:
+            raise ValueError("--max-steps would stop --follow inside a day; drop it (--follow "
+                             "trains one pass over each day)")
 
     def to_json_dict(self) -> dict[str, Any]:
         def plain(value: Any) -> Any:

@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 CONFIG = "config.json"
 """The run's saved config, in its run directory."""
 
-FIXED_ON_RESUME = ("model", "embedding_optimizer", "dense_optimizer")
-"""What a resumed run cannot change: the shapes of its model and optimizer state. ``--data``
+FIXED_ON_RESUME = ("model", "embedding_optimizer", "dense_optimizer", "follow")
+"""What a resumed run cannot change: the shapes of its model and optimizer state, and whether
+it follows days (its checkpoints count days, a run of epochs' do not). ``--data``
 may change: training then continues on the new data if the model reads it the same way
 (``check_continuation``: raw ids, or the same encoding)."""
 

@@ -88,6 +88,14 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     trainer is made carries none (nothing was trained)."""
     trainer = Trainer(config, progress)
     try:
+        if trainer.config.follow:
+            from dlrm_app.training.follow import DayFollower
+
+            follower = DayFollower(trainer)
+            follower.run()
+            if trainer.preempted:
+                raise trainer.stop_preempted()
+            return follower.finish()
         trainer.fit()
         if trainer.preempted:
             raise trainer.stop_preempted()
@@ -117,14 +125,24 @@ class Trainer:
         if self.rank == 0 and threads.warning:
             print(threads.warning, file=sys.stderr)
         self.spec = spec = DatasetSpec.load(config.data)
-        check_validation_labels(spec, config.data)
         previous_data = resume.previous_data(config, spec)
         self.config = config = prepare_run_dir(
             config.with_batch_size(spec.split("train").rows, world_size), self.rank)
         self.out = out = Path(config.out)
+        follow = config.follow
+        if follow:  # no validation split: each day's progressive evaluation is the yardstick
+            from dlrm_app.training.follow import model_tables, refuse_other_data
+
+            refuse_other_data(config, previous_data)
+            self.model_spec = model_tables(spec, out, self.rank)
+        else:
+            check_validation_labels(spec, config.data)
+            self.model_spec = spec
+        """The dataset as the model reads it (``--follow``: its table sizes when the run
+        started; the dataset's own otherwise)."""
         torch.manual_seed(config.seed)
 
-        self.model = build_model(config, spec, device)
+        self.model = build_model(config, self.model_spec, device)
         self.optimizer = build_optimizer(config, self.model)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         if self.rank == 0:
@@ -135,18 +153,15 @@ class Trainer:
         self.train_loader = ParquetLoader(
             config.data, "train", batch_size=config.batch_size, rank=self.rank,
             world_size=world_size, shuffle=config.shuffle, seed=config.seed, drop_last=True)
-        val_loader = ParquetLoader(config.data, "validation", batch_size=config.batch_size,
-                                   rank=self.rank, world_size=world_size, drop_last=False,
-                                   pad_last=True)
         self.steps_per_epoch = len(self.train_loader)
-        if self.steps_per_epoch == 0:
+        if self.steps_per_epoch == 0 and not follow:
             raise ValueError(f"the train split of {config.data} has fewer than --batch-size "
                              f"({config.batch_size}) rows per rank; use a smaller batch size")
         self.total_steps = self.steps_per_epoch * config.epochs
         if config.max_steps is not None:
             self.total_steps = min(self.total_steps, config.max_steps)
 
-        self.state = TrainState()
+        self.state = TrainState(days_done=0 if follow else None)
         data = DataPosition(self.train_loader, self.state, world_size, config.batch_size,
                             self.steps_per_epoch)
         self.checkpointer = Checkpointer(
@@ -169,14 +184,18 @@ class Trainer:
             out / "metrics.jsonl", writer=self.rank == 0, progress=progress, config=config,
             total_steps=self.total_steps, start_step=self.start_step,
             global_batch=self.global_batch, optimizer=self.optimizer, device=device)
-        self.validator = Validator(self.model, val_loader, device, config, self.steps_per_epoch,
-                                   self.metrics)
+        if not follow:
+            val_loader = ParquetLoader(config.data, "validation", rank=self.rank,
+                                       batch_size=config.batch_size, world_size=world_size,
+                                       drop_last=False, pad_last=True)
+            self.validator = Validator(self.model, val_loader, device, config,
+                                       self.steps_per_epoch, self.metrics)
         self.metrics.write({
             "event": "start", "world_size": world_size, "device": str(device),
             "amp": amp_enabled(device, config.amp),
             "comm_precision": comm_precision(config, device, world_hosts()).value,
             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-            "validate_every": self.validator.every,
+            "validate_every": None if follow else self.validator.every,
             "resumed_from": None if resumed.checkpoint is None else str(resumed.checkpoint),
             "continued_on_new_data": config.data if new_data else None,
             "previous_data": resumed.previous_data,

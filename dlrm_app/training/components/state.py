@@ -35,6 +35,12 @@ class TrainState:
     """Validations since the best one."""
     stop_reason: str | None = None
     """Set by the component that ends training early (the validator)."""
+    days_done: int | None = None
+    """``--follow``: the days trained to their end (the next day to evaluate and train is
+    this index); None: a run of epochs."""
+    day_batches: int = 0
+    """``--follow``: batches of the day in progress trained so far, on each rank (0: the day
+    has not started; more: a restart continues it after them, its evaluation logged)."""
 
     def next_epoch(self) -> None:
         self.epoch, self.epoch_batches = self.epoch + 1, 0
@@ -43,13 +49,17 @@ class TrainState:
         # the keys checkpoints have always had (``batches_yielded``: the epoch's batches)
         return {"step": self.step, "epoch": self.epoch, "batches_yielded": self.epoch_batches,
                 "best_auc": self.best_auc, "best_step": self.best_step,
-                "stale_validations": self.stale_validations}
+                "stale_validations": self.stale_validations,
+                **({} if self.days_done is None else
+                   {"days_done": self.days_done, "day_batches": self.day_batches})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.epoch_batches = int(state["batches_yielded"])
         self.best_auc, self.best_step = float(state["best_auc"]), int(state["best_step"])
         self.stale_validations = int(state["stale_validations"])
+        if "days_done" in state:
+            self.days_done, self.day_batches = int(state["days_done"]), int(state["day_batches"])
         self.stop_reason = None
 
 

@@ -1,0 +1,359 @@
+"""``dlrm-app train --follow``: train day after day with progressive evaluation.
+
+For each day of ``--data`` not done yet, in order (:class:`DayFollower`):
+
+1. progressive evaluation: the current model on the whole day, data it has not trained on; one
+   ``{"event": "day", "day", "name", "rows", "progressive_auc", "ne", "logloss", "oov_ids",
+   "model_step", ...}`` line in ``metrics.jsonl`` (what a bench reads). The first day has no
+   model yet: its line says ``"progressive_auc": null`` and why (a random init's AUC would
+   measure the init, not day-by-day training);
+2. one pass of training on the day (the run's batch size, optimizers, learning-rate schedule,
+   ``--save-every``; no validation, no early stopping on the day's own rows);
+3. a checkpoint that records the day as done (``TrainState.days_done``);
+4. ``--publish PATH``: the day's checkpoint exported to PATH (``dlrm_app.serving.export``:
+   written beside it, then renamed into place, which a serving process reloads on).
+
+Then it stops, or with ``--wait SECONDS`` polls the dataset's days for a new one
+(``preprocess criteo --add-day``) until SIGTERM or Ctrl-C, which end the run cleanly (its
+summary and report). SIGTERM during a day stops after the step in progress with a checkpoint,
+as in a run of epochs; a restart (the same command, ``--resume``, a torchrun restart)
+continues with the day in progress after its trained batches, or with the first day not done:
+no day trains twice and no day's line is written twice.
+
+Tables that grow: the model's tables are the dataset's sizes when the run started, recorded
+in ``OUT/tables.json`` (a restart builds the same shapes). Ids of a later day at or past the
+model's rows (a vocabulary grown by ``--add-day``) read the out-of-vocabulary row 0, as an id
+without a row of the vocabulary does; the day's line counts them (``oov_ids``, per feature in
+``oov_ids_per_feature``). ``hash`` and ``zch`` datasets never grow. To give the new ids rows,
+start a new run on the grown dataset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dlrm_app.config import TrainConfig
+from dlrm_app.data.days import Day, read_days
+from dlrm_app.data.loader import Batch, ParquetLoader
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.reporting.report import write_report
+from dlrm_app.training.checkpoint import latest_checkpoint
+from dlrm_app.training.components import PreemptionGuard
+from dlrm_app.training.evaluate import evaluate_model
+from dlrm_app.training.pipeline import device_batches
+from recsys_core.sparse import KeyedJaggedTensor
+
+if TYPE_CHECKING:
+    from dlrm_app.training.trainer import Trainer
+
+TABLES = "tables.json"
+"""The model's table sizes, fixed when a ``--follow`` run starts, in its run directory."""
+DAY_EVENT = "day"
+TICK_S = 1.0
+"""The longest a wait for a new day takes to notice SIGTERM or Ctrl-C."""
+
+
+def model_tables(spec: DatasetSpec, out: Path, rank: int) -> DatasetSpec:
+    """``spec`` with the table sizes of the model of the run in ``out``: those recorded when
+    it started (``tables.json``), or, at its start, the dataset's now (then recorded)."""
+    path = out / TABLES
+    if path.is_file():
+        sizes = json.loads(path.read_text())["num_embeddings"]
+    else:
+        sizes = {f.name: f.num_embeddings for f in spec.sparse_features}
+    if dist.is_initialized():  # every rank builds rank 0's shapes
+        shared = [sizes]
+        dist.broadcast_object_list(shared, src=0)
+        sizes = shared[0]
+    names = [f.name for f in spec.sparse_features]
+    if sorted(sizes) != sorted(names):
+        raise ValueError(f"--data {spec.name}: its sparse features {names} are not those the "
+                         f"run's model was built for ({path}: {sorted(sizes)}); follow the "
+                         "run's own dataset, or start a new run in another --out")
+    if rank == 0 and not path.is_file():
+        tmp = path.with_name(TABLES + ".tmp")
+        tmp.write_text(json.dumps({"num_embeddings": sizes}, indent=2) + "\n")
+        tmp.replace(path)
+    features = tuple(dataclasses.replace(f, num_embeddings=int(sizes[f.name]))
+                     for f in spec.sparse_features)
+    return dataclasses.replace(spec, sparse_features=features)
+
+
+def refuse_other_data(config: TrainConfig, previous: str | None) -> None:
+    """A ``--follow`` run counts the days of one dataset: ``--resume --data OTHER`` is
+    refused (its day indices would mean other rows)."""
+    if previous is not None:
+        raise ValueError(f"--data {config.data}: this --follow run follows the days of "
+                         f"{previous}; resume it without --data (add days to {previous} with "
+                         "`dlrm-app preprocess criteo DAY --out ... --add-day`), or start a new "
+                         "run in another --out")
+
+
+class OutOfVocabulary:
+    """Batches of ``loader`` whose ids at or past the model's rows (``rows``, per feature in
+    key order) read row 0 instead; ``counts`` adds up, per feature, such ids of the real rows
+    (a padded batch's padding aside)."""
+
+    def __init__(self, loader: ParquetLoader, rows: list[int]) -> None:
+        self.loader = loader
+        self._rows = torch.tensor(rows, dtype=torch.int64)
+        self.counts = torch.zeros(len(rows), dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.loader:
+            yield self.remap(batch)
+
+    def remap(self, batch: Batch) -> Batch:
+        kjt = batch.sparse
+        values, lengths = kjt.values(), kjt.lengths().long()
+        keys = torch.repeat_interleave(torch.arange(len(self._rows)),
+                                       torch.tensor(kjt.length_per_key()))
+        over = values >= self._rows[keys]
+        if not bool(over.any()):
+            return batch
+        if batch.valid_rows is not None:  # only the real rows count
+            size = kjt.stride()
+            row = torch.repeat_interleave(torch.arange(len(lengths)) % size, lengths)
+            counted = over & (row < batch.valid_rows)
+        else:
+            counted = over
+        self.counts += torch.bincount(keys[counted], minlength=len(self._rows))
+        sparse = KeyedJaggedTensor(keys=kjt.keys(), values=torch.where(over, 0, values),
+                                   lengths=kjt.lengths(), weights=kjt.weights_or_none())
+        return dataclasses.replace(batch, sparse=sparse)
+
+
+class DayFollower:
+    """The day loop of a ``--follow`` run, on a set-up :class:`Trainer` (its model, optimizer,
+    state, checkpointer and metrics log): ``run`` follows the days, ``finish`` ends the run."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.config, self.state = trainer.config, trainer.state
+        self._rows = [f.num_embeddings for f in trainer.model_spec.sparse_features]
+        self._features = [f.name for f in trainer.model_spec.sparse_features]
+        self.waited_out = False
+        """A signal ended the wait for a new day (a clean end: nothing was in progress)."""
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Every day not done, in order; then stop, or (``--wait``) wait for the next one."""
+        trainer = self.trainer
+        with PreemptionGuard(trainer.world_size, trainer.device,
+                             grace_period_s=self.config.grace_period) as guard:
+            available = self._agreed_days(read=True)
+            while True:
+                days = read_days(self.config.data)[:available] if available else ()
+                if not days:
+                    raise ValueError(f"--follow: {self.config.data} records no days")
+                while self.state.days_done is not None and self.state.days_done < len(days):
+                    self._day(days[self.state.days_done], guard)
+                    if trainer.preempted:
+                        return
+                if self.config.wait is None:
+                    self.state.stop_reason = "every day done"
+                    return
+                available = self._wait(guard, len(days))
+                if not available:
+                    return
+
+    def _agreed_days(self, read: bool) -> int:
+        """The dataset's day count as rank 0 reads it (``read``; else 0), on every rank."""
+        count = len(_days_or_refuse(self.config.data)) if read and self.trainer.rank == 0 \
+            else 0
+        if self.trainer.world_size > 1 and dist.is_initialized():
+            t = torch.tensor([float(count)], dtype=torch.float64, device=self.trainer.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            count = int(t.item())
+        return count
+
+    def _wait(self, guard: PreemptionGuard, known: int) -> int:
+        """Polls for more than ``known`` days every ``--wait`` seconds; returns the new count,
+        or 0 when a signal ended the wait (every rank alike)."""
+        trainer, wait = self.trainer, float(self.config.wait or 0)
+        trainer.metrics.write({"event": "waiting", "days": known, "poll_s": wait})
+        next_read = time.monotonic() + wait
+        while True:
+            time.sleep(min(TICK_S, wait))
+            due = time.monotonic() >= next_read
+            signalled = float(guard.signalled or 0)
+            count = len(_days_or_refuse(self.config.data)) if due and trainer.rank == 0 else 0
+            if trainer.world_size > 1 and dist.is_initialized():
+                t = torch.tensor([signalled, float(count)], dtype=torch.float64,
+                                 device=trainer.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                signalled, count = float(t[0].item()), int(t[1].item())
+            if signalled:
+                name = signal.Signals(int(signalled)).name
+                self.state.stop_reason = f"{name} while waiting for day {known}"
+                self.waited_out = True
+                return 0
+            if due:
+                if count > known:
+                    return count
+                next_read = time.monotonic() + wait
+
+    def _day(self, day: Day, guard: PreemptionGuard) -> None:
+        """Day ``day``: its progressive evaluation (unless a restart continues it), one pass of
+        training, the checkpoint that records it done, the published model."""
+        trainer, config, state = self.trainer, self.config, self.state
+        if state.day_batches == 0:
+            self._evaluate(day)
+        loader = ParquetLoader(config.data, days=day.index, batch_size=config.batch_size or 1,
+                               rank=trainer.rank, world_size=trainer.world_size,
+                               shuffle=config.shuffle, seed=config.seed, epoch=day.index,
+                               drop_last=True)
+        if len(loader) == 0:
+            raise ValueError(f"--follow: day {day.index} ({day.name}) of {config.data} has "
+                             f"{day.rows} rows, fewer than --batch-size ({config.batch_size}) "
+                             f"per rank on {trainer.world_size} rank(s); resume with a smaller "
+                             "--batch-size")
+        if state.day_batches:
+            loader.load_state_dict({"epoch": day.index,
+                                    "batches_yielded": min(state.day_batches, len(loader))})
+        trainer.model.train()
+        batches = device_batches(OutOfVocabulary(loader, self._rows), trainer.device,
+                                 trainer.model, config.pipelined)
+        ready = time.perf_counter()
+        for batch in batches:
+            trainer.metrics.add_time(data=time.perf_counter() - ready)
+            loss_sum = trainer.step(batch)
+            state.step += 1
+            state.day_batches += 1
+            trainer.metrics.after_step(state, loss_sum, len(batch.labels))
+            stop = guard.agreed()
+            trainer.checkpointer.after_step(state, guard.since_save_s)
+            if trainer.checkpointer.saved_at == state.step:
+                guard.saved()
+            if stop:
+                trainer.preempted = int(guard.signal or signal.SIGTERM)
+                state.stop_reason = f"preempted ({signal.Signals(trainer.preempted).name})"
+                break
+            ready = time.perf_counter()
+        batches.close()  # type: ignore[attr-defined]
+        if trainer.preempted:
+            return
+        assert state.days_done is not None
+        state.days_done, state.day_batches = day.index + 1, 0
+        trainer.checkpointer.save(state)  # again where --save-every saved this step: day done
+        trainer.checkpointer.wait()
+        guard.saved()
+        checkpoint = latest_checkpoint(trainer.out / "checkpoints")
+        trainer.metrics.write({"event": "day_done", "day": day.index, "step": state.step,
+                               "checkpoint": None if checkpoint is None else checkpoint.name})
+        if config.publish is not None and checkpoint is not None:
+            self._publish(checkpoint)
+
+    def _evaluate(self, day: Day) -> None:
+        """The day's progressive evaluation and its line (not written again when the log has
+        it: a restart that evaluates the same model again)."""
+        trainer, state = self.trainer, self.state
+        record: dict[str, Any] = {"event": DAY_EVENT, "day": day.index, "name": day.name,
+                                  "rows": day.rows, "model_step": state.step,
+                                  "model_days": state.days_done}
+        if state.step == 0:
+            record.update(progressive_auc=None, ne=None, logloss=None, oov_ids=None,
+                          note="no model yet: the first day is trained on, not evaluated")
+        else:
+            batch = max(self.config.batch_size or 1, 1024)
+            loader = ParquetLoader(self.config.data, days=day.index, batch_size=batch,
+                                   rank=trainer.rank, world_size=trainer.world_size,
+                                   drop_last=False, pad_last=True)
+            oov = OutOfVocabulary(loader, self._rows)
+            metrics = evaluate_model(trainer.model, oov, trainer.device,  # type: ignore[arg-type]
+                                     amp=self.config.amp)
+            counts = oov.counts.to(trainer.device)
+            if trainer.world_size > 1 and dist.is_initialized():
+                dist.all_reduce(counts)
+            one_label = metrics["label_rate"] in (0.0, 1.0)
+            record.update(
+                progressive_auc=None if one_label else metrics["auc"], ne=metrics["ne"],
+                logloss=metrics["logloss"], label_rate=metrics["label_rate"],
+                oov_ids=int(counts.sum()),
+                oov_ids_per_feature={n: int(c) for n, c in zip(self._features, counts.tolist(),
+                                                               strict=True) if c},
+                **({"note": "one label in the day: no AUC"} if one_label else {}))
+        if trainer.rank == 0 and day.index not in logged_days(trainer.out):
+            trainer.metrics.write(record)
+
+    def _publish(self, checkpoint: Path) -> None:
+        """The day's checkpoint exported to ``--publish`` by rank 0 (the others wait)."""
+        from dlrm_app.serving import export as exporting
+
+        trainer = self.trainer
+        if trainer.rank == 0:
+            exporting.export_model(trainer.out, str(self.config.publish),
+                                   checkpoint=str(checkpoint))
+            print(f"published {checkpoint.name} to {self.config.publish}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.barrier()
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def finish(self) -> dict[str, Any]:
+        """The summary (with every day's line of the run, also those before a restart),
+        written to the metrics log; rank 0 also writes the report."""
+        trainer, state = self.trainer, self.state
+        trainer.phase = "finishing"
+        trainer.metrics.bar.close()
+        trainer.checkpointer.wait()
+        elapsed = time.perf_counter() - trainer._started
+        trained = state.step - trainer.start_step
+        days = list(logged_days(trainer.out).values()) if trainer.rank == 0 else []
+        aucs = [d["progressive_auc"] for d in days if d.get("progressive_auc") is not None]
+        newest = latest_checkpoint(trainer.out / "checkpoints")
+        summary = {
+            "event": "summary", "follow": True, "steps": state.step, "trained_steps": trained,
+            "days_done": state.days_done, "world_size": trainer.world_size,
+            "global_batch": trainer.global_batch,
+            "samples_per_s": trained * trainer.global_batch / elapsed if elapsed > 0 else 0.0,
+            "seconds": elapsed, "phase_fraction": trainer.metrics.phase_fraction(),
+            "stopped": state.stop_reason, "stopped_early": False,
+            "days": days,
+            "mean_progressive_auc": sum(aucs) / len(aucs) if aucs else None,
+            "checkpoint": str(newest) if trainer.rank == 0 and newest is not None else None,
+        }
+        trainer.metrics.write(summary)
+        trainer.metrics.close()
+        if trainer.rank == 0:
+            summary["report"] = str(write_report(trainer.out))
+        return summary
+
+
+def _days_or_refuse(data: str) -> tuple[Day, ...]:
+    try:
+        return read_days(data)
+    except ValueError as e:
+        raise ValueError(f"--follow needs a dataset that records its days: {e}") from None
+
+
+def logged_days(out: Path) -> dict[int, dict[str, Any]]:
+    """The ``day`` lines of the run's metrics log, by day (the first of each)."""
+    days: dict[int, dict[str, Any]] = {}
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return days
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if f'"event": "{DAY_EVENT}"' not in line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            days.setdefault(int(record["day"]), record)
+    return dict(sorted(days.items()))
