@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dlrm_app.config import TrainConfig
 from dlrm_app.training.resume import CONFIG, continued, trained
 
-RUN_FILES = (CONFIG, "plan.json", "metrics.jsonl", "report.md")
+RUN_FILES = (CONFIG, "plan.json", "metrics.jsonl", "report.md", "tables.json")
 RUN_DIRS = ("checkpoints", "evaluations", "plots")
 
 

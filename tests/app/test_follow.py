@@ -1,0 +1,218 @@
+"""``dlrm-app train --follow``: each day evaluated by the model of the days before it, then
+trained on; restarts continue with the first day not done (or the day in progress) without
+training a day twice or logging it twice; each day published; the wait picks up an added day
+(whose ids past the model's rows read row 0, counted); refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlrm_app.config import ModelConfig, TrainConfig
+from dlrm_app.data.criteo import preprocess_criteo
+from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.data.synthetic import generate
+from dlrm_app.serving import export as exporting
+from dlrm_app.training import follow, resume
+from dlrm_app.training.components import Preempted
+from dlrm_app.training.evaluate import evaluate_model, load_trained_model
+from dlrm_app.training.runtime import init_distributed
+from dlrm_app.training.trainer import Trainer, train
+
+SMALL = ModelConfig(embedding_dim=4, dense_arch_layer_sizes=(8, 4), over_arch_layer_sizes=(8, 1))
+STEPS_A_DAY = 400 // 64  # 400 rows a day, batches of 64, the last partial one dropped
+
+
+@pytest.fixture(scope="module")
+def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("days")
+    generate(out, rows=1200, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
+             zipf_alpha=1.05, seed=0, rows_per_shard=500, row_group_size=100, days=3,
+             drift=0.1)
+    return out
+
+
+def _config(data: Path, out: Path, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(data=str(data), out=str(out), model=SMALL, batch_size=64,
+                                follow=True, keep_checkpoints=5, log_every=2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _log(run: Path, event: str) -> list[dict]:
+    lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["event"] == event]
+
+
+@pytest.fixture(scope="module")
+def followed(days: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """One uninterrupted run over the 3 days, publishing each (export recorded, not run)."""
+    run = tmp_path_factory.mktemp("follow") / "run"
+    published: list[tuple[str, str]] = []
+    real = exporting.export_model
+    exporting.export_model = lambda r, out, **kw: published.append(  # type: ignore[assignment]
+        (str(out), Path(kw["checkpoint"]).name))
+    try:
+        train(_config(days, run, publish=str(run.parent / "model.pt2")), progress=False)
+    finally:
+        exporting.export_model = real  # type: ignore[assignment]
+    return run, published
+
+
+def test_each_day_is_evaluated_by_the_model_of_the_days_before(days: Path,
+                                                               followed: tuple) -> None:
+    run, _ = followed
+    lines = _log(run, "day")
+    assert [d["day"] for d in lines] == [0, 1, 2]
+    assert [d["rows"] for d in lines] == [400, 400, 400]
+    # the model of days < d: trained on d days, STEPS_A_DAY steps each
+    assert [(d["model_days"], d["model_step"]) for d in lines] == \
+        [(d, d * STEPS_A_DAY) for d in range(3)]
+    assert lines[0]["progressive_auc"] is None and "no model yet" in lines[0]["note"]
+    assert [d["step"] for d in _log(run, "day_done")] == [6, 12, 18]
+    for line in lines[1:]:  # the evaluate path: the checkpoint rebuilt, on the day's rows
+        model, config, _, _ = load_trained_model(run, f"step_{line['model_step']:08d}")
+        loader = ParquetLoader(days, days=line["day"], batch_size=1000, drop_last=False,
+                               pad_last=True)
+        expected = evaluate_model(model, loader, init_distributed(), amp=config.amp)
+        assert line["progressive_auc"] == pytest.approx(expected["auc"], abs=1e-9)
+        assert line["ne"] == pytest.approx(expected["ne"], abs=1e-9)
+        assert line["oov_ids"] == 0
+    summary = _log(run, "summary")[-1]
+    assert summary["days_done"] == 3 and summary["trained_steps"] == 18
+    assert [d["day"] for d in summary["days"]] == [0, 1, 2]
+
+
+def test_each_day_is_published_from_its_checkpoint(followed: tuple) -> None:
+    run, published = followed
+    assert published == [(str(run.parent / "model.pt2"), f"step_{s:08d}") for s in (6, 12, 18)]
+
+
+def test_a_restart_after_day_0_continues_with_day_1(days: Path, followed: tuple,
+                                                    tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    real_day = follow.DayFollower._day
+
+    def killed_after_day_0(self: follow.DayFollower, day: Any, guard: Any) -> None:
+        real_day(self, day, guard)
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(follow.DayFollower, "_day", killed_after_day_0)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(_config(days, run), progress=False)
+    monkeypatch.setattr(follow.DayFollower, "_day", real_day)
+    summary = train(_config(days, run), progress=False)  # the same command again
+    starts = _log(run, "start")
+    assert starts[1]["resumed_from"].endswith("step_00000006")
+    assert summary["trained_steps"] == 12 and summary["steps"] == 18
+    assert [d["day"] for d in _log(run, "day")] == [0, 1, 2]
+    assert [d["day"] for d in _log(run, "day_done")] == [0, 1, 2]
+    # day 1 started from day 0's model: the same numbers as the uninterrupted run
+    assert [d["progressive_auc"] for d in _log(run, "day")] == \
+        [d["progressive_auc"] for d in _log(followed[0], "day")]
+
+
+def test_sigterm_inside_a_day_resumes_after_its_trained_batches(
+        days: Path, followed: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    real_step = Trainer.step
+
+    def signalled_at_step_8(self: Trainer, batch: Any) -> Any:
+        if self.state.step == 7:  # the 8th step: day 1's 2nd batch
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "step", signalled_at_step_8)
+    with pytest.raises(Preempted, match="after step 8"):
+        train(_config(days, run), progress=False)
+    monkeypatch.setattr(Trainer, "step", real_step)
+    summary = train(_config(days, run, resume=True), progress=False)
+    assert summary["trained_steps"] == 10 and summary["steps"] == 18
+    assert [d["day"] for d in _log(run, "day")] == [0, 1, 2]
+    # day 2 is evaluated by the same model as in the uninterrupted run: day 1 went on exactly
+    assert _log(run, "day")[2]["progressive_auc"] == pytest.approx(
+        _log(followed[0], "day")[2]["progressive_auc"], abs=1e-12)
+
+
+def _criteo_day(path: Path, rows: list[dict[int, str]]) -> Path:
+    lines = ["\t".join([str(i % 2)] + [""] * 13 + [r.get(k, "") for k in range(26)])
+             for i, r in enumerate(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_wait_picks_up_an_added_day_and_counts_ids_past_the_tables(tmp_path: Path) -> None:
+    d0 = _criteo_day(tmp_path / "day_0", [{0: "10", 1: "1"}, {0: "10", 1: "1"},
+                                          {0: "20", 1: "1"}, {0: "20", 1: "1"}])
+    d1 = _criteo_day(tmp_path / "day_1", [{0: "10", 1: "1"}, {0: "20", 1: "1"}])
+    data, run = tmp_path / "data", tmp_path / "run"
+    preprocess_criteo([d0, d1], data, fmt="terabyte", max_embeddings_per_feature=4)
+    # day 2 grows cat_0 to 4 rows (5 -> row 3) and cat_1 to 4 (3 -> row 2, 9 -> row 3): the
+    # model keeps cat_0's 3 rows and cat_1's 2, so 2 + 3 of its ids read row 0
+    d2 = _criteo_day(tmp_path / "day_2", [{0: "10", 1: "9"}, {0: "5", 1: "3"}, {0: "5", 1: "1"},
+                                          {0: "30", 1: "9"}, {0: "40", 1: "1"}])
+    done = threading.Event()
+
+    def add_day_then_stop() -> None:
+        deadline = time.monotonic() + 120
+        def logged(event: str) -> bool:
+            path = run / "metrics.jsonl"
+            return path.is_file() and f'"event": "{event}"' in path.read_text()
+        while not logged("waiting") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        preprocess_criteo([d2], data, add_day=True)
+        while '"day": 2, "step"' not in (run / "metrics.jsonl").read_text() \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=add_day_then_stop, daemon=True)
+    thread.start()
+    summary = train(_config(data, run, batch_size=1, wait=0.2), progress=False)
+    thread.join()
+    assert done.is_set()
+    assert summary["stopped"] == "SIGTERM while waiting for day 3"
+    assert summary["days_done"] == 3 and summary["steps"] == 4 + 2 + 5
+    day2 = _log(run, "day")[2]
+    assert day2["oov_ids"] == 5 and day2["oov_ids_per_feature"] == {"cat_0": 2, "cat_1": 3}
+    assert _log(run, "waiting")[0]["days"] == 2
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"follow": False, "wait": 5.0}, "--wait goes with --follow"),
+    ({"follow": False, "publish": "m.pt2"}, "--publish goes with --follow"),
+    ({"publish": "model.onnx"}, "must end in .pt2"),
+    ({"wait": 0.0}, "--wait must be a number of seconds > 0"),
+    ({"max_steps": 10}, "--max-steps would stop --follow inside a day"),
+])
+def test_flags_that_do_not_go_together_are_refused(flags: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{"data": "d", "out": "o", "follow": True, **flags})
+
+
+def test_follow_is_fixed_on_resume_and_other_data_refused(tmp_path: Path) -> None:
+    saved = TrainConfig(data="d", out="o")
+    with pytest.raises(ValueError, match="--follow True conflicts with the run's saved config"):
+        resume.resume_config(saved, {"follow": True}, where="o/config.json")
+    with pytest.raises(ValueError, match="follows the days of d; resume it without --data"):
+        follow.refuse_other_data(TrainConfig(data="e", out="o", follow=True), previous="d")
+
+
+def test_a_dataset_without_days_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    generate(data, rows=300, num_dense=2, cardinalities=[10], pooling_factors=[1.0],
+             zipf_alpha=1.05, seed=0, rows_per_shard=300, row_group_size=100)
+    spec = json.loads((data / "dataset.json").read_text())
+    spec["parameters"].pop("days", None)
+    (data / "dataset.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="--follow needs a dataset that records its days"):
+        train(_config(data, tmp_path / "run"), progress=False)
