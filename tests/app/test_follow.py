@@ -95,20 +95,24 @@ def test_each_day_is_published_from_its_checkpoint(followed: tuple) -> None:
     assert published == [(str(run.parent / "model.pt2"), f"step_{s:08d}") for s in (6, 12, 18)]
 
 
-def test_a_restart_after_day_0_continues_with_day_1(days: Path, followed: tuple,
-                                                    tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kill_inside_day_1_continues_with_day_1(days: Path, followed: tuple,
+                                                  tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed (no checkpoint) inside day 1, after its line: the rerun starts again from day
+    0's checkpoint, evaluates day 1 again and does not log it twice."""
     run = tmp_path / "run"
-    real_day = follow.DayFollower._day
+    real_step = Trainer.step
 
-    def killed_after_day_0(self: follow.DayFollower, day: Any, guard: Any) -> None:
-        real_day(self, day, guard)
-        raise RuntimeError("killed")
+    def killed_at_step_8(self: Trainer, batch: Any) -> Any:
+        if self.state.step == 7:
+            raise RuntimeError("killed")
+        return real_step(self, batch)
 
-    monkeypatch.setattr(follow.DayFollower, "_day", killed_after_day_0)
+    monkeypatch.setattr(Trainer, "step", killed_at_step_8)
     with pytest.raises(RuntimeError, match="killed"):
         train(_config(days, run), progress=False)
-    monkeypatch.setattr(follow.DayFollower, "_day", real_day)
+    assert [d["day"] for d in _log(run, "day")] == [0, 1]
+    monkeypatch.setattr(Trainer, "step", real_step)
     summary = train(_config(days, run), progress=False)  # the same command again
     starts = _log(run, "start")
     assert starts[1]["resumed_from"].endswith("step_00000006")
