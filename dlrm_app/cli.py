@@ -273,6 +273,8 @@ def train_summary(summary: dict, out: str) -> str:
     auc, ne = validation.get("auc"), validation.get("ne")
     best = (f"best validation AUC {auc:.4f} (NE {ne:.4f}) at step {summary.get('best_step'):,}"
             if isinstance(auc, float) and isinstance(ne, float) else "no validation AUC")
+    if summary.get("follow"):
+        best = follow_summary(summary)
     teacher = (summary.get("teacher_auc") or {}).get("validation")
     if isinstance(teacher, float) and isinstance(auc, float):
         best += f"; the teacher's (best achievable) {teacher:.4f}"
@@ -287,6 +289,17 @@ def train_summary(summary: dict, out: str) -> str:
         lines.append(f"report: {summary['report']}")
     lines.append(f"next: dlrm-app evaluate {out}   (the kept checkpoint on the test split)")
     return "\n".join(lines)
+
+
+def follow_summary(summary: dict) -> str:
+    """``train --follow``'s line: the days done and the last days' progressive AUC (each day
+    by the model of the days before it)."""
+    shown = [f"day {d['day']} {d['progressive_auc']:.4f}" for d in summary.get("days") or []
+             if isinstance(d.get("progressive_auc"), float)][-7:]
+    mean = summary.get("mean_progressive_auc")
+    return (f"days done: {summary.get('days_done')}; progressive AUC "
+            + (", ".join(shown) + (f"; mean {mean:.4f}" if isinstance(mean, float) else "")
+               if shown else "none yet (the first day is trained on, not evaluated)"))
 
 
 def evaluate_summary(result: dict) -> str:
