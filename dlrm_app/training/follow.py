@@ -158,8 +158,8 @@ class DayFollower:
             available = self._agreed_days(read=True)
             while True:
                 days = read_days(self.config.data)[:available] if available else ()
-                if not days:
-                    raise ValueError(f"--follow: {self.config.data} records no days")
+                per_step = (self.config.batch_size or 1) * trainer.world_size
+                trainer.metrics.bar.total = sum(d.rows // per_step for d in days)  # about
                 while self.state.days_done is not None and self.state.days_done < len(days):
                     self._day(days[self.state.days_done], guard)
                     if trainer.preempted:
@@ -269,8 +269,8 @@ class DayFollower:
             record.update(progressive_auc=None, ne=None, logloss=None, oov_ids=None,
                           note="no model yet: the first day is trained on, not evaluated")
         else:
-            batch = max(self.config.batch_size or 1, 1024)
-            loader = ParquetLoader(self.config.data, days=day.index, batch_size=batch,
+            loader = ParquetLoader(self.config.data, days=day.index,
+                                   batch_size=self.config.batch_size or 1,
                                    rank=trainer.rank, world_size=trainer.world_size,
                                    drop_last=False, pad_last=True)
             oov = OutOfVocabulary(loader, self._rows)
