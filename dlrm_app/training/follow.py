@@ -296,8 +296,14 @@ class DayFollower:
 
         trainer = self.trainer
         if trainer.rank == 0:
-            exporting.export_model(trainer.out, str(self.config.publish),
-                                   checkpoint=str(checkpoint))
+            try:
+                exporting.export_model(trainer.out, str(self.config.publish),
+                                       checkpoint=str(checkpoint))
+            except ValueError as e:
+                raise ValueError(
+                    f"--publish {self.config.publish}: exporting {checkpoint} failed ({e}); "
+                    f"its day is trained and checkpointed: fix the cause and --resume (it "
+                    f"continues with the next day), or resume without --publish") from None
             print(f"published {checkpoint.name} to {self.config.publish}", file=sys.stderr)
         if dist.is_initialized():
             dist.barrier()

@@ -220,3 +220,16 @@ def test_a_dataset_without_days_is_refused(tmp_path: Path) -> None:
     (data / "dataset.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="--follow needs a dataset that records its days"):
         train(_config(data, tmp_path / "run"), progress=False)
+
+
+def test_a_failed_publish_names_the_checkpoint_and_how_to_go_on(
+        days: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(run: Path, out: str, **kw: Any) -> None:
+        raise ValueError("the vocabulary grew")
+
+    monkeypatch.setattr(exporting, "export_model", refuse)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"--publish .*model.pt2: exporting .*step_00000006 "
+                       r"failed \(the vocabulary grew\); its day is trained and checkpointed"):
+        train(_config(days, run, publish=str(tmp_path / "model.pt2")), progress=False)
+    assert [d["day"] for d in _log(run, "day_done")] == [0]
