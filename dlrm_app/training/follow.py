@@ -361,5 +361,6 @@ def logged_days(out: Path) -> dict[int, dict[str, Any]]:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line cut by a kill
-            days.setdefault(int(record["day"]), record)
+            if isinstance(record, dict) and record.get("event") == DAY_EVENT:  # the summary
+                days.setdefault(int(record["day"]), record)  # line holds day lines too
     return dict(sorted(days.items()))

@@ -191,6 +191,24 @@ def test_the_wait_picks_up_an_added_day_and_counts_ids_past_the_tables(tmp_path:
     assert _log(run, "waiting")[0]["days"] == 2
 
 
+def test_a_finished_run_rerun_after_a_new_day_trains_that_day_only(tmp_path: Path) -> None:
+    """The README's daily loop without --wait: the same command after --add-day. The finished
+    run's summary line lists its days too; only day lines count as days done."""
+    d0 = _criteo_day(tmp_path / "day_0", [{0: "10"}, {0: "20"}, {0: "10"}, {0: "20"}])
+    d1 = _criteo_day(tmp_path / "day_1", [{0: "20"}, {0: "10"}])
+    d2 = _criteo_day(tmp_path / "day_2", [{0: "20"}, {0: "10"}, {0: "20"}])
+    data, run = tmp_path / "data", tmp_path / "run"
+    preprocess_criteo([d0, d1], data, fmt="terabyte")
+    first = train(_config(data, run, batch_size=1), progress=False)
+    assert first["days_done"] == 2 and first["steps"] == 4 + 2
+    preprocess_criteo([d2], data, add_day=True)
+    second = train(_config(data, run, batch_size=1), progress=False)
+    assert second["days_done"] == 3 and second["steps"] == 4 + 2 + 3  # no day trained again
+    assert [r["day"] for r in _log(run, "day")] == [0, 1, 2]
+    assert [r["day"] for r in _log(run, "day_done")] == [0, 1, 2]
+    assert _log(run, "day")[2]["model_step"] == 6  # evaluated by the model of days 0-1
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     ({"follow": False, "wait": 5.0}, "--wait goes with --follow"),
     ({"follow": False, "publish": "m.pt2"}, "--publish goes with --follow"),
