@@ -49,7 +49,7 @@ class _InFlight:
 
 class _Start(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, state: _InFlight, forward: Launch, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, state: _InFlight, forward: Launch, x: torch.Tensor) -> torch.Tensor:
         codecs = state.codecs
         send = x if codecs is None else codecs.forward.encode(x)
         out, state.work = forward(send)
@@ -58,7 +58,7 @@ class _Start(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, _unfilled: torch.Tensor) -> tuple[None, None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, _unfilled: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         state: _InFlight = ctx.state
         if state.grad_work is not None:
             state.grad_work.wait()
@@ -72,7 +72,7 @@ class _Start(torch.autograd.Function):
 
 class _Wait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, state: _InFlight, out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, state: _InFlight, out: torch.Tensor) -> torch.Tensor:
         if state.work is not None:
             state.work.wait()
             # Drop the finished work: gloo's Work keeps its output tensor alive, whose grad_fn
@@ -85,7 +85,7 @@ class _Wait(torch.autograd.Function):
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         state: _InFlight = ctx.state
         codecs = state.codecs
         send = grad.contiguous() if codecs is None else codecs.backward.encode(grad.contiguous())
@@ -208,7 +208,7 @@ class _Exchange:
 
 class _ExchangeStart(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, state: _Exchange, pooled: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, state: _Exchange, pooled: torch.Tensor) -> torch.Tensor:
         shm, rank = state.shm, state.shm.rank
         blocks = list(pooled.contiguous().split(state.send_rows))
         state.seq = shm.next_seq()
@@ -219,7 +219,7 @@ class _ExchangeStart(torch.autograd.Function):
         return pooled.new_empty(0)  # orders the wait after this start in the graph
 
     @staticmethod
-    def backward(ctx, _token: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, _token: torch.Tensor) -> tuple[None, torch.Tensor]:
         state: _Exchange = ctx.state
         grad, state.grad = state.grad, None
         assert grad is not None
@@ -234,7 +234,7 @@ class _ExchangeStart(torch.autograd.Function):
 
 class _ExchangeWait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, state: _Exchange, token: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, state: _Exchange, token: torch.Tensor) -> torch.Tensor:
         shm, rank = state.shm, state.shm.rank
         local, state.local = state.local, None
         assert local is not None
@@ -250,7 +250,7 @@ class _ExchangeWait(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         state: _Exchange = ctx.state
         shm, rank = state.shm, state.shm.rank
         state.grad = grad.new_empty(sum(state.send_rows), state.dims[rank])
@@ -303,7 +303,7 @@ def pooled_all_to_all_assembled(
     if pooled.dim() != 2 or tuple(pooled.shape) != (sum(send_rows), dims[shm.rank]):
         raise ValueError(f"pooled all-to-all: rank {shm.rank} sends {sum(send_rows)} rows of "
                          f"{dims[shm.rank]} columns, got a tensor of shape {list(pooled.shape)}")
-    by_rank = _runs_by_rank(tuple(map(tuple, runs)), tuple(dims))  # type: ignore[arg-type]
+    by_rank = _runs_by_rank(tuple(map(tuple, runs)), tuple(dims))
     state = _Exchange(shm=shm, send_rows=list(send_rows), batch=batch, dims=list(dims),
                       runs=by_rank, total=sum(dims), group_size=shm.world)
     return _ExchangeAwaitable(state, pooled)

@@ -268,7 +268,7 @@ class BaseManagedCollisionEmbeddingCollectionSharder(BaseEmbeddingSharder[M]):
         self._mc_sharder = mc_sharder
 
     def shardable_parameters(self, module: M) -> dict[str, nn.Parameter]:
-        return self._e_sharder.shardable_parameters(module._embedding_module)  # type: ignore[attr-defined]
+        return self._e_sharder.shardable_parameters(module._embedding_module)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         # TorchRec also lists the UVM and key-value kernels; evictions reset rows in the fused

@@ -697,7 +697,7 @@ class InferManagedCollisionCollectionSharder(ManagedCollisionCollectionSharder):
     """TorchRec's sharder for quantized (inference) models. Sharding a managed-collision
     collection for inference is not implemented by recsys_core: ``shard`` raises."""
 
-    def shard(self, module: Any, params: Any, env: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def shard(self, module: Any, params: Any, env: Any, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(
             "InferManagedCollisionCollectionSharder: sharding managed collisions for inference "
             "(quantized models) is not implemented by recsys_core; serve the unsharded "

@@ -238,12 +238,12 @@ class DistributedModelParallel(nn.Module):
             state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         return self.module.load_state_dict(dict(state_dict), strict=strict, assign=assign)
 
-    def named_parameters(  # type: ignore[override]
+    def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         yield from self.module.named_parameters(prefix, recurse, remove_duplicate)
 
-    def named_buffers(  # type: ignore[override]
+    def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.module.named_buffers(prefix, recurse, remove_duplicate)

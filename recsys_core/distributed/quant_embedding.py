@@ -74,7 +74,7 @@ class QuantManagedCollisionEmbeddingCollectionSharder(QuantEmbeddingCollectionSh
         super().__init__(fused_params=fused_params, shardable_params=shardable_params)
 
     @property
-    def module_type(self) -> type[QuantManagedCollisionEmbeddingCollection]:  # type: ignore[override]
+    def module_type(self) -> type[QuantManagedCollisionEmbeddingCollection]:
         return QuantManagedCollisionEmbeddingCollection
 
 

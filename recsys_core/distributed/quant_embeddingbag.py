@@ -58,7 +58,7 @@ class QuantFeatureProcessedEmbeddingBagCollectionSharder(QuantEmbeddingBagCollec
     process; the processors run on the input's device."""
 
     @property
-    def module_type(self) -> type[QuantFeatureProcessedEmbeddingBagCollection]:  # type: ignore[override]
+    def module_type(self) -> type[QuantFeatureProcessedEmbeddingBagCollection]:
         return QuantFeatureProcessedEmbeddingBagCollection
 
 

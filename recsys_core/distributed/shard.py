@@ -100,7 +100,7 @@ def _shard_modules(
     sharders = list(sharders) if sharders is not None else get_executable_default_sharders()
     by_type = {s.module_type: s for s in sharders}
     if plan is None:
-        plan = plan_for_env(module, env, sharders, device)  # type: ignore[arg-type]
+        plan = plan_for_env(module, env, sharders, device)
     if type(module) in by_type and plan.get_plan_for_module("") is not None:
         return by_type[type(module)].shard(module, plan.plan[""], env, device)
 

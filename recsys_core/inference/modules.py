@@ -248,7 +248,7 @@ def quantize_embeddings(
         qconfig_spec[key] = qconfig
     mapping.update(additional_mapping or {})
     return torch.ao.quantization.quantize_dynamic(
-        module, qconfig_spec=qconfig_spec, mapping=mapping, inplace=inplace)  # type: ignore[arg-type]
+        module, qconfig_spec=qconfig_spec, mapping=mapping, inplace=inplace)
 
 
 def shard_quant_model(

@@ -157,5 +157,5 @@ def coerce_enum(enum: type[Enum], value: Any, what: str) -> Any:
     try:
         return enum(raw)
     except ValueError:
-        valid = ", ".join(repr(m.value) for m in enum)  # type: ignore[attr-defined]
+        valid = ", ".join(repr(m.value) for m in enum)
         raise ValueError(f"{what}: {value!r} is not a {enum.__name__}; use one of {valid}") from None

@@ -55,9 +55,9 @@ class ShardMetadata(_TorchShardMetadata):
         # No checks here (torch's would raise without naming the table); see the module docstring.
         self.shard_offsets = list(shard_offsets)
         self.shard_sizes = list(shard_sizes)
-        self.placement = placement  # type: ignore[assignment]  # the setter parses strings
+        self.placement = placement  # the setter parses strings
 
-    @property  # type: ignore[override]
+    @property
     def placement(self) -> Placement | None:
         """Where the shard lives; a string assigned here is parsed ("rank:1/cuda:1")."""
         return _PLACEMENT_SLOT.__get__(self)

@@ -483,7 +483,7 @@ class QuantFeatureProcessedEmbeddingBagCollection(QuantEmbeddingBagCollection):
         self.feature_processor = feature_processor
 
     @classmethod
-    def from_float(  # type: ignore[override]
+    def from_float(
         cls,
         module: nn.Module,
         dtype: DataType | Mapping[str, DataType] | None = None,

@@ -87,7 +87,7 @@ def quant_table_wise_plan(
         load[rank] += sizes[name]
         generators[name] = table_wise(rank, EmbeddingComputeKernel.QUANT)
     return construct_module_sharding_plan(
-        configs, generators, world_size, world_size, device_type, inference=True  # type: ignore[arg-type]
+        configs, generators, world_size, world_size, device_type, inference=True
     )
 
 
@@ -442,7 +442,7 @@ def _check_plan(
             f"{module_name}: the plan places no shard of tables {missing}; every table of an inference "
             "collection must be placed (use table_wise(rank, EmbeddingComputeKernel.QUANT))"
         )
-    validate_module_sharding_plan(configs, plan, world_size, world_size, inference=True)  # type: ignore[arg-type]
+    validate_module_sharding_plan(configs, plan, world_size, world_size, inference=True)
     for name, sharding in plan.items():
         if sharding.sharding_type is not ShardingType.TABLE_WISE:
             raise ValueError(

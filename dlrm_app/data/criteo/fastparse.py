@@ -113,7 +113,7 @@ def vocab_lookup(vocab: np.ndarray, first: np.ndarray, shift: int,
             raise TypeError("vocab_lookup takes C-contiguous int64 arrays")
     out = np.empty(len(raw), np.int64)
     if len(raw):
-        _LOOKUP(vocab.ctypes.data, first.ctypes.data, len(first) - 1,  # type: ignore[misc]
+        _LOOKUP(vocab.ctypes.data, first.ctypes.data, len(first) - 1,
                 shift, raw.ctypes.data, len(raw), out.ctypes.data)
     return out
 

@@ -54,7 +54,7 @@ def prefetching_modules(model: nn.Module) -> list[Prefetching]:
         if not takes_features:
             continue
         if all(callable(getattr(m, name, None)) for name in ("prefetch", "drop_prefetched")):
-            found.append(m)  # type: ignore[arg-type]
+            found.append(m)
     return found
 
 
