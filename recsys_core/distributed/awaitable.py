@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch.fx
 from torch.fx import _symbolic_trace
@@ -41,7 +41,8 @@ class Awaitable(abc.ABC, Generic[W]):
             for callback in self._callbacks:
                 result = callback(result)
             self._result, self._done = result, True
-        return self._result  # type: ignore[return-value]
+        # _done is set together with _result, a W (None only where W admits None)
+        return cast(W, self._result)
 
 
 class FunctionAwaitable(Awaitable[W]):

@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ try:
     from recsys_core.distributed import _shm_sync
 except ImportError:  # built without a C compiler: the collectives stay on gloo
     _shm_sync = None
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 ENV_SWITCH = "RECSYS_SHM_COMM"
 ENV_TIMEOUT = "RECSYS_SHM_COMM_TIMEOUT_S"
@@ -120,7 +124,7 @@ class ShmGroup:
         self._live: list[tuple[int, int, int]] = []  # (offset, end, seq) of my unacked data
         self._unposted: set[int] = set()  # reserved numbers not yet posted
         self._reserved = 0
-        self._executor: object = None
+        self._executor: ThreadPoolExecutor | None = None
         self._closed = self._closing = False
         self._failure: str | None = None  # this rank's first failure (any of its threads)
 
@@ -181,16 +185,17 @@ class ShmGroup:
                 return peer
         return None
 
-    def _try_allocate(self, nbytes: int, seq: int) -> int | tuple[int, int]:
+    def _try_allocate(self, nbytes: int, seq: int) -> int | tuple[int, int | None]:
         """My region's byte offset for ``nbytes`` of collective ``seq``, or (collective,
-        peer) to wait for: the slot's previous user, or the oldest data when full."""
+        peer) to wait for: the slot's previous user, or the oldest data when full (peer
+        None: every peer has read it since the reclaim above)."""
         self._reclaim()
         reuse = seq - SLOTS  # the previous collective in this slot must be read (or posted)
         if any(p <= reuse for p in self._unposted):
             return min(self._unposted), self.rank
         for _, _, old in self._live:
             if old <= reuse:
-                return old, self._unread_by(old)  # type: ignore[return-value]
+                return old, self._unread_by(old)
         start = 0
         for off, end, _ in sorted(self._live):
             if off - start >= nbytes:
@@ -198,7 +203,7 @@ class ShmGroup:
             start = max(start, end)
         if start + nbytes > REGION_BYTES:
             oldest = min(old for _, _, old in self._live)
-            return oldest, self._unread_by(oldest)  # type: ignore[return-value]
+            return oldest, self._unread_by(oldest)
         end = start + nbytes
         if end > self._reserved:
             grow = min(_round_up(end, RESERVE_STEP), REGION_BYTES) - self._reserved
@@ -437,6 +442,7 @@ class ShmGroup:
         work = self.all_reduce(x)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="shm_comm")
+        executor = self._executor
         fut: torch.futures.Future = torch.futures.Future()
 
         def run() -> None:
@@ -446,7 +452,7 @@ class ShmGroup:
             except BaseException as e:  # noqa: BLE001  the waiter re-raises it
                 fut.set_exception(e)
 
-        self._executor.submit(run)  # type: ignore[attr-defined]
+        executor.submit(run)
         return fut
 
     def close(self) -> None:
@@ -461,7 +467,7 @@ class ShmGroup:
             return
         self._closing = True
         if self._executor is not None:
-            self._executor.shutdown(wait=True)  # type: ignore[attr-defined]
+            self._executor.shutdown(wait=True)
         self._closed = True
         with self._lock:
             del self._bytes, self._words

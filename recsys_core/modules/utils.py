@@ -3,6 +3,7 @@
 import copy
 import inspect
 from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -42,17 +43,21 @@ def extract_module_or_tensor_callable(
     if isinstance(module_or_callable, nn.Module):
         return module_or_callable
     no_args = _takes_no_arguments(module_or_callable)
+    # A callable with a required argument is the tensor function of the union; the others
+    # are called with none (the factory), and what they return is checked below.
+    tensor_fn = cast(Callable[[torch.Tensor], torch.Tensor], module_or_callable)
+    factory = cast(Callable[[], object], module_or_callable)
     if no_args is False:
-        return module_or_callable  # type: ignore[return-value]
-    if no_args is None:
+        return tensor_fn
+    if no_args is None:  # no signature to read (a builtin): try the call
         try:
-            made = module_or_callable()  # type: ignore[call-arg]
+            made = factory()
         except TypeError as e:
             if "required positional argument" in str(e):
-                return module_or_callable  # type: ignore[return-value]
+                return tensor_fn
             raise
     else:
-        made = module_or_callable()  # type: ignore[call-arg]
+        made = factory()
     if not isinstance(made, nn.Module):
         raise ValueError(
             "Expected callable that takes no input to return a torch.nn.Module, "
@@ -98,9 +103,11 @@ def construct_modulelist_from_single_module(module: nn.Module, sizes: tuple[int,
 
 
 def convert_list_of_modules_to_modulelist(
-    modules: Iterable[nn.Module], sizes: tuple[int, ...]
+    modules: Iterable[Any], sizes: tuple[int, ...]
 ) -> nn.Module:
-    """Nested list of modules -> nested ``ModuleList``; the outer count must equal ``sizes[0]``."""
+    """Nested list of modules -> nested ``ModuleList``; the outer count must equal ``sizes[0]``.
+
+    ``modules`` nests ``len(sizes)`` levels deep (modules at the last level), hence ``Any``."""
     modules = list(modules)
     if len(modules) != sizes[0]:
         raise ValueError(
@@ -109,7 +116,7 @@ def convert_list_of_modules_to_modulelist(
     if len(sizes) == 1:
         return nn.ModuleList(modules)
     return nn.ModuleList(
-        convert_list_of_modules_to_modulelist(m, sizes[1:])  # type: ignore[arg-type]
+        convert_list_of_modules_to_modulelist(m, sizes[1:])
         for m in modules
     )
 

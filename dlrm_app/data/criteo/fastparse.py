@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +29,11 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
-def _parse_fn(lib: ctypes.CDLL | None) -> object | None:
+CFunction = Callable[..., Any]
+"""A ctypes function of the helper (its argtypes and restype set where it is looked up)."""
+
+
+def _parse_fn(lib: ctypes.CDLL | None) -> CFunction | None:
     fn = None if lib is None else getattr(lib, "criteo_parse_rows", None)
     if fn is not None:
         fn.restype = ctypes.c_int64
@@ -36,7 +42,7 @@ def _parse_fn(lib: ctypes.CDLL | None) -> object | None:
     return fn
 
 
-def _lookup_fn(lib: ctypes.CDLL | None) -> object | None:
+def _lookup_fn(lib: ctypes.CDLL | None) -> CFunction | None:
     fn = None if lib is None else getattr(lib, "criteo_vocab_lookup", None)
     if fn is not None:
         fn.restype = None
@@ -45,7 +51,7 @@ def _lookup_fn(lib: ctypes.CDLL | None) -> object | None:
     return fn
 
 
-def _newlines_fn(lib: ctypes.CDLL | None) -> object | None:
+def _newlines_fn(lib: ctypes.CDLL | None) -> CFunction | None:
     fn = None if lib is None else getattr(lib, "criteo_count_newlines", None)
     if fn is not None:
         fn.restype = ctypes.c_int64
@@ -53,7 +59,7 @@ def _newlines_fn(lib: ctypes.CDLL | None) -> object | None:
     return fn
 
 
-def _count_fn(lib: ctypes.CDLL | None) -> object | None:
+def _count_fn(lib: ctypes.CDLL | None) -> CFunction | None:
     fn = None if lib is None else getattr(lib, "criteo_count_ids", None)
     if fn is not None:
         fn.restype = ctypes.c_int64
@@ -79,7 +85,7 @@ def count_newlines(buf: bytes) -> int:
     """``buf.count(b"\\n")``, 10x faster where the helper is built (a vectorized loop)."""
     if _NEWLINES is None or not isinstance(buf, bytes):
         return buf.count(b"\n")
-    return _NEWLINES(buf, len(buf))  # type: ignore[operator]
+    return _NEWLINES(buf, len(buf))
 
 
 def parse_rows(buf: bytes, n_lines: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -92,7 +98,7 @@ def parse_rows(buf: bytes, n_lines: int) -> tuple[np.ndarray, np.ndarray, np.nda
     dense = np.empty((n_lines, NUM_DENSE), np.int64)
     cats = np.empty((NUM_SPARSE, n_lines), np.int64)
     parse = _PARSE
-    got = parse(buf, len(buf), n_lines, label.ctypes.data,  # type: ignore[operator]
+    got = parse(buf, len(buf), n_lines, label.ctypes.data,
                 dense.ctypes.data, cats.ctypes.data)
     return (label, dense, cats) if got == n_lines else None
 
@@ -111,6 +117,9 @@ def vocab_lookup(vocab: np.ndarray, first: np.ndarray, shift: int,
     for a, dtype in ((vocab, np.int64), (first, np.int64), (raw, np.int64)):
         if a.dtype != dtype or not a.flags.c_contiguous:
             raise TypeError("vocab_lookup takes C-contiguous int64 arrays")
+    if _LOOKUP is None:
+        raise RuntimeError("vocab_lookup: the compiled Criteo helper is not built here; "
+                           "call it only where lookup_available() is True")
     out = np.empty(len(raw), np.int64)
     if len(raw):
         _LOOKUP(vocab.ctypes.data, first.ctypes.data, len(first) - 1,
@@ -125,7 +134,7 @@ def count_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         return None
     ids = np.ascontiguousarray(ids, np.int64)
     packed = np.empty(len(ids), np.uint64)  # (id << 32 | count) per distinct id
-    d = _COUNT(ids.ctypes.data, len(ids), packed.ctypes.data)  # type: ignore[operator]
+    d = _COUNT(ids.ctypes.data, len(ids), packed.ctypes.data)
     if d == -2:
         raise MemoryError("counting the ids of a block (criteo_count_ids)")
     if d < 0:
