@@ -545,9 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, KeyboardInterrupt):
             print(f"{prefix}: interrupted{getattr(exc, 'where', '')}", file=sys.stderr)
             raise SystemExit(130) from None  # the shell's code for a command ended by Ctrl-C
-        if isinstance(getattr(exc, "exit_code", None), int):  # a stop, not a failure (SIGTERM)
+        exit_code = getattr(exc, "exit_code", None)
+        if isinstance(exit_code, int):  # a stop, not a failure (SIGTERM)
             print(f"{prefix}: {exc}", file=sys.stderr)
-            raise SystemExit(exc.exit_code) from None  # type: ignore[attr-defined]
+            raise SystemExit(exit_code) from None
         raise SystemExit(f"{prefix}: {describe_error(exc)}") from None
 
 

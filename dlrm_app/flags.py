@@ -45,7 +45,9 @@ def field_docs(cls: type) -> dict[str, str]:
     docs = _module_docs(cls.__module__).get(cls.__qualname__)
     if docs is None:  # a class defined in a function: its own source
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-        docs = _attribute_docs(tree.body[0].body)  # type: ignore[attr-defined]
+        node = tree.body[0]
+        assert isinstance(node, ast.ClassDef), "getsource of a class is its class statement"
+        docs = _attribute_docs(node.body)
     return docs
 
 
@@ -131,8 +133,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *,
         if field.name in exclude:
             continue
         hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            add_config_flags(parser, hint, exclude=exclude)  # type: ignore[arg-type]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a section class
+            add_config_flags(parser, hint, exclude=exclude)
             continue
         default = field.default
         help_text = docs.get(field.name, "")
@@ -206,8 +208,8 @@ def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            nested = config_values(args, hint)  # type: ignore[arg-type]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a section class
+            nested = config_values(args, hint)
             if nested:
                 values[field.name] = nested
         elif field.name in given:
@@ -225,8 +227,8 @@ def config_from_values(cls: type, values: dict[str, Any]) -> Any:
     kwargs = {}
     for name, value in values.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            value = config_from_values(hint, value)  # type: ignore[arg-type]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a section class
+            value = config_from_values(hint, value)
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[name] = value

@@ -81,7 +81,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -333,7 +333,8 @@ class ParquetLoader:
         self._columns = [self.spec.label, DENSE_COLUMN, *self.keys]
         self._n_dense = len(self.spec.dense_features)
         if days is None:
-            shards = self.spec.split(split).shards  # type: ignore[arg-type]
+            assert split is not None  # checked against SPLIT_NAMES above
+            shards = self.spec.split(split).shards
             self._sources = [(s, 0, s.rows) for s in shards]
             self._what = str(split)
         else:
@@ -631,7 +632,7 @@ class ParquetLoader:
                 if isinstance(item, _Failure):
                     raise item.exc
                 self._yielded += 1
-                yield item  # type: ignore[misc]
+                yield cast(Batch, item)  # the producer puts source's batches, _END and _Failure
         finally:
             # reached on exhaustion, on error, and when an abandoned iterator is closed or
             # garbage collected (GeneratorExit): stop the producer and wait for it

@@ -115,6 +115,10 @@ class ShardMetadata(_TorchShardMetadata):
 class EnumerableShardingSpec(_TorchEnumerableShardingSpec):
     """The shards of one table, in order (torch's spec; checked by the plan validator)."""
 
+    # This class's shards (__post_init__ converts torch's); torch declares list[its own
+    # ShardMetadata], and list is invariant, hence the one ignore here instead of at each read.
+    shards: list[ShardMetadata]  # type: ignore[assignment]
+
     def __post_init__(self) -> None:
         self.shards = [ShardMetadata.of(s) for s in self.shards]
 
@@ -135,10 +139,10 @@ class EnumerableShardingSpec(_TorchEnumerableShardingSpec):
 
     # This library's plans held a plain list of shards: index, iterate and count as before.
     def __getitem__(self, index: int) -> ShardMetadata:
-        return self.shards[index]  # type: ignore[return-value]
+        return self.shards[index]
 
     def __iter__(self) -> Iterator[ShardMetadata]:
-        return iter(self.shards)  # type: ignore[arg-type]
+        return iter(self.shards)
 
     def __len__(self) -> int:
         return len(self.shards)

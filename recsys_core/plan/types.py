@@ -117,7 +117,7 @@ class ParameterSharding:
     @property
     def shards(self) -> list[ShardMetadata]:
         """The shards of ``sharding_spec`` in order (empty for DATA_PARALLEL)."""
-        return [] if self.sharding_spec is None else list(self.sharding_spec.shards)  # type: ignore[arg-type]
+        return [] if self.sharding_spec is None else list(self.sharding_spec.shards)
 
     def to_dict(self) -> dict[str, Any]:
         return {

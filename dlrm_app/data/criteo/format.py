@@ -155,12 +155,12 @@ class SplitRule:
         if self.fmt == "terabyte":
             half = counts[-1]
             starts[-1] = [0] if half is None else [0, half // 2]
-        elif None not in counts:
-            total = sum(counts)  # type: ignore[arg-type]
+        elif all(n is not None for n in counts):
+            known = [n for n in counts if n is not None]  # all of them
+            total = sum(known)
             train = total * 6 // 7
             offset = 0
-            for i, n in enumerate(counts):
-                assert n is not None
+            for i, n in enumerate(known):
                 starts[i] = [c - offset for c in (train, train + (total - train) // 2)
                              if offset <= c < offset + n]
                 offset += n
@@ -191,8 +191,9 @@ class SplitRule:
         if self.one_split is not None:
             return [float("inf") if self.one_split == "train" else 0.0] * len(counts)
         if self.fmt == "kaggle":
-            assert None not in counts
-            train = self.line_edges(counts)[1]  # type: ignore[arg-type]
-            starts = np.cumsum([0, *counts[:-1]]).tolist()
-            return [min(max(train - s, 0), n) for s, n in zip(starts, counts, strict=True)]
+            known = [n for n in counts if n is not None]
+            assert len(known) == len(counts), "kaggle's splits need every input's line count"
+            train = self.line_edges(known)[1]
+            starts = np.cumsum([0, *known[:-1]]).tolist()
+            return [min(max(train - s, 0), n) for s, n in zip(starts, known, strict=True)]
         return [float("inf")] * (len(counts) - 1) + [0.0]
