@@ -11,7 +11,8 @@ import contextlib
 import ctypes
 import importlib
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,14 +57,15 @@ def _key_sums_fns(lib: ctypes.CDLL | None) -> dict[torch.dtype, object] | None:
     return out
 
 
-def _permute_fn(lib: ctypes.CDLL | None) -> object | None:
+def _permute_fn(lib: ctypes.CDLL | None) -> Callable[..., Any] | None:
     fn = None if lib is None else getattr(lib, "recsys_permute_blocks", None)
     if fn is not None:
         fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_void_p]
     return fn
 
 
-def _column_runs_fn(lib: ctypes.CDLL | None) -> object | None:
+def _column_runs_fn(lib: ctypes.CDLL | None) -> Callable[..., Any] | None:
+    """The helper's ctypes function (argtypes and restype set), or None."""
     fn = None if lib is None else getattr(lib, "recsys_copy_column_runs", None)
     if fn is not None:
         fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_void_p]
@@ -262,6 +264,6 @@ def copy_column_runs(
         meta[1] += 1
     if rows == 0 or meta[1] == 0:
         return True
-    if fn((ctypes.c_int64 * len(meta))(*meta)) != 0:  # type: ignore[operator]
+    if fn((ctypes.c_int64 * len(meta))(*meta)) != 0:
         raise RuntimeError("copy_column_runs: the C helper refused its arguments")
     return True

@@ -65,7 +65,11 @@ def _main_pass(run: Runner, job: _Job, spec: EncodeSpec, counts: list[int | None
     paths, out, rule = job.paths, job.out, job.rule
     shard_args = (spec, job.block_bytes, job.row_group_size, fingerprint)
     if all(p.suffix != ".gz" for p in paths) and job.on_bad_row == "error":
-        staged = stage_shards(run, paths, out, rule, counts, indexes,  # type: ignore[arg-type]
+        # the caller counted and indexed every input in this (direct) case: see its `which`
+        known_counts = [n for n in counts if n is not None]
+        known_indexes = [x for x in indexes if x is not None]
+        assert len(known_counts) == len(known_indexes) == len(paths)
+        staged = stage_shards(run, paths, out, rule, known_counts, known_indexes,
                               job.rows_per_shard, *shard_args, spill=spill)
         return staged, counts, []
     if job.on_bad_row == "error" and job.workers > 1 and \

@@ -148,7 +148,9 @@ def run_shard_tasks(run: Runner, out: Path, tasks: Iterable[tuple[int, int, list
                 written(k)
     finally:
         progress.close()
-    return shards  # type: ignore[return-value]
+    written_all = [s for s in shards if s is not None]
+    assert len(written_all) == len(shards), "run.map yields a marker per task, or raises"
+    return written_all
 
 
 class Spiller:
