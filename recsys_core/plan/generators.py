@@ -153,9 +153,9 @@ def _sharding(
 
 
 def _sizes(table: _Table, kind: ShardingType, local_size: int, world_size: int,
-           **kwargs: int | None) -> list[tuple[list[int], list[int]]]:
+           num_buckets: int | None = None) -> list[tuple[list[int], list[int]]]:
     sizes, offsets = calculate_shard_sizes_and_offsets(
-        table.shape, world_size, local_size, kind.value, **kwargs  # type: ignore[arg-type]
+        table.shape, world_size, local_size, kind.value, num_buckets=num_buckets
     )
     return list(zip(sizes, offsets, strict=True))
 
