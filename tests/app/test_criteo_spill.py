@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_criteo_count_ranges import rows_text
 
-from dlrm_app.data.criteo import fastparse, preprocess, preprocess_criteo, shard_tasks, spill
+from dlrm_app.data.criteo import fastparse, job, preprocess_criteo, shard_tasks, spill
 from dlrm_app.data.criteo.parse import Rows
 from dlrm_app.data.criteo.spill import SpillPlan, SpillWriter, spilled_rows
 from dlrm_app.data.schema import DatasetSpec
@@ -67,7 +67,7 @@ def test_spilled_rows_give_the_bytes_of_parsing_twice(tmp_path: Path, inputs: li
     kwargs = dict(workers=workers, block_bytes=4096, rows_per_shard=rows_per_shard,
                   row_group_size=row_group_size)
     with monkeypatch.context() as patch:
-        patch.setattr(preprocess, "should_spill", lambda *a: False)
+        patch.setattr(job, "should_spill", lambda *a: False)
         got = spill_counter(patch)
         preprocess_criteo(inputs, tmp_path / "twice", **kwargs)
         assert got == []
@@ -147,7 +147,7 @@ def test_killed_run_leaves_no_spill_and_resumes(tmp_path: Path, inputs: list[Pat
         raise KeyboardInterrupt("simulated kill")
 
     with monkeypatch.context() as patch:
-        patch.setattr(preprocess, "finalize", killed)
+        patch.setattr(job, "finalize", killed)
         with pytest.raises(KeyboardInterrupt):
             preprocess_criteo(inputs, tmp_path / "resumed", **kwargs)
     staging = tmp_path / "resumed" / ".staging"
@@ -237,7 +237,7 @@ def test_spilled_rows_without_the_c_helper(tmp_path: Path, inputs: list[Path],
     monkeypatch.setattr(fastparse, "enabled", False)
     kwargs = dict(block_bytes=4096, rows_per_shard=300, row_group_size=64)
     with monkeypatch.context() as patch:
-        patch.setattr(preprocess, "should_spill", lambda *a: False)
+        patch.setattr(job, "should_spill", lambda *a: False)
         preprocess_criteo(inputs, tmp_path / "twice", **kwargs)
     got = spill_counter(monkeypatch)
     preprocess_criteo(inputs, tmp_path / "once", **kwargs)

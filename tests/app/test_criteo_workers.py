@@ -14,7 +14,7 @@ import pytest
 from shared_data import CRITEO
 
 from dlrm_app.data import criteo, shard_writer
-from dlrm_app.data.criteo import lines, preprocess, preprocess_criteo, shard_tasks
+from dlrm_app.data.criteo import job, lines, preprocess_criteo, shard_tasks
 
 DATA = CRITEO
 needs_data = pytest.mark.shared_data(DATA)
@@ -25,7 +25,7 @@ SMALL = dict(rows_per_shard=700, row_group_size=256, block_bytes=50_000)
 def many_shards(monkeypatch) -> None:
     """These inputs are tiny: take the path meant for inputs of many shards (gzip lines cut
     into shard tasks for the workers) wherever it applies, as a real input would."""
-    monkeypatch.setattr(preprocess, "many_shards", lambda *args: True)
+    monkeypatch.setattr(job, "many_shards", lambda *args: True)
 
 
 def digest(out: Path) -> dict[str, str]:
@@ -131,7 +131,7 @@ def test_many_blocks_same_bytes_for_1_2_3_workers(tmp_path: Path, path: str) -> 
 @pytest.mark.slow
 def test_worker_bad_row_names_file_and_line_and_leaves_nothing_finished(
         tmp_path: Path, monkeypatch, suffix: str, many: bool) -> None:
-    monkeypatch.setattr(preprocess, "many_shards", lambda *args: many)
+    monkeypatch.setattr(job, "many_shards", lambda *args: many)
     path = tmp_path / f"in{suffix}"
     write_rows(path, 3000, seed=4, bad=(2499,))
     out = tmp_path / "out"
@@ -169,7 +169,7 @@ def test_kill_and_rerun_is_byte_identical(tmp_path: Path, monkeypatch, kill_at: 
                   row_group_size=100, block_bytes=8192)
     preprocess_criteo([path], tmp_path / "full", **kwargs)
     owner, name = (shard_tasks.Spiller, "_close") if kill_at == "_Spiller._close" else \
-        (preprocess, "finalize") if kill_at == "_finalize" else (shard_writer, "finish_shard")
+        (job, "finalize") if kill_at == "_finalize" else (shard_writer, "finish_shard")
     real, calls = getattr(owner, name), []
 
     def killed(*args, **kw):
