@@ -125,6 +125,8 @@ class Trainer:
         if self.rank == 0 and threads.warning:
             print(threads.warning, file=sys.stderr)
         self.spec = spec = DatasetSpec.load(config.data)
+        if not config.follow:  # refused before the run directory is made: a retry needs no
+            check_validation_labels(spec, config.data)  # --overwrite
         previous_data = resume.previous_data(config, spec)
         self.config = config = prepare_run_dir(
             config.with_batch_size(spec.split("train").rows, world_size), self.rank)
@@ -136,7 +138,6 @@ class Trainer:
             refuse_other_data(config, previous_data)
             self.model_spec = model_tables(spec, out, self.rank)
         else:
-            check_validation_labels(spec, config.data)
             self.model_spec = spec
         """The dataset as the model reads it (``--follow``: its table sizes when the run
         started; the dataset's own otherwise)."""
