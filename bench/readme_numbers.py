@@ -157,6 +157,21 @@ def _ranks(records: Records) -> dict[str, str]:
             for busy in (0, 1) for n in (1, 2)}
 
 
+def _days(records: Records) -> dict[str, str]:
+    """The summary of the run at the defaults: the first header whose command adds no flag but
+    ``--work`` (the file also holds runs with other flags, each after its own header)."""
+    at_defaults = False
+    for r in records:
+        if r.get("bench") == "days_header":
+            flags = r["command"].split()[2:]
+            at_defaults = flags == [] or (len(flags) == 2 and flags[0] == "--work")
+        elif r.get("bench") == "days_summary" and at_defaults:
+            auc, ratio = r["mean_progressive_auc"], r["cpu_ratio_to_follow"]
+            return {"follow": f"{auc['follow']:.3f}", "retrain": f"{auc['retrain']:.3f}",
+                    "ratio": f"{ratio['retrain']:.1f}", "frozen": f"{auc['frozen']:.3f}"}
+    raise ValueError("no days_summary of a run at the defaults is recorded")
+
+
 def _ci(records: Records) -> dict[str, str]:
     full, t213, nofb = (_one(records, leg=leg) for leg in
                         ("full", "fast_torch213", "fast_without_fbgemm"))
@@ -211,6 +226,12 @@ CLAIMS = (
           r"taken by another process, (?P<ml1_1>[\d.]+)k and (?P<ml1_2>[\d.]+)k, "
           r"(?P<kg1_1>[\d.]+)k and (?P<kg1_2>[\d.]+)k\.",
           _ranks),
+    Claim("days", (("{python}", "{bench}/days.py"),),
+          r"following them scores a mean progressive AUC of (?P<follow>\d\.\d+) against "
+          r"(?P<retrain>\d\.\d+) for retraining from scratch on all days so far, with "
+          r"(?P<ratio>\d+\.\d)x less CPU, while the first day's model, frozen, falls to "
+          r"(?P<frozen>\d\.\d+)",
+          _days),
     Claim("ci_setup", (),  # recorded from a CI log (--record-ci)
           r"took (?P<setup_s>\d+) s in the recorded CI run \(torch 2\.14\.1\), "
           r"(?P<setup213_s>\d+) s for torch 2\.13\.0",
