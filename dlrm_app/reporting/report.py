@@ -269,6 +269,7 @@ def write_report(run_dir: str | Path) -> Path:
             lines.append(f"| {name} | {_count(rows)} | "
                          + " | ".join(_fmt(m.get(k)) for k in _METRIC_KEYS) + " |")
         lines.append("")
+    lines += _days_section(run)
     if run.learning_curve is not None:
         lines += _curve_section(run.learning_curve)
     lines += ["## Plots", ""]
@@ -281,6 +282,28 @@ def write_report(run_dir: str | Path) -> Path:
     path = run.path / "report.md"
     _write_atomic(path, "\n".join(lines).encode())
     return path
+
+
+def _days_section(run: Run) -> list[str]:
+    """``train --follow``'s days: each day scored by the model of the days before it (the
+    progressive evaluation), one row a day (a day evaluated again after a restart is logged
+    once)."""
+    days: dict[int, dict[str, Any]] = {}
+    for record in run.events.get("day", []):
+        if _number(record.get("day")) is not None:
+            days.setdefault(int(record["day"]), record)
+    if not days:
+        return []
+    lines = ["## Days (progressive evaluation)", "",
+             "Each day scored by the model of the days before it, then trained on.", "",
+             "| day | name | rows | progressive AUC | NE | logloss | ids past the tables |",
+             "|---|---|---|---|---|---|---|"]
+    for day, r in sorted(days.items()):
+        lines.append(f"| {day} | {r.get('name', '')} | {_count(r.get('rows'))} | "
+                     f"{_fmt(r.get('progressive_auc'))} | {_fmt(r.get('ne'))} | "
+                     f"{_fmt(r.get('logloss'))} | "
+                     f"{'-' if r.get('oov_ids') is None else _count(r.get('oov_ids'))} |")
+    return [*lines, ""]
 
 
 def _facts(run: Run) -> list[str]:

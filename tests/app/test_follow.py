@@ -95,6 +95,19 @@ def test_each_day_is_published_from_its_checkpoint(followed: tuple) -> None:
     assert published == [(str(run.parent / "model.pt2"), f"step_{s:08d}") for s in (6, 12, 18)]
 
 
+def test_the_report_lists_each_day_once_with_its_progressive_auc(followed: tuple) -> None:
+    run, _ = followed
+    report = (run / "report.md").read_text()
+    assert "## Days (progressive evaluation)" in report
+    rows = [line for line in report.splitlines() if line.startswith("| ") and
+            line.split(" | ")[0][2:].isdigit()]
+    days = _log(run, "day")
+    assert [int(r.split(" | ")[0][2:]) for r in rows] == [d["day"] for d in days] == [0, 1, 2]
+    assert rows[0].split(" | ")[3] == "n/a"  # day 0: no model yet
+    for row, day in zip(rows[1:], days[1:], strict=True):
+        assert row.split(" | ")[3] == f"{day['progressive_auc']:.4f}"
+
+
 def test_a_kill_inside_day_1_continues_with_day_1(days: Path, followed: tuple,
                                                   tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
