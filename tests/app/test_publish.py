@@ -9,13 +9,11 @@ switches between the two sets of weights under a client's load, never mixing the
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_serve import _health_when, _serve, artifact, get, post  # noqa: F401 (fixture)
+from test_serve import _health_when, _probing, _serve, artifact, get, post  # noqa: F401 (fixture)
 
 from dlrm_app.config import ServeConfig, TrainConfig
 from dlrm_app.data.synthetic import generate
@@ -140,7 +138,7 @@ def test_more_training_publishes_weights_alone(published: dict[str, Any], no_com
     with PredictionServer.from_file(published["program"], ServeConfig(port=0)) as server:
         assert server.weights["sha256"] == digest and server.weights["step"] == 6
         health = get(server.port, "/health")[1]
-        status, body = _post(server.port, PROBE)
+        status, body = post(server.port, PROBE)
     assert health["weights"]["sha256"] == digest and status == 200, body
     later, earlier = _eager(published["run"], "step_00000006"), _eager(published["run"],
                                                                         "step_00000003")
@@ -151,36 +149,6 @@ def test_more_training_publishes_weights_alone(published: dict[str, Any], no_com
                                rtol=1e-5, atol=1e-6)
     os.remove(result["path"])
     os.remove(digest_path(result["path"]))
-
-
-def _post(port: int, body: dict) -> tuple[int, dict]:
-    return post(port, body)
-
-
-@contextlib.contextmanager
-def _probing(port: int, body: dict) -> Iterator[list[tuple[float, int, list[float]]]]:
-    """A client posting ``body`` every ~5 ms while the block runs (20 answers in before it
-    starts): (monotonic time, status, probabilities) per answer."""
-    answers: list[tuple[float, int, list[float]]] = []
-    done = threading.Event()
-
-    def client() -> None:
-        while not done.is_set():
-            status, got = post(port, body)
-            answers.append((time.monotonic(), status, got.get("probabilities", [])))
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=client)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while len(answers) < 20 and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(answers) >= 20, "the client got no answers"
-        yield answers
-    finally:
-        done.set()
-        thread.join(timeout=30)
 
 
 def _which(answers: list[tuple[float, int, list[float]]], old: np.ndarray, new: np.ndarray

@@ -781,16 +781,16 @@ def _serve(model: Path) -> tuple[subprocess.Popen, int]:
 
 
 @contextlib.contextmanager
-def _probing(port: int, rows: list[str]) -> Iterator[list[tuple[float, int, list[float]]]]:
-    """A client posting the same ``rows`` every ~5 ms while the block runs (20 answers in
-    before it starts): (monotonic time, status, probabilities) per answer."""
+def _probing(port: int, body: dict) -> Iterator[list[tuple[float, int, list[float]]]]:
+    """A client posting the same request ``body`` every ~5 ms while the block runs (20
+    answers in before it starts): (monotonic time, status, probabilities) per answer."""
     answers: list[tuple[float, int, list[float]]] = []
     done = threading.Event()
 
     def client() -> None:
         while not done.is_set():
-            status, body = post(port, {"rows": rows})
-            answers.append((time.monotonic(), status, body.get("probabilities", [])))
+            status, got = post(port, body)
+            answers.append((time.monotonic(), status, got.get("probabilities", [])))
             time.sleep(0.005)
 
     thread = threading.Thread(target=client)
@@ -854,7 +854,7 @@ def test_a_model_renamed_over_the_served_path_is_taken_without_a_signal(
     assert np.abs(old - new).max() > 0.05
     proc, port = _serve(served)
     try:
-        with _probing(port, rows) as answers:
+        with _probing(port, {"rows": rows}) as answers:
             replaced, before = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
             os.replace(tmp_path / "b.pt", served)
             time.sleep(0.3)  # the new model beside the old digest meanwhile
@@ -900,7 +900,7 @@ def test_a_tampered_replacement_is_refused_and_the_old_model_serves_on(
     old = direct(load_artifact(artifact)[0], rows)
     proc, port = _serve(served)
     try:
-        with _probing(port, rows) as answers:
+        with _probing(port, {"rows": rows}) as answers:
             os.replace(tmp_path / "b.pt", served)
             os.replace(tmp_path / "b.pt.sha256", tmp_path / "model.pt.sha256")
             refused = _health_when(port, lambda h: h.get("last_reload") or h.get("reloads"))
