@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -297,8 +299,11 @@ class DayFollower:
         trainer = self.trainer
         if trainer.rank == 0:
             try:
-                exporting.export_model(trainer.out, str(self.config.publish),
-                                       checkpoint=str(checkpoint))
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    _export_apart(trainer.out, str(self.config.publish), checkpoint)
+                else:
+                    exporting.export_model(trainer.out, str(self.config.publish),
+                                           checkpoint=str(checkpoint))
             except ValueError as e:
                 raise ValueError(
                     f"--publish {self.config.publish}: exporting {checkpoint} failed ({e}); "
@@ -364,3 +369,18 @@ def logged_days(out: Path) -> dict[int, dict[str, Any]]:
             if isinstance(record, dict) and record.get("event") == DAY_EVENT:  # the summary
                 days.setdefault(int(record["day"]), record)  # line holds day lines too
     return dict(sorted(days.items()))
+
+
+def _export_apart(run: Path, out: str, checkpoint: Path) -> None:
+    """``dlrm-app export`` in a process of its own: in a rank of a process group, loading the
+    checkpoint would run collectives that the other ranks (waiting at the barrier) never join,
+    and the run hung at its first publish under torchrun."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ROLE_RANK",
+                        "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "dlrm_app", "export", str(run), "--out", out,
+                           "--checkpoint", str(checkpoint)], env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise ValueError((done.stderr.strip().splitlines() or ["no message"])[-1])
