@@ -42,7 +42,7 @@ def point(rows: int, work: Path, epochs: int | None = None, form: bool = True) -
     generate(data, rows=rows, num_dense=13, cardinalities=[DEMO_CARDINALITY] * 26,
              pooling_factors=[1.0] * 26, zipf_alpha=1.05, seed=0)
     start = time.perf_counter()
-    config = TrainConfig(data=str(data), out=str(run))
+    config = TrainConfig(data=str(data), out=str(run)).with_epochs(time_ordered=False)
     if epochs is not None:
         config = dataclasses.replace(config, epochs=epochs)
     summary = train(config, progress=False)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from dlrm_app.config import TrainConfig, lr_scale
 from dlrm_app.data.loader import ParquetLoader
-from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.reporting.report import write_report
 from dlrm_app.threads import configure_threads
 from dlrm_app.training import resume
@@ -129,7 +129,8 @@ class Trainer:
             check_validation_labels(spec, config.data)  # --overwrite
         previous_data = resume.previous_data(config, spec)
         self.config = config = prepare_run_dir(
-            config.with_batch_size(spec.split("train").rows, world_size), self.rank)
+            config.with_batch_size(spec.split("train").rows, world_size)
+            .with_epochs(spec.kind is DatasetKind.CRITEO), self.rank)
         self.out = out = Path(config.out)
         follow = config.follow
         if follow:  # no validation split: each day's progressive evaluation is the yardstick

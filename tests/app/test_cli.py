@@ -197,4 +197,4 @@ def test_the_parser_reads_each_config_module_once_and_no_version(monkeypatch) ->
         flags.field_docs.cache_clear()
         flags._module_docs.cache_clear()
     assert flags.field_docs(cli.TrainConfig)["epochs"] == \
-        "Passes over the train split."
+        "Passes over the train split; None: 1 on Criteo logs (time order), else 3."

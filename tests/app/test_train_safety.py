@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from dlrm_app.cli import build_parser, config_from_args
 from dlrm_app.config import DenseOptimizer, TrainConfig
+from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.model import ModelConfig
 from dlrm_app.training.checkpoint import best_checkpoint, latest_checkpoint, resolve_run
@@ -224,3 +226,34 @@ def test_a_best_chosen_before_a_continuation_on_new_data_is_not_kept(tmp_path: P
     (root / "best").write_text("step_00000030")
     (root / "latest").write_text("step_00000030")
     assert keeper.keep_best(chosen_from=15) == root / "step_00000030"  # chosen on new data
+
+
+def test_epochs_default_to_one_pass_over_a_click_log_in_time_order() -> None:
+    """docs/training.md "Quality forward in time": a second and third pass over a Criteo log
+    memorize its rows and score its later rows worse, so Criteo data trains one pass by default;
+    other data three; a given --epochs always wins."""
+    config = TrainConfig(data="d", out="o")
+    assert config.epochs is None
+    assert config.with_epochs(time_ordered=True).epochs == 1
+    assert config.with_epochs(time_ordered=False).epochs == 3
+    given = TrainConfig(data="d", out="o", epochs=2)
+    assert given.with_epochs(True) is given and given.with_epochs(False).epochs == 2
+    with pytest.raises(ValueError, match="--epochs must be a positive int"):
+        TrainConfig(data="d", out="o", epochs=0)
+
+
+@pytest.mark.parametrize("kind, epochs", [("synthetic", 3), ("criteo", 1)])
+def test_a_run_records_the_epochs_its_data_decided(data: Path, tmp_path: Path, kind: str,
+                                                   epochs: int) -> None:
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    meta = json.loads((copy / "dataset.json").read_text())
+    meta["kind"] = kind
+    (copy / "dataset.json").write_text(json.dumps(meta))
+    run = tmp_path / "run"
+    summary = train(_config(copy, run, batch_size=512, max_steps=None, validate_every=0,
+                            patience=0), progress=False)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["epochs"] == epochs  # a resume reads the number decided at the start
+    steps_per_epoch = -(-DatasetSpec.load(copy).split("train").rows // 512)
+    assert summary["steps"] in (epochs * steps_per_epoch, epochs * (steps_per_epoch - 1))
