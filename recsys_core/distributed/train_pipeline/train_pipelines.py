@@ -26,14 +26,18 @@ Out = TypeVar("Out")
 logger = logging.getLogger(__name__)
 
 
-def _sparse_features(batch: Any) -> KeyedJaggedTensor | None:
+def _sparse_features(batch: Any) -> KeyedJaggedTensor:
     """The KJT a TorchRec batch carries (``Batch.sparse_features`` or
-    ``ModelInput.idlist_features``), if any."""
+    ``ModelInput.idlist_features``), whose input all-to-all the pipeline starts ahead."""
     for name in ("sparse_features", "idlist_features"):
         kjt = getattr(batch, name, None)
         if isinstance(kjt, KeyedJaggedTensor):
             return kjt
-    return None
+    raise TypeError(
+        f"TrainPipelineSparseDist: the batch ({type(batch).__name__}) holds no KeyedJaggedTensor "
+        "in 'sparse_features' or 'idlist_features', so its input all-to-all cannot be started "
+        "ahead; give the batch such an attribute (TorchRec's Batch has sparse_features), or use "
+        "TrainPipelineBase, which copies batches ahead without it")
 
 
 class TrainPipeline(abc.ABC, Generic[In, Out]):
@@ -76,7 +80,7 @@ class _Pipeline(TrainPipeline[In, Out]):
                 dataloader_iter,
                 model,
                 to_device=lambda b: b.to(device, non_blocking=True),
-                features=_sparse_features,  # type: ignore[arg-type]
+                features=_sparse_features,
                 device=device,
             )
             # Finish the in-flight input dists while the process group still exists: when the
