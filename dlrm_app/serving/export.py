@@ -43,8 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from dlrm_app.config import TrainConfig
-from dlrm_app.data.criteo.vocabulary import VOCABULARY_FILE
-from dlrm_app.data.integrity import verify_file
+from dlrm_app.data.criteo.vocabulary import GROWN_VOCABULARY, vocabulary_for_tables
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.id_map import FrozenIdMap, freeze_raw_ids
 from dlrm_app.model import DLRM, WidePart, build_dlrm
@@ -80,6 +79,7 @@ from dlrm_app.training.checkpoint import (
     resolve_run,
     verify_checkpoint,
 )
+from dlrm_app.training.tables import run_model_spec
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.inference import QuantEmbeddingBagCollection, quantize_inference_model
 from recsys_core.modules.embedding_configs import DataType
@@ -156,9 +156,11 @@ def serving_form(model: DLRM, spec: DatasetSpec) -> None:
 
 def load_unsharded(run: Path, checkpoint: str | Path | None = None) -> tuple[DLRM, TrainConfig,
                                                                         DatasetSpec, Path]:
-    """The run's DLRM on CPU, unsharded, with the checkpoint's weights (single process)."""
+    """The run's DLRM on CPU, unsharded, with the checkpoint's weights (single process), and
+    its dataset's spec with the model's table sizes (a ``--follow`` run's are those of its
+    start, ``dlrm_app.training.tables``)."""
     config, path = resolve_run(run, checkpoint)
-    spec = DatasetSpec.load(config.data)
+    spec = run_model_spec(DatasetSpec.load(config.data), Path(run))
     model = build_dlrm(spec, config.model, device="cpu")
     verify_checkpoint(path)
     with warnings.catch_warnings():
@@ -176,23 +178,37 @@ class Preprocessing:
     vocabulary: list[Tensor] | None  # per feature, sorted raw values with their own row
     log_transform: bool
     raw_input: bool  # one-hot rows that ``encode`` / ``predict_raw`` accept
+    rows: list[Tensor] | None = None  # per feature, the vocabulary values' rows (None: i + 1)
+    encoding: dict[str, Any] | None = None  # the dataset's id encoding as the program serves it
+    vocabulary_source: dict[str, Any] | None = None  # the vocabulary file, ids left out
 
 
 def dataset_preprocessing(spec: DatasetSpec, data_dir: Path) -> Preprocessing:
+    """The preprocessing of ``spec``'s dataset (in ``data_dir``) for a model whose tables have
+    ``spec``'s sizes (a ``--follow`` run's may be smaller than its grown dataset's: ids whose
+    vocabulary row lies past them read row 0, as they did in training)."""
     sizes = [f.num_embeddings for f in spec.sparse_features]
     one_hot = not any(f.multi_hot for f in spec.sparse_features)
     if spec.kind is DatasetKind.CRITEO:
         encoding = spec.parameters["encoding"]
         if encoding["mode"] == "vocabulary":
-            from dlrm_app.data.criteo import load_vocabulary
-
-            verify_file(data_dir / VOCABULARY_FILE, encoding.get("vocabulary_sha256"))
-            vocab = [torch.from_numpy(np.asarray(v).astype(np.int64))
-                     for v in load_vocabulary(data_dir)]
-            return Preprocessing(torch.zeros(len(sizes), dtype=torch.int64), vocab, True, True)
-        return Preprocessing(torch.tensor(sizes, dtype=torch.int64), None, True, True)
+            served = vocabulary_for_tables(data_dir, sizes, encoding)
+            vocab = [torch.from_numpy(np.asarray(v).astype(np.int64)) for v in served.ids]
+            rows = None if served.rows is None else \
+                [torch.from_numpy(np.asarray(r).astype(np.int64)) for r in served.rows]
+            # the program maps ids as the model's tables read them: what the dataset's growth
+            # since (new rows, the grown file) changes does not change the program
+            program_encoding = {k: v for k, v in encoding.items() if k != GROWN_VOCABULARY}
+            program_encoding["num_embeddings"] = sizes
+            source = {"file": served.file, "ids": sum(len(v) for v in served.ids),
+                      "ids_past_tables": sum(served.past_tables)}
+            return Preprocessing(torch.zeros(len(sizes), dtype=torch.int64), vocab, True, True,
+                                 rows, program_encoding, source)
+        return Preprocessing(torch.tensor(sizes, dtype=torch.int64), None, True, True,
+                             encoding=encoding)
     # generated / MovieLens data: inputs are already encoded; negative moduli mean "check only"
-    return Preprocessing(-torch.tensor(sizes, dtype=torch.int64), None, False, one_hot)
+    return Preprocessing(-torch.tensor(sizes, dtype=torch.int64), None, False, one_hot,
+                         encoding=spec.parameters.get("encoding"))
 
 
 Progress = Callable[[str], None]
@@ -298,9 +314,10 @@ def export_model(run: str | Path, out: str | Path, dtype: str = "int8", *,
         "table_bytes": dict(ebc.table_bytes()),
         "dense_dtype": "int8_dynamic" if quantize_dense else "fp32",
         "needs_fbgemm": (lookup == "fbgemm") if fmt == "pt2" else fbgemm,
-        "preprocessing": {k: spec.parameters.get(k) for k in
-                          ("dense_transform", "categorical_transform", "encoding")
+        "preprocessing": {k: prep.encoding if k == "encoding" else spec.parameters.get(k)
+                          for k in ("dense_transform", "categorical_transform", "encoding")
                           if k in spec.parameters},
+        **({"vocabulary": prep.vocabulary_source} if prep.vocabulary_source else {}),
         "checkpoint": str(path),
         "training": _training_summary(run, config, path),
         "created_by": f"dlrm_app {importlib.metadata.version('recsys-dlrm')}",
@@ -416,7 +433,7 @@ def _write_torchscript(model: DLRM, spec: DatasetSpec, prep: Preprocessing,
                        ) -> None:
     sizes = len(spec.sparse_features)
     encoder = RawEncoder(len(spec.dense_features), prep.moduli, prep.vocabulary,
-                         prep.log_transform)
+                         prep.log_transform, prep.rows)
     exported = ExportedDLRM(model, encoder, id_map or FrozenIdMap(sizes, [None] * sizes))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's notice in 2.13
@@ -469,7 +486,7 @@ def serving_programs(model: DLRM, spec: DatasetSpec, prep: Preprocessing, lookup
     }
     if prep.raw_input:
         programs[ENCODE_PROGRAM] = (
-            RawEncoder(num_dense, prep.moduli, prep.vocabulary, prep.log_transform),
+            RawEncoder(num_dense, prep.moduli, prep.vocabulary, prep.log_transform, prep.rows),
             (torch.zeros(b, num_dense), torch.zeros(b, num_sparse, dtype=torch.int64)),
             ({0: batch}, {0: batch}))
     for module, _, _ in programs.values():

@@ -181,11 +181,12 @@ class RawEncoder(nn.Module):
 
     ``moduli[k] > 0``: hash feature k's raw value modulo its table size; ``moduli[k] < 0``: the
     raw value is already an id in ``[0, -moduli[k])`` (checked). ``vocabulary``: per feature,
-    the sorted raw values that have their own row (row = position + 1; others share row 0).
+    the sorted raw values that have their own row, ``rows[k][i]`` the row of
+    ``vocabulary[k][i]`` (``rows`` None: position + 1); every other value reads row 0.
     """
 
     def __init__(self, num_dense: int, moduli: Tensor, vocabulary: list[Tensor] | None,
-                 log_transform: bool) -> None:
+                 log_transform: bool, rows: list[Tensor] | None = None) -> None:
         super().__init__()
         self.num_dense = num_dense
         self.num_sparse = moduli.numel()
@@ -198,6 +199,8 @@ class RawEncoder(nn.Module):
         if vocabulary is not None:
             if len(vocabulary) != self.num_sparse:
                 raise ValueError(f"{len(vocabulary)} vocabularies for {self.num_sparse} features")
+            if rows is not None and [r.numel() for r in rows] != [v.numel() for v in vocabulary]:
+                raise ValueError("one row per vocabulary value, feature by feature")
             keys, starts = [], [0]
             for k, vocab in enumerate(vocabulary):
                 vocab = vocab.to(torch.int64)
@@ -216,6 +219,15 @@ class RawEncoder(nn.Module):
         else:  # unused; present so that TorchScript compiles the vocabulary branch
             self.register_buffer("keys", torch.zeros(1, dtype=torch.int64))
             self.register_buffer("vocab_start", torch.zeros(self.num_sparse, dtype=torch.int64))
+        # each key's row, where rows are not in key order (a vocabulary grown by added days):
+        # int32 (rows < 2**31), 4 bytes per id beside the key's 8
+        self.explicit_rows = vocabulary is not None and rows is not None
+        if self.explicit_rows:
+            assert rows is not None
+            self.register_buffer("rows", torch.cat(
+                [r.to(torch.int32) for r in rows] + [torch.zeros(1, dtype=torch.int32)]))
+        else:
+            self.register_buffer("rows", torch.zeros(1, dtype=torch.int32))
 
     def forward(self, dense_raw: Tensor, cat_raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         batch = dense_raw.size(0)
@@ -232,7 +244,10 @@ class RawEncoder(nn.Module):
             key = torch.where(small, cat, torch.zeros_like(cat)) + (feature << self.key_bits)
             position = torch.searchsorted(self.keys, key)
             hit = (self.keys[position] == key) & small
-            ids = torch.where(hit, position - self.vocab_start + 1, 0)
+            if self.explicit_rows:
+                ids = torch.where(hit, self.rows[position].to(torch.int64), 0)
+            else:
+                ids = torch.where(hit, position - self.vocab_start + 1, 0)
         else:
             torch._assert_async((cat < self.limit).all(),
                                 "an already-encoded id lies outside [0, num_embeddings)")

@@ -53,13 +53,12 @@ from dlrm_app.training.checkpoint import latest_checkpoint
 from dlrm_app.training.components import PreemptionGuard
 from dlrm_app.training.evaluate import evaluate_model
 from dlrm_app.training.pipeline import device_batches
+from dlrm_app.training.tables import TABLES, recorded_tables, with_tables
 from recsys_core.sparse import KeyedJaggedTensor
 
 if TYPE_CHECKING:
     from dlrm_app.training.trainer import Trainer
 
-TABLES = "tables.json"
-"""The model's table sizes, fixed when a ``--follow`` run starts, in its run directory."""
 DAY_EVENT = "day"
 TICK_S = 1.0
 """The longest a wait for a new day takes to notice SIGTERM or Ctrl-C."""
@@ -69,26 +68,19 @@ def model_tables(spec: DatasetSpec, out: Path, rank: int) -> DatasetSpec:
     """``spec`` with the table sizes of the model of the run in ``out``: those recorded when
     it started (``tables.json``), or, at its start, the dataset's now (then recorded)."""
     path = out / TABLES
-    if path.is_file():
-        sizes = json.loads(path.read_text())["num_embeddings"]
-    else:
+    sizes = recorded_tables(out)
+    if sizes is None:
         sizes = {f.name: f.num_embeddings for f in spec.sparse_features}
     if dist.is_initialized():  # every rank builds rank 0's shapes
         shared = [sizes]
         dist.broadcast_object_list(shared, src=0)
         sizes = shared[0]
-    names = [f.name for f in spec.sparse_features]
-    if sorted(sizes) != sorted(names):
-        raise ValueError(f"--data {spec.name}: its sparse features {names} are not those the "
-                         f"run's model was built for ({path}: {sorted(sizes)}); follow the "
-                         "run's own dataset, or start a new run in another --out")
+    spec = with_tables(spec, sizes, path)
     if rank == 0 and not path.is_file():
         tmp = path.with_name(TABLES + ".tmp")
         tmp.write_text(json.dumps({"num_embeddings": sizes}, indent=2) + "\n")
         tmp.replace(path)
-    features = tuple(dataclasses.replace(f, num_embeddings=int(sizes[f.name]))
-                     for f in spec.sparse_features)
-    return dataclasses.replace(spec, sparse_features=features)
+    return spec
 
 
 def refuse_other_data(config: TrainConfig, previous: str | None) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from shared_data import CRITEO
 
 from dlrm_app.data import verify
@@ -339,3 +340,35 @@ def test_gzip_day_is_added_as_the_plain_one(tmp_path: Path) -> None:
     same_rows(day_table(tmp_path / "plain", 2), day_table(tmp_path / "gzip", 2))
     assert plain.parameters["encoding"]["grown_vocabulary"] == \
         packed.parameters["encoding"]["grown_vocabulary"]
+
+
+def test_a_grown_vocabulary_is_served_within_the_models_tables(tmp_path: Path) -> None:
+    """The id -> row map export serves from a grown vocabulary: ids whose row lies past the
+    model's tables are left out (they read row 0, as in training); rows out of raw-id order
+    are kept with their ids, and the encode program maps raw values to them."""
+    from dlrm_app.data.criteo.vocabulary import vocabulary_for_tables
+    from dlrm_app.serving.program import RawEncoder
+
+    d0 = write(tmp_path / "day_0", [{0: "10", 1: "1"}, {0: "10", 1: "1"}, {0: "20", 1: "1"}])
+    d1 = write(tmp_path / "day_1", [{0: "10", 1: "1"}, {0: "20", 1: "1"}])
+    out = tmp_path / "out"
+    preprocess_criteo([d0, d1], out, fmt="terabyte", max_embeddings_per_feature=4)
+    d2 = write(tmp_path / "day_2", [{0: "10", 1: "9"}, {0: "5", 1: "3"}, {0: "5", 1: "1"},
+                                    {0: "30", 1: "9"}, {0: "40", 1: "1"}])
+    encoding = preprocess_criteo([d2], out, add_day=True).parameters["encoding"]
+    # tables after day 2: cat_0 10 -> 1, 20 -> 2, 5 -> 3; cat_1 1 -> 1, 3 -> 2, 9 -> 3
+    start = vocabulary_for_tables(out, [3, 2] + [2] * 24, encoding)  # a run's from day 0
+    assert [v.tolist() for v in start.ids[:3]] == [[0x10, 0x20], [1], [0]]
+    assert start.rows is None  # the rows left are those of the first vocabulary, in order
+    assert start.past_tables[:3] == [1, 2, 0] and start.file == "vocabulary-day-00002.parquet"
+    later = vocabulary_for_tables(out, [4, 4] + [2] * 24, encoding)  # a run's from day 2
+    assert [v.tolist() for v in later.ids[:2]] == [[0x5, 0x10, 0x20], [1, 3, 9]]
+    assert later.rows is not None and [r.tolist() for r in later.rows[:2]] == [[3, 1, 2],
+                                                                              [1, 2, 3]]
+    encoder = RawEncoder(13, torch.zeros(26, dtype=torch.int64),
+                         [torch.from_numpy(v) for v in later.ids], True,
+                         [torch.from_numpy(r) for r in later.rows])
+    cat = torch.zeros(3, 26, dtype=torch.int64)
+    cat[:, 0], cat[:, 1] = torch.tensor([0x5, 0x30, 0x10]), torch.tensor([0x9, 0x7, 0x3])
+    _, values, _ = encoder(torch.zeros(3, 13), cat)
+    assert values.view(26, 3)[:3].tolist() == [[3, 0, 1], [3, 0, 2], [1, 1, 1]]

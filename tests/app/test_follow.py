@@ -10,16 +10,19 @@ import os
 import signal
 import threading
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dlrm_app.config import ModelConfig, TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.synthetic import generate
 from dlrm_app.serving import export as exporting
+from dlrm_app.serving.artifact import MANIFEST_FILE, read_manifest
 from dlrm_app.training import follow, resume
 from dlrm_app.training.components import Preempted
 from dlrm_app.training.evaluate import evaluate_model, load_trained_model
@@ -264,3 +267,76 @@ def test_a_failed_publish_names_the_checkpoint_and_how_to_go_on(
                        r"failed \(the vocabulary grew\); its day is trained and checkpointed"):
         train(_config(days, run, publish=str(tmp_path / "model.pt2")), progress=False)
     assert [d["day"] for d in _log(run, "day_done")] == [0]
+
+
+def _manifest_only(programs: Any, meta: dict, out: Path, progress: Any) -> None:
+    """Stands in for the AOTInductor compile (about a minute here): the .pt2 holds only its
+    manifest, what the next publish compares its program fingerprint with."""
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr(f"archive/extra/{MANIFEST_FILE}", json.dumps(meta))
+
+
+def _served(run: Path, checkpoint: str, cat_raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The checkpoint's serving programs as the export builds them (fp32 tables: exact), run
+    eagerly on raw rows: (the ids the encode program gives, the probabilities)."""
+    model, config, spec, _ = exporting.load_unsharded(run, checkpoint)
+    model, id_map = exporting.freeze_raw_ids(model, spec, config.model)
+    exporting.serving_form(model, spec)
+    exporting.quantize_inference_model(model, exporting.DTYPES["fp32"])
+    prep = exporting.dataset_preprocessing(spec, Path(config.data))
+    programs = exporting.serving_programs(model, spec, prep, "torch", id_map)
+    with torch.no_grad():
+        dense, values, offsets = programs["encode"][0](
+            torch.zeros(len(cat_raw), len(spec.dense_features)), cat_raw)
+        return values, programs["model"][0](dense, values, offsets)
+
+
+@pytest.mark.slow  # 12 s: 4 publishes (torch.export, no compile), 2 runs
+def test_a_grown_vocabulary_publishes_weights_and_serves_ids_as_training_read_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that starts on a dataset grown by --add-day (its tables hold rows not in raw-id
+    order) and follows another grown day: each day is published (the program once, then its
+    weights: the served id map stays that of the run's tables), and the served programs map
+    raw ids to the rows training read (rows past the model's tables and ids without a row to
+    row 0), answering as the checkpoint's model on the preprocessed rows."""
+    d0 = _criteo_day(tmp_path / "day_0", [{0: "10", 1: "1"}, {0: "20", 1: "2"},
+                                          {0: "10", 1: "2"}, {0: "20", 1: "1"}])
+    d1 = _criteo_day(tmp_path / "day_1", [{0: "20", 1: "1"}, {0: "10", 1: "2"}])
+    # cat_0: 10 -> 1, 20 -> 2, then day 2's 5 -> 3 (the run's tables: 4 rows); day 3's 7 gets
+    # row 4 (past the run's tables), 30 none (the budget of 5 rows is spent)
+    d2 = _criteo_day(tmp_path / "day_2", [{0: "5", 1: "3"}, {0: "10", 1: "3"}])
+    d3 = _criteo_day(tmp_path / "day_3", [{0: "7", 1: "3"}, {0: "5", 1: "1"}, {0: "7", 1: "9"},
+                                          {0: "30", 1: "2"}, {0: "20", 1: "3"}])
+    data, run, pt2 = tmp_path / "data", tmp_path / "run", tmp_path / "model.pt2"
+    preprocess_criteo([d0, d1], data, fmt="terabyte", max_embeddings_per_feature=5)
+    preprocess_criteo([d2], data, add_day=True)
+    monkeypatch.setattr(exporting, "_write_pt2", _manifest_only)
+    config = _config(data, run, batch_size=1, publish=str(pt2), embedding_learning_rate=0.5)
+    train(config, progress=False)
+    preprocess_criteo([d3], data, add_day=True)
+    train(config, progress=False)
+    exports = _log(run, "export")
+    assert [e["published"] for e in exports] == ["program", "weights", "weights", "weights"]
+    assert [e["checkpoint"].split("/")[-1] for e in exports] == [
+        f"step_{s:08d}" for s in (4, 6, 8, 13)]
+    manifest = read_manifest(pt2)
+    assert manifest["preprocessing"]["encoding"]["num_embeddings"][:2] == [4, 4]
+    assert manifest["vocabulary"]["file"] == "vocabulary-day-00002.parquet"
+    assert json.loads((data / "dataset.json").read_text())["parameters"]["encoding"][
+        "num_embeddings"][:2] == [5, 5]
+
+    cat_raw = torch.zeros(5, 26, dtype=torch.int64)
+    cat_raw[:, 0] = torch.tensor([0x7, 0x5, 0x7, 0x30, 0x20])
+    cat_raw[:, 1] = torch.tensor([0x3, 0x1, 0x9, 0x2, 0x3])
+    ids, probabilities = _served(run, "step_00000013", cat_raw)
+    assert ids.view(26, 5)[0].tolist() == [0, 3, 0, 0, 2]  # 7: row 4, past the 4-row table
+    model, _, spec, _ = exporting.load_unsharded(run, "step_00000013")
+    assert [f.num_embeddings for f in spec.sparse_features][:2] == [4, 4]
+    loader = ParquetLoader(data, days=3, batch_size=5, drop_last=False)
+    batch = next(iter(follow.OutOfVocabulary(loader, [f.num_embeddings
+                                                      for f in spec.sparse_features])))
+    assert torch.equal(ids, batch.sparse.values())
+    with torch.no_grad():
+        expected = torch.sigmoid(model(batch.dense, batch.sparse).squeeze(1))
+    torch.testing.assert_close(probabilities, expected, rtol=1e-5, atol=1e-6)
+    assert len({round(p, 4) for p in probabilities.tolist()}) == 5  # the rows do differ

@@ -45,6 +45,7 @@ from dlrm_app.data.criteo.lines import Block, LineIndex, blocks, prefetch
 from dlrm_app.data.criteo.parse import no_valid_rows_error, parse_block, read_blocks
 from dlrm_app.data.criteo.spill import SpillPlan, SpillWriter, spill_file
 from dlrm_app.data.criteo.workers import Runner
+from dlrm_app.data.integrity import verify_file
 from dlrm_app.data.schema import sha256_file
 from dlrm_app.inputs import DATASET_JSON
 
@@ -369,6 +370,48 @@ def load_vocabulary_rows(directory: str | os.PathLike[str], file: str | None = N
         return ids, None
     row = table["row"].to_numpy()
     return ids, [row[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServedVocabulary:
+    """A dataset's id -> row map as a model with given table sizes reads it
+    (:func:`vocabulary_for_tables`)."""
+
+    ids: list[np.ndarray]
+    """Per feature, the sorted raw ids that read a row of their own."""
+    rows: list[np.ndarray] | None
+    """Their rows; None when id ``ids[k][i]`` reads row ``i + 1`` (a vocabulary that never
+    grew, or whose grown ids lie past the model's tables)."""
+    file: str
+    """The vocabulary file it was read from."""
+    past_tables: list[int]
+    """Per feature, the vocabulary's ids whose row lies at or past the model's table: left out
+    (they read row 0, as in training)."""
+
+
+def vocabulary_for_tables(directory: str | os.PathLike[str], num_embeddings: Sequence[int],
+                          encoding: dict) -> ServedVocabulary:
+    """The id -> row map of the dataset in ``directory`` (its ``encoding`` record: the grown
+    vocabulary it names, else ``vocabulary.parquet``; checked against the recorded sha256) for
+    a model whose tables have ``num_embeddings`` rows. A ``--follow`` run keeps the tables of
+    its start while ``--add-day`` grows the vocabulary: its training reads row 0 for ids whose
+    row is at or past its tables, as for ids without a row, so those ids are left out."""
+    directory = Path(directory)
+    grown = encoding.get(GROWN_VOCABULARY)
+    file, sha256 = (VOCABULARY_FILE, encoding.get("vocabulary_sha256")) if grown is None \
+        else (grown["file"], grown["sha256"])
+    verify_file(directory / file, sha256)
+    ids, rows = load_vocabulary_rows(directory, file)
+    if rows is None:
+        rows = [np.arange(1, len(v) + 1, dtype=np.int64) for v in ids]
+    kept_ids, kept_rows, past = [], [], []
+    for k, (v, r) in enumerate(zip(ids, rows, strict=True)):
+        keep = r < int(num_embeddings[k])
+        kept_ids.append(v[keep])
+        kept_rows.append(r[keep])
+        past.append(int((~keep).sum()))
+    in_order = all(np.array_equal(r, np.arange(1, len(r) + 1)) for r in kept_rows)
+    return ServedVocabulary(kept_ids, None if in_order else kept_rows, file, past)
 
 
 def save_grown_vocabulary(out: Path, file: str, ids: list[np.ndarray],
