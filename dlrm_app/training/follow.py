@@ -11,7 +11,8 @@ For each day of ``--data`` not done yet, in order (:class:`DayFollower`):
    ``--save-every``; no validation, no early stopping on the day's own rows);
 3. a checkpoint that records the day as done (``TrainState.days_done``);
 4. ``--publish PATH``: the day's checkpoint exported to PATH (``dlrm_app.serving.export``:
-   written beside it, then renamed into place, which a serving process reloads on).
+   written beside it, then renamed into place, which a serving process reloads on) by rank 0,
+   in a process of its own when there are more ranks (:func:`_export_apart`).
 
 Then it stops, or with ``--wait SECONDS`` polls the dataset's days for a new one
 (``preprocess criteo --add-day``) until SIGTERM or Ctrl-C, which end the run cleanly (its
@@ -24,8 +25,10 @@ Tables that grow: the model's tables are the dataset's sizes when the run starte
 in ``OUT/tables.json`` (a restart builds the same shapes). Ids of a later day at or past the
 model's rows (a vocabulary grown by ``--add-day``) read the out-of-vocabulary row 0, as an id
 without a row of the vocabulary does; the day's line counts them (``oov_ids``, per feature in
-``oov_ids_per_feature``). ``hash`` and ``zch`` datasets never grow. To give the new ids rows,
-start a new run on the grown dataset.
+``oov_ids_per_feature``). The published model maps them to row 0 too
+(:func:`dlrm_app.data.criteo.vocabulary.vocabulary_for_tables`), so its program stays the same
+and a grown day publishes weights alone. ``hash`` and ``zch`` datasets never grow. To give the
+new ids rows, start a new run on the grown dataset.
 """
 
 from __future__ import annotations
