@@ -20,10 +20,11 @@ from dlrm_app.reporting.report import save_evaluation, write_report
 from dlrm_app.training.build import build_model
 from dlrm_app.training.checkpoint import load_checkpoint, resolve_run
 from dlrm_app.training.runtime import amp_enabled, autocast, init_distributed, world
+from dlrm_app.training.tables import OutOfVocabulary, run_model_spec
 from recsys_core.metrics import BinaryClassificationMetrics
 
 
-def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
+def evaluate_model(dmp: nn.Module, loader: ParquetLoader | OutOfVocabulary, device: torch.device,
                    max_batches: int = 0, amp: bool | None = False,
                    save_to: tuple[str | Path, str] | None = None) -> dict[str, float]:
     """AUC, NE, logloss... of ``dmp`` on ``loader``'s split, exact over all ranks.
@@ -54,8 +55,11 @@ def evaluate_model(dmp: nn.Module, loader: ParquetLoader, device: torch.device,
 def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
                        data: str | None = None, batch_size: int | None = None,
                        ) -> tuple[Any, TrainConfig, DatasetSpec, Path]:
-    """(sharded model with the checkpoint's weights, its config, dataset spec, checkpoint),
-    planned for batches of ``batch_size`` rows per rank (None: the run's training batch)."""
+    """(sharded model with the checkpoint's weights, its config, the dataset as the model
+    reads it, checkpoint), planned for batches of ``batch_size`` rows per rank (None: the run's
+    training batch). The spec's table sizes are the model's: a ``--follow`` run's tables keep
+    the sizes of its start while its dataset's vocabulary grows (:mod:`.tables`); feed such a
+    model its dataset's batches through :class:`~dlrm_app.training.tables.OutOfVocabulary`."""
     config, path = resolve_run(run, checkpoint)
     device = init_distributed(config.timeout)
     spec = DatasetSpec.load(data or config.data)
@@ -69,6 +73,7 @@ def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
     # training world (another number of ranks, another batch per rank), not this one.
     config_for_eval = TrainConfig.from_json_dict(
         {**config.to_json_dict(), "plan": None, "memory_per_rank": None})
+    spec = run_model_spec(spec, Path(run))
     model = build_model(config_for_eval, spec, device, batch_size=batch_size)
     load_checkpoint(path, model=model, optimizer=None, extra={})
     return model, config, spec, path
@@ -83,11 +88,12 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
     rank, world_size = world()
     loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
                            world_size=world_size, drop_last=False, pad_last=True)
+    batches = OutOfVocabulary(loader, [f.num_embeddings for f in spec.sparse_features])
     name = split if data is None else f"{split}_{Path(data).resolve().name}"
     # in the precision the run trained and validated in (--amp), so that the best
     # checkpoint's validation AUC here is the one training recorded
     device = init_distributed()  # joined by load_trained_model: this only names the device
-    metrics = evaluate_model(model, loader, device, amp=config.amp, save_to=(run, name))
+    metrics = evaluate_model(model, batches, device, amp=config.amp, save_to=(run, name))
     if rank == 0:
         write_report(run)
     return {"split": split, "checkpoint": str(path), "world_size": world_size,

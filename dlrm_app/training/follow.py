@@ -33,14 +33,12 @@ new ids rows, start a new run on the grown dataset.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,15 +47,14 @@ import torch.distributed as dist
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.days import Day, read_days
-from dlrm_app.data.loader import Batch, ParquetLoader
+from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.reporting.report import write_report
 from dlrm_app.training.checkpoint import latest_checkpoint
 from dlrm_app.training.components import PreemptionGuard
 from dlrm_app.training.evaluate import evaluate_model
 from dlrm_app.training.pipeline import device_batches
-from dlrm_app.training.tables import TABLES, recorded_tables, with_tables
-from recsys_core.sparse import KeyedJaggedTensor
+from dlrm_app.training.tables import TABLES, OutOfVocabulary, recorded_tables, with_tables
 
 if TYPE_CHECKING:
     from dlrm_app.training.trainer import Trainer
@@ -94,43 +91,6 @@ def refuse_other_data(config: TrainConfig, previous: str | None) -> None:
                          f"{previous}; resume it without --data (add days to {previous} with "
                          "`dlrm-app preprocess criteo DAY --out ... --add-day`), or start a new "
                          "run in another --out")
-
-
-class OutOfVocabulary:
-    """Batches of ``loader`` whose ids at or past the model's rows (``rows``, per feature in
-    key order) read row 0 instead; ``counts`` adds up, per feature, such ids of the real rows
-    (a padded batch's padding aside)."""
-
-    def __init__(self, loader: ParquetLoader, rows: list[int]) -> None:
-        self.loader = loader
-        self._rows = torch.tensor(rows, dtype=torch.int64)
-        self.counts = torch.zeros(len(rows), dtype=torch.int64)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Batch]:
-        for batch in self.loader:
-            yield self.remap(batch)
-
-    def remap(self, batch: Batch) -> Batch:
-        kjt = batch.sparse
-        values, lengths = kjt.values(), kjt.lengths().long()
-        keys = torch.repeat_interleave(torch.arange(len(self._rows)),
-                                       torch.tensor(kjt.length_per_key()))
-        over = values >= self._rows[keys]
-        if not bool(over.any()):
-            return batch
-        if batch.valid_rows is not None:  # only the real rows count
-            size = kjt.stride()
-            row = torch.repeat_interleave(torch.arange(len(lengths)) % size, lengths)
-            counted = over & (row < batch.valid_rows)
-        else:
-            counted = over
-        self.counts += torch.bincount(keys[counted], minlength=len(self._rows))
-        sparse = KeyedJaggedTensor(keys=kjt.keys(), values=torch.where(over, 0, values),
-                                   lengths=kjt.lengths(), weights=kjt.weights_or_none())
-        return dataclasses.replace(batch, sparse=sparse)
 
 
 class DayFollower:
@@ -271,7 +231,7 @@ class DayFollower:
                                    rank=trainer.rank, world_size=trainer.world_size,
                                    drop_last=False, pad_last=True)
             oov = OutOfVocabulary(loader, self._rows)
-            metrics = evaluate_model(trainer.model, oov, trainer.device,  # type: ignore[arg-type]
+            metrics = evaluate_model(trainer.model, oov, trainer.device,
                                      amp=self.config.amp)
             counts = oov.counts.to(trainer.device)
             if trainer.world_size > 1 and dist.is_initialized():

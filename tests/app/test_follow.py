@@ -20,13 +20,15 @@ import torch
 from dlrm_app.config import ModelConfig, TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.serving import export as exporting
 from dlrm_app.serving.artifact import MANIFEST_FILE, read_manifest
 from dlrm_app.training import follow, resume
 from dlrm_app.training.components import Preempted
-from dlrm_app.training.evaluate import evaluate_model, load_trained_model
+from dlrm_app.training.evaluate import evaluate_checkpoint, evaluate_model, load_trained_model
 from dlrm_app.training.runtime import init_distributed
+from dlrm_app.training.tables import OutOfVocabulary
 from dlrm_app.training.trainer import Trainer, train
 
 SMALL = ModelConfig(embedding_dim=4, dense_arch_layer_sizes=(8, 4), over_arch_layer_sizes=(8, 1))
@@ -225,6 +227,27 @@ def test_a_finished_run_rerun_after_a_new_day_trains_that_day_only(tmp_path: Pat
     assert _log(run, "day")[2]["model_step"] == 6  # evaluated by the model of days 0-1
 
 
+@pytest.mark.slow  # 3-9 s: a follow run, two evaluations
+def test_evaluate_reads_a_followed_run_after_its_vocabulary_grew(tmp_path: Path) -> None:
+    """``dlrm-app evaluate`` builds the model with the tables of the run's start, not the grown
+    dataset's (it failed to load the checkpoint: "Size mismatch ... [3, 4] ... [5, 4]"), and
+    scores the same rows the same before and after a day added ids."""
+    d0 = _criteo_day(tmp_path / "day_0", [{0: "10", 1: "1"}, {0: "20", 1: "2"},
+                                          {0: "10", 1: "2"}, {0: "20", 1: "1"}])
+    d1 = _criteo_day(tmp_path / "day_1", [{0: "20", 1: "1"}, {0: "10", 1: "2"}])
+    d2 = _criteo_day(tmp_path / "day_2", [{0: "5", 1: "3"}, {0: "7", 1: "4"}])
+    data, run = tmp_path / "data", tmp_path / "run"
+    preprocess_criteo([d0, d1], data, fmt="terabyte", max_embeddings_per_feature=5)
+    train(_config(data, run, batch_size=1), progress=False)
+    before = evaluate_checkpoint(run, split="train")
+    preprocess_criteo([d2], data, add_day=True)
+    assert DatasetSpec.load(data).sparse_features[0].num_embeddings == 5  # grown from 3
+    after = evaluate_checkpoint(run, split="train")
+    assert after["num_examples"] == before["num_examples"] == 4
+    for key in ("auc", "logloss", "mean_prediction"):
+        assert after[key] == pytest.approx(before[key], abs=1e-12), key
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     ({"follow": False, "wait": 5.0}, "--wait goes with --follow"),
     ({"follow": False, "publish": "m.pt2"}, "--publish goes with --follow"),
@@ -333,7 +356,7 @@ def test_a_grown_vocabulary_publishes_weights_and_serves_ids_as_training_read_th
     model, _, spec, _ = exporting.load_unsharded(run, "step_00000013")
     assert [f.num_embeddings for f in spec.sparse_features][:2] == [4, 4]
     loader = ParquetLoader(data, days=3, batch_size=5, drop_last=False)
-    batch = next(iter(follow.OutOfVocabulary(loader, [f.num_embeddings
+    batch = next(iter(OutOfVocabulary(loader, [f.num_embeddings
                                                       for f in spec.sparse_features])))
     assert torch.equal(ids, batch.sparse.values())
     with torch.no_grad():
