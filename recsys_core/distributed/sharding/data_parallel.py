@@ -30,25 +30,27 @@ from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
 
-class ReplicaLayout:
-    """Where a collection's data-parallel features sit in a rank's replica kernels: the slots
-    (SUM tables first, then MEAN: one kernel per pooling type), the input permutation into
-    slot order and the column permutation back to the collection's feature order. Shared by
-    the fused (:class:`DpPooledSharding`) and DENSE (``DpDenseSharding``) replicas."""
+class ReplicaSharding(StrategyBase):
+    """What both data-parallel strategies do alike (the fused replicas of
+    :class:`DpPooledSharding` and the DENSE ones of ``DpDenseSharding``): where the collection's
+    features sit in this rank's replica kernels, the slots (SUM tables first, then MEAN: one
+    kernel per pooling type); the input dist permutes the local features into slot order, the
+    output dist permutes the pooled columns back to the collection's feature order (no
+    communication in forward)."""
 
-    def __init__(self, tables: Sequence[ShardedTable], rank: int) -> None:
-        self.output_features = [f for t in tables for f in t.embedding_names]
-        by_table = {sh.table: sh for t in tables for sh in t.shards if sh.rank == rank}
-        self.slots = [
+    def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
+        super().__init__(tables, env, ctx)
+        by_table = {sh.table: sh for t in tables for sh in t.shards if sh.rank == env.rank}
+        self._replica_slots = [
             Slot(f, by_table[t.config.name], pooling)
             for pooling in (PoolingType.SUM, PoolingType.MEAN)
             for t in tables if t.config.pooling is pooling
             for f in t.embedding_names
         ]
-        self._input_order = [self.output_features.index(s.feature) for s in self.slots]
-        dims = [s.shard.cols for s in self.slots]
+        self._input_order = [self.output_features.index(s.feature) for s in self._replica_slots]
+        dims = [s.shard.cols for s in self._replica_slots]
         starts = [sum(dims[:i]) for i in range(len(dims))]
-        position = {s.feature: i for i, s in enumerate(self.slots)}
+        position = {s.feature: i for i, s in enumerate(self._replica_slots)}
         self._columns = column_permutation([
             c for f in self.output_features
             for c in range(starts[position[f]], starts[position[f]] + dims[position[f]])
@@ -59,23 +61,22 @@ class ReplicaLayout:
             return LazyNoWait(features)
         return LazyNoWait(features.permute(self._input_order))
 
-    def output_dist(self, pooled: torch.Tensor) -> Awaitable[torch.Tensor]:
+    def output_dist(
+        self,
+        pooled: torch.Tensor,
+        local_features: KeyedJaggedTensor,
+        batch_size_per_rank: Sequence[int] | None = None,
+    ) -> Awaitable[torch.Tensor]:
         return LazyNoWait(select_columns(pooled, self._columns))
 
 
-class DpPooledSharding(StrategyBase):
+class DpPooledSharding(ReplicaSharding):
     """DATA_PARALLEL tables of one collection (always on the torch kernel, whose backward can
     sum gradients across ranks before updating)."""
 
-    def __init__(
-        self,
-        tables: Sequence[ShardedTable],
-        env: ShardingEnv,
-        ctx: KernelContext,
-    ) -> None:
+    def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         super().__init__(tables, env, ctx)
-        self._layout = ReplicaLayout(tables, env.rank)
-        self._build_kernels(self._layout.slots, ctx, backend=KernelBackend.TORCH)
+        self._build_kernels(self._replica_slots, ctx, backend=KernelBackend.TORCH)
         for kernel in self.local.kernels:
             assert isinstance(kernel, TorchTableBatchedEmbedding)
             if ctx.sync_replica_gradients:  # else each replica steps on its own gradient
@@ -105,17 +106,6 @@ class DpPooledSharding(StrategyBase):
             return _sum_over_ranks(touched, most, world, rank, group, scale)
 
         return reduce
-
-    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
-        return self._layout.input_dist(features)
-
-    def output_dist(
-        self,
-        pooled: torch.Tensor,
-        local_features: KeyedJaggedTensor,
-        batch_size_per_rank: Sequence[int] | None = None,
-    ) -> Awaitable[torch.Tensor]:
-        return self._layout.output_dist(pooled)
 
 
 def _most_rows(counts: list[int], world: int, rank: int, group: dist.ProcessGroup) -> list[int]:

@@ -19,18 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.distributed.comm_ops import get_gradient_division
-from recsys_core.distributed.sharding.data_parallel import ReplicaLayout
+from recsys_core.distributed.sharding.data_parallel import ReplicaSharding
 from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.shards import ShardedTable
-from recsys_core.distributed.sharding.strategy import StrategyBase
 from recsys_core.distributed.types import ShardingEnv
 from recsys_core.sparse import KeyedJaggedTensor
 
 
-class DpDenseSharding(StrategyBase):
+class DpDenseSharding(ReplicaSharding):
     """DATA_PARALLEL tables on the DENSE kernel: each rank looks up its own batch in its
     replica; no communication in forward; the replicas' gradients are summed over the ranks
     (and divided by their number under gradient division) at the end of each backward.
@@ -39,8 +37,7 @@ class DpDenseSharding(StrategyBase):
 
     def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         super().__init__(tables, env, ctx)
-        self._layout = ReplicaLayout(tables, env.rank)
-        self._build_kernels(self._layout.slots, ctx)
+        self._build_kernels(self._replica_slots, ctx)
         group = env.pg if env.world_size > 1 else None
         # A collection marked by mark_data_parallel_skip_grad_sync: no sum in backward.
         self._group = group if ctx.sync_replica_gradients else None
@@ -49,9 +46,6 @@ class DpDenseSharding(StrategyBase):
             for kernel in self.local.kernels:
                 for w in kernel.split_embedding_weights():
                     dist.broadcast(w, src=0, group=group)
-
-    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[KeyedJaggedTensor]:
-        return self._layout.input_dist(features)
 
     def lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         pooled = super().lookup(features)
@@ -88,11 +82,3 @@ class DpDenseSharding(StrategyBase):
             for g in grads:
                 g.copy_(flat[start:start + g.numel()].view_as(g))
                 start += g.numel()
-
-    def output_dist(
-        self,
-        pooled: torch.Tensor,
-        local_features: KeyedJaggedTensor,
-        batch_size_per_rank: Sequence[int] | None = None,
-    ) -> Awaitable[torch.Tensor]:
-        return self._layout.output_dist(pooled)

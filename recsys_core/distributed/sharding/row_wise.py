@@ -26,11 +26,7 @@ from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d, reduce_scatter_dim0
 from recsys_core.distributed.dist_data import bucketize_by_row
 from recsys_core.distributed.sharding.local_kernels import KernelContext
-from recsys_core.distributed.sharding.sequence import (
-    SequenceBatch,
-    return_rows,
-    sequence_slots,
-)
+from recsys_core.distributed.sharding.sequence import SequenceBatch, SequenceStrategyBase
 from recsys_core.distributed.sharding.shards import ShardedTable, Slot
 from recsys_core.distributed.sharding.strategy import StrategyBase
 from recsys_core.distributed.types import CommOp, ShardingEnv
@@ -89,6 +85,7 @@ class RwPooledSharding(StrategyBase):
             [i for i, d in enumerate(self._domain_of_feature) if d == dom]
             for dom in range(self._num_domains)
         ]
+        self._dims_by_domain = [sum(self._dims[i] for i in f) for f in self._domain_features]
         self._columns = self._column_index()
         feature_index = self._feature_index()
         self._features_per_dest = [
@@ -133,26 +130,11 @@ class RwPooledSharding(StrategyBase):
             order = order.view(hosts, size, batch).transpose(0, 1).reshape(-1)
             pooled = pooled.index_select(0, order)
         scattered = reduce_scatter_dim0(pooled, self._domain_group, self._scatter_codecs)
-        dims_by_domain = [sum(self._dims[i] for i in feats) for feats in self._domain_features]
         lengths = local_features.lengths()
-
-        def finish() -> torch.Tensor:
-            mine = scattered.wait()  # [hosts * batch, dim]: this local index's samples of every host
-            if hosts > 1:
-                cross = all_to_all_1d(
-                    mine, [batch * dim] * hosts, [batch * d for d in dims_by_domain],
-                    self._cross_group, self._a2a_codecs,
-                ).wait()
-                blocks = [
-                    c.view(batch, d)
-                    for c, d in zip(cross.split([batch * d for d in dims_by_domain]), dims_by_domain, strict=True)
-                ]
-                out = permute_parts(blocks, self._columns)
-            else:
-                out = select_columns(mine, self._columns)
-            return self._apply_mean(out, lengths, batch)
-
-        return FunctionAwaitable(finish)
+        # [hosts * batch, dim]: this local index's samples of every host
+        return FunctionAwaitable(
+            lambda: self._finish(scattered.wait(), [batch * dim] * hosts, lengths, batch)
+        )
 
     def _output_dist_uneven(
         self, pooled: torch.Tensor, local_features: KeyedJaggedTensor, sizes: list[int]
@@ -183,26 +165,28 @@ class RwPooledSharding(StrategyBase):
             pooled, [sum(c) * dim for c in per_chunk], [chunk_rows * dim] * size,
             self._domain_group, self._scatter_codecs,
         )
-        dims_by_domain = [sum(self._dims[i] for i in feats) for feats in self._domain_features]
         lengths = local_features.lengths()
+        return FunctionAwaitable(lambda: self._finish(
+            inflight.wait().view(size, chunk_rows, dim).sum(dim=0), [b * dim for b in mine],
+            lengths, batch,
+        ))
 
-        def finish() -> torch.Tensor:
-            summed = inflight.wait().view(size, chunk_rows, dim).sum(dim=0)
-            if hosts > 1:
-                cross = all_to_all_1d(
-                    summed, [b * dim for b in mine], [batch * d for d in dims_by_domain],
-                    self._cross_group, self._a2a_codecs,
-                ).wait()
-                blocks = [
-                    c.view(batch, d)
-                    for c, d in zip(cross.split([batch * d for d in dims_by_domain]), dims_by_domain, strict=True)
-                ]
-                out = permute_parts(blocks, self._columns)
-            else:
-                out = select_columns(summed, self._columns)
-            return self._apply_mean(out, lengths, batch)
-
-        return FunctionAwaitable(finish)
+    def _finish(
+        self, summed: torch.Tensor, cross_splits: list[int], lengths: torch.Tensor, batch: int
+    ) -> torch.Tensor:
+        """This rank's ``[batch, dim]`` output from the domain-summed rows of its local index:
+        with several hosts, first an all-to-all (``cross_splits``: what goes to each host)
+        between the ranks of one local index, which brings each host's domain columns; then
+        output column order and MEAN pooling."""
+        if self._num_domains == 1:
+            return self._apply_mean(select_columns(summed, self._columns), lengths, batch)
+        dims = self._dims_by_domain
+        sizes = [batch * d for d in dims]
+        cross = all_to_all_1d(
+            summed, cross_splits, sizes, self._cross_group, self._a2a_codecs
+        ).wait()
+        blocks = [c.view(batch, d) for c, d in zip(cross.split(sizes), dims, strict=True)]
+        return self._apply_mean(permute_parts(blocks, self._columns), lengths, batch)
 
     def _apply_mean(self, out: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
         if not any(self._mean):
@@ -217,19 +201,11 @@ class RwPooledSharding(StrategyBase):
         return out * torch.cat(scales, dim=1)
 
 
-class RwSequenceSharding(StrategyBase):
+class RwSequenceSharding(SequenceStrategyBase):
     """ROW_WISE tables of one EmbeddingCollection: each id goes to the rank owning its row."""
 
-    def __init__(
-        self,
-        tables: Sequence[ShardedTable],
-        env: ShardingEnv,
-        ctx: KernelContext,
-    ) -> None:
+    def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         super().__init__(tables, env, ctx)
-        self._codecs = ctx.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        self._slots = sequence_slots(tables, env.world_size)
-        self._build_kernels(self._slots[env.rank], ctx)
         self._owners: list[torch.Tensor] = []  # per feature: rank of each non-empty row block
         self._starts: list[torch.Tensor] = []  # per feature: first row of each non-empty block
         for t in tables:
@@ -239,8 +215,6 @@ class RwSequenceSharding(StrategyBase):
             for _ in t.embedding_names:
                 self._owners.append(torch.tensor([sh.rank for sh in blocks]))
                 self._starts.append(torch.tensor([sh.row_offset for sh in blocks]))
-        index = self._feature_index()
-        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
         # Rows come back grouped by owner rank, ascending (the stable sort by destination).
         where = {(s.feature, r): j for r, sl in enumerate(self._slots) for j, s in enumerate(sl)}
         self._assembly = [
@@ -261,26 +235,12 @@ class RwSequenceSharding(StrategyBase):
             restore.append(inverse)
         per_owner = buckets.ids_per_dest
         sent = [[per_owner[i][r] for i in feats] for r, feats in enumerate(self._slot_features)]
-        ids = buckets.exchange
-        return FunctionAwaitable(
-            lambda: SequenceBatch(ids.wait(), sent, restore, ids.batch_size_per_rank)
-        )
+        return self._batch(buckets.exchange, sent, restore)
 
-    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        return self.local.lookup_rows(batch.features)
-
-    def output_dist(
-        self, rows: list[torch.Tensor], batch: SequenceBatch
-    ) -> Awaitable[list[torch.Tensor]]:
-        blocks = return_rows(rows, batch, self._slots, self._env, self._codecs)
-
-        def assemble() -> list[torch.Tensor]:
-            got = blocks()
-            out = []
-            for parts, inverse in zip(self._assembly, batch.restore, strict=True):
-                by_owner = torch.cat([got[r][j] for r, j in parts])
-                # index_select is differentiable: gradients go back to the owner-ordered rows
-                out.append(by_owner if inverse is None else by_owner.index_select(0, inverse))
-            return out
-
-        return FunctionAwaitable(assemble)
+    def _assemble(self, blocks: list[list[torch.Tensor]], batch: SequenceBatch) -> list[torch.Tensor]:
+        out = []
+        for parts, inverse in zip(self._assembly, batch.restore, strict=True):
+            by_owner = torch.cat([blocks[r][j] for r, j in parts])
+            # index_select is differentiable: gradients go back to the owner-ordered rows
+            out.append(by_owner if inverse is None else by_owner.index_select(0, inverse))
+        return out

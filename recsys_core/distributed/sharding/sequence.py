@@ -46,11 +46,13 @@ from typing import Protocol
 
 import torch
 
-from recsys_core.distributed.awaitable import Awaitable
+from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d
-from recsys_core.distributed.sharding.local_kernels import LocalKernels
+from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
+from recsys_core.distributed.sharding.local_kernels import KernelContext, LocalKernels
 from recsys_core.distributed.sharding.shards import ShardedTable, Slot
-from recsys_core.distributed.types import QuantizedCommCodecs, ShardingEnv
+from recsys_core.distributed.sharding.strategy import StrategyBase
+from recsys_core.distributed.types import CommOp, QuantizedCommCodecs, ShardingEnv
 from recsys_core.modules.embedding_configs import PoolingType
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -151,3 +153,42 @@ def return_rows(
         ]
 
     return blocks
+
+
+class SequenceStrategyBase(StrategyBase):
+    """What every sequence strategy does alike: its slots (:func:`sequence_slots`) and their
+    kernels, the input features each rank's slots read (``_slot_features``), one row per id as
+    the lookup, and the output dist: the rows go back (:func:`return_rows`) and
+    :meth:`_assemble` puts them in output order. A strategy adds its input dist and
+    :meth:`_assemble`."""
+
+    def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
+        super().__init__(tables, env, ctx)
+        self._codecs = ctx.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
+        self._slots = sequence_slots(tables, env.world_size)
+        self._build_kernels(self._slots[env.rank], ctx)
+        index = self._feature_index()
+        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
+
+    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        return self.local.lookup_rows(batch.features)
+
+    def output_dist(
+        self, rows: list[torch.Tensor], batch: SequenceBatch
+    ) -> Awaitable[list[torch.Tensor]]:
+        blocks = return_rows(rows, batch, self._slots, self._env, self._codecs)
+        return FunctionAwaitable(lambda: self._assemble(blocks(), batch))
+
+    def _assemble(self, blocks: list[list[torch.Tensor]], batch: SequenceBatch) -> list[torch.Tensor]:
+        """Per output feature, its rows in input order, from ``blocks[o][j]`` (see
+        :func:`return_rows`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _batch(
+        ids: SparseFeaturesAllToAll, sent: list[list[int]], restore: list[torch.Tensor | None]
+    ) -> Awaitable[SequenceBatch]:
+        """The input dist's result once ``ids`` (the KJT all-to-all in flight) arrives."""
+        return FunctionAwaitable(
+            lambda: SequenceBatch(ids.wait(), sent, restore, ids.batch_size_per_rank)
+        )

@@ -24,11 +24,7 @@ from recsys_core.distributed.awaitable import Awaitable, FunctionAwaitable
 from recsys_core.distributed.comm import all_to_all_1d, pooled_all_to_all_assembled
 from recsys_core.distributed.dist_data import send_whole_bags
 from recsys_core.distributed.sharding.local_kernels import KernelContext
-from recsys_core.distributed.sharding.sequence import (
-    SequenceBatch,
-    return_rows,
-    sequence_slots,
-)
+from recsys_core.distributed.sharding.sequence import SequenceBatch, SequenceStrategyBase
 from recsys_core.distributed.sharding.shards import ShardedTable, Slot
 from recsys_core.distributed.sharding.strategy import StrategyBase
 from recsys_core.distributed.types import CommOp, ShardingEnv
@@ -53,22 +49,23 @@ def slots_by_rank(tables: Sequence[ShardedTable], world_size: int) -> list[list[
     return out
 
 
+def whole_bag_routing(
+    slots: list[list[Slot]], index: dict[str, int]
+) -> tuple[list[int], list[int]]:
+    """What :func:`send_whole_bags` needs: the input feature (``index`` of its name) of every
+    slot, rank by rank, and each rank's slot count."""
+    return [index[s.feature] for sl in slots for s in sl], [len(sl) for sl in slots]
+
+
 class TwPooledSharding(StrategyBase):
     """TABLE_WISE / COLUMN_WISE / TABLE_COLUMN_WISE tables of one collection."""
 
-    def __init__(
-        self,
-        tables: Sequence[ShardedTable],
-        env: ShardingEnv,
-        ctx: KernelContext,
-    ) -> None:
+    def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         super().__init__(tables, env, ctx)
         self._codecs = ctx.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         self._slots = slots_by_rank(tables, env.world_size)
         self._build_kernels(self._slots[env.rank], ctx)
-        index = self._feature_index()
-        self._send_order = [index[s.feature] for slots in self._slots for s in slots]
-        self._send_counts = [len(slots) for slots in self._slots]
+        self._send_order, self._send_counts = whole_bag_routing(self._slots, self._feature_index())
         self._dims = [sum(s.shard.cols for s in slots) for slots in self._slots]
         self._columns = self._column_index(tables)
 
@@ -140,26 +137,16 @@ class TwPooledSharding(StrategyBase):
         return pooled_all_to_all_assembled(pooled, sizes, batch, dims, runs, self._env.pg)
 
 
-class TwSequenceSharding(StrategyBase):
+class TwSequenceSharding(SequenceStrategyBase):
     """TABLE_WISE and COLUMN_WISE tables of one EmbeddingCollection.
 
     Every shard spans all rows, so each feature's ids go whole to every rank holding a shard of
     its table; column shards' rows are concatenated in column order.
     """
 
-    def __init__(
-        self,
-        tables: Sequence[ShardedTable],
-        env: ShardingEnv,
-        ctx: KernelContext,
-    ) -> None:
+    def __init__(self, tables: Sequence[ShardedTable], env: ShardingEnv, ctx: KernelContext) -> None:
         super().__init__(tables, env, ctx)
-        self._codecs = ctx.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
-        self._slots = sequence_slots(tables, env.world_size)
-        self._build_kernels(self._slots[env.rank], ctx)
-        index = self._feature_index()
-        self._send_order = [index[s.feature] for slots in self._slots for s in slots]
-        self._send_counts = [len(slots) for slots in self._slots]
+        self._send_order, self._send_counts = whole_bag_routing(self._slots, self._feature_index())
         # per output feature: (rank, slot index) of each of its table's shards, in column order
         where = {
             (s.feature, s.shard): (r, j)
@@ -171,7 +158,6 @@ class TwSequenceSharding(StrategyBase):
             for t in tables
             for f in t.embedding_names
         ]
-        self._slot_features = [[index[s.feature] for s in sl] for sl in self._slots]
 
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[SequenceBatch]:
         ids = send_whole_bags(
@@ -181,25 +167,11 @@ class TwSequenceSharding(StrategyBase):
         local_counts = features.length_per_key()
         # a whole-table shard looks up every id of its feature: all of them come back
         sent = [[local_counts[i] for i in feats] for feats in self._slot_features]
-        restore: list[torch.Tensor | None] = [None] * len(self.output_features)
-        return FunctionAwaitable(
-            lambda: SequenceBatch(ids.wait(), sent, restore, ids.batch_size_per_rank)
-        )
+        return self._batch(ids, sent, [None] * len(self.output_features))
 
-    def lookup(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        return self.local.lookup_rows(batch.features)
-
-    def output_dist(
-        self, rows: list[torch.Tensor], batch: SequenceBatch
-    ) -> Awaitable[list[torch.Tensor]]:
-        blocks = return_rows(rows, batch, self._slots, self._env, self._codecs)
-
-        def assemble() -> list[torch.Tensor]:
-            got = blocks()
-            out = []
-            for parts in self._assembly:
-                pieces = [got[r][j] for r, j in parts]
-                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
-            return out
-
-        return FunctionAwaitable(assemble)
+    def _assemble(self, blocks: list[list[torch.Tensor]], batch: SequenceBatch) -> list[torch.Tensor]:
+        out = []
+        for parts in self._assembly:
+            pieces = [blocks[r][j] for r, j in parts]
+            out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+        return out
