@@ -42,8 +42,23 @@ def table_weights(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class EmbeddingSharderBase(ModuleSharder[M]):
-    """The one ``shard`` of the embedding sharders: TorchRec's signature, the device defaulted
-    to the host; each sharder says what it builds in :meth:`sharded_module`."""
+    """What the training and the quantized embedding sharders share: the one ``shard``
+    (TorchRec's signature, the device defaulted to the host; each sharder says what it builds
+    in :meth:`sharded_module`), ``fused_params`` as given, and ``storage_usage`` counted by the
+    class's :attr:`storage_usage_type`."""
+
+    _fused_params: dict[str, Any] | None = None
+
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        return self._fused_params
+
+    def storage_usage(
+        self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
+    ) -> dict[str, int]:
+        return compute_storage_usage(
+            tensor, compute_device_type, compute_kernel, type(self).storage_usage_type
+        )
 
     def shard(
         self,
@@ -86,10 +101,6 @@ class BaseEmbeddingSharder(EmbeddingSharderBase[M]):
                             for f in dataclasses.fields(fused_params)}
         self._fused_params = None if fused_params is None else dict(fused_params)
 
-    @property
-    def fused_params(self) -> dict[str, Any] | None:
-        return self._fused_params
-
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """Every sharding type this library executes, on CPU as on CUDA (TorchRec lists
         row-wise types only on CUDA). GRID_SHARD plans are TorchRec's; not executed here."""
@@ -111,13 +122,6 @@ class BaseEmbeddingSharder(EmbeddingSharderBase[M]):
     """How :meth:`storage_usage` counts this class's tensors (the planner's ``SharderData``
     reads it from the class, as TorchRec decides by the sharder's class)."""
 
-    def storage_usage(
-        self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
-    ) -> dict[str, int]:
-        return compute_storage_usage(
-            tensor, compute_device_type, compute_kernel, StorageUsageType.BASE
-        )
-
 
 class BaseQuantEmbeddingSharder(EmbeddingSharderBase[M]):
     """Common part of the quantized (inference) sharders: QUANT kernel; table-wise, row-wise
@@ -132,10 +136,6 @@ class BaseQuantEmbeddingSharder(EmbeddingSharderBase[M]):
         super().__init__()
         self._fused_params = None if fused_params is None else copy.deepcopy(dict(fused_params))
         self._shardable_params = list(shardable_params or [])
-
-    @property
-    def fused_params(self) -> dict[str, Any] | None:
-        return self._fused_params
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return [
@@ -163,13 +163,6 @@ class BaseQuantEmbeddingSharder(EmbeddingSharderBase[M]):
     storage_usage_type = StorageUsageType.BASE_QUANT
     """How :meth:`storage_usage` counts this class's tensors (the planner's ``SharderData``
     reads it from the class, as TorchRec decides by the sharder's class)."""
-
-    def storage_usage(
-        self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str
-    ) -> dict[str, int]:
-        return compute_storage_usage(
-            tensor, compute_device_type, compute_kernel, StorageUsageType.BASE_QUANT
-        )
 
 
 __all__ = [
