@@ -8,18 +8,7 @@ CPU); tables are placed table-wise with the QUANT kernel (``recsys_core.quant.sh
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
-
-from recsys_core.distributed.embedding_types import BaseQuantEmbeddingSharder
-from recsys_core.distributed.quant_embeddingbag import process_devices
-from recsys_core.distributed.types import (
-    EmbeddingModuleShardingPlan,
-    ParameterSharding,
-    ShardingEnv,
-    ShardingType,
-)
+from recsys_core.distributed.quant_embeddingbag import TableWiseQuantSharder
 from recsys_core.quant.quant_sequence import (
     QuantEmbeddingCollection,
     QuantManagedCollisionEmbeddingCollection,
@@ -27,31 +16,16 @@ from recsys_core.quant.quant_sequence import (
 from recsys_core.quant.sharding import (
     ShardedQuantEmbeddingCollection,
     ShardedQuantManagedCollisionEmbeddingCollection,
-    sharded_quant_module,
 )
 
 
-class QuantEmbeddingCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddingCollection]):
-    """Places a QuantEmbeddingCollection's tables table-wise on the devices of one process."""
+class QuantEmbeddingCollectionSharder(TableWiseQuantSharder[QuantEmbeddingCollection]):
+    """Places a QuantEmbeddingCollection's tables table-wise on the devices of one process (its
+    sharded form: a ``ShardedQuantEmbeddingCollection``)."""
 
     @property
     def module_type(self) -> type[QuantEmbeddingCollection]:
         return QuantEmbeddingCollection
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        """TABLE_WISE: the placement this library executes for quantized tables."""
-        return [ShardingType.TABLE_WISE.value]
-
-    def sharded_module(
-        self,
-        module: QuantEmbeddingCollection,
-        params: Mapping[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device,
-    ) -> ShardedQuantEmbeddingCollection:
-        return sharded_quant_module(  # type: ignore[return-value]
-            module, EmbeddingModuleShardingPlan(params), process_devices(env, device)
-        )
 
 
 class QuantManagedCollisionEmbeddingCollectionSharder(QuantEmbeddingCollectionSharder):

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
-from recsys_core.distributed.embedding_types import BaseQuantEmbeddingSharder
+from recsys_core.distributed.embedding_types import BaseQuantEmbeddingSharder, M
 from recsys_core.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -30,27 +31,31 @@ from recsys_core.quant.sharding import (
 )
 
 
-class QuantEmbeddingBagCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddingBagCollection]):
-    """Places a QuantEmbeddingBagCollection's tables table-wise on the devices of one process."""
-
-    @property
-    def module_type(self) -> type[QuantEmbeddingBagCollection]:
-        return QuantEmbeddingBagCollection
+class TableWiseQuantSharder(BaseQuantEmbeddingSharder[M]):
+    """What the quantized collections' sharders do alike: table-wise placement (the one this
+    library executes for quantized tables) on the devices of one process
+    (:func:`process_devices`), built by ``recsys_core.quant.sharding.sharded_quant_module``."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """TABLE_WISE: the placement this library executes for quantized tables."""
         return [ShardingType.TABLE_WISE.value]
 
     def sharded_module(
-        self,
-        module: QuantEmbeddingBagCollection,
-        params: Mapping[str, ParameterSharding],
-        env: ShardingEnv,
+        self, module: M, params: Mapping[str, ParameterSharding], env: ShardingEnv,
         device: torch.device,
-    ) -> ShardedQuantEmbeddingBagCollection:
-        return sharded_quant_module(  # type: ignore[return-value]
+    ) -> nn.Module:
+        return sharded_quant_module(
             module, EmbeddingModuleShardingPlan(params), process_devices(env, device)
         )
+
+
+class QuantEmbeddingBagCollectionSharder(TableWiseQuantSharder[QuantEmbeddingBagCollection]):
+    """Places a QuantEmbeddingBagCollection's tables table-wise on the devices of one process
+    (its sharded form: a ``ShardedQuantEmbeddingBagCollection``)."""
+
+    @property
+    def module_type(self) -> type[QuantEmbeddingBagCollection]:
+        return QuantEmbeddingBagCollection
 
 
 class QuantFeatureProcessedEmbeddingBagCollectionSharder(QuantEmbeddingBagCollectionSharder):
