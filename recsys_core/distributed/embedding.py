@@ -24,6 +24,7 @@ from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
+    ShardedCollectionCore,
     StrategyFactory,
 )
 from recsys_core.distributed.sharded_module import ShardedEmbeddingModule, dense_source
@@ -129,7 +130,9 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule[EmbeddingCollectionAwait
             name="ShardedEmbeddingCollection", state_prefix="embeddings", configs=tuple(configs),
             supported=SUPPORTED_SHARDING_TYPES, families=(_TW_FAMILY, (ShardingType.ROW_WISE,)),
         )
-        self._build_core(spec, plan, env, ctx, sequence_strategy_factory(env))
+        self._attach_core(
+            ShardedCollectionCore(spec, plan, env, ctx, sequence_strategy_factory(env))
+        )
         self._need_indices = module.need_indices()
 
     def compute_and_output_dist(

@@ -21,6 +21,7 @@ from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
+    ShardedCollectionCore,
     StrategyFactory,
 )
 from recsys_core.distributed.sharded_module import ShardedEmbeddingModule, dense_source
@@ -162,7 +163,9 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule[EmbeddingBagCollectio
             families=_FAMILIES,
             variable_batch=True,
         )
-        self._build_core(spec, plan, env, ctx, pooled_strategy_factory(env))
+        self._attach_core(
+            ShardedCollectionCore(spec, plan, env, ctx, pooled_strategy_factory(env))
+        )
         self._embedding_names = self._core.embedding_names
         self._dims = [t.config.embedding_dim for t in self._core.tables for _ in t.embedding_names]
         # strategies return their features' columns in strategy order: restore module order

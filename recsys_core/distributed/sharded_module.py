@@ -2,10 +2,10 @@
 
 A sharded collection is a :class:`ShardedCollectionCore` (tables, strategies, optimizer, input
 dists; see ``sharded_collection``) plus what its output looks like. This base holds the first
-part once: building the core, the table parameters under TorchRec's attribute name, and the
+part once: attaching the core, the table parameters under TorchRec's attribute name, and the
 delegations (``fused_optimizer``, ``env``, ``table_shards``, ``sharded_tables``, ``input_dist``,
-``prefetch``, ``drop_prefetched``, ``forward``). A subclass builds its core with
-:meth:`ShardedEmbeddingModule._build_core` and implements ``compute_and_output_dist``::
+``prefetch``, ``drop_prefetched``, ``forward``). A subclass builds its core and attaches it with
+:meth:`ShardedEmbeddingModule._attach_core` and implements ``compute_and_output_dist``::
 
     forward(kjt) = compute_and_output_dist(kjt, input_dist(kjt) or the prefetched one)
 """
@@ -13,7 +13,7 @@ delegations (``fused_optimizer``, ``env``, ``table_shards``, ``sharded_tables``,
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -21,15 +21,12 @@ from torch import nn
 
 from recsys_core.distributed.awaitable import LazyAwaitable
 from recsys_core.distributed.sharded_collection import (
-    CollectionSpec,
     DistInputs,
     ShardedCollectionCore,
-    StrategyFactory,
 )
 from recsys_core.distributed.sharded_state import LocalShard, ShardedFusedOptimizer
-from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.shards import ShardedTable
-from recsys_core.distributed.types import ParameterSharding, ShardingEnv
+from recsys_core.distributed.types import ShardingEnv
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
 from recsys_core.sparse import KeyedJaggedTensor
 
@@ -54,17 +51,11 @@ class ShardedEmbeddingModule(nn.Module, abc.ABC, Generic[Out]):
 
     _core: ShardedCollectionCore
 
-    def _build_core(
-        self,
-        spec: CollectionSpec,
-        plan: Mapping[str, ParameterSharding],
-        env: ShardingEnv,
-        ctx: KernelContext,
-        factory: StrategyFactory,
-    ) -> None:
-        self._core = ShardedCollectionCore(spec, plan, env, ctx, factory)
+    def _attach_core(self, core: ShardedCollectionCore) -> None:
+        """Make ``core`` this module's: its tables' parameters, lookups and state hooks."""
+        self._core = core
         # Before the lookups, so that parameter names are TorchRec's (embedding_bags.<t>.weight).
-        self.register_module(spec.state_prefix, self._core.table_parameters())
+        self.register_module(core.spec.state_prefix, core.table_parameters())
         self.lookups = self._core.lookups
         self._core.register_state_hooks(self)
 
