@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from recsys_core.modules.collection_tables import SequenceCollectionTables
 from recsys_core.modules.embedding_configs import (
     EmbeddingConfig,
     check_table_names,
@@ -44,7 +45,7 @@ def check_equal_dims(tables: Sequence[EmbeddingConfig], module: str) -> int:
     return dim
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(nn.Module, SequenceCollectionTables):
     """Unpooled lookups: ``KeyedJaggedTensor -> {embedding name: JaggedTensor of [N, dim] rows}``.
 
     Example::
@@ -98,18 +99,6 @@ class EmbeddingCollection(nn.Module):
             weight = self.embeddings[config.name].weight
             if not weight.is_meta:
                 config.init_weight_(weight)
-
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        return list(self._embedding_configs)
-
-    def embedding_names_by_table(self) -> list[list[str]]:
-        return [list(names) for names in self._embedding_names_by_table]
-
-    def embedding_dim(self) -> int:
-        return self._embedding_dim
-
-    def need_indices(self) -> bool:
-        return self._need_indices
 
     def use_gather_select(self) -> bool:
         return self._use_gather_select

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from recsys_core.modules.collection_tables import PooledCollectionTables
 from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import (
     EmbeddingBagConfig,
@@ -122,7 +123,7 @@ class EmbeddingCollectionInterface(Protocol):
     def embedding_names_by_table(self) -> list[list[str]]: ...
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(nn.Module, PooledCollectionTables):
     """Pooled embedding lookups for many tables: ``KeyedJaggedTensor -> KeyedTensor``.
 
     Example::
@@ -183,12 +184,6 @@ class EmbeddingBagCollection(nn.Module):
             weight = self.embedding_bags[config.name].weight
             if not weight.is_meta:
                 config.init_weight_(weight)
-
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return list(self._embedding_bag_configs)
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
 
     @property
     def device(self) -> torch.device:
