@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -35,6 +35,70 @@ def resolve_fused_config(
     return FusedOptimizerConfig.from_fused_params(
         {**kwargs, "optimizer": EmbOptimType.coerce(optimizer_type)}
     )
+
+
+class FusedCollectionBase(nn.Module):
+    """What the fused collections share: TorchRec's optimizer questions answered from what the
+    collection was built with (``optimizer_type()``, ``optimizer_kwargs()`` (a copy),
+    ``optimizer_config()``: the typed form its kernels run, ``fused_optimizer``), its
+    ``device`` (fixed at construction: moving or casting raises), train mode passed to its
+    table-batched kernels, and a deepcopy whose table parameters stay views of the copied
+    kernels. A collection calls :meth:`_set_optimizer` in ``__init__`` and sets
+    ``_device``, ``_batched`` (its tables) and ``_fused_optimizer``."""
+
+    if TYPE_CHECKING:
+        _device: torch.device
+        _batched: BatchedTables
+        _fused_optimizer: FusedCombinedOptimizer
+
+    def _set_optimizer(
+        self, optimizer_type: Any, optimizer_kwargs: Mapping[str, Any] | None
+    ) -> None:
+        self._optimizer_type = optimizer_type
+        self._optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._optimizer_config = resolve_fused_config(optimizer_type, optimizer_kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedCollectionBase:
+        return deepcopy_with_kernel_views(self, self._kernels, memo)
+
+    @property
+    def _kernels(self) -> list[nn.Module]:
+        """The table-batched kernels (one per pooling type; one SUM kernel for a sequence
+        collection, where each id is a bag of its own)."""
+        return self._batched.kernels
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def fused_optimizer(self) -> FusedCombinedOptimizer:
+        """The optimizer applied in backward. Call it as TorchRec does, ``fused_optimizer()``
+        (the returned optimizer is callable and returns itself)."""
+        return self._fused_optimizer
+
+    def optimizer_type(self) -> Any:
+        return self._optimizer_type
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self._optimizer_kwargs)
+
+    def optimizer_config(self) -> FusedOptimizerConfig:
+        return self._optimizer_config
+
+    def train(self, mode: bool = True) -> FusedCollectionBase:
+        super().train(mode)
+        self._batched.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FusedCollectionBase:
+        probe = fn(torch.zeros(1, device=self._device))
+        if probe.device != self._device or probe.dtype != torch.float32:
+            raise ValueError(
+                f"{self._get_name()} cannot be moved or cast after construction (its tables "
+                "live inside table-batched kernels); build it with device=... instead"
+            )
+        return super()._apply(fn, recurse)
 
 
 def convert_optimizer_type_and_kwargs(

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from recsys_core.kernels.batched import BatchedTables
-from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.config import EmbOptimType, KernelBackend
 from recsys_core.kernels.packed import PackedTable
+from recsys_core.modules.collection_tables import SequenceCollectionTables
 from recsys_core.modules.embedding_collection import check_equal_dims
 from recsys_core.modules.embedding_configs import (
     EmbeddingConfig,
@@ -22,11 +23,9 @@ from recsys_core.modules.embedding_configs import (
     get_embedding_names_by_table,
 )
 from recsys_core.modules.fused_common import (
-    FusedCombinedOptimizer,
+    FusedCollectionBase,
     check_location,
-    deepcopy_with_kernel_views,
     fused_table_weights,
-    resolve_fused_config,
 )
 from recsys_core.modules.lookup import check_features, check_lengths, meta_jagged
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
@@ -34,7 +33,7 @@ from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 _NAME = "FusedEmbeddingCollection"
 
 
-class FusedEmbeddingCollection(nn.Module):
+class FusedEmbeddingCollection(FusedCollectionBase, SequenceCollectionTables):
     """Same interface and outputs as EmbeddingCollection; table updates happen in ``backward()``.
 
     Args are TorchRec's (``tables, optimizer_type, optimizer_kwargs, device, need_indices,
@@ -65,13 +64,11 @@ class FusedEmbeddingCollection(nn.Module):
         if not tables:
             raise ValueError(f"{_NAME}: give at least one table")
         self._embedding_dim = check_equal_dims(tables, _NAME)
-        self._configs = list(tables)
+        self._embedding_configs = list(tables)
         self._need_indices = need_indices
         self._device = torch.device(device) if device is not None else torch.empty(0).device
         check_location(location, self._device, _NAME)
-        self._optimizer_type = optimizer_type
-        self._optimizer_kwargs = dict(optimizer_kwargs or {})
-        self._optimizer_config = resolve_fused_config(optimizer_type, optimizer_kwargs)
+        self._set_optimizer(optimizer_type, optimizer_kwargs)
         self._feature_names = [f for c in tables for f in c.feature_names]
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
         self._embedding_names = [n for names in self._embedding_names_by_table for n in names]
@@ -93,44 +90,6 @@ class FusedEmbeddingCollection(nn.Module):
             self._batched, [c.name for c in tables], "embeddings"
         )
         self.embeddings = nn.ModuleDict(holders)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingCollection:
-        return deepcopy_with_kernel_views(self, self._kernels, memo)
-
-    @property
-    def _kernels(self) -> list[nn.Module]:
-        """The table-batched kernel (one, SUM-pooled: each id is a bag of its own)."""
-        return self._batched.kernels
-
-    @property
-    def fused_optimizer(self) -> FusedCombinedOptimizer:
-        """The optimizer applied in backward; call it as TorchRec does, ``fused_optimizer()``."""
-        return self._fused_optimizer
-
-    def optimizer_type(self) -> Any:
-        return self._optimizer_type
-
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
-
-    def optimizer_config(self) -> FusedOptimizerConfig:
-        return self._optimizer_config
-
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        return list(self._configs)
-
-    def embedding_names_by_table(self) -> list[list[str]]:
-        return [list(names) for names in self._embedding_names_by_table]
-
-    def embedding_dim(self) -> int:
-        return self._embedding_dim
-
-    def need_indices(self) -> bool:
-        return self._need_indices
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         check_features(features, self._feature_names, _NAME, False)
@@ -160,17 +119,3 @@ class FusedEmbeddingCollection(nn.Module):
 
     def _get_name(self) -> str:
         return _NAME
-
-    def train(self, mode: bool = True) -> FusedEmbeddingCollection:
-        super().train(mode)
-        self._batched.train(mode)
-        return self
-
-    def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingCollection:
-        probe = fn(torch.zeros(1, device=self._device))
-        if probe.device != self._device or probe.dtype != torch.float32:
-            raise ValueError(
-                f"{_NAME} cannot be moved or cast after construction (its tables live inside a "
-                "table-batched kernel); build it with device=... instead"
-            )
-        return super()._apply(fn, recurse)

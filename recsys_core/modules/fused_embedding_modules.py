@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from recsys_core.kernels.batched import BatchedTables
-from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig, KernelBackend
+from recsys_core.kernels.config import EmbOptimType, KernelBackend
 from recsys_core.kernels.packed import (
     ColumnPermutation,
     PackedTable,
     column_permutation,
     select_columns,
 )
+from recsys_core.modules.collection_tables import PooledCollectionTables
 from recsys_core.modules.embedding_collection import EmbeddingCollection
 from recsys_core.modules.embedding_configs import (
     EmbeddingBagConfig,
@@ -32,10 +33,9 @@ from recsys_core.modules.embedding_configs import (
 )
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection, check_features
 from recsys_core.modules.fused_common import (
-    FusedCombinedOptimizer,
+    FusedCollectionBase,
     check_location,
     convert_optimizer_type_and_kwargs,
-    deepcopy_with_kernel_views,
     fused_table_weights,
     resolve_fused_config,
 )
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 
-class FusedEmbeddingBagCollection(nn.Module):
+class FusedEmbeddingBagCollection(FusedCollectionBase, PooledCollectionTables):
     """Same interface and outputs as EmbeddingBagCollection; updates happen in ``backward()``.
 
     Args:
@@ -89,13 +89,11 @@ class FusedEmbeddingBagCollection(nn.Module):
         for config in tables:
             if not isinstance(config, EmbeddingBagConfig):
                 raise TypeError(f"FusedEmbeddingBagCollection takes EmbeddingBagConfig, got {config!r}")
-        self._configs = list(tables)
+        self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
         self._device = torch.device(device) if device is not None else torch.empty(0).device
         check_location(location, self._device, "FusedEmbeddingBagCollection")
-        self._optimizer_type = optimizer_type
-        self._optimizer_kwargs = dict(optimizer_kwargs or {})
-        self._optimizer_config = resolve_fused_config(optimizer_type, optimizer_kwargs)
+        self._set_optimizer(optimizer_type, optimizer_kwargs)
         self._feature_names = [f for c in tables for f in c.feature_names]
         names_by_table = get_embedding_names_by_table(tables)
         self._embedding_names = [n for names in names_by_table for n in names]
@@ -162,40 +160,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             fused.load_state_dict(ebc.state_dict())
         return fused
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> FusedEmbeddingBagCollection:
-        return deepcopy_with_kernel_views(self, self._kernels, memo)
-
-    @property
-    def _kernels(self) -> list[nn.Module]:
-        """The table-batched kernels, one per pooling type."""
-        return self._batched.kernels
-
     # ---- public API ---------------------------------------------------------------------------
-    @property
-    def fused_optimizer(self) -> FusedCombinedOptimizer:
-        """The optimizer applied in backward. Call it as TorchRec does, ``fused_optimizer()``
-        (the returned optimizer is callable and returns itself)."""
-        return self._fused_optimizer
-
-    def optimizer_type(self) -> Any:
-        return self._optimizer_type
-
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
-
-    def optimizer_config(self) -> FusedOptimizerConfig:
-        return self._optimizer_config
-
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return list(self._configs)
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
     def kernel_backends(self) -> list[KernelBackend]:
         """Which implementation runs each kernel (one per pooling type)."""
         return self._batched.backends()
@@ -242,20 +207,6 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def _get_name(self) -> str:
         return "FusedEmbeddingBagCollection"
-
-    def train(self, mode: bool = True) -> FusedEmbeddingBagCollection:
-        super().train(mode)
-        self._batched.train(mode)
-        return self
-
-    def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingBagCollection:
-        probe = fn(torch.zeros(1, device=self._device))
-        if probe.device != self._device or probe.dtype != torch.float32:
-            raise ValueError(
-                "FusedEmbeddingBagCollection cannot be moved or cast after construction (its "
-                "tables live inside table-batched kernels); build it with device=... instead"
-            )
-        return super()._apply(fn, recurse)
 
 
 def _exposed_tables(tables: Sequence[EmbeddingBagConfig]) -> dict[str, int]:
