@@ -41,6 +41,7 @@ from recsys_core.kernels.quant_tbe import (
     torch_quant_pooled,
 )
 from recsys_core.kernels.tbe import IdOutOfRangeError, describe_bad_ids
+from recsys_core.modules.collection_tables import PooledCollectionTables
 from recsys_core.modules.embedding_configs import (
     DataType,
     EmbeddingBagConfig,
@@ -258,7 +259,7 @@ def pooled_lookup(
         raise
 
 
-class QuantEmbeddingBagCollection(nn.Module):
+class QuantEmbeddingBagCollection(nn.Module, PooledCollectionTables):
     """EmbeddingBagCollection over quantized tables (TorchRec's ``quant.EmbeddingBagCollection``).
 
     Each table is stored as its config's ``data_type`` (FP32, FP16, INT8, INT4, INT2). Build one
@@ -302,31 +303,31 @@ class QuantEmbeddingBagCollection(nn.Module):
                 f"one of {[str(d) for d in OUTPUT_DTYPES]}"
             )
         self._output_dtype = output_dtype
-        self._configs = list(tables)
+        self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._backend = backend
         specs = [
             QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
-            for c in self._configs
+            for c in self._embedding_bag_configs
         ]
         given = dict(table_name_to_quantized_weights or {})
-        unknown = sorted(set(given) - {c.name for c in self._configs})
+        unknown = sorted(set(given) - {c.name for c in self._embedding_bag_configs})
         if unknown:
             raise ValueError(f"QuantEmbeddingBagCollection: no tables named {unknown}")
-        self._feature_names = [f for c in self._configs for f in c.feature_names]
-        self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
+        self._feature_names = [f for c in self._embedding_bag_configs for f in c.feature_names]
+        self._dims = [c.embedding_dim for c in self._embedding_bag_configs for _ in c.feature_names]
         self._tbe = QuantTBEBag(
             specs,
-            [t for t, c in enumerate(self._configs) for _ in c.feature_names],
+            [t for t, c in enumerate(self._embedding_bag_configs) for _ in c.feature_names],
             self._feature_names,
-            [c.pooling is PoolingType.MEAN for c in self._configs for _ in c.feature_names],
+            [c.pooling is PoolingType.MEAN for c in self._embedding_bag_configs for _ in c.feature_names],
             device=self._device,
             row_alignment=row_alignment,
             use_fbgemm={KernelBackend.AUTO: None, KernelBackend.FBGEMM: True}.get(backend, False),
         )
         self.embedding_bags = nn.ModuleDict()
-        for config, view in zip(self._configs, self._tbe.table_weights(), strict=True):
+        for config, view in zip(self._embedding_bag_configs, self._tbe.table_weights(), strict=True):
             if config.name in given:
                 copy_quant_rows(config.name, view, given[config.name])
             self.embedding_bags[config.name] = QuantTableWeight(view)
@@ -390,12 +391,6 @@ class QuantEmbeddingBagCollection(nn.Module):
         )
 
     # ---- public API ---------------------------------------------------------------------------
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return list(self._configs)
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
     @property
     def device(self) -> torch.device:
         return self._device
@@ -423,7 +418,7 @@ class QuantEmbeddingBagCollection(nn.Module):
 
     def table_bytes(self) -> dict[str, int]:
         """Bytes each table takes in its kernel buffer."""
-        return dict(zip((c.name for c in self._configs), self._tbe.table_bytes(), strict=True))
+        return dict(zip((c.name for c in self._embedding_bag_configs), self._tbe.table_bytes(), strict=True))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         check_features(

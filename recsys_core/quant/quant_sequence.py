@@ -31,6 +31,7 @@ from recsys_core.kernels.quant_tbe import (
     torch_quant_sequence,
 )
 from recsys_core.kernels.tbe import IdOutOfRangeError, describe_bad_ids
+from recsys_core.modules.collection_tables import SequenceCollectionTables
 from recsys_core.modules.embedding_collection import EmbeddingCollection, check_equal_dims
 from recsys_core.modules.embedding_configs import (
     DataType,
@@ -103,7 +104,7 @@ class QuantTBESequence(QuantTBEBag):
         )
 
 
-class QuantEmbeddingCollection(nn.Module):
+class QuantEmbeddingCollection(nn.Module, SequenceCollectionTables):
     """EmbeddingCollection over quantized tables (TorchRec's ``quant.EmbeddingCollection``):
     ``KeyedJaggedTensor -> {embedding name: JaggedTensor of [N, dim] rows}``.
 
@@ -245,18 +246,6 @@ class QuantEmbeddingCollection(nn.Module):
         )
 
     # ---- public API ---------------------------------------------------------------------------
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        return list(self._embedding_configs)
-
-    def embedding_names_by_table(self) -> list[list[str]]:
-        return [list(names) for names in self._embedding_names_by_table]
-
-    def embedding_dim(self) -> int:
-        return self._embedding_dim
-
-    def need_indices(self) -> bool:
-        return self._need_indices
-
     def output_dtype(self) -> torch.dtype:
         return self._output_dtype
 

@@ -25,10 +25,13 @@ from torch import nn
 
 from recsys_core.kernels.config import KernelBackend
 from recsys_core.kernels.quant_tbe import QuantTableSpec, default_row_alignment, table_offsets
+from recsys_core.modules.collection_tables import (
+    PooledCollectionTables,
+    SequenceCollectionTables,
+)
 from recsys_core.modules.embedding_configs import (
     BaseEmbeddingConfig,
     EmbeddingBagConfig,
-    EmbeddingConfig,
     PoolingType,
 )
 from recsys_core.modules.embedding_modules import check_features
@@ -149,7 +152,7 @@ class _ShardedQuantTables(nn.Module):
         return super()._apply(fn, recurse)
 
 
-class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
+class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables, PooledCollectionTables):
     """A QuantEmbeddingBagCollection with its tables spread over devices; same forward contract
     (KeyedJaggedTensor in, KeyedTensor out on the input's device, same keys and columns).
 
@@ -172,7 +175,7 @@ class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
         configs = module.embedding_bag_configs()
         _check_plan(configs, plan, devices)
         self.plan = plan
-        self._configs = configs
+        self._embedding_bag_configs = configs
         self._is_weighted = module.is_weighted()
         self._feature_names = [f for c in configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
@@ -194,12 +197,6 @@ class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
         columns = [column_of[n] + d for n in self._feature_names for d in range(dims[n])]
         self._columns = None if columns == list(range(start)) else torch.tensor(columns)
 
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return list(self._configs)
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
     @property
     def tbes(self) -> list[QuantTBEBag]:
         """The kernel modules, one per rank that holds tables (TorchRec's ``tbes``)."""
@@ -220,7 +217,7 @@ class ShardedQuantEmbeddingBagCollection(_ShardedQuantTables):
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=values)
 
 
-class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
+class ShardedQuantEmbeddingCollection(_ShardedQuantTables, SequenceCollectionTables):
     """A QuantEmbeddingCollection with its tables spread over devices; same forward contract
     (KeyedJaggedTensor in, ``{embedding name: JaggedTensor}`` out on the input's device).
 
@@ -238,7 +235,7 @@ class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
         configs = module.embedding_configs()
         _check_plan(configs, plan, devices, "ShardedQuantEmbeddingCollection")
         self.plan = plan
-        self._configs = configs
+        self._embedding_configs = configs
         self._need_indices = module.need_indices()
         self._output_dtype = module.output_dtype()
         self._embedding_dim = module.embedding_dim()
@@ -258,18 +255,6 @@ class ShardedQuantEmbeddingCollection(_ShardedQuantTables):
             [f for per_rank in self._kernel_features for f in per_rank],
             "ShardedQuantEmbeddingCollection",
         )
-
-    def embedding_configs(self) -> list[EmbeddingConfig]:
-        return list(self._configs)
-
-    def embedding_names_by_table(self) -> list[list[str]]:
-        return [list(n) for n in self._embedding_names_by_table]
-
-    def embedding_dim(self) -> int:
-        return self._embedding_dim
-
-    def need_indices(self) -> bool:
-        return self._need_indices
 
     def output_dtype(self) -> torch.dtype:
         return self._output_dtype
