@@ -107,7 +107,23 @@ class GreedyProposer(Proposer):
             self._current_proposal[largest_fqn] += 1
 
 
-class UniformProposer(Proposer):
+class _ListedProposer(Proposer):
+    """A proposer whose proposals are listed at load: each feedback moves to the next one,
+    whatever it says."""
+
+    _proposal_index = 0
+
+    def feedback(
+        self,
+        partitionable: bool,
+        plan: list[ShardingOption] | None = None,
+        perf_rating: float | None = None,
+        storage_constraint: Topology | None = None,
+    ) -> None:
+        self._proposal_index += 1
+
+
+class UniformProposer(_ListedProposer):
     """One proposal per sharding type that every table has: each table's fastest option of
     that type (types in the order the search space first shows them)."""
 
@@ -135,17 +151,8 @@ class UniformProposer(Proposer):
             return self._grouped_sharding_options[self._proposal_index]
         return None
 
-    def feedback(
-        self,
-        partitionable: bool,
-        plan: list[ShardingOption] | None = None,
-        perf_rating: float | None = None,
-        storage_constraint: Topology | None = None,
-    ) -> None:
-        self._proposal_index += 1
 
-
-class GridSearchProposer(Proposer):
+class GridSearchProposer(_ListedProposer):
     """Every combination of the tables' options (each table's sorted by total time), in
     ``itertools.product`` order; none when there are more than ``max_proposals``."""
 
@@ -174,15 +181,6 @@ class GridSearchProposer(Proposer):
             return None
         indices = self._proposals[self._proposal_index]
         return [options[i] for i, options in zip(indices, self._sharding_options_by_fqn.values(), strict=False)]
-
-    def feedback(
-        self,
-        partitionable: bool,
-        plan: list[ShardingOption] | None = None,
-        perf_rating: float | None = None,
-        storage_constraint: Topology | None = None,
-    ) -> None:
-        self._proposal_index += 1
 
 
 class DynamicProgrammingProposer(Proposer):

@@ -141,22 +141,13 @@ def _split_io(
 def _calculate_rw_shard_io_sizes(
     batch_sizes: list[int], world_size: int, input_lengths: list[float],
     shard_sizes: list[list[int]], input_data_type_size: float, output_data_type_size: float,
-    num_poolings: list[float], is_pooled: bool,
+    num_poolings: list[float], is_pooled: bool, domain_size: int | None = None,
 ) -> tuple[list[int], list[int]]:
+    """Row-wise shards: each gets its share of the ids, split over the ``domain_size`` ranks
+    holding the table's rows (the world for ROW_WISE, one host's ``local_world_size`` for
+    TABLE_ROW_WISE)."""
     inputs, outputs = _batch_io(batch_sizes, input_lengths, num_poolings, is_pooled)
-    inputs /= world_size
-    outputs = outputs if is_pooled else inputs
-    return _split_io(inputs, outputs, world_size, shard_sizes, input_data_type_size,
-                     output_data_type_size)
-
-
-def _calculate_twrw_shard_io_sizes(
-    batch_sizes: list[int], world_size: int, local_world_size: int, input_lengths: list[float],
-    shard_sizes: list[list[int]], input_data_type_size: float, output_data_type_size: float,
-    num_poolings: list[float], is_pooled: bool,
-) -> tuple[list[int], list[int]]:
-    inputs, outputs = _batch_io(batch_sizes, input_lengths, num_poolings, is_pooled)
-    inputs /= local_world_size
+    inputs /= domain_size or world_size
     outputs = outputs if is_pooled else inputs
     return _split_io(inputs, outputs, world_size, shard_sizes, input_data_type_size,
                      output_data_type_size)
@@ -186,9 +177,8 @@ def _calculate_shard_io_sizes(
         sizes = _calculate_rw_shard_io_sizes(world_size=world_size, shard_sizes=shard_sizes,
                                              **common)
     elif st in (ShardingType.TABLE_ROW_WISE.value, "grid_shard"):
-        sizes = _calculate_twrw_shard_io_sizes(world_size=world_size,
-                                               local_world_size=local_world_size,
-                                               shard_sizes=shard_sizes, **common)
+        sizes = _calculate_rw_shard_io_sizes(world_size=world_size, shard_sizes=shard_sizes,
+                                             domain_size=local_world_size, **common)
     else:
         raise ValueError(f"Unrecognized or unsupported sharding type provided: {sharding_type}")
     _validate_io_sizes(*sizes, st)
