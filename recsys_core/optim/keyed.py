@@ -162,7 +162,27 @@ class KeyedOptimizer(optim.Optimizer):
         return self.__dict__
 
 
-class KeyedOptimizerWrapper(KeyedOptimizer):
+class _WrappedOptimizerCalls:
+    """What both wrappers pass straight to the optimizer they wrap (``_optimizer``): the step,
+    its scratch buffers, its step counter and hyper-parameter updates."""
+
+    _optimizer: Any
+
+    def step(self, closure: Any = None) -> None:
+        self._optimizer.step(closure=closure)
+
+    def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The wrapped optimizer's scratch buffers (TorchRec 1.9; none unless it has some)."""
+        return inner_scratch_buffers([self._optimizer])
+
+    def set_optimizer_step(self, step: int) -> None:
+        set_inner_optimizer_step([self._optimizer], step)
+
+    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
+        update_inner_hyper_parameters([self._optimizer], params_dict)
+
+
+class KeyedOptimizerWrapper(_WrappedOptimizerCalls, KeyedOptimizer):
     """A ``torch.optim`` optimizer built by ``optim_factory`` as a KeyedOptimizer.
 
     ``optim_factory`` receives ``list(params.values())``, or the ``params`` dict itself when
@@ -184,21 +204,8 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
         is not forwarded, as in TorchRec: gradients become None)."""
         self._optimizer.zero_grad()
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self._optimizer.step(closure=closure)
 
-    def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
-        """The wrapped optimizer's scratch buffers (TorchRec 1.9; none unless it has some)."""
-        return inner_scratch_buffers([self._optimizer])
-
-    def set_optimizer_step(self, step: int) -> None:
-        set_inner_optimizer_step([self._optimizer], step)
-
-    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        update_inner_hyper_parameters([self._optimizer], params_dict)
-
-
-class OptimizerWrapper(KeyedOptimizer):
+class OptimizerWrapper(_WrappedOptimizerCalls, KeyedOptimizer):
     """A KeyedOptimizer that delegates to another one (``params``, ``state`` and
     ``param_groups`` are the wrapped optimizer's own objects). Base of the clipping and warmup
     wrappers, which override ``step``."""
@@ -217,9 +224,6 @@ class OptimizerWrapper(KeyedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self._optimizer.step(closure=closure)
-
     def state_dict(self) -> dict[str, Any]:
         return self._optimizer.state_dict()
 
@@ -235,15 +239,6 @@ class OptimizerWrapper(KeyedOptimizer):
     def save_param_groups(self, save: bool) -> None:
         self._optimizer.save_param_groups(save)
 
-    def scratch_buffers(self) -> tuple[torch.Tensor, ...]:
-        """The wrapped optimizer's scratch buffers (TorchRec 1.9; none unless it has some)."""
-        return inner_scratch_buffers([self._optimizer])
-
-    def set_optimizer_step(self, step: int) -> None:
-        set_inner_optimizer_step([self._optimizer], step)
-
-    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        update_inner_hyper_parameters([self._optimizer], params_dict)
 
 
 class CombinedOptimizer(KeyedOptimizer):
