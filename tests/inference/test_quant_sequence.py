@@ -15,7 +15,6 @@ from recsys_core.distributed.quant_embedding import (
 from recsys_core.distributed.quant_state import WeightSpec
 from recsys_core.distributed.types import CacheParams, MultiPassPrefetchConfig
 from recsys_core.inference.modules import DEFAULT_SHARDERS, quantize_inference_model
-from recsys_core.inference.sharding import shard_quant_model
 from recsys_core.kernels import fbgemm_available
 from recsys_core.kernels.quant_tbe import WeightType, quantize_rows, row_error_bound
 from recsys_core.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, QuantConfig
@@ -40,6 +39,7 @@ from recsys_core.quant.embedding_modules import (
 from recsys_core.quant.embedding_modules import (
     QuantManagedCollisionEmbeddingCollection as QuantMCEC,
 )
+from recsys_core.quant.sharding import shard_quant_model
 
 BACKENDS = [pytest.param(KernelBackend.AUTO, id="auto"), pytest.param(KernelBackend.TORCH, id="torch")]
 WEIGHT_TYPES = {DataType.INT8: WeightType.INT8, DataType.INT4: WeightType.INT4,

@@ -16,7 +16,7 @@ def _loaded_after_import(module: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["recsys_core.plan", "recsys_core.planner", "recsys_core.inference.sharding"])
+    "module", ["recsys_core.plan", "recsys_core.planner", "recsys_core.quant.sharding"])
 @pytest.mark.slow
 def test_plan_and_planner_do_not_load_the_distributed_runtime(module: str) -> None:
     loaded = _loaded_after_import(module)
@@ -70,14 +70,14 @@ def test_default_sharders_at_torchrec_path() -> None:
         get_module_to_default_sharders,
     )
     from recsys_core.inference import QuantEmbeddingBagCollection
-    from recsys_core.inference.quant_sequence import (
-        QuantEmbeddingCollection,
-        QuantManagedCollisionEmbeddingCollection,
-    )
     from recsys_core.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
     from recsys_core.modules.mc_embedding_modules import (
         ManagedCollisionEmbeddingBagCollection,
         ManagedCollisionEmbeddingCollection,
+    )
+    from recsys_core.quant.quant_sequence import (
+        QuantEmbeddingCollection,
+        QuantManagedCollisionEmbeddingCollection,
     )
 
     executable = [
