@@ -86,17 +86,6 @@ class ManagedCollisionEmbeddingCollectionSharder(
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
-    def sharded_module(
-        self,
-        module: ManagedCollisionEmbeddingCollection,
-        params: Mapping[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device,
-    ) -> ShardedManagedCollisionEmbeddingCollection:
-        return ShardedManagedCollisionEmbeddingCollection(
-            module, params, self._e_sharder, self._mc_sharder, env, device
-        )
-
     @property
     def module_type(self) -> type[ManagedCollisionEmbeddingCollection]:
         return ManagedCollisionEmbeddingCollection

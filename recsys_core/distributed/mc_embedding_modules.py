@@ -283,6 +283,24 @@ class BaseManagedCollisionEmbeddingCollectionSharder(BaseEmbeddingSharder[M]):
     def fused_params(self) -> dict[str, Any] | None:
         return self._e_sharder.fused_params
 
+    @property
+    def sharded_module_type(self) -> type[nn.Module]:
+        """The sharded class this sharder builds (its constructor takes the module, its plan,
+        the embedding and collision sharders, env and device)."""
+        raise NotImplementedError(f"{type(self).__name__} names no sharded_module_type")
+
+    def sharded_module(
+        self, module: M, params: Mapping[str, ParameterSharding], env: ShardingEnv,
+        device: torch.device,
+    ) -> nn.Module:
+        return self.sharded_module_type(
+            module, params, self._embedding_sharder(module), self._mc_sharder, env, device
+        )
+
+    def _embedding_sharder(self, module: M) -> BaseEmbeddingSharder[Any]:
+        """The sharder of ``module``'s embedding collection: ``_e_sharder``."""
+        return self._e_sharder
+
 
 __all__ = [
     "BaseManagedCollisionEmbeddingCollectionSharder",

@@ -82,21 +82,16 @@ class ManagedCollisionEmbeddingBagCollectionSharder(
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
-    def sharded_module(
-        self,
-        module: ManagedCollisionEmbeddingBagCollection,
-        params: Mapping[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device,
-    ) -> ShardedManagedCollisionEmbeddingBagCollection:
-        e_sharder: BaseEmbeddingSharder[Any] = self._e_sharder
+    def _embedding_sharder(
+        self, module: ManagedCollisionEmbeddingBagCollection
+    ) -> BaseEmbeddingSharder[Any]:
+        """``ebc_sharder``, or for a FusedEmbeddingBagCollection inside, its own sharder (the
+        module carries its optimizer)."""
         if isinstance(module._embedding_module, FusedEmbeddingBagCollection):
-            e_sharder = FusedEmbeddingBagCollectionSharder(
+            return FusedEmbeddingBagCollectionSharder(
                 qcomm_codecs_registry=self.qcomm_codecs_registry
             )
-        return ShardedManagedCollisionEmbeddingBagCollection(
-            module, params, e_sharder, self._mc_sharder, env, device
-        )
+        return self._e_sharder
 
     @property
     def module_type(self) -> type[ManagedCollisionEmbeddingBagCollection]:
