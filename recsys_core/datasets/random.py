@@ -12,6 +12,16 @@ from recsys_core.datasets.utils import Batch
 from recsys_core.sparse import KeyedJaggedTensor
 
 
+def _per_key(name: str, given: list[int] | None, default: int, keys: list[str]) -> list[int]:
+    """``given`` (one value per key, checked), or ``default`` for every key."""
+    values = [default] * len(keys) if given is None else given
+    if len(values) != len(keys):
+        raise ValueError(
+            f"length of {name} ({len(values)}) must be equal to the number of keys ({len(keys)})"
+        )
+    return values
+
+
 class _RandomRecBatch:
     """Iterator of random :class:`Batch` es.
 
@@ -124,20 +134,8 @@ class RandomRecDataset(IterableDataset[Batch]):
         min_ids_per_features: list[int] | None = None,
     ) -> None:
         super().__init__()
-        if hash_sizes is None:
-            hash_sizes = [hash_size or 100] * len(keys)
-        if len(hash_sizes) != len(keys):
-            raise ValueError(
-                f"length of hash_sizes ({len(hash_sizes)}) must be equal to the number of keys "
-                f"({len(keys)})"
-            )
-        if ids_per_features is None:
-            ids_per_features = [ids_per_feature or 2] * len(keys)
-        if len(ids_per_features) != len(keys):
-            raise ValueError(
-                f"length of ids_per_features ({len(ids_per_features)}) must be equal to the "
-                f"number of keys ({len(keys)})"
-            )
+        hash_sizes = _per_key("hash_sizes", hash_sizes, hash_size or 100, keys)
+        ids_per_features = _per_key("ids_per_features", ids_per_features, ids_per_feature or 2, keys)
         if min_ids_per_features is None:
             low = min_ids_per_feature if min_ids_per_feature is not None else ids_per_feature
             min_ids_per_features = [low or 0] * len(keys)
