@@ -216,13 +216,16 @@ class FixedPercentageStorageReservation:
         sharders: Sequence[Sharder],
         constraints: Mapping[str, ParameterConstraints] | None = None,
     ) -> Topology:
-        self._last_reserved_topology = _reserved(
-            topology, lambda hbm: int((1 - self._percentage) * hbm))
+        self._last_reserved_topology = _reserved(topology, self._hbm_left)
         # Computed for stats (as TorchRec), not taken from the topology: the percentage covers it.
         batch_inputs, _ = _get_batch_inputs_and_shardable_parameters(
             module, sharders, batch_size, constraints)
         self._kjt_storage = _get_kjt_storage(topology, batch_inputs, BIGINT_DTYPE, 20)
         return self._last_reserved_topology
+
+    def _hbm_left(self, hbm: int) -> int:
+        """A rank's HBM once the reservation is taken from its ``hbm`` bytes."""
+        return int((1 - self._percentage) * hbm)
 
     @property
     def last_reserved_topology(self) -> Topology | None:
@@ -245,15 +248,5 @@ class FixedAbsoluteStorageReservation(FixedPercentageStorageReservation):
     def from_gb(cls, hbm_reserved_gb: float) -> FixedAbsoluteStorageReservation:
         return cls(hbm_reserved_bytes=int(hbm_reserved_gb * 1024**3))
 
-    def reserve(
-        self,
-        topology: Topology,
-        batch_size: int,
-        module: nn.Module,
-        sharders: Sequence[Sharder],
-        constraints: Mapping[str, ParameterConstraints] | None = None,
-    ) -> Topology:
-        super().reserve(topology, batch_size, module, sharders, constraints)
-        self._last_reserved_topology = _reserved(
-            topology, lambda hbm: max(0, hbm - self._hbm_reserved_bytes))
-        return self._last_reserved_topology
+    def _hbm_left(self, hbm: int) -> int:
+        return max(0, hbm - self._hbm_reserved_bytes)
