@@ -11,7 +11,9 @@ output type). The core does, once for both:
     input order          per KJT key order, the permutation each strategy's input dist needs
     id check             every id inside its table before ids leave this rank
     fused optimizer      one KeyedOptimizer over all local kernels, plan-independent state
-    state-dict hooks     ``<prefix>.<table>.weight`` as ShardedTensors (DCP reshards them)
+    table state          ``<prefix>.<table>.weight`` as ShardedTensors of this rank's shard
+                         views, built once (TorchRec's ``_initialize_torch_state``); the
+                         state-dict hooks hand them out (DCP reshards them)
     prefetch             input dists started a batch ahead (see ``train_pipeline``)
 """
 
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_core.distributed.awaitable import Awaitable
 from recsys_core.distributed.batched_embedding_kernel import DenseTableBatchedEmbedding
@@ -33,6 +36,8 @@ from recsys_core.distributed.sharded_state import (
     ShardedFusedOptimizer,
     export_tensor,
     import_tensor,
+    local_weight_shards,
+    sharded_tensor,
     shards_by_table,
 )
 from recsys_core.distributed.sharding.kernel_plan import check_kernel_placement, planned_caches
@@ -111,7 +116,8 @@ class ShardedCollectionCore:
     """The shared skeleton of a sharded collection (see the module docstring).
 
     ``source`` are the unsharded module's tables (None for a meta module); the sharded module
-    owns ``lookups`` (register it as a submodule) and calls :meth:`register_state_hooks`.
+    owns ``lookups`` (register it as a submodule), builds the tables' state with
+    :meth:`build_table_tensors` and calls :meth:`register_state_hooks`.
     """
 
     def __init__(
@@ -169,6 +175,9 @@ class ShardedCollectionCore:
                                      optimizer.state_is_rowwise)
         """The global layout of every exported tensor, gathered once (see GlobalLayouts)."""
         self.fused_optimizer = self._build_optimizer()
+        self.table_tensors: dict[str, ShardedTensor] = {}
+        """Each sharded table's weight as a ShardedTensor of this rank's shard views (see
+        :meth:`build_table_tensors`); what ``state_dict()`` and DCP read and write."""
 
     # ---- optimizer and state -----------------------------------------------------------------
     def _build_optimizer(self) -> ShardedFusedOptimizer:
@@ -210,6 +219,37 @@ class ShardedCollectionCore:
         """This rank's shards of each table: shard geometry, weight view, optimizer state views."""
         return shards_by_table(self.lookups)
 
+    def build_table_tensors(self) -> dict[str, ShardedTensor]:
+        """Build each sharded table's weight as a ShardedTensor whose local shards are views of
+        this rank's kernel storage (no memory copied), kept in :attr:`table_tensors`.
+
+        Collective the first time on a collection (the global layouts are gathered once, see
+        ``GlobalLayouts``), local after it. Data-parallel tables stay plain tensors, and a
+        single-process environment has nothing to build. An error building one table's tensor
+        is raised naming the table, with the cause kept."""
+        self.table_tensors = {}
+        if self.env.pg is None:
+            return self.table_tensors
+        self.layouts.gather()
+        shards = self.table_shards()
+        for table in self.tables:
+            name = table.config.name
+            if table.sharding.sharding_type is ShardingType.DATA_PARALLEL:
+                continue
+            metadata = self.layouts.get(name, None)
+            if metadata is None:
+                continue  # no rank holds a part of it: exported the collective way, as before
+            try:
+                self.table_tensors[name] = sharded_tensor(
+                    local_weight_shards(table, shards.get(name, []), self.env), metadata, self.env)
+            except (RuntimeError, ValueError) as e:
+                raise (ValueError if isinstance(e, ValueError) else RuntimeError)(
+                    f"{self.spec.name}: building the state of table {name!r} (its weight as a "
+                    f"ShardedTensor of this rank's shards, rank {self.env.rank}) failed: {e}. "
+                    "Check that every rank shards this module with the same plan"
+                ) from e
+        return self.table_tensors
+
     def register_state_hooks(self, module: nn.Module) -> None:
         """``module.state_dict()`` holds ``<prefix>.<table>.weight`` per table (a ShardedTensor
         over the ranks, or a plain tensor for data-parallel tables); ``load_state_dict`` takes
@@ -218,12 +258,15 @@ class ShardedCollectionCore:
         module._register_load_state_dict_pre_hook(self._import_tables)
 
     def _export_tables(self, _module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
-        shards = self.table_shards()
+        shards = self.table_shards()  # flushes cached tables into the views
         for table in self.tables:
             name = table.config.name
-            state_dict[f"{prefix}{self.spec.state_prefix}.{name}.weight"] = export_tensor(
-                table, shards.get(name, []), self.env, None, False, self.layouts
-            )
+            held = shards.get(name, [])
+            built = self.table_tensors.get(name)
+            if built is None or not _same_views(built, local_weight_shards(table, held, self.env)):
+                # not built, or its kernel storage was replaced since: build it again
+                built = export_tensor(table, held, self.env, None, False, self.layouts)
+            state_dict[f"{prefix}{self.spec.state_prefix}.{name}.weight"] = built
 
     def _import_tables(
         self, state_dict: dict[str, Any], prefix: str, _meta: Any, _strict: bool,
@@ -294,6 +337,17 @@ class ShardedCollectionCore:
         """Every strategy's received input (after the id check's verdict)."""
         inputs.id_check.result()
         return [a.wait() for a in inputs]
+
+
+def _same_views(built: ShardedTensor, current: list[Any]) -> bool:
+    """Whether ``built``'s local shards are still exactly the views ``current`` (same storage,
+    offsets, shape and strides)."""
+    have = built.local_shards()
+    return len(have) == len(current) and all(
+        a.tensor.data_ptr() == b.tensor.data_ptr() and a.tensor.shape == b.tensor.shape
+        and a.tensor.stride() == b.tensor.stride() and a.tensor.dtype == b.tensor.dtype
+        for a, b in zip(have, current, strict=True)
+    )
 
 
 def _check_plan(

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_core.distributed.awaitable import LazyAwaitable
 from recsys_core.distributed.sharded_collection import (
@@ -54,10 +55,31 @@ class ShardedEmbeddingModule(nn.Module, abc.ABC, Generic[Out]):
     def _attach_core(self, core: ShardedCollectionCore) -> None:
         """Make ``core`` this module's: its tables' parameters, lookups and state hooks."""
         self._core = core
+        self._state_hooks_registered = False
+        self._model_parallel_name_to_sharded_tensor: dict[str, ShardedTensor] = {}
         # Before the lookups, so that parameter names are TorchRec's (embedding_bags.<t>.weight).
-        self.register_module(core.spec.state_prefix, core.table_parameters())
+        self._initialize_torch_state()
         self.lookups = self._core.lookups
-        self._core.register_state_hooks(self)
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        """Build the module's view of its tables, as TorchRec's method of this name does; the
+        constructor calls it.
+
+        Registers ``embedding_bags`` / ``embeddings`` (``<table>.weight``: this rank's shard as
+        a parameter, where it holds one), builds each sharded table's weight as a ShardedTensor
+        of views of this rank's shards (``_model_parallel_name_to_sharded_tensor``, no memory
+        copied: what ``state_dict()`` and ``torch.distributed.checkpoint`` read and write) and,
+        unless ``skip_registering``, the state-dict hooks that hand those out (registered once
+        however often this is called). A table whose tensor cannot be built raises naming the
+        table, with the cause kept.
+
+        Collective on a module's first call (the tables' global layouts are gathered once:
+        every rank builds the module together); calls after it are local."""
+        self.register_module(self._core.spec.state_prefix, self._core.table_parameters())
+        self._model_parallel_name_to_sharded_tensor = self._core.build_table_tensors()
+        if not skip_registering and not self._state_hooks_registered:
+            self._core.register_state_hooks(self)
+            self._state_hooks_registered = True
 
     @property
     def fused_optimizer(self) -> ShardedFusedOptimizer:

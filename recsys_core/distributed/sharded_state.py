@@ -88,6 +88,11 @@ def _local_shards(
     return local
 
 
+def local_weight_shards(table: ShardedTable, shards: list[LocalShard], env: ShardingEnv) -> list[Shard]:
+    """This rank's parts of the table's weight as torch Shards (views, placed in the table)."""
+    return _local_shards(table, shards, env, None)
+
+
 class GlobalLayouts:
     """The global ``ShardedTensorMetadata`` of each table's weight and optimizer states of one
     sharded collection, gathered from the ranks in one collective the first time any of them
