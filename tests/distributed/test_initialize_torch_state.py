@@ -5,6 +5,7 @@ the cause kept."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from gloo_setup import world_env
@@ -128,6 +129,7 @@ def worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # 2 gloo ranks, ~5 s
 def test_tables_built_once_as_views_and_errors_name_the_table() -> None:
     results = run_gloo(2, worker)
     for rank, found in enumerate(results):
