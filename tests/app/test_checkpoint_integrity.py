@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from app_setup import SMALL_MODEL
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
-from dlrm_app.model import ModelConfig
 from dlrm_app.serving.export import load_unsharded
 from dlrm_app.training.checkpoint import (
     MANIFEST,
@@ -29,11 +29,9 @@ from dlrm_app.training.evaluate import evaluate_checkpoint
 from dlrm_app.training.trainer import train
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
-SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
-
 
 def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
-    base = dict(data=str(data), out=str(out), model=SMALL, batch_size=256, log_every=1,
+    base = dict(data=str(data), out=str(out), model=SMALL_MODEL, batch_size=256, log_every=1,
                 validate_every=0, patience=0, max_steps=40, save_every=20)
     base.update(kw)
     return TrainConfig(**base)  # type: ignore[arg-type]
@@ -186,7 +184,7 @@ def test_save_every_duration_checkpoints_during_training(tmp_path: Path) -> None
              seed=0, rows_per_shard=30_000, row_group_size=1_000)
     run = tmp_path / "run"
     start = time.monotonic()
-    summary = train(TrainConfig(data=str(data), out=str(run), model=SMALL, batch_size=32,
+    summary = train(TrainConfig(data=str(data), out=str(run), model=SMALL_MODEL, batch_size=32,
                                 validate_every=0, patience=0, max_steps=400, save_every="0.3s",
                                 keep_checkpoints=100, log_every=1), progress=False)
     wall = time.monotonic() - start

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from app_setup import two_feature_data
 
 from dlrm_app.cli import describe_error, main
 from dlrm_app.data import synthetic
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.data.synthetic import generate
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4",
@@ -32,10 +32,8 @@ def _error(argv: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cli") / "data"
-    generate(out, rows=4_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
-             zipf_alpha=1.05, seed=0, rows_per_shard=1_000, row_group_size=250)
-    return out
+    return two_feature_data(tmp_path_factory.mktemp("cli") / "data", rows=4_000,
+                            rows_per_shard=1_000, row_group_size=250)
 
 
 def test_output_folder_is_a_file(tmp_path: Path) -> None:

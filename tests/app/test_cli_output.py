@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from app_setup import two_feature_data
 
 from dlrm_app.cli import main
 from dlrm_app.data.synthetic import generate
@@ -33,10 +34,8 @@ BAR = re.compile(r"\d+%\|")
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("output") / "data"
-    generate(out, rows=2_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
-             zipf_alpha=1.05, seed=0, rows_per_shard=1_000, row_group_size=250)
-    return out
+    return two_feature_data(tmp_path_factory.mktemp("output") / "data", rows=2_000,
+                            rows_per_shard=1_000, row_group_size=250)
 
 
 def _train(dataset: Path, run: Path, capsys: pytest.CaptureFixture[str], *flags: str

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from app_setup import SMALL_MODEL
 from shared_data import KAGGLE_10K
 
 from dlrm_app.config import TrainConfig
@@ -16,10 +17,7 @@ from dlrm_app.data.integrity import STAMPS, DatasetIntegrityError
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
-from dlrm_app.model import ModelConfig
 from dlrm_app.training.trainer import train
-
-SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +119,8 @@ def test_training_refuses_a_damaged_dataset(data: Path, tmp_path: Path) -> None:
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    config = TrainConfig(data=str(data), out=str(tmp_path / "run"), model=SMALL, batch_size=256,
-                         max_steps=2)
+    config = TrainConfig(data=str(data), out=str(tmp_path / "run"), model=SMALL_MODEL,
+                         batch_size=256, max_steps=2)
     with pytest.raises(DatasetIntegrityError, match=f"{shard}: shard of split 'validation'"):
         train(config, progress=False)
 

@@ -15,19 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from app_setup import SMALL_MODEL, four_feature_data
 from shared_data import CRITEO
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
-from dlrm_app.data.synthetic import binary_auc, generate
-from dlrm_app.model import ModelConfig
+from dlrm_app.data.synthetic import binary_auc
 from dlrm_app.serving.artifact import load_artifact
 from dlrm_app.serving.export import export_model
 from dlrm_app.training.evaluate import load_trained_model
 from dlrm_app.training.trainer import train
-
-SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
 
 # Run in a fresh interpreter in which the project's packages cannot be imported.
 ISOLATE = """
@@ -110,10 +108,8 @@ def _reference(run: Path, split: str) -> tuple[dict, np.ndarray, np.ndarray]:
 @pytest.fixture(scope="module")
 def synthetic_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("export")
-    generate(root / "data", rows=20_000, num_dense=4, cardinalities=[500, 2000, 50, 1000],
-             pooling_factors=[1.0, 1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0,
-             rows_per_shard=10_000, row_group_size=512)
-    train(TrainConfig(data=str(root / "data"), out=str(root / "run"), model=SMALL,
+    four_feature_data(root / "data", rows=20_000, rows_per_shard=10_000, row_group_size=512)
+    train(TrainConfig(data=str(root / "data"), out=str(root / "run"), model=SMALL_MODEL,
                       batch_size=256, embedding_learning_rate=0.1, learning_rate=0.05),
           progress=False)
     return root / "run"
@@ -298,7 +294,7 @@ def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str, fm
     kwargs = ({"num_embeddings_per_feature": [1000] * 26} if encoding == "hash"
               else {"frequency_threshold": 3})
     preprocess_criteo([source], tmp_path / "data", fmt="kaggle", row_group_size=512, **kwargs)
-    train(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=SMALL,
+    train(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=SMALL_MODEL,
                       batch_size=256, max_steps=10), progress=False)
     artifact = tmp_path / ("model.pt2" if fmt == "pt2" else "model.pt")
     export_model(tmp_path / "run", artifact, "fp32", fmt=fmt)

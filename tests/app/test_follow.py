@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from app_setup import two_feature_data
 
 from dlrm_app.config import ModelConfig, TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
@@ -37,11 +38,8 @@ STEPS_A_DAY = 400 // 64  # 400 rows a day, batches of 64, the last partial one d
 
 @pytest.fixture(scope="module")
 def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("days")
-    generate(out, rows=1200, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
-             zipf_alpha=1.05, seed=0, rows_per_shard=500, row_group_size=100, days=3,
-             drift=0.1)
-    return out
+    return two_feature_data(tmp_path_factory.mktemp("days"), rows=1200, rows_per_shard=500,
+                            row_group_size=100, days=3, drift=0.1)
 
 
 def _config(data: Path, out: Path, **kw: Any) -> TrainConfig:

@@ -13,10 +13,10 @@ import signal
 from pathlib import Path
 
 import pytest
+from app_setup import two_feature_data
 
 from dlrm_app.cli import main
 from dlrm_app.data.criteo import preprocess_criteo
-from dlrm_app.data.synthetic import generate
 from dlrm_app.training import trainer as train_module
 from dlrm_app.training.components.checkpointer import Checkpointer
 from tests.shared_data import KAGGLE_10K
@@ -92,10 +92,8 @@ TINY = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("messages") / "tiny"
-    generate(out, rows=4_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
-             zipf_alpha=1.05, seed=0, rows_per_shard=2_000, row_group_size=250)
-    return out
+    return two_feature_data(tmp_path_factory.mktemp("messages") / "tiny", rows=4_000,
+                            rows_per_shard=2_000, row_group_size=250)
 
 
 def _interrupted(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from dlrm_app.data.synthetic import generate
+from app_setup import two_feature_data
 
 SMALL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
          "8-1", "--batch-size", "32", "--log-every", "1", "--save-every", "1000", "--quiet",
@@ -32,10 +31,8 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("preempt") / "data"
-    generate(out, rows=40_000, num_dense=2, cardinalities=[50, 20], pooling_factors=[1.0, 1.0],
-             zipf_alpha=1.05, seed=0, rows_per_shard=20_000, row_group_size=1_000)
-    return out
+    return two_feature_data(tmp_path_factory.mktemp("preempt") / "data", rows=40_000,
+                            rows_per_shard=20_000, row_group_size=1_000)
 
 
 @pytest.mark.slow

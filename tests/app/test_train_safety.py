@@ -10,30 +10,24 @@ import shutil
 from pathlib import Path
 
 import pytest
+from app_setup import SMALL_MODEL, four_feature_data
 
 from dlrm_app.cli import build_parser, config_from_args
 from dlrm_app.config import DenseOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.data.synthetic import generate
-from dlrm_app.model import ModelConfig
 from dlrm_app.training.checkpoint import best_checkpoint, latest_checkpoint, resolve_run
 from dlrm_app.training.evaluate import evaluate_checkpoint
 from dlrm_app.training.trainer import TrainingDiverged, train
 
-SMALL = ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8), over_arch_layer_sizes=(16, 1))
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("synthetic")
-    generate(out, rows=6_000, num_dense=4, cardinalities=[500, 2000, 50, 1000],
-             pooling_factors=[1.0, 1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0,
-             rows_per_shard=10_000, row_group_size=256)
-    return out
+    return four_feature_data(tmp_path_factory.mktemp("synthetic"), rows=6_000,
+                             rows_per_shard=10_000, row_group_size=256)
 
 
 def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
-    base = dict(data=str(data), out=str(out), model=SMALL, batch_size=64, log_every=5)
+    base = dict(data=str(data), out=str(out), model=SMALL_MODEL, batch_size=64, log_every=5)
     base.update(kw)
     return TrainConfig(**base)  # type: ignore[arg-type]
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from app_setup import two_feature_data
 
 from dlrm_app import cli
 from dlrm_app.data.synthetic import generate
@@ -29,11 +30,8 @@ ROWS, DAYS, BATCH, EPOCHS = 400, 3, 64, 2
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("days") / "data"
-    generate(out, rows=ROWS * DAYS, num_dense=2, cardinalities=[50, 20],
-             pooling_factors=[1.0, 1.0], zipf_alpha=1.05, seed=0, rows_per_shard=ROWS,
-             row_group_size=100, days=DAYS, drift=0.1)
-    return out
+    return two_feature_data(tmp_path_factory.mktemp("days") / "data", rows=ROWS * DAYS,
+                            rows_per_shard=ROWS, row_group_size=100, days=DAYS, drift=0.1)
 
 
 def test_view_holds_the_first_days_train_shards(data: Path, tmp_path: Path) -> None:

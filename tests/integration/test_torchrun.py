@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from app_setup import four_feature_data
 from process_tree import descendants, kill_tree
 from shared_data import CRITEO
 
@@ -78,11 +79,8 @@ def _assert_continues(full: dict[int, float], cut: dict[int, float], after: int,
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("synthetic")
-    generate(out, rows=20_000, num_dense=4, cardinalities=[500, 2000, 50, 1000],
-             pooling_factors=[1.0, 1.0, 3.0, 1.0], zipf_alpha=1.05, seed=0,
-             rows_per_shard=50 * BATCH, row_group_size=BATCH)  # no short row group
-    return out
+    return four_feature_data(tmp_path_factory.mktemp("synthetic"), rows=20_000,
+                             rows_per_shard=50 * BATCH, row_group_size=BATCH)  # no short group
 
 
 @pytest.fixture(scope="module")
