@@ -1,4 +1,4 @@
-"""Shared fixtures (the tutorial's two tables) and the ``gpu`` / ``shared_data`` markers."""
+"""Shared fixtures (the tutorial's two tables and their printed plan) and the ``gpu`` / ``shared_data`` markers."""
 
 from __future__ import annotations
 
@@ -23,6 +23,36 @@ def tutorial_tables() -> list[EmbeddingBagConfig]:
             feature_names=["user"], pooling=PoolingType.SUM,
         ),
     ]
+
+
+# The tutorial's plan as TorchRec 1.8 prints it (its str of the same plan, written by hand): a
+# blank line before each table, headers centered in the column width, cells left-justified.
+_TUTORIAL_PLAN_KERNELS = [
+    "",
+    "    param     | sharding type | compute kernel | ranks",
+    "------------- | ------------- | -------------- | -----",
+    "product_table | table_wise    | fused          | [0]  ",
+    "user_table    | table_wise    | fused          | [0]  ",
+]
+_TUTORIAL_PLAN_PLACEMENTS = {
+    "cpu": ["", "    param     | shard offsets | shard sizes | placement ",
+            "------------- | ------------- | ----------- | ----------",
+            "product_table | [0, 0]        | [4096, 64]  | rank:0/cpu",
+            "user_table    | [0, 0]        | [4096, 64]  | rank:0/cpu"],
+    "cuda": ["", "    param     | shard offsets | shard sizes |   placement  ",
+             "------------- | ------------- | ----------- | -------------",
+             "product_table | [0, 0]        | [4096, 64]  | rank:0/cuda:0",
+             "user_table    | [0, 0]        | [4096, 64]  | rank:0/cuda:0"],
+}
+
+
+@pytest.fixture
+def tutorial_plan_lines() -> dict[str, list[str]]:
+    """Device type -> the lines of one module's table in the printed plan of the tutorial's two
+    tables, both table-wise on rank 0 with the fused kernel (``str(ShardingPlan)`` puts a
+    ``module: <path>`` line before each module's lines)."""
+    return {device: _TUTORIAL_PLAN_KERNELS + placement
+            for device, placement in _TUTORIAL_PLAN_PLACEMENTS.items()}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

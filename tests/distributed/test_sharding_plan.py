@@ -158,7 +158,8 @@ def test_default_local_size(monkeypatch: pytest.MonkeyPatch) -> None:
         construct_module_sharding_plan(ebc, {"a": row_wise()}, world_size=4, local_size=3)
 
 
-def test_tutorial_plan_prints_exactly(tutorial_tables: list[EmbeddingBagConfig]) -> None:
+def test_tutorial_plan_prints_exactly(tutorial_tables: list[EmbeddingBagConfig],
+                                      tutorial_plan_lines: dict[str, list[str]]) -> None:
     ebc = EmbeddingBagCollection(tutorial_tables, device="meta")
     fused = K.FUSED  # the tutorial's plan comes from the planner, which picks FUSED
     plan = construct_module_sharding_plan(
@@ -168,20 +169,8 @@ def test_tutorial_plan_prints_exactly(tutorial_tables: list[EmbeddingBagConfig])
         world_size=1,
         local_size=1,
     )
-    # Written by hand, TorchRec's layout: a blank line before each table, headers centered in
-    # the column width, cells left-justified; modules separated by a blank line.
-    module = [
-        "",
-        "    param     | sharding type | compute kernel | ranks",
-        "------------- | ------------- | -------------- | -----",
-        "product_table | table_wise    | fused          | [0]  ",
-        "user_table    | table_wise    | fused          | [0]  ",
-        "",
-        "    param     | shard offsets | shard sizes | placement ",
-        "------------- | ------------- | ----------- | ----------",
-        "product_table | [0, 0]        | [4096, 64]  | rank:0/cpu",
-        "user_table    | [0, 0]        | [4096, 64]  | rank:0/cpu",
-    ]
+    # TorchRec's layout (conftest's lines, written by hand); modules separated by a blank line
+    module = tutorial_plan_lines["cpu"]
     assert str(ShardingPlan({"": plan})) == "\n".join(["module: ", *module])
     two = str(ShardingPlan({"a": plan, "b": plan}))
     assert two == "\n".join(["module: a", *module, "", "module: b", *module])
