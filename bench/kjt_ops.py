@@ -102,6 +102,13 @@ def measure(impls: dict[str, Callable[[], object]], budget_s: float) -> dict[str
     return {name: statistics.median(s) * 1e6 for name, s in samples.items()}
 
 
+def result_lines(op: str, timings: dict[str, float], extra: dict[str, object]) -> list[dict]:
+    """One result line per impl of ``op``: its microseconds and its speedup over the naive loop."""
+    naive = timings["naive_loop"]
+    return [{"bench": "kjt_ops", "op": op, "impl": impl, "us": round(us, 1),
+             "speedup_vs_naive": round(naive / us, 2), **extra} for impl, us in timings.items()]
+
+
 def naive_extents(keys: list[str], lengths: torch.Tensor, batch: int) -> list[tuple[int, int]]:
     """What a per-key loop does without cached metadata: one reduction + .item() per key."""
     extents, start = [], 0
@@ -180,19 +187,7 @@ def bench_ops(batch: int, budget_s: float, only: set[str] | None = None) -> list
     def record(op: str, impls: dict[str, Callable[[], object]], extra: dict[str, object]) -> None:
         if only is not None and op not in only:
             return
-        timings = measure(impls, budget_s)
-        naive = timings["naive_loop"]
-        for impl, us in timings.items():
-            results.append(
-                {
-                    "bench": "kjt_ops",
-                    "op": op,
-                    "impl": impl,
-                    "us": round(us, 1),
-                    "speedup_vs_naive": round(naive / us, 2),
-                    **extra,
-                }
-            )
+        results.extend(result_lines(op, measure(impls, budget_s), extra))
 
     shape = {"batch": batch, "keys": NUM_KEYS, "values": values.numel()}
     record(
@@ -305,7 +300,6 @@ def bench_regroup(batch: int, budget_s: float) -> list[dict[str, object]]:
         return step
 
     extra = {"batch": batch, "keys": NUM_KEYS, "dim": dim, "groups": len(groups)}
-    results = []
     with torch.no_grad():
         forward = measure(
             {
@@ -324,20 +318,7 @@ def bench_regroup(batch: int, budget_s: float) -> list[dict[str, object]]:
         },
         budget_s * 2,
     )
-    for op, timings in (("regroup", forward), ("regroup_fwd_bwd", both)):
-        naive_us = timings["naive_loop"]
-        for impl, us in timings.items():
-            results.append(
-                {
-                    "bench": "kjt_ops",
-                    "op": op,
-                    "impl": impl,
-                    "us": round(us, 1),
-                    "speedup_vs_naive": round(naive_us / us, 2),
-                    **extra,
-                }
-            )
-    return results
+    return result_lines("regroup", forward, extra) + result_lines("regroup_fwd_bwd", both, extra)
 
 
 def main() -> None:
