@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from threads import DATASETS, busy_loops, cpu_name, prepare, rate_after_warmup  # noqa: E402
+from threads import DATASETS, cpu_name, interleaved_runs, prepare, rate_after_warmup  # noqa: E402
 
 RANKS = (1, 2)
 
@@ -115,9 +114,6 @@ def main() -> None:
               "rate": "global samples/s after the first window, same global batch at each "
                       "rank count (--batch-size global/ranks)"}
     print(json.dumps(header), flush=True)
-    rates: dict[tuple[str, int, int], list[float]] = {}
-    used: dict[tuple[str, int, int], int] = {}
-    loadavg: dict[tuple[str, int, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
         data = {name: prepare(name, Path(tmp)) for name in args.datasets}
         batch = {name: global_batch(data[name]) for name in args.datasets}
@@ -127,35 +123,19 @@ def main() -> None:
                 for ranks in RANKS:
                     run_once(ranks, data[name], run, batch[name], args.warmup_steps,
                              args.log_every)
-        for rep in range(args.repeats):
-            loads = args.loads[rep % len(args.loads):] + args.loads[:rep % len(args.loads)]
-            for load in loads:
-                with busy_loops(load):
-                    for name in args.datasets:
-                        order = RANKS[rep % len(RANKS):] + RANKS[:rep % len(RANKS)]
-                        for ranks in order:
-                            key = (name, load, ranks)
-                            loadavg.setdefault(key, []).append(os.getloadavg()[0])
-                            rate, threads = run_once(ranks, data[name], run, batch[name],
-                                                     args.steps, args.log_every)
-                            rates.setdefault(key, []).append(rate)
-                            used[key] = threads
-    for name in args.datasets:
-        for load in args.loads:
-            medians = {r: statistics.median(rates[(name, load, r)]) for r in RANKS}
-            for ranks in RANKS:
-                key = (name, load, ranks)
-                print(json.dumps({
-                    "bench": "ranks", "cpu": cpu, "dataset": name, "busy_loops": load,
-                    "ranks": ranks, "global_batch": batch[name],
-                    "batch_per_rank": batch[name] // ranks, "threads_per_rank": used[key],
-                    "samples_per_s": round(medians[ranks]),
-                    "runs": [round(r) for r in rates[key]],
-                    "loadavg_1m_median": round(statistics.median(loadavg[key]), 2)}))
+        runs = interleaved_runs(
+            args.datasets, args.loads, RANKS, args.repeats,
+            lambda name, ranks: run_once(ranks, data[name], run, batch[name], args.steps,
+                                         args.log_every))
+    for (name, load), by_ranks in runs.items():
+        for ranks, r in by_ranks.items():
             print(json.dumps({
-                "bench": "ranks_summary", "cpu": cpu, "dataset": name, "busy_loops": load,
-                "two_over_one": round(medians[2] / medians[1], 3)}))
-
+                "bench": "ranks", "cpu": cpu, "dataset": name, "busy_loops": load,
+                "ranks": ranks, "global_batch": batch[name], "batch_per_rank": batch[name] // ranks,
+                "threads_per_rank": r.threads, **r.line()}))
+        print(json.dumps({
+            "bench": "ranks_summary", "cpu": cpu, "dataset": name, "busy_loops": load,
+            "two_over_one": round(by_ranks[2].median() / by_ranks[1].median(), 3)}))
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -37,8 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
@@ -52,6 +54,7 @@ DATASETS = {
     "criteo_kaggle_10k": ("criteo", SHARED / "criteo" / "kaggle_head_10k.tsv"),
 }
 SPIN = "while True: pass"
+S = TypeVar("S")  # a setting compared: a thread count (None: the default), a rank count
 
 
 def cpu_name() -> str:
@@ -82,6 +85,47 @@ def busy_loops(count: int) -> Iterator[None]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+@dataclasses.dataclass
+class Runs:
+    """One (dataset, load, setting)'s runs: their rates (samples/s), the 1-minute load average
+    at each one's start, and the threads the last one used."""
+
+    rates: list[float] = dataclasses.field(default_factory=list)
+    loadavg: list[float] = dataclasses.field(default_factory=list)
+    threads: int = 0
+
+    def median(self) -> float:
+        return statistics.median(self.rates)
+
+    def line(self) -> dict[str, Any]:
+        """The result line's measured part: the median rate, every run's, the load average."""
+        return {"samples_per_s": round(self.median()), "runs": [round(r) for r in self.rates],
+                "loadavg_1m_median": round(statistics.median(self.loadavg), 2)}
+
+
+def interleaved_runs(
+    datasets: Sequence[str], loads: Sequence[int], settings: Sequence[S], repeats: int,
+    run: Callable[[str, S], tuple[float, int]],
+) -> dict[tuple[str, int], dict[S, Runs]]:
+    """(dataset, load) -> setting -> its runs, in that order (the result lines'): every
+    (dataset, load, setting) ``repeats`` times, each under ``load`` busy loops; each repeat
+    rotates the order of loads and of settings by one. ``run(dataset, setting)`` gives
+    (samples/s, threads used)."""
+    runs = {(name, load): {setting: Runs() for setting in settings}
+            for name in datasets for load in loads}
+    for rep in range(repeats):
+        for load in [*loads[rep % len(loads):], *loads[:rep % len(loads)]]:
+            with busy_loops(load):
+                for name in datasets:
+                    for setting in [*settings[rep % len(settings):],
+                                    *settings[:rep % len(settings)]]:
+                        runs_of = runs[(name, load)][setting]
+                        runs_of.loadavg.append(os.getloadavg()[0])
+                        rate, runs_of.threads = run(name, setting)
+                        runs_of.rates.append(rate)
+    return runs
 
 
 def prepare(name: str, root: Path) -> Path:
@@ -140,44 +184,26 @@ def main() -> None:
                       "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
                       "settings": ["default" if s is None else s for s in settings],
                       "loads": args.loads, "repeats": args.repeats}), flush=True)
-    rates: dict[tuple[str, int, int | None], list[float]] = {}
-    used: dict[tuple[str, int, int | None], int] = {}
-    loadavg: dict[tuple[str, int, int | None], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-threads-") as tmp:
         data = {name: prepare(name, Path(tmp)) for name in args.datasets}
         for name in args.datasets:  # warm-up: first-use costs (imports, kernels) not counted
             run_once(data[name], Path(tmp) / "run", None, 10, args.log_every)
-        for rep in range(args.repeats):
-            loads = args.loads[rep % len(args.loads):] + args.loads[:rep % len(args.loads)]
-            for load in loads:
-                with busy_loops(load):
-                    for name in args.datasets:
-                        order = settings[rep % len(settings):] + settings[:rep % len(settings)]
-                        for setting in order:
-                            key = (name, load, setting)
-                            loadavg.setdefault(key, []).append(os.getloadavg()[0])
-                            rate, threads = run_once(data[name], Path(tmp) / "run", setting,
-                                                     args.steps, args.log_every)
-                            rates.setdefault(key, []).append(rate)
-                            used[key] = threads
-    for name in args.datasets:
-        for load in args.loads:
-            medians = {s: statistics.median(rates[(name, load, s)]) for s in settings}
-            for s in settings:
-                key = (name, load, s)
-                print(json.dumps({
-                    "bench": "threads", "cpu": cpu, "dataset": name, "busy_loops": load,
-                    "setting": "default" if s is None else s, "threads": used[key],
-                    "samples_per_s": round(medians[s]),
-                    "runs": [round(r) for r in rates[key]],
-                    "loadavg_1m_median": round(statistics.median(loadavg[key]), 2)}))
-            explicit = {s: r for s, r in medians.items() if s is not None}
-            best = max(explicit, key=explicit.__getitem__)
-            print(json.dumps({
-                "bench": "threads_summary", "cpu": cpu, "dataset": name, "busy_loops": load,
-                "default_threads": used[(name, load, None)], "best_threads": best,
-                "default_over_best": round(medians[None] / explicit[best], 3)}))
-
+        runs = interleaved_runs(
+            args.datasets, args.loads, settings, args.repeats,
+            lambda name, setting: run_once(data[name], Path(tmp) / "run", setting, args.steps,
+                                           args.log_every))
+    for (name, load), by_setting in runs.items():
+        medians = {s: r.median() for s, r in by_setting.items()}
+        for s, r in by_setting.items():
+            print(json.dumps({"bench": "threads", "cpu": cpu, "dataset": name, "busy_loops": load,
+                              "setting": "default" if s is None else s, "threads": r.threads,
+                              **r.line()}))
+        explicit = {s: rate for s, rate in medians.items() if s is not None}
+        best = max(explicit, key=explicit.__getitem__)
+        print(json.dumps({
+            "bench": "threads_summary", "cpu": cpu, "dataset": name, "busy_loops": load,
+            "default_threads": by_setting[None].threads, "best_threads": best,
+            "default_over_best": round(medians[None] / explicit[best], 3)}))
 
 if __name__ == "__main__":
     main()
