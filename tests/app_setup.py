@@ -1,5 +1,5 @@
 """What the app's tests share: the two shapes of generated dataset they train on (sized per
-test) and the small model they train.
+test), the small model they train, and Criteo-shaped raw lines for the preprocessing tests.
 
 ``two_feature_data``: 2 dense features, categoricals of 50 and 20 ids, one id a row (the CLI,
 message and preemption tests: a few steps each). ``four_feature_data``: 4 dense features,
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dlrm_app.data.synthetic import generate
 from dlrm_app.model import ModelConfig
@@ -32,3 +34,19 @@ def four_feature_data(out: Path, *, rows: int, seed: int = 0, **sizes: Any) -> P
     generate(out, rows=rows, num_dense=4, cardinalities=[500, 2000, 50, 1000],
              pooling_factors=[1.0, 1.0, 3.0, 1.0], zipf_alpha=1.05, seed=seed, **sizes)
     return out
+
+
+def criteo_lines(rows: int, seed: int, *, ids: int, lowest_dense: int = 0,
+                 bad: tuple[int, ...] = ()) -> list[str]:
+    """Criteo-shaped lines: label, 13 dense values (geometric, from ``lowest_dense`` up), 26
+    categoricals (hex of ids below ``ids``); a tenth of the values empty and 0 to 2 trailing
+    fields stripped; 0-based rows in ``bad`` get the label 2."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(rows):
+        dense = [str(v) if rng.random() > 0.1 else ""
+                 for v in rng.geometric(0.05, 13) - 1 + lowest_dense]
+        cats = [f"{v:08x}" if rng.random() > 0.1 else "" for v in rng.integers(0, ids, 26)]
+        fields = ["2" if i in bad else str(rng.integers(0, 2)), *dense, *cats]
+        lines.append("\t".join(fields[:40 - int(rng.integers(0, 3))]))
+    return lines

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from app_setup import criteo_lines
 
 from dlrm_app.data.criteo import job, preprocess_criteo
 from dlrm_app.data.criteo.encoding import EncodeSpec, encoder
@@ -22,14 +23,7 @@ from dlrm_app.data.criteo.workers import InProcess
 def rows_text(rows: int, seed: int, bad: tuple[int, ...] = ()) -> list[str]:
     """Criteo-shaped lines (some missing and stripped trailing fields); 0-based rows in
     ``bad`` get the label 2."""
-    rng = np.random.default_rng(seed)
-    lines = []
-    for i in range(rows):
-        dense = [str(v) if rng.random() > 0.1 else "" for v in rng.geometric(0.05, 13) - 1]
-        cats = [f"{v:08x}" if rng.random() > 0.1 else "" for v in rng.integers(0, 400, 26)]
-        fields = ["2" if i in bad else str(rng.integers(0, 2)), *dense, *cats]
-        lines.append("\t".join(fields[:40 - int(rng.integers(0, 3))]))
-    return lines
+    return criteo_lines(rows, seed, ids=400, bad=bad)
 
 
 def python_counts(lines: list[str]) -> list[Counter]:

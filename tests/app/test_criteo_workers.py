@@ -9,8 +9,8 @@ import gzip
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import pytest
+from app_setup import criteo_lines
 from shared_data import CRITEO
 
 from dlrm_app.data import criteo, shard_writer
@@ -37,13 +37,7 @@ def digest(out: Path) -> dict[str, str]:
 def write_rows(path: Path, rows: int, seed: int, bad: tuple[int, ...] = ()) -> None:
     """Criteo-shaped rows with missing and stripped trailing fields; 0-based rows in ``bad``
     get the label 2."""
-    rng = np.random.default_rng(seed)
-    lines = []
-    for i in range(rows):
-        dense = [str(v) if rng.random() > 0.1 else "" for v in rng.geometric(0.05, 13) - 2]
-        cats = [f"{v:08x}" if rng.random() > 0.1 else "" for v in rng.integers(0, 300, 26)]
-        fields = ["2" if i in bad else str(rng.integers(0, 2)), *dense, *cats]
-        lines.append("\t".join(fields[:40 - int(rng.integers(0, 3))]))
+    lines = criteo_lines(rows, seed, ids=300, lowest_dense=-1, bad=bad)
     data = ("\n".join(lines) + "\n").encode()
     path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
 
