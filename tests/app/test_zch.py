@@ -76,18 +76,24 @@ def test_id_mapping_flags_that_contradict_are_refused(tmp_path: Path) -> None:
         preprocess_criteo([KAGGLE_10K], tmp_path / "x", id_mapping="hash")
 
 
+def _user_movie_pairs(spec: DatasetSpec, out: Path) -> set[tuple[int, int]]:
+    """Every (user_id, movie_id) of the preprocessed MovieLens dataset in ``out``, all splits."""
+    pairs = set()
+    for split in spec.splits:
+        for shard in split.shards:
+            t = pq.read_table(out / shard.file, columns=["user_id", "movie_id"])
+            pairs |= {(u[0], m[0]) for u, m in zip(t.column("user_id").to_pylist(),
+                                                   t.column("movie_id").to_pylist(), strict=True)}
+    return pairs
+
+
 @pytest.mark.shared_data(ML100K)
 def test_movielens_keeps_raw_user_and_movie_ids(tmp_path: Path) -> None:
     """The user and movie ids of u.data, unchanged; the small vocabularies stay encoded."""
     spec = preprocess_movielens(ML100K, tmp_path / "ml", id_mapping="zch")
     raw = {f.name: f.raw_ids for f in spec.sparse_features}
     assert raw["user_id"] and raw["movie_id"] and not raw["genres"] and not raw["age"]
-    pairs = set()
-    for split in spec.splits:
-        for shard in split.shards:
-            t = pq.read_table(tmp_path / "ml" / shard.file, columns=["user_id", "movie_id"])
-            pairs |= {(u[0], m[0]) for u, m in zip(t.column("user_id").to_pylist(),
-                                                   t.column("movie_id").to_pylist(), strict=True)}
+    pairs = _user_movie_pairs(spec, tmp_path / "ml")
     rated = {tuple(int(x) for x in line.split("\t")[:2])
              for line in (ML100K / "u.data").read_text().splitlines()}
     assert pairs == rated
@@ -316,12 +322,7 @@ def test_movielens_hash_mapping_is_the_raw_id_modulo_the_rows(tmp_path: Path) ->
                                 num_embeddings_per_feature=100)
     sizes = {f.name: (f.num_embeddings, f.raw_ids) for f in spec.sparse_features}
     assert sizes["user_id"] == (100, False) and sizes["movie_id"] == (100, False)
-    got = set()
-    for split in spec.splits:
-        for shard in split.shards:
-            t = pq.read_table(tmp_path / "mh" / shard.file, columns=["user_id", "movie_id"])
-            got |= {(u[0], m[0]) for u, m in zip(t.column("user_id").to_pylist(),
-                                                  t.column("movie_id").to_pylist(), strict=True)}
+    got = _user_movie_pairs(spec, tmp_path / "mh")
     rated = {(int(u) % 100, int(m) % 100) for u, m, *_ in
              (line.split("\t") for line in (ML100K / "u.data").read_text().splitlines())}
     assert got == rated
