@@ -1,5 +1,6 @@
 """What the app's tests share: the two shapes of generated dataset they train on (sized per
-test), the small model they train, and Criteo-shaped raw lines for the preprocessing tests.
+test), the small model they train, Criteo-shaped raw lines for the preprocessing tests, and
+stopping a running ``dlrm-app train`` by a signal.
 
 ``two_feature_data``: 2 dense features, categoricals of 50 and 20 ids, one id a row (the CLI,
 message and preemption tests: a few steps each). ``four_feature_data``: 4 dense features,
@@ -9,6 +10,9 @@ tests: enough signal to learn). Both Zipf 1.05, seed 0 unless a test asks otherw
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +54,21 @@ def criteo_lines(rows: int, seed: int, *, ids: int, lowest_dense: int = 0,
         fields = ["2" if i in bad else str(rng.integers(0, 2)), *dense, *cats]
         lines.append("\t".join(fields[:40 - int(rng.integers(0, 3))]))
     return lines
+
+
+def stopped_step(proc: subprocess.Popen[str], sig: signal.Signals, run: Path,
+                 exit_code: int) -> int:
+    """Send ``sig`` to ``proc``, a running ``dlrm-app train --out run``: it exits with
+    ``exit_code``, its last line naming the step it stopped after, that step's checkpoint and
+    the command that resumes from it. Returns that step."""
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == exit_code, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    match = re.fullmatch(
+        rf"dlrm-app train: stopped by {sig.name} after step (\d+); checkpoint step_(\d{{8}}) "
+        r"saved: `dlrm-app train --out (\S+) --resume` continues from it", line)
+    assert match, line
+    assert int(match[2]) == int(match[1]) and match[3] == str(run)
+    return int(match[1])

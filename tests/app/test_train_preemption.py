@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from app_setup import two_feature_data
+from app_setup import stopped_step, two_feature_data
 
 SMALL = ["--embedding-dim", "4", "--dense-arch-layer-sizes", "8-4", "--over-arch-layer-sizes",
          "8-1", "--batch-size", "32", "--log-every", "1", "--save-every", "1000", "--quiet",
@@ -47,17 +46,7 @@ def test_sigterm_saves_the_step_and_resume_equals_the_uninterrupted_run(data: Pa
     while proc.poll() is None and time.monotonic() < deadline and (
             not log.exists() or len(_losses(run)) < 10):
         time.sleep(0.05)
-    assert proc.poll() is None, proc.communicate()[1][-2000:]
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
-    line = err.strip().splitlines()[-1]
-    match = re.fullmatch(
-        r"dlrm-app train: stopped by SIGTERM after step (\d+); checkpoint step_(\d{8}) saved: "
-        r"`dlrm-app train --out (\S+) --resume` continues from it", line)
-    assert match, line
-    step = int(match[1])
-    assert int(match[2]) == step and match[3] == str(run)
+    step = stopped_step(proc, signal.SIGTERM, run, exit_code=143)
     assert 10 <= step < 400 and max(_losses(run)) == step  # the newest checkpoint: the last step
     assert [e["step"] for e in _events(run) if e["event"] == "preempted"] == [step]
     resumed = subprocess.run([*cmd, "--out", str(run), "--resume"], capture_output=True,
