@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from criteo_sizes import CRITEO_1TB_ROWS
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -41,11 +42,6 @@ from recsys_core.planner.estimators import estimate_option
 from recsys_core.planner.search import search as planner_module
 from recsys_core.planner.types import Placement, TableSpec
 
-# Criteo 1TB (24 days) cardinalities of the 26 categorical features (TorchRec's DLRM example).
-CRITEO_1TB_ROWS = [
-    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10, 2209,
-    11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
-]
 ROW_CAP = 40_000_000
 LOCAL = 8  # GPUs per host
 GIB = 1024**3

@@ -52,14 +52,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from criteo_sizes import CRITEO_1TB_ROWS
 from torchrec_program import cpu_name  # the sibling bench's (lscpu model + vector extension)
 
 ROOT = Path(__file__).resolve().parents[1]
 KAGGLE = ROOT.parent / "shared" / "data" / "criteo" / "kaggle_head_10k.tsv"
-CRITEO_1TB_ROWS = [  # as bench/scale.py
-    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10, 2209,
-    11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
-]
 PROBE_ROWS = 8
 
 

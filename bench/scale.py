@@ -59,11 +59,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from criteo_sizes import CRITEO_1TB_ROWS
 
-CRITEO_1TB_ROWS = [  # Criteo 1TB's 26 per-feature cardinalities (as bench/train.py, planner.py)
-    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10, 2209,
-    11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
-]
 CHUNK_ROWS = 1_000_000
 GIB = 1024**3
 

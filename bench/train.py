@@ -94,6 +94,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from criteo_sizes import CRITEO_1TB_ROWS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -122,11 +123,6 @@ from recsys_core.distributed import DistributedModelParallel, shm_comm
 from recsys_core.distributed.comm import all_reduce_sum_
 from recsys_core.optim import CombinedOptimizer, in_backward_optimizer_filter
 
-# Criteo 1TB cardinalities of the 26 categorical features (as in bench/planner.py)
-CRITEO_1TB_ROWS = [
-    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10, 2209,
-    11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
-]
 FULL = {"batch_size": 2048, "rows_per_table": 100_000, "dim": 128, "bottom": "512,256",
         "top": "1024,1024,512,256", "steps": 20, "warmup": 3, "phased_steps": 5}
 QUICK = {"batch_size": 128, "rows_per_table": 1000, "dim": 16, "bottom": "32",
