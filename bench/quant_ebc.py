@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+
+# bench/ is sys.path[0] when this file runs as a script
+from ebc import time_steps
 
 from recsys_core import (
     DataType,
@@ -49,17 +50,6 @@ def make_kjt(tables: int, rows: int, batch: int, pooling: int, seed: int) -> Key
     kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(tables)], values=values, lengths=lengths)
     kjt.offsets()  # every implementation gets precomputed offsets
     return kjt
-
-
-def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -115,7 +105,7 @@ def main() -> None:
             kjt = make_kjt(args.tables, args.rows, batch, args.pooling, args.seed + batch)
             baseline = None
             for impl, (dtype, fn) in impls.items():
-                ms = median_ms(lambda fn=fn, kjt=kjt: fn(kjt), args.iters, args.warmup)
+                ms = 1e3 * time_steps(lambda fn=fn, kjt=kjt: fn(kjt), args.iters, args.warmup)
                 baseline = ms if impl == "fused_fp32" else baseline
                 print(json.dumps({
                     **common, "impl": impl, "dtype": dtype, "batch_size": batch,
