@@ -1,5 +1,5 @@
 """What the multi-process (gloo) tests share: random per-rank batches and the global batch the
-unsharded oracle sees, the usual plans of two tables per sharding type, sharding a collection
+unsharded oracle sees, the usual two pooled tables and their plans per sharding type, sharding a collection
 beside its unsharded copy, one training step against that copy, and the comparisons of local
 shards with the oracle's tables.
 
@@ -25,7 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recsys_core import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
+from recsys_core import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    KeyedJaggedTensor,
+    PoolingType,
+)
 from recsys_core.distributed import (
     EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
@@ -96,6 +102,23 @@ def rank_rows(rank: int, batch: int) -> slice:
 
 
 # ---- plans ----------------------------------------------------------------------------------
+
+
+SUM_MEAN_KEYS = ["f0", "f1", "f2"]
+"""The features of :func:`sum_and_mean_tables`: f0 and f1 read the first table, f2 the second."""
+
+
+def sum_and_mean_tables(rows: tuple[int, int] = (13, 7), names: tuple[str, str] = ("t_sum", "t_mean"),
+                        ) -> list[EmbeddingBagConfig]:
+    """The two pooled tables the EBC tests shard (``two_table_plans(*names, ...)``):
+    ``names[0]`` of ``rows[0]`` x 8 read by f0 and f1, SUM pooling; ``names[1]`` of ``rows[1]``
+    x 4 read by f2, MEAN pooling."""
+    return [
+        EmbeddingBagConfig(name=names[0], embedding_dim=8, num_embeddings=rows[0],
+                           feature_names=["f0", "f1"], pooling=PoolingType.SUM),
+        EmbeddingBagConfig(name=names[1], embedding_dim=4, num_embeddings=rows[1],
+                           feature_names=["f2"], pooling=PoolingType.MEAN),
+    ]
 
 
 def two_table_plans(

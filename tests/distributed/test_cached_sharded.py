@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from gloo_setup import concat_ranks, random_batch, world_env
+from gloo_setup import SUM_MEAN_KEYS, concat_ranks, random_batch, sum_and_mean_tables, world_env
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -32,11 +32,8 @@ from recsys_core.optim import RowWiseAdagrad
 from recsys_core.plan.params import CacheParams
 from recsys_core.testing import run_gloo
 
-TABLES = [
-    EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=1000, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
-    EmbeddingBagConfig(name="mid", embedding_dim=4, num_embeddings=200, feature_names=["f2"], pooling=PoolingType.MEAN),
-]
-KEYS, ROWS, BATCH, STEPS = ["f0", "f1", "f2"], [1000, 1000, 200], 3, 6
+TABLES = sum_and_mean_tables((1000, 200), ("big", "mid"))
+KEYS, ROWS, BATCH, STEPS = SUM_MEAN_KEYS, [1000, 1000, 200], 3, 6
 FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3}
 
 

@@ -19,10 +19,11 @@ from gloo_setup import (
     rank_batches,
     rank_rows,
     shard_beside_reference,
+    sum_and_mean_tables,
     two_table_plans,
 )
 
-from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, PoolingType
+from recsys_core import EmbeddingBagCollection, EmbOptimType
 from recsys_core.distributed import EmbeddingBagCollectionSharder, shm_comm, table_wise
 from recsys_core.distributed.fbgemm_qcomm_codec import (
     CastCommCodec,
@@ -190,10 +191,7 @@ def test_sharders_refuse_byte_codecs_and_reduce_scatter_falls_back() -> None:
 
 # -- sharded, over gloo ------------------------------------------------------------------------
 
-TABLES = [
-    EmbeddingBagConfig(name="t_sum", embedding_dim=8, num_embeddings=13, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
-    EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
-]
+TABLES = sum_and_mean_tables()
 LR, BATCH = 0.5, 3
 
 

@@ -15,31 +15,27 @@ import os
 import pytest
 import torch
 from gloo_setup import (
+    SUM_MEAN_KEYS,
     check_local_shards,
     concat_ranks,
     pooled_step,
     rank_batches,
     rank_rows,
     shard_beside_reference,
+    sum_and_mean_tables,
     two_table_plans,
 )
 
-from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, PoolingType
+from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
 from recsys_core.distributed import data_parallel, row_wise
 from recsys_core.distributed.comm_ops import set_gradient_division
 from recsys_core.optim import RowWiseAdagrad
 from recsys_core.testing import run_gloo
 
-TABLES = [
-    EmbeddingBagConfig(name="t_sum", embedding_dim=8, num_embeddings=13, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
-    EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
-]
-KEYS, ROWS, BATCH, STEPS = ["f0", "f1", "f2"], [13, 13, 7], 3, 3
+TABLES = sum_and_mean_tables()
+KEYS, ROWS, BATCH, STEPS = SUM_MEAN_KEYS, [13, 13, 7], 3, 3
 # Large enough that few rows are touched per step: data-parallel exchanges only those rows.
-BIG_TABLES = [
-    EmbeddingBagConfig(name="t_sum", embedding_dim=8, num_embeddings=1000, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
-    EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
-]
+BIG_TABLES = sum_and_mean_tables((1000, 7))
 
 
 def generators(kind: str, world: int, local: int) -> dict:

@@ -13,33 +13,30 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_setup import (
+    SUM_MEAN_KEYS,
     check_local_shards,
     concat_ranks,
     pooled_step,
     random_batch,
     shard_beside_reference,
+    sum_and_mean_tables,
     two_table_plans,
 )
 
 from recsys_core import (
     EmbeddingBagCollection,
-    EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
     EmbOptimType,
     KeyedJaggedTensor,
-    PoolingType,
 )
 from recsys_core.distributed import column_wise, row_wise, table_wise
 from recsys_core.distributed.dist_data import SparseFeaturesAllToAll
 from recsys_core.testing import run_gloo
 
-KEYS = ["f0", "f1", "f2"]
+KEYS = SUM_MEAN_KEYS
 ROWS = [13, 13, 7]
-POOLED = [
-    EmbeddingBagConfig(name="t_sum", embedding_dim=8, num_embeddings=13, feature_names=["f0", "f1"], pooling=PoolingType.SUM),
-    EmbeddingBagConfig(name="t_mean", embedding_dim=4, num_embeddings=7, feature_names=["f2"], pooling=PoolingType.MEAN),
-]
+POOLED = sum_and_mean_tables()
 SEQUENCE = [
     EmbeddingConfig(name="t_a", embedding_dim=8, num_embeddings=13, feature_names=["f0", "f1"]),
     EmbeddingConfig(name="t_b", embedding_dim=8, num_embeddings=7, feature_names=["f2"]),
