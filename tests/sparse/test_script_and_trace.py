@@ -71,6 +71,18 @@ class RegroupModule(torch.nn.Module):
         return KeyedTensor.regroup([a, b], [["c", "a"], ["b"]])
 
 
+def _compiled(module: torch.nn.Module, compile_fn: str) -> torch.nn.Module:
+    """``module`` as is ("eager"), scripted, fx-traced, or traced then scripted."""
+    if compile_fn == "script":
+        return torch.jit.script(module)
+    if compile_fn == "trace":
+        return torch.fx.symbolic_trace(module)
+    if compile_fn == "trace_then_script":
+        return torch.jit.script(torch.fx.symbolic_trace(module))
+    assert compile_fn == "eager", compile_fn
+    return module
+
+
 def test_script_values_times_two() -> None:
     scripted = torch.jit.script(ValuesTimesTwo())
     assert scripted(two_key_kjt()).tolist() == [8, 10, 12]
@@ -79,10 +91,7 @@ def test_script_values_times_two() -> None:
 
 @pytest.mark.parametrize("compile_fn", ["script", "trace"])
 def test_keyed_tensor_to_dict(compile_fn: str) -> None:
-    module = KeyedTensorToDict()
-    compiled = (
-        torch.jit.script(module) if compile_fn == "script" else torch.fx.symbolic_trace(module)
-    )
+    compiled = _compiled(KeyedTensorToDict(), compile_fn)
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     out = compiled(x)
     assert list(out) == ["a", "b"]
@@ -105,13 +114,7 @@ KJT_OPS_EXPECTED = [
 
 @pytest.mark.parametrize("compile_fn", ["eager", "script", "trace", "trace_then_script"])
 def test_kjt_ops_match_hand_values(compile_fn: str) -> None:
-    module = KJTOps()
-    if compile_fn == "script":
-        module = torch.jit.script(module)
-    elif compile_fn == "trace":
-        module = torch.fx.symbolic_trace(module)
-    elif compile_fn == "trace_then_script":
-        module = torch.jit.script(torch.fx.symbolic_trace(module))
+    module = _compiled(KJTOps(), compile_fn)
     out = module(*kjt_ops_inputs())
     assert [t.tolist() for t in out] == KJT_OPS_EXPECTED
 
@@ -125,10 +128,7 @@ def test_script_host_metadata() -> None:
 
 @pytest.mark.parametrize("compile_fn", ["script", "trace"])
 def test_kjt_in_and_out(compile_fn: str) -> None:
-    module = KJTRoundTrip()
-    compiled = (
-        torch.jit.script(module) if compile_fn == "script" else torch.fx.symbolic_trace(module)
-    )
+    compiled = _compiled(KJTRoundTrip(), compile_fn)
     out = compiled(two_key_kjt())
     assert out.keys() == ["f0", "f1", "f1"]
     assert out.values().tolist() == [1, 2, 3, 4, 5, 6, 4, 5, 6]
@@ -152,11 +152,7 @@ def test_script_jagged_tensor_padded_dense() -> None:
 
 @pytest.mark.parametrize("compile_fn", ["eager", "script", "trace"])
 def test_regroup_scripted_and_traced(compile_fn: str) -> None:
-    module = RegroupModule()
-    if compile_fn == "script":
-        module = torch.jit.script(module)
-    elif compile_fn == "trace":
-        module = torch.fx.symbolic_trace(module)
+    module = _compiled(RegroupModule(), compile_fn)
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     y = torch.tensor([[7.0, 8.0], [9.0, 10.0]])
     first, second = module(x, y)
