@@ -105,6 +105,18 @@ def _interrupted(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def _ctrl_c_in(function: str, argv: list[str], monkeypatch: pytest.MonkeyPatch,
+               capsys: pytest.CaptureFixture[str]) -> str:
+    """``_interrupted`` with the Ctrl-C raised inside the trainer module's ``function``."""
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, function, interrupted)
+        return _interrupted(argv, capsys)
+
+
 def _summary(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
     capsys.readouterr()
     assert main(argv) == 0
@@ -116,15 +128,9 @@ def test_ctrl_c_while_starting_says_nothing_was_trained(
         capsys: pytest.CaptureFixture[str]) -> None:
     """Before the first step (imports, planning, building the model) it said 'interrupted'."""
     argv = ["train", "--data", str(tiny), "--out", str(tmp_path / "run"), *TINY]
-
-    def interrupted(*args: object, **kwargs: object) -> None:
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(train_module, "build_model", interrupted)
-        assert _interrupted(argv, capsys) == (
-            "dlrm-app train: interrupted while starting, before its first step (this start "
-            "trained nothing): rerun the same command")
+    assert _ctrl_c_in("build_model", argv, monkeypatch, capsys) == (
+        "dlrm-app train: interrupted while starting, before its first step (this start "
+        "trained nothing): rerun the same command")
     assert _summary(argv, capsys)["steps"] == 4  # the same command does start again
 
 
@@ -135,16 +141,10 @@ def test_ctrl_c_while_finishing_names_the_last_step_and_resume_finishes(
     'interrupted'; now the step and the command that finishes the run."""
     run = tmp_path / "run"
     argv = ["train", "--data", str(tiny), "--out", str(run), *TINY]
-
-    def interrupted(*args: object, **kwargs: object) -> None:
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(train_module, "write_report", interrupted)
-        assert _interrupted(argv, capsys) == (
-            "dlrm-app train: interrupted after the last step (4), while finishing the run (its "
-            "last checkpoint, the kept model's validation, the report); the newest checkpoint "
-            f"is step_00000004: `dlrm-app train --out {run} --resume` continues from it")
+    assert _ctrl_c_in("write_report", argv, monkeypatch, capsys) == (
+        "dlrm-app train: interrupted after the last step (4), while finishing the run (its "
+        "last checkpoint, the kept model's validation, the report); the newest checkpoint "
+        f"is step_00000004: `dlrm-app train --out {run} --resume` continues from it")
     summary = _summary(["train", "--out", str(run), "--resume", "--quiet"], capsys)
     assert (summary["steps"], summary["trained_steps"]) == (4, 0)
     assert (run / "report.md").is_file()
