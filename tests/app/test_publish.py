@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_serve import _health_when, _probing, _serve, artifact, get, post  # noqa: F401 (fixture)
+from test_serve import _health_when, _probing, _serve, _which, artifact, get, post  # noqa: F401 (fixture)
 
 from dlrm_app.config import ServeConfig, TrainConfig
 from dlrm_app.data.synthetic import generate
@@ -151,20 +151,6 @@ def test_more_training_publishes_weights_alone(published: dict[str, Any], no_com
     os.remove(digest_path(result["path"]))
 
 
-def _which(answers: list[tuple[float, int, list[float]]], old: np.ndarray, new: np.ndarray
-           ) -> list[str]:
-    """Which weights gave each answer; an answer of neither (a mix) fails."""
-    which = []
-    for _, status, got in answers:
-        assert status == 200
-        if np.abs(np.array(got) - old).max() < 1e-6:
-            which.append("old")
-        else:
-            assert np.abs(np.array(got) - new).max() < 1e-6, got
-            which.append("new")
-    return which
-
-
 @pytest.mark.slow
 def test_server_takes_weights_renamed_over_and_on_sighup(
         published: dict[str, Any], tmp_path: Path, no_compile: None) -> None:
@@ -214,7 +200,7 @@ def test_server_takes_weights_renamed_over_and_on_sighup(
     assert taken["weights"]["step"] == 6 and 0 <= taken["weights"]["load_seconds"] < 20
     assert taken["last_reload"]["ok"] and taken["last_reload"]["kind"] == "weights"
     assert taken["sha256"] == back["sha256"]  # the program stayed
-    which = _which(answers, old, new)
+    which = _which(answers, old, new, atol=1e-6)
     runs = [k for i, k in enumerate(which) if i == 0 or which[i - 1] != k]
     assert runs == ["old", "new", "old"], runs
     first_new = which.index("new")
@@ -264,7 +250,7 @@ def test_weights_are_refused_when_tampered_or_for_another_program(
     assert "sha256" in tampered["last_reload"]["reason"]
     assert foreign["last_reload"]["kind"] == "weights" and foreign["reloads"] == 0
     assert "weights for program" in foreign["last_reload"]["reason"]
-    assert set(_which(answers, old, old)) == {"old"}
+    assert set(_which(answers, old, old, atol=1e-6)) == {"old"}
 
 
 def test_a_torchscript_model_takes_weights_only_in_full(artifact: Path,  # noqa: F811

@@ -816,14 +816,15 @@ def _health_when(port: int, ready: Any, timeout_s: float = 20.0) -> dict:
 
 
 def _which(answers: list[tuple[float, int, list[float]]], old: np.ndarray,
-           new: np.ndarray) -> list[str]:
-    """Which model gave each answer; an answer of neither (a mix) fails."""
+           new: np.ndarray, atol: float = 1e-5) -> list[str]:
+    """Which model gave each answer (each a 200); an answer of neither (a mix) fails."""
     which = []
-    for _, _, got in answers:
-        if np.abs(np.array(got) - old).max() < 1e-5:
+    for _, status, got in answers:
+        assert status == 200
+        if np.abs(np.array(got) - old).max() < atol:
             which.append("old")
         else:
-            assert np.abs(np.array(got) - new).max() < 1e-5, got
+            assert np.abs(np.array(got) - new).max() < atol, got
             which.append("new")
     return which
 
