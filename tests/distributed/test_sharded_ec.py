@@ -15,6 +15,7 @@ import torch
 from gloo_setup import (
     check_local_shards,
     concat_ranks,
+    one_table_per_type,
     rank_batches,
     shard_beside_reference,
     two_table_plans,
@@ -26,10 +27,7 @@ from recsys_core.distributed import (
     LazyAwaitable,
     column_wise,
     construct_module_sharding_plan,
-    data_parallel,
     row_wise,
-    table_column_wise,
-    table_row_wise,
 )
 from recsys_core.distributed.embedding import EmbeddingCollectionSharder
 from recsys_core.kernels.config import KernelBackend
@@ -134,8 +132,9 @@ def errors_worker(rank: int, world: int) -> list[str]:
     env = world_env()
     sharder = EmbeddingCollectionSharder(fused_params=dict(FUSED))
     messages = []
-    unsupported = [data_parallel(compute_kernel="fused"), table_row_wise(host_index=0, compute_kernel="fused"), table_column_wise(host_index=0, compute_kernel="fused")]
-    for generator in unsupported:
+    # data-parallel, table-row-wise and table-column-wise (host 0): the types an EC cannot take
+    unsupported = one_table_per_type(world, ("dp", "twrw", "twcw"), compute_kernel="fused")
+    for generator in unsupported.values():
         plan = construct_module_sharding_plan(
             ec, {"t_big": row_wise(compute_kernel="fused"), "t_small": generator}, world
         )
