@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from gloo_setup import concat_ranks, rank_batches
+from gloo_setup import concat_ranks, gather_to_rank0, one_table_per_type, rank_batches
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
@@ -31,15 +31,7 @@ from recsys_core.distributed import (
 )
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.distributed.comm_ops import set_gradient_division
-from recsys_core.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_column_wise,
-    table_row_wise,
-    table_wise,
-)
+from recsys_core.distributed.sharding_plan import construct_module_sharding_plan
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.testing import run_gloo
 
@@ -50,20 +42,15 @@ def _generators(world: int, column_shards: bool) -> dict[str, Any]:
     """A plan per world size, different for each (every sharding type appears somewhere).
     Without ``column_shards`` no table is split by columns: a row-wise state of a column
     shard has another layout (TorchRec's too), which only loads into column shards."""
-    k = {"compute_kernel": "fused"}
-    last = world - 1
     if world == 1:
-        return {"a": table_wise(rank=0, **k), "b": row_wise(**k), "c": table_wise(rank=0, **k),
-                "d": data_parallel(**k)}
-    if world == 2:
-        return {"a": table_wise(rank=1, **k), "b": row_wise(**k),
-                "c": column_wise(ranks=[0, 1], **k) if column_shards
-                else table_row_wise(host_index=0, **k),
-                "d": data_parallel(**k)}
-    return {"a": row_wise(**k), "b": table_wise(rank=last, **k),
-            "c": table_column_wise(host_index=0, **k) if column_shards
-            else table_row_wise(host_index=0, **k),
-            "d": data_parallel(**k)}
+        kinds = {"a": "tw", "b": "rw", "c": "tw", "d": "dp"}
+    elif world == 2:
+        kinds = {"a": "tw", "b": "rw", "c": "cw" if column_shards else "twrw", "d": "dp"}
+    else:
+        kinds = {"a": "rw", "b": "tw", "c": "twcw" if column_shards else "twrw", "d": "dp"}
+    # tw: on the last rank; cw: ranks 0 and the last; twrw/twcw: host 0
+    every = one_table_per_type(world, compute_kernel="fused")
+    return {table: every[kind] for table, kind in kinds.items()}
 
 
 def _dmp(world: int, optimizer: EmbOptimType, seed: int) -> DistributedModelParallel:
@@ -94,12 +81,8 @@ def _tables(dmp: DistributedModelParallel, rank: int) -> dict[str, torch.Tensor]
     state, out = dmp.state_dict(), {}
     for n in NAMES:
         value = state[f"embedding_bags.{n}.weight"]
-        if isinstance(value, ShardedTensor):
-            full = torch.zeros(ROWS, DIM) if rank == 0 else None
-            value.gather(0, full)
-            out[n] = full
-        else:
-            out[n] = value.detach().clone()
+        out[n] = (gather_to_rank0(value, rank) if isinstance(value, ShardedTensor)
+                  else value.detach().clone())
     return out if rank == 0 else None
 
 
