@@ -29,6 +29,7 @@ from recsys_core import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
+    EmbeddingConfig,
     KeyedJaggedTensor,
     PoolingType,
 )
@@ -265,3 +266,17 @@ def one_table_per_type(world: int, names: Sequence[str] = tuple(ONE_PER_TYPE_ROW
              "twrw": table_row_wise(host_index=0, **kernel),
              "twcw": table_column_wise(host_index=0, **kernel)}
     return {name: every[name] for name in names}
+
+
+def one_table_per_type_module(kind: str, weighted: bool = False,
+                              ) -> EmbeddingBagCollection | EmbeddingCollection:
+    """The tables of :func:`one_table_per_type`, table ``n`` of ``ONE_PER_TYPE_ROWS[n]`` rows of
+    8 read by feature ``f_n``: every one in an EmbeddingBagCollection (``kind`` "ebc", per-id
+    weights when ``weighted``), the ``SEQUENCE_TYPES`` ones in an EmbeddingCollection ("ec")."""
+    if kind == "ec":
+        return EmbeddingCollection([
+            EmbeddingConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ONE_PER_TYPE_ROWS[n],
+                            embedding_dim=8) for n in SEQUENCE_TYPES])
+    return EmbeddingBagCollection([
+        EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=rows, embedding_dim=8)
+        for n, rows in ONE_PER_TYPE_ROWS.items()], is_weighted=weighted)

@@ -28,15 +28,10 @@ from gloo_setup import (
     SEQUENCE_TYPES,
     assert_sharded_tensor_blocks,
     one_table_per_type,
+    one_table_per_type_module,
     rank_batches,
 )
 
-from recsys_core import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-)
 from recsys_core.distributed import (
     DistributedModelParallel,
     EmbeddingBagCollectionSharder,
@@ -119,18 +114,13 @@ def _worker(rank: int, world: int, opt_name: str, decay: float, kind: str = "ebc
     set_gradient_division(True)
     opt = EmbOptimType[opt_name]
     torch.manual_seed(0)
+    ebc = one_table_per_type_module(kind)
     if kind == "ec":  # the sequence collection's sharding types: table-, column-, row-wise
         names = list(SEQUENCE_TYPES)
-        ebc = EmbeddingCollection([
-            EmbeddingConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
-                            embedding_dim=DIM) for n in names])
         sharder: Any = EmbeddingCollectionSharder
         prefix = "embeddings"
     else:
         names = list(ROWS)
-        ebc = EmbeddingBagCollection([
-            EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
-                               embedding_dim=DIM) for n in names])
         sharder = EmbeddingBagCollectionSharder
         prefix = "embedding_bags"
     unsharded = copy.deepcopy(ebc)

@@ -27,14 +27,11 @@ from gloo_setup import (
     SEQUENCE_TYPES,
     assert_sharded_tensor_blocks,
     one_table_per_type,
+    one_table_per_type_module,
     rank_batches,
 )
 
 from recsys_core import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
     KeyedJaggedTensor,
 )
 from recsys_core.distributed import (
@@ -63,19 +60,6 @@ def _generators(kind: str, world: int, kernel: str | None) -> dict[str, Any]:
     return one_table_per_type(world, names, **({} if kernel is None else {"compute_kernel": kernel}))
 
 
-def _module(kind: str, weighted: bool) -> torch.nn.Module:
-    names = list(SEQUENCE_TYPES) if kind == "ec" else list(ROWS)
-    if kind == "ec":
-        return EmbeddingCollection([
-            EmbeddingConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
-                            embedding_dim=DIM) for n in names
-        ])
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=ROWS[n],
-                           embedding_dim=DIM) for n in names
-    ], is_weighted=weighted)
-
-
 def _loss(out: Any, kind: str) -> torch.Tensor:
     """A loss whose gradient depends on the weights (squares), so steps compound."""
     if kind == "ec":
@@ -92,7 +76,7 @@ def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool
                    division: bool = True) -> None:
     set_gradient_division(division)
     torch.manual_seed(0)
-    module = _module(kind, weighted)
+    module = one_table_per_type_module(kind, weighted)
     names = list(_generators(kind, world, None))
     reference = copy.deepcopy(module)
     sharder_type = EmbeddingCollectionSharder if kind == "ec" else EmbeddingBagCollectionSharder
