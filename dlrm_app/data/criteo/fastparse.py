@@ -33,45 +33,27 @@ CFunction = Callable[..., Any]
 """A ctypes function of the helper (its argtypes and restype set where it is looked up)."""
 
 
-def _parse_fn(lib: ctypes.CDLL | None) -> CFunction | None:
-    fn = None if lib is None else getattr(lib, "criteo_parse_rows", None)
+def _function(lib: ctypes.CDLL | None, name: str, restype: Any, argtypes: list[Any],
+              ) -> CFunction | None:
+    """The helper's function ``name`` with its types set, or None (no helper, or built
+    without it)."""
+    fn = None if lib is None else getattr(lib, name, None)
     if fn is not None:
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p]
-    return fn
-
-
-def _lookup_fn(lib: ctypes.CDLL | None) -> CFunction | None:
-    fn = None if lib is None else getattr(lib, "criteo_vocab_lookup", None)
-    if fn is not None:
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    return fn
-
-
-def _newlines_fn(lib: ctypes.CDLL | None) -> CFunction | None:
-    fn = None if lib is None else getattr(lib, "criteo_count_newlines", None)
-    if fn is not None:
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_char_p, ctypes.c_int64]
-    return fn
-
-
-def _count_fn(lib: ctypes.CDLL | None) -> CFunction | None:
-    fn = None if lib is None else getattr(lib, "criteo_count_ids", None)
-    if fn is not None:
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype, fn.argtypes = restype, argtypes
     return fn
 
 
 _LIB = _load()
-_PARSE = _parse_fn(_LIB)
-_LOOKUP = _lookup_fn(_LIB)
-_COUNT = _count_fn(_LIB)
-_NEWLINES = _newlines_fn(_LIB)
+_PARSE = _function(_LIB, "criteo_parse_rows", ctypes.c_int64, [
+    ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.c_void_p])
+_LOOKUP = _function(_LIB, "criteo_vocab_lookup", None, [
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+    ctypes.c_int64, ctypes.c_void_p])
+_COUNT = _function(_LIB, "criteo_count_ids", ctypes.c_int64,
+                   [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p])
+_NEWLINES = _function(_LIB, "criteo_count_newlines", ctypes.c_int64,
+                      [ctypes.c_char_p, ctypes.c_int64])
 enabled = True
 """Tests switch the helper off to compare both paths."""
 
