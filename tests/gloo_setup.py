@@ -34,9 +34,11 @@ from recsys_core import (
     PoolingType,
 )
 from recsys_core.distributed import (
+    DistributedModelParallel,
     EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
     ShardingEnv,
+    ShardingPlan,
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
@@ -158,6 +160,21 @@ def shard_beside_reference(
                     else EmbeddingBagCollectionSharder)
     sharded = sharder_type(**sharder_kwargs).shard(module, plan, world_env(), torch.device("cpu"))
     return sharded, reference
+
+
+def equal_tables_dmp(
+    names: Sequence[str], rows: int, dim: int, generators: Mapping[str, Any], world: int,
+    fused_params: Mapping[str, Any],
+) -> DistributedModelParallel:
+    """A DistributedModelParallel of tables ``names``, each ``rows`` x ``dim`` and table ``n``
+    read by feature ``f<n>``, sharded by ``generators`` over the default process group with
+    the fused optimizer ``fused_params`` (the tutorial's dict); initialized from torch's seed."""
+    ebc = EmbeddingBagCollection([
+        EmbeddingBagConfig(name=n, feature_names=[f"f{n}"], num_embeddings=rows, embedding_dim=dim)
+        for n in names])
+    plan = construct_module_sharding_plan(ebc, dict(generators), world)
+    sharder = EmbeddingBagCollectionSharder(fused_params=dict(fused_params))
+    return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder])
 
 
 # ---- one step against the oracle ------------------------------------------------------------

@@ -18,19 +18,16 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from gloo_setup import rank_batches
+from gloo_setup import equal_tables_dmp, rank_batches
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
 from recsys_core.distributed import (
     DistributedModelParallel,
-    EmbeddingBagCollectionSharder,
-    ShardingPlan,
 )
 from recsys_core.distributed.sharding_plan import (
     column_wise,
-    construct_module_sharding_plan,
     row_wise,
     table_wise,
 )
@@ -43,18 +40,11 @@ NAMES = ["a", "b", "c"]
 
 def _dmp(world: int, seed: int, optimizer: EmbOptimType) -> DistributedModelParallel:
     torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(name=n, feature_names=[f"f{n}"], num_embeddings=ROWS, embedding_dim=DIM)
-        for n in NAMES
-    ])
-    plan = construct_module_sharding_plan(ebc, {
+    return equal_tables_dmp(NAMES, ROWS, DIM, {
         "a": table_wise(rank=0, compute_kernel="fused"),  # nothing of it on rank 1
         "b": row_wise(compute_kernel="fused"),
         "c": column_wise(ranks=[0, 1], compute_kernel="fused"),
-    }, world_size=world)
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": optimizer, "learning_rate": 0.05})
-    return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder])
+    }, world, {"optimizer": optimizer, "learning_rate": 0.05})
 
 
 def _train(dmp: DistributedModelParallel, rank: int, world: int, steps: range) -> torch.Tensor:

@@ -19,19 +19,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from gloo_setup import concat_ranks, gather_to_rank0, one_table_per_type, rank_batches
+from gloo_setup import (
+    concat_ranks,
+    equal_tables_dmp,
+    gather_to_rank0,
+    one_table_per_type,
+    rank_batches,
+)
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig
 from recsys_core.distributed import (
     DistributedModelParallel,
-    EmbeddingBagCollectionSharder,
-    ShardingPlan,
 )
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.distributed.comm_ops import set_gradient_division
-from recsys_core.distributed.sharding_plan import construct_module_sharding_plan
 from recsys_core.kernels.config import EmbOptimType
 from recsys_core.testing import run_gloo
 
@@ -55,14 +57,9 @@ def _generators(world: int, column_shards: bool) -> dict[str, Any]:
 
 def _dmp(world: int, optimizer: EmbOptimType, seed: int) -> DistributedModelParallel:
     torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(name=n, feature_names=[f"f{n}"], num_embeddings=ROWS, embedding_dim=DIM)
-        for n in NAMES])
     column_shards = optimizer is not EmbOptimType.EXACT_ROWWISE_ADAGRAD
-    plan = construct_module_sharding_plan(ebc, _generators(world, column_shards), world)
-    sharder = EmbeddingBagCollectionSharder(fused_params={
-        "optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-3})
-    dmp = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder])
+    dmp = equal_tables_dmp(NAMES, ROWS, DIM, _generators(world, column_shards), world,
+                           {"optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-3})
     dmp.fused_optimizer.save_param_groups(True)  # Adam's step travels in param_groups
     return dmp
 
