@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -22,6 +25,16 @@ def random_jagged(
     values = torch.randint(0, 10_000, (total,), generator=gen)
     weights = torch.rand(total, generator=gen)
     return lengths, values, weights
+
+
+def assert_paths_agree(op: Callable[..., Any], *args: Any) -> None:
+    """``op(*args)`` gives the same outputs, exactly, on the FBGEMM path and the torch path."""
+    fbgemm, plain = op(*args, use_fbgemm=True), op(*args, use_fbgemm=False)
+    if isinstance(fbgemm, torch.Tensor):
+        fbgemm, plain = [fbgemm], [plain]
+    assert len(fbgemm) == len(plain)
+    for a, b in zip(fbgemm, plain, strict=True):
+        assert torch.equal(a, b)
 
 
 # -- lengths_to_offsets / offsets_to_lengths ---------------------------------------------------
@@ -50,10 +63,7 @@ def test_offsets_to_lengths(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_lengths_to_offsets_paths_agree(seed: int) -> None:
     lengths, _, _ = random_jagged(1000, 7, seed, torch.int64)
-    assert torch.equal(
-        sparse_ops.lengths_to_offsets(lengths, use_fbgemm=True),
-        sparse_ops.lengths_to_offsets(lengths, use_fbgemm=False),
-    )
+    assert_paths_agree(sparse_ops.lengths_to_offsets, lengths)
 
 
 def test_forcing_fbgemm_where_it_has_no_kernel_raises() -> None:
@@ -110,10 +120,7 @@ def test_permute_2d_paths_agree(seed: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(100 + seed)
     permute = torch.randint(0, rows, (11,), generator=gen, dtype=torch.int64)  # with repeats
     lengths_2d = lengths.view(rows, batch)
-    fb = sparse_ops.permute_2d_sparse_data(permute, lengths_2d, values, weights, use_fbgemm=True)
-    pt = sparse_ops.permute_2d_sparse_data(permute, lengths_2d, values, weights, use_fbgemm=False)
-    for a, b in zip(fb, pt, strict=True):
-        assert torch.equal(a, b)
+    assert_paths_agree(sparse_ops.permute_2d_sparse_data, permute, lengths_2d, values, weights)
 
 
 # -- keyed_jagged_index_select_dim1 -----------------------------------------------------------
@@ -145,14 +152,8 @@ def test_keyed_index_select_paths_agree(seed: int, dtype: torch.dtype) -> None:
     offsets = sparse_ops.lengths_to_offsets(lengths)
     gen = torch.Generator().manual_seed(200 + seed)
     indices = torch.randint(0, batch, (23,), generator=gen)
-    fb = sparse_ops.keyed_jagged_index_select_dim1(
-        values, lengths, offsets, indices, batch, weights, use_fbgemm=True
-    )
-    pt = sparse_ops.keyed_jagged_index_select_dim1(
-        values, lengths, offsets, indices, batch, weights, use_fbgemm=False
-    )
-    for a, b in zip(fb, pt, strict=True):
-        assert torch.equal(a, b)
+    assert_paths_agree(sparse_ops.keyed_jagged_index_select_dim1, values, lengths, offsets,
+                       indices, batch, weights)
 
 
 # -- jagged_to_padded_dense -------------------------------------------------------------------
@@ -206,9 +207,7 @@ def test_jagged_to_padded_dense_2d_values_and_empty(use_fbgemm: bool) -> None:
 def test_jagged_to_padded_dense_paths_agree(seed: int, max_length: int) -> None:
     lengths, _, weights = random_jagged(50, 8, seed, torch.int64)
     offsets = sparse_ops.lengths_to_offsets(lengths)
-    fb = sparse_ops.jagged_to_padded_dense(weights, offsets, max_length, 0.5, use_fbgemm=True)
-    pt = sparse_ops.jagged_to_padded_dense(weights, offsets, max_length, 0.5, use_fbgemm=False)
-    assert torch.equal(fb, pt)
+    assert_paths_agree(sparse_ops.jagged_to_padded_dense, weights, offsets, max_length, 0.5)
 
 
 # -- regroup_keyed_tensor ---------------------------------------------------------------------
@@ -266,10 +265,7 @@ def test_regroup_fbgemm_and_torch_agree_on_random_inputs() -> None:
     widths = [[8, 16, 8, 4, 4, 8], [16, 8, 8, 4]]
     inputs = [torch.randn(32, sum(w), generator=gen) for w in widths]
     groups = [["m0", "k3", "k1"], ["k0", "m3", "k5", "m1"], ["k2", "k4", "m2"]]
-    fb = sparse_ops.regroup_keyed_tensor(inputs, names, widths, groups, use_fbgemm=True)
-    pt = sparse_ops.regroup_keyed_tensor(inputs, names, widths, groups, use_fbgemm=False)
-    for a, b in zip(fb, pt, strict=True):
-        assert torch.equal(a, b)
+    assert_paths_agree(sparse_ops.regroup_keyed_tensor, inputs, names, widths, groups)
 
 
 def test_regroup_along_dim_0() -> None:
