@@ -43,6 +43,26 @@ def compute_stride(
     return num_bags // len(keys)
 
 
+def lengths_from_offsets(offsets: torch.Tensor | None) -> torch.Tensor:
+    """The lengths a KJT stored without them: from its ``offsets``, which it must then have."""
+    return _jit_ops.offsets_to_lengths(_either(offsets))
+
+
+def offsets_from_lengths(lengths: torch.Tensor | None) -> torch.Tensor:
+    """The offsets a KJT stored without them: from its ``lengths``, which it must then have."""
+    return _jit_ops.lengths_to_offsets(_either(lengths))
+
+
+def _either(t: torch.Tensor | None) -> torch.Tensor:
+    # TorchRec accepts a KJT with neither (an empty one): the error comes when one is asked for.
+    if t is None:
+        raise ValueError(
+            "KeyedJaggedTensor has neither lengths nor offsets; pass one of them when "
+            "constructing it."
+        )
+    return t
+
+
 def length_per_key(
     values: torch.Tensor,
     num_keys: int,
@@ -61,11 +81,7 @@ def length_per_key(
         return even
     if variable_stride:
         if lengths is None:
-            if offsets is None:
-                raise ValueError(
-                    "KeyedJaggedTensor has neither lengths nor offsets; pass one of them."
-                )
-            lengths = _jit_ops.offsets_to_lengths(offsets)
+            lengths = lengths_from_offsets(offsets)
         return _jit_ops.sums_by_segments(lengths, stride_per_key)
     stride = stride_per_key[0]
     if stride == 0:
@@ -76,9 +92,7 @@ def length_per_key(
         counts: list[int] = (bounds[1:] - bounds[:-1]).tolist()
         return counts
     if lengths is None:
-        if offsets is None:
-            raise ValueError("KeyedJaggedTensor has neither lengths nor offsets; pass one of them.")
-        lengths = _jit_ops.offsets_to_lengths(offsets)
+        lengths = lengths_from_offsets(offsets)
     sums: list[int] = lengths.reshape(num_keys, stride).sum(1).tolist()
     return sums
 

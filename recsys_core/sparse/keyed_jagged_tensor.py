@@ -230,13 +230,7 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
     def lengths(self) -> torch.Tensor:
         lengths = self._lengths
         if lengths is None:
-            offsets = self._offsets
-            if offsets is None:
-                raise ValueError(
-                    "KeyedJaggedTensor has neither lengths nor offsets; pass one of them when "
-                    "constructing it."
-                )
-            lengths = _jit_ops.offsets_to_lengths(offsets)
+            lengths = _kjt_ops.lengths_from_offsets(self._offsets)
             self._lengths = lengths
         return lengths
 
@@ -246,13 +240,7 @@ class KeyedJaggedTensor(metaclass=SparseTypeMeta):
     def offsets(self) -> torch.Tensor:
         offsets = self._offsets
         if offsets is None:
-            lengths = self._lengths
-            if lengths is None:
-                raise ValueError(
-                    "KeyedJaggedTensor has neither lengths nor offsets; pass one of them when "
-                    "constructing it."
-                )
-            offsets = _jit_ops.lengths_to_offsets(lengths)
+            offsets = _kjt_ops.offsets_from_lengths(self._lengths)
             self._offsets = offsets
         return offsets
 
