@@ -9,6 +9,7 @@ from torch.fx._pytree import register_pytree_flatten_spec
 from torch.utils._pytree import GetAttrKey, KeyEntry, TreeSpec, register_pytree_node
 
 from recsys_core.kernels import sparse_ops
+from recsys_core.sparse import _jit_ops
 from recsys_core.sparse._fx import SparseTypeMeta
 
 _OWNER = "KeyedTensor"
@@ -99,9 +100,7 @@ class KeyedTensor(metaclass=SparseTypeMeta):
     def offset_per_key(self) -> list[int]:
         offset_per_key = self._offset_per_key
         if offset_per_key is None:
-            offset_per_key = [0]
-            for n in self._length_per_key:
-                offset_per_key.append(offset_per_key[-1] + n)
+            offset_per_key = _jit_ops.cumsum(self._length_per_key)
             self._offset_per_key = offset_per_key
         return offset_per_key
 
