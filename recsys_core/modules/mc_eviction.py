@@ -225,6 +225,7 @@ class _LastAccessPolicy(MCHEvictionPolicy):
             threshold_filtering_func,
         )
         self._decay_exponent = decay_exponent
+        self._with_counts = counts
 
     def record_history_metadata(
         self, current_iter: int, incoming_ids: torch.Tensor, history_metadata: dict[str, torch.Tensor]
@@ -250,6 +251,45 @@ class _LastAccessPolicy(MCHEvictionPolicy):
         if threshold_mask is not None:
             latest = latest[threshold_mask]
         return {"last_access_iter": latest}
+
+    def update_metadata_and_generate_eviction_scores(
+        self,
+        current_iter: int,
+        mch_size: int,
+        coalesced_history_argsort_mapping: torch.Tensor,
+        coalesced_history_sorted_unique_ids_counts: torch.Tensor,
+        coalesced_history_mch_matching_elements_mask: torch.Tensor,
+        coalesced_history_mch_matching_indices: torch.Tensor,
+        mch_metadata: dict[str, torch.Tensor],
+        coalesced_history_metadata: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """LRU scores by staleness alone (the stalest entries leave first); distance-LFU
+        divides the counts by it."""
+        last_access = mch_metadata["last_access_iter"]
+        counts: torch.Tensor | None = None
+        new_counts = last_access  # read only with counts
+        if self._with_counts:
+            counts = mch_metadata["counts"]
+            new_counts = _merge_counts(
+                counts, coalesced_history_sorted_unique_ids_counts,
+                coalesced_history_mch_matching_elements_mask,
+                coalesced_history_mch_matching_indices, mch_size,
+            )
+        new_access = self._merge_last_access(
+            current_iter, mch_size, coalesced_history_argsort_mapping,
+            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
+            mch_metadata, coalesced_history_metadata,
+        )
+        staleness = self._staleness(current_iter, last_access, new_access)
+        scores = (torch.neg(staleness) if counts is None
+                  else torch.div(torch.cat([counts, new_counts]), staleness))
+        evicted, entering = self._compute_selected_eviction_and_replacement_indices(
+            mch_size, scores
+        )
+        if counts is not None:
+            counts[evicted] = new_counts[entering]
+        last_access[evicted] = new_access[entering]
+        return evicted, entering
 
     def _merge_last_access(
         self,
@@ -289,30 +329,6 @@ class LRU_EvictionPolicy(_LastAccessPolicy):  # noqa: N801 (TorchRec's name)
     ) -> None:
         super().__init__(False, decay_exponent, threshold_filtering_func)
 
-    def update_metadata_and_generate_eviction_scores(
-        self,
-        current_iter: int,
-        mch_size: int,
-        coalesced_history_argsort_mapping: torch.Tensor,
-        coalesced_history_sorted_unique_ids_counts: torch.Tensor,
-        coalesced_history_mch_matching_elements_mask: torch.Tensor,
-        coalesced_history_mch_matching_indices: torch.Tensor,
-        mch_metadata: dict[str, torch.Tensor],
-        coalesced_history_metadata: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        last_access = mch_metadata["last_access_iter"]
-        new_access = self._merge_last_access(
-            current_iter, mch_size, coalesced_history_argsort_mapping,
-            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
-            mch_metadata, coalesced_history_metadata,
-        )
-        scores = torch.neg(self._staleness(current_iter, last_access, new_access))
-        evicted, entering = self._compute_selected_eviction_and_replacement_indices(
-            mch_size, scores
-        )
-        last_access[evicted] = new_access[entering]
-        return evicted, entering
-
 
 class DistanceLFU_EvictionPolicy(_LastAccessPolicy):  # noqa: N801 (TorchRec's name)
     """Counts discounted by staleness: ``count / (now - last_access + 1) ** decay_exponent``."""
@@ -323,36 +339,3 @@ class DistanceLFU_EvictionPolicy(_LastAccessPolicy):  # noqa: N801 (TorchRec's n
         threshold_filtering_func: ThresholdFilter | None = None,
     ) -> None:
         super().__init__(True, decay_exponent, threshold_filtering_func)
-
-    def update_metadata_and_generate_eviction_scores(
-        self,
-        current_iter: int,
-        mch_size: int,
-        coalesced_history_argsort_mapping: torch.Tensor,
-        coalesced_history_sorted_unique_ids_counts: torch.Tensor,
-        coalesced_history_mch_matching_elements_mask: torch.Tensor,
-        coalesced_history_mch_matching_indices: torch.Tensor,
-        mch_metadata: dict[str, torch.Tensor],
-        coalesced_history_metadata: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = mch_metadata["counts"]
-        last_access = mch_metadata["last_access_iter"]
-        new_counts = _merge_counts(
-            counts, coalesced_history_sorted_unique_ids_counts,
-            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
-            mch_size,
-        )
-        new_access = self._merge_last_access(
-            current_iter, mch_size, coalesced_history_argsort_mapping,
-            coalesced_history_mch_matching_elements_mask, coalesced_history_mch_matching_indices,
-            mch_metadata, coalesced_history_metadata,
-        )
-        scores = torch.div(
-            torch.cat([counts, new_counts]), self._staleness(current_iter, last_access, new_access)
-        )
-        evicted, entering = self._compute_selected_eviction_and_replacement_indices(
-            mch_size, scores
-        )
-        counts[evicted] = new_counts[entering]
-        last_access[evicted] = new_access[entering]
-        return evicted, entering
