@@ -1,7 +1,7 @@
 """What the multi-process (gloo) tests share: random per-rank batches and the global batch the
 unsharded oracle sees, the usual two pooled tables and their plans per sharding type, sharding a collection
 beside its unsharded copy, one training step against that copy, and the comparisons of local
-shards with the oracle's tables.
+shards with the oracle's tables, and counting a module's layout gathers.
 
 The functions run inside ``recsys_core.testing.run_gloo`` ranks (the default process group is
 up) or in the test process itself; every module-level function here pickles by reference, so a
@@ -18,8 +18,8 @@ so rank ``r``'s pooled rows are ``rank_rows(r, batch)`` of the oracle's output.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from recsys_core.distributed import (
 )
 
 ShardKey = tuple[str, int, int]  # (table, row offset, column offset)
+T = TypeVar("T")
 
 
 def world_env() -> ShardingEnv:
@@ -262,6 +263,22 @@ def gather_to_rank0(value: Any, rank: int) -> torch.Tensor | None:
     out = torch.zeros(value.size()) if rank == 0 else None
     value.gather(0, out)
     return out
+
+
+def counting_gathers(fn: Callable[[], T]) -> tuple[T, int]:
+    """(what ``fn()`` returned, how many ``dist.all_gather_object`` calls it made): how often a
+    module gathers its global layouts."""
+    real, calls = dist.all_gather_object, [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        return fn(), calls[0]
+    finally:
+        dist.all_gather_object = real
 
 
 # ---- one table per sharding type --------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_setup import two_table_plans, world_env
+from gloo_setup import counting_gathers, two_table_plans, world_env
 from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
@@ -53,21 +53,6 @@ def _same(value: object, reference: ShardedTensor, key: str) -> int:
     return len(value.metadata().shards_metadata)
 
 
-def _gathers(export):  # type: ignore[no-untyped-def]
-    """(what ``export()`` returned, the ``all_gather_object`` calls it made)."""
-    real, calls = dist.all_gather_object, [0]
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    dist.all_gather_object = counting
-    try:
-        return export(), calls[0]
-    finally:
-        dist.all_gather_object = real
-
-
 def _both(sharded):  # type: ignore[no-untyped-def]
     """The module's and its fused optimizer's state dicts."""
     return sharded.state_dict(), sharded.fused_optimizer.state_dict()
@@ -81,10 +66,10 @@ def layouts_worker(rank: int, world: int, optimizer: str) -> dict:
         plan = construct_module_sharding_plan(ebc, generators, world)
         sharder = EmbeddingBagCollectionSharder(
             fused_params={"optimizer": EmbOptimType[optimizer], "learning_rate": 0.1})
-        sharded, built = _gathers(
+        sharded, built = counting_gathers(
             lambda e=ebc, p=plan, s=sharder: s.shard(e, p, world_env(), torch.device("cpu")))
-        (weights, states), first = _gathers(lambda s=sharded: _both(s))
-        _, again = _gathers(lambda s=sharded: _both(s))
+        (weights, states), first = counting_gathers(lambda s=sharded: _both(s))
+        _, again = counting_gathers(lambda s=sharded: _both(s))
         exported = {k: v for k, v in weights.items() if k.endswith(".weight")}
         exported |= {k: v for per_table in states["state"].values() for k, v in per_table.items()}
         # the optimizer lists only the tables this rank holds a part of (TorchRec's layout):
@@ -152,11 +137,11 @@ def mc_worker(rank: int, world: int) -> dict:
     mc = build_mc({"t0": 48, "t1": 48})
     sharder = ManagedCollisionEmbeddingBagCollectionSharder(
         EmbeddingBagCollectionSharder(fused_params=FUSED))
-    sharded, gathers_built = _gathers(lambda: sharder.shard(mc, plan_for(mc, world), world_env()))
+    sharded, gathers_built = counting_gathers(lambda: sharder.shard(mc, plan_for(mc, world), world_env()))
     pooled, _ = sharded(batch(rank, 0))  # ids enter: the remapping state is not all empty
     pooled.wait().values().sum().backward()
-    first, gathers_first = _gathers(sharded.state_dict)
-    again, gathers_again = _gathers(sharded.state_dict)
+    first, gathers_first = counting_gathers(sharded.state_dict)
+    again, gathers_again = counting_gathers(sharded.state_dict)
     remap = [k for k in first if "_managed_collision_modules." in k
              and isinstance(first[k], ShardedTensor)]
     for key in remap:

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from gloo_setup import world_env
+from gloo_setup import counting_gathers, world_env
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_core import (
@@ -41,21 +40,6 @@ SEQUENCES = [
 
 def _views(sharded: torch.nn.Module, table: str) -> list[int]:
     return [s.weight.data_ptr() for s in sharded.table_shards().get(table, [])]
-
-
-def _gathers(fn):  # type: ignore[no-untyped-def]
-    real, calls = dist.all_gather_object, [0]
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    dist.all_gather_object = counting
-    try:
-        fn()
-        return calls[0]
-    finally:
-        dist.all_gather_object = real
 
 
 def _failing_for(size: list[int]):  # type: ignore[no-untyped-def]
@@ -94,7 +78,7 @@ def worker(rank: int, world: int) -> dict:
                                                   strict=True))])
         for t in built for s in built[t].local_shards())
     # built again: local (the layouts are known), hooks not registered twice
-    out["gathers_again"] = _gathers(sharded._initialize_torch_state)
+    out["gathers_again"] = counting_gathers(sharded._initialize_torch_state)[1]
     with torch.no_grad():
         full = {k: v + 1.0 for k, v in unsharded.items()}
     result = sharded.load_state_dict(full)
