@@ -1,6 +1,7 @@
 """DLRM (and variants) and SimpleDeepFMNN against their composition written out by hand."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,12 +9,13 @@ import torch
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recsys_core.datasets.utils import Batch
 from recsys_core.fx import symbolic_trace
-from recsys_core.models.deepfm import SimpleDeepFMNN
+from recsys_core.models.deepfm import SimpleDeepFMNN, SimpleDeepFMNNWrapper
 from recsys_core.models.dlrm import (
     DLRM,
     DLRM_DCN,
     DLRM_Projection,
     DLRMTrain,
+    DLRMWrapper,
     InteractionArch,
     ModelConfigError,
     choose,
@@ -123,3 +125,21 @@ def test_simple_deepfm() -> None:
     inter = torch.cat([embedded, model.inter_arch.deep_fm.dense_module(flat), fm], dim=1)
     torch.testing.assert_close(out, model.over_arch(inter))
     assert ((out > 0) & (out < 1)).all()
+
+
+@pytest.mark.parametrize("wrapper", [DLRMWrapper, SimpleDeepFMNNWrapper])
+def test_model_input_wrappers_train_on_bce_with_logits_and_eval_to_the_output(wrapper: type) -> None:
+    torch.manual_seed(0)
+    if wrapper is DLRMWrapper:
+        model = DLRMWrapper(_ebc(), 3, [4], [2, 1])
+    else:
+        model = SimpleDeepFMNNWrapper(3, _ebc(), hidden_layer_size=6, deep_fm_dimension=5)
+    dense, kjt, y = torch.randn(2, 3), _kjt(), torch.tensor([0.0, 1.0])
+    out = super(wrapper, model).forward(dense, kjt)  # the unwrapped model's output [B, 1]
+    loss, pred = model(SimpleNamespace(float_features=dense, idlist_features=kjt, label=y))
+    z = out.squeeze()
+    expected = -(y * torch.log(torch.sigmoid(z)) + (1 - y) * torch.log(1 - torch.sigmoid(z))).mean()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(pred, out)
+    model.eval()  # no loss, so no label needed
+    torch.testing.assert_close(model(SimpleNamespace(float_features=dense, idlist_features=kjt)), out)
