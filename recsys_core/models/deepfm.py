@@ -10,7 +10,7 @@ Shapes (B samples, F sparse features, D embedding dim, H = deep_fm_dimension)::
 import torch
 from torch import nn
 
-from recsys_core.models.dlrm import _common_embedding_dim
+from recsys_core.models.dlrm import _common_embedding_dim, _model_input_output
 from recsys_core.modules.deepfm import DeepFM, FactorizationMachine
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
@@ -125,10 +125,7 @@ class SimpleDeepFMNNWrapper(SimpleDeepFMNN):
 
     def forward(self, model_input) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
         pred = super().forward(model_input.float_features, model_input.idlist_features)
-        if self.training:
-            loss = nn.functional.binary_cross_entropy_with_logits(pred.squeeze(), model_input.label)
-            return loss, pred
-        return pred
+        return _model_input_output(pred, model_input, self.training)
 
 
 __all__ = ["DenseArch", "FMInteractionArch", "OverArch", "SimpleDeepFMNN",

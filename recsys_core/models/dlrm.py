@@ -12,6 +12,8 @@ keeps the pairwise dot products above the diagonal, in row-major order
 ``(0,1), (0,2), ..., (0,F), (1,2), ...``, after the dense vector itself.
 """
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.fx._symbolic_trace import is_fx_tracing
@@ -356,10 +358,19 @@ class DLRMWrapper(DLRM):
 
     def forward(self, model_input) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
         pred = super().forward(model_input.float_features, model_input.idlist_features)
-        if self.training:
-            loss = nn.functional.binary_cross_entropy_with_logits(pred.squeeze(), model_input.label)
-            return loss, pred
-        return pred
+        return _model_input_output(pred, model_input, self.training)
+
+
+def _model_input_output(
+    pred: torch.Tensor, model_input: Any, training: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What TorchRec's ``*Wrapper`` models return for ``pred``, the wrapped model's output:
+    in training ``(BCE-with-logits of pred.squeeze() against model_input.label, pred)``, in
+    eval ``pred`` (the label is not read)."""
+    if training:
+        loss = nn.functional.binary_cross_entropy_with_logits(pred.squeeze(), model_input.label)
+        return loss, pred
+    return pred
 
 
 __all__ = [
