@@ -127,7 +127,7 @@ def score(run: Path, checkpoint: Path, data: Path, day: int, batch_size: int) ->
     model, config, _, _ = load_trained_model(run, checkpoint, data=str(data))
     loader = ParquetLoader(data, days=day, batch_size=batch_size, drop_last=False,
                            pad_last=True)
-    return evaluate_model(model, loader, init_distributed(), amp=config.amp)
+    return evaluate_model(model, loader, init_distributed(), amp=config.parallel.amp)
 
 
 def log(run: Path, event: str) -> list[dict]:

@@ -158,7 +158,7 @@ def train_main_job(root: Path, steps: int) -> Path:
                          "in ../shared/data beside the repository); pass --models demo to "
                          "measure the demo's model only")
     preprocess_criteo([KAGGLE], root / "data")
-    train(TrainConfig(data=str(root / "data"), out=str(root / "run"), max_steps=steps),
+    train(TrainConfig.from_flags(data=str(root / "data"), out=str(root / "run"), max_steps=steps),
           progress=False)
     return root / "run"
 
@@ -170,8 +170,8 @@ def train_demo(root: Path, steps: int, rows: int) -> Path:
     from dlrm_app.training.trainer import train
 
     demo_data(root / "data", rows, progress=False)
-    train(TrainConfig(data=str(root / "data"), out=str(root / "run"), max_steps=steps,
-                      log_every=20, overwrite=True), progress=False)
+    train(TrainConfig.from_flags(data=str(root / "data"), out=str(root / "run"), max_steps=steps,
+                                 log_every=20, overwrite=True), progress=False)
     return root / "run"
 
 

@@ -18,7 +18,6 @@ Usage: python bench/learning_curve.py [--rows 125000 250000 500000 1000000 20000
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -42,19 +41,19 @@ def point(rows: int, work: Path, epochs: int | None = None, form: bool = True) -
     generate(data, rows=rows, num_dense=13, cardinalities=[DEMO_CARDINALITY] * 26,
              pooling_factors=[1.0] * 26, zipf_alpha=1.05, seed=0)
     start = time.perf_counter()
-    config = TrainConfig(data=str(data), out=str(run)).with_epochs(time_ordered=False)
+    config = TrainConfig.from_flags(data=str(data), out=str(run)).with_epochs(time_ordered=False)
     if epochs is not None:
-        config = dataclasses.replace(config, epochs=epochs)
+        config = config.replace(epochs=epochs)
     summary = train(config, progress=False)
     test = evaluate_checkpoint(run, split="test")
     spec = DatasetSpec.load(data)
     teacher = spec.parameters["teacher_auc"]["test"]
     line = {"rows": rows, "train_rows": spec.split("train").rows,
-            "epochs": config.epochs, "test_auc": test["auc"], "teacher_auc": teacher,
+            "epochs": config.schedule.epochs, "test_auc": test["auc"], "teacher_auc": teacher,
             "gap": teacher - test["auc"], "steps": summary["steps"],
             "stopped": summary["stopped"], "seconds": round(time.perf_counter() - start, 1)}
     if form:
-        fitted = teacher_form(data, epochs=config.epochs)
+        fitted = teacher_form(data, epochs=config.schedule.epochs)
         line |= {"teacher_form_auc": fitted["auc"], "teacher_form_epochs": fitted["epochs"],
                  "dlrm_minus_teacher_form": test["auc"] - fitted["auc"]}
     return line

@@ -87,7 +87,7 @@ def train_more(data: Path, run: Path, steps: int, first: bool) -> None:
     from dlrm_app.config import TrainConfig
     from dlrm_app.training.trainer import train
 
-    train(TrainConfig(data=str(data), out=str(run), max_steps=steps, resume=not first),
+    train(TrainConfig.from_flags(data=str(data), out=str(run), max_steps=steps, resume=not first),
           progress=False)
 
 

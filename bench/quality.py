@@ -78,7 +78,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dlrm_app.config import DEMO_ROWS
+from dlrm_app.config import DEMO_ROWS, flatten
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.demo import demo_data
@@ -220,7 +220,7 @@ def _dlrm(data: Path, run_dir: Path, nproc: int, seed: int, *flags: str,
 def _train_config(run_dir: Path) -> dict:
     """The hyper-parameters the run trained with (its config.json less paths and seed): the
     defaults move while they are tuned, so a line names the ones that gave its numbers."""
-    config = json.loads((run_dir / "config.json").read_text())
+    config = flatten(json.loads((run_dir / "config.json").read_text()))  # keyed as the flags
     return {k: v for k, v in config.items() if k not in ("data", "out", "seed", "overwrite",
                                                           "resume", "offload_dir", "log_every")}
 

@@ -51,7 +51,8 @@ RANKS = (1, 2)
 def global_batch(data: Path) -> int:
     """The default ``--batch-size`` of 1 rank on ``data``: the global batch of every run."""
     rows = DatasetSpec.load(data).split("train").rows
-    size = TrainConfig(data=str(data), out="").with_batch_size(rows, world_size=1).batch_size
+    size = TrainConfig.from_flags(data=str(data), out="").with_batch_size(
+        rows, world_size=1).schedule.batch_size
     assert size is not None and size % max(RANKS) == 0, size
     return size
 

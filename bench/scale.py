@@ -272,13 +272,13 @@ def train_case(args: argparse.Namespace) -> dict:
                               for i, r in enumerate(rows)),
         label="label", label_dtype="float32", created_by="bench/scale.py", parameters={},
         splits=tuple(SplitSpec(name=s, label_rate=0.5, shards=()) for s in SPLIT_NAMES))
-    config = TrainConfig(data=args.work_dir, out=args.work_dir, batch_size=args.batch,
-                         # the reference DLRM (no wide part), as in docs/scale.md
-                         model=ModelConfig(embedding_dim=args.dim, wide=False),
-                         memory_per_rank=args.memory_gib,
-                         offload=True, offload_dir=str(Path(args.work_dir) / "offload"))
+    config = TrainConfig.from_flags(data=args.work_dir, out=args.work_dir, batch_size=args.batch,
+                                    # the reference DLRM (no wide part), as in docs/scale.md
+                                    model=ModelConfig(embedding_dim=args.dim, wide=False),
+                                    memory_per_rank=args.memory_gib,
+                                    offload=True, offload_dir=str(Path(args.work_dir) / "offload"))
     device = torch.device("cpu")
-    amp = amp_enabled(device, config.amp)
+    amp = amp_enabled(device, config.parallel.amp)
     start = time.perf_counter()
     dmp = build_model(config, spec, device)
     setup_s = time.perf_counter() - start

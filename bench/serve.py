@@ -160,8 +160,8 @@ def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], A
                         over_arch_layer_sizes=(*sizes(args.top), 1),
                         wide=False)  # the reference DLRM, as in docs/serving.md
     batch = max(1, min(512, args.train_rows // (2 * args.train_steps)))
-    train(TrainConfig(data=str(tmp / "data"), out=str(tmp / "run"), model=model,
-                      batch_size=batch, max_steps=args.train_steps, val_batches=1),
+    train(TrainConfig.from_flags(data=str(tmp / "data"), out=str(tmp / "run"), model=model,
+                                 batch_size=batch, max_steps=args.train_steps, val_batches=1),
           progress=False)
     out: dict[tuple[str, str], Any] = {}
     for dtype in args.dtypes.split(","):

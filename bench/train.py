@@ -314,11 +314,11 @@ class Ours:
         self.optimizer: CombinedOptimizer = build_optimizer(config, self.dmp)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.device = device
-        self.global_batch = config.batch_size * dist.get_world_size()
+        self.global_batch = config.schedule.batch_size * dist.get_world_size()
         self.model = self.dmp.module
         self.ebc = self.model.sparse_arch.embedding_bag_collection
         self.config = config
-        self.amp = bool(config.amp)
+        self.amp = bool(config.parallel.amp)
         named = self.dmp.named_parameters()
         self.dense_params = [p for _, p in in_backward_optimizer_filter(named)]
         names = self.model.sparse_arch.feature_names
@@ -383,8 +383,8 @@ class Ours:
             for sharding in module_plan.values():
                 kind = sharding.sharding_type.value
                 counts[kind] = counts.get(kind, 0) + 1
-        return {"plan": counts, "dense_optimizer": self.config.dense_optimizer.value,
-                "embedding_optimizer": f"fused {self.config.embedding_optimizer.value}, "
+        return {"plan": counts, "dense_optimizer": self.config.optimizer.dense_optimizer.value,
+                "embedding_optimizer": f"fused {self.config.optimizer.embedding_optimizer.value}, "
                                        "applied in backward"}
 
 
@@ -447,11 +447,12 @@ class Baseline:
         dense = [p for name, p in model.named_parameters() if not name.startswith("embedding_bags")]
         self.params = tables + dense
         self.optimizers = [
-            torch.optim.Adagrad(tables, lr=config.embedding_learning_rate, eps=config.eps),
-            torch.optim.Adagrad(dense, lr=config.learning_rate, eps=config.eps),
+            torch.optim.Adagrad(tables, lr=config.optimizer.embedding_learning_rate,
+                                eps=config.optimizer.eps),
+            torch.optim.Adagrad(dense, lr=config.optimizer.learning_rate, eps=config.optimizer.eps),
         ]
         self.device = device
-        self.amp = bool(config.amp)
+        self.amp = bool(config.parallel.amp)
 
     def _zero_grad(self) -> None:
         for opt in self.optimizers:
@@ -517,15 +518,15 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = DatasetSpec.load(args.data)
     # tables in memory (no run directory to keep offloaded tables in)
-    config = TrainConfig(data=args.data, out=os.devnull, model=model_config(args),
-                         batch_size=args.batch_size, seed=args.seed, offload=False,
-                         amp=args.precision == "bf16",
-                         comm_precision=CommPrecision(args.comm_precision))
+    config = TrainConfig.from_flags(data=args.data, out=os.devnull, model=model_config(args),
+                                    batch_size=args.batch_size, seed=args.seed, offload=False,
+                                    amp=args.precision == "bf16",
+                                    comm_precision=CommPrecision(args.comm_precision))
     bench = IMPLS[args.impl](config, spec, device)
 
     def loader(prefetch: int) -> ParquetLoader:  # the order of train(): same for both impls
-        return ParquetLoader(config.data, "train", batch_size=config.batch_size, rank=rank,
-                             world_size=world, shuffle=config.shuffle, seed=config.seed,
+        return ParquetLoader(config.data, "train", batch_size=config.schedule.batch_size, rank=rank,
+                             world_size=world, shuffle=config.schedule.shuffle, seed=config.seed,
                              drop_last=True, prefetch=prefetch)
 
     train_loader = loader(prefetch=2)
@@ -573,7 +574,7 @@ def worker(args: argparse.Namespace) -> None:
         rows = sorted({f.num_embeddings for f in spec.sparse_features})
         phase_ms = {k: round(sum(p[k] for p in phases[via]) / len(phases[via]), 2)
                     for k in phases[via][0]}
-        rates = [args.steps * config.batch_size * world / t for t in slowest[via]]
+        rates = [args.steps * config.schedule.batch_size * world / t for t in slowest[via]]
         median = sorted(slowest[via])[len(slowest[via]) // 2]
         line = {
             "bench": "dlrm_train", "impl": args.impl, "precision": args.precision,
@@ -582,7 +583,8 @@ def worker(args: argparse.Namespace) -> None:
             "world_size": world,
             "device": device.type, "backend": dist.get_backend(),
             "transport": via or how,
-            "batch_size_per_rank": config.batch_size, "global_batch": config.batch_size * world,
+            "batch_size_per_rank": config.schedule.batch_size,
+            "global_batch": config.schedule.batch_size * world,
             "tables": len(spec.sparse_features),
             "rows_per_table": rows[0] if len(rows) == 1 else rows,
             "dim": config.model.embedding_dim,
@@ -590,14 +592,14 @@ def worker(args: argparse.Namespace) -> None:
             "top_mlp": list(config.model.over_arch_layer_sizes),
             "steps": args.steps, "warmup": args.warmup, "phased_steps": args.phased_steps,
             "threads_per_rank": torch.get_num_threads(),
-            "samples_per_s": round(args.steps * config.batch_size * world / median, 1),
+            "samples_per_s": round(args.steps * config.schedule.batch_size * world / median, 1),
             "step_ms": round(median / args.steps * 1e3, 2),
             **({"ab_rounds": len(rates), "samples_per_s_rounds": [round(r, 1) for r in rates]}
                if via is not None else {}),
             "cpu_ms_per_step": round(sorted(cpu[via])[len(cpu[via]) // 2] * 1e3, 2),
             **({"cpu_ms_per_step_rounds": [round(c * 1e3, 1) for c in cpu[via]]}
                if via is not None else {}),
-            "samples_per_cpu_s": round(config.batch_size / sorted(cpu[via])[len(cpu[via]) // 2],
+            "samples_per_cpu_s": round(config.schedule.batch_size / sorted(cpu[via])[len(cpu[via]) // 2],
                                        1),
             "phase_ms": phase_ms,
             "phased_step_ms": round(sum(phase_ms.values()), 2),

@@ -54,8 +54,8 @@ def run_demo(out: Path, rows: int = DEMO_ROWS, steps: int | None = None,
              progress: bool = True, threads: int | None = None) -> dict[str, Any]:
     data, run = out / "data", out / "run"
     spec = demo_data(data, rows, progress)
-    config = TrainConfig(data=str(data), out=str(run), max_steps=steps, log_every=20,
-                         overwrite=True, threads=threads)
+    config = TrainConfig.from_flags(data=str(data), out=str(run), max_steps=steps, log_every=20,
+                                    overwrite=True, threads=threads)
     summary = train(config, progress=progress)
     test = evaluate_checkpoint(run, split="test")
     # full: a demo run again into the same folder would otherwise publish its weights alone

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_app.config import TrainConfig
+from dlrm_app.config import TrainConfig, flatten
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.inputs import check_run_to_report
 from dlrm_app.reporting.curves import calibration_curve, roc_curve
@@ -168,7 +168,8 @@ def read_run(run_dir: str | Path) -> Run:
     path = Path(run_dir)
     check_run_to_report(path)
     notes: list[str] = []
-    config = _read_json(path / "config.json", notes)
+    # keyed as the flags are, whichever form the run saved (nested, or an earlier release's flat)
+    config = flatten(_read_json(path / "config.json", notes))
     events: dict[str, list[dict[str, Any]]] = {}
     lines = skipped = 0
     log = path / "metrics.jsonl"
@@ -378,7 +379,7 @@ def _stop_reason(run: Run) -> str:
 def _config_table(run: Run) -> list[str]:
     if not run.config:
         return ["config.json is missing."]
-    defaults = _flat(TrainConfig(data="-", out="-").to_json_dict())
+    defaults = _flat(flatten(TrainConfig(data="-", out="-").to_json_dict()))
     rows = [(k, v, defaults.get(k, "(not a field of this version)"))
             for k, v in _flat(run.config).items()
             if k not in ("data", "out") and (k not in defaults or defaults[k] != v)]

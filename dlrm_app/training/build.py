@@ -51,9 +51,9 @@ from recsys_core.planner.constants import BATCH_SIZE
 def fused_optimizer(config: TrainConfig) -> FusedOptimizerConfig:
     """The tables' optimizer, typed from the flags to the kernel: ``--embedding-optimizer``,
     ``--embedding-learning-rate`` and ``--embedding-eps``."""
-    return FusedOptimizerConfig(optimizer=EmbOptimType[config.embedding_optimizer.kernel],
-                                learning_rate=config.embedding_learning_rate,
-                                eps=config.embedding_eps)
+    return FusedOptimizerConfig(optimizer=EmbOptimType[config.optimizer.embedding_optimizer.kernel],
+                                learning_rate=config.optimizer.embedding_learning_rate,
+                                eps=config.optimizer.embedding_eps)
 
 
 REPLICATE_COLLECTION_BYTES = 4 * 1024**2
@@ -141,9 +141,10 @@ def comm_precision(config: TrainConfig, device: torch.device, hosts: int) -> Com
     the exchange goes over loopback or shared memory, the fastest transport there is, and the
     four extra casts per step cost what the halved bytes save (measured: 2 ranks on one host,
     bf16 comms 0.95x of fp32's samples/s, within noise)."""
-    if config.comm_precision is not CommPrecision.AUTO:
-        return config.comm_precision
-    lossless = amp_enabled(device, config.amp) and config.model.interaction is Interaction.DOT
+    if config.parallel.comm_precision is not CommPrecision.AUTO:
+        return config.parallel.comm_precision
+    lossless = (amp_enabled(device, config.parallel.amp)
+                and config.model.interaction is Interaction.DOT)
     return CommPrecision.BF16 if lossless and hosts > 1 else CommPrecision.FP32
 
 
@@ -168,20 +169,22 @@ def comm_codecs(precision: CommPrecision) -> dict[str, QuantizedCommCodecs] | No
 
 def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device,
                 batch_size: int | None = None) -> DistributedModelParallel:
-    """The DLRM sharded over the world (plan from ``config.plan`` or the planner), initialized
-    from ``config.seed`` the same way for any plan. The planner sizes traffic and caches for
-    ``batch_size`` rows per rank (None: ``config.batch_size``; where that is not decided yet,
-    the planner's default, TorchRec's 512)."""
+    """The DLRM sharded over the world (plan from ``config.parallel.plan`` or the planner),
+    initialized from ``config.seed`` the same way for any plan. The planner sizes traffic and
+    caches for ``batch_size`` rows per rank (None: ``config.schedule.batch_size``; where that is
+    not decided yet, the planner's default, TorchRec's 512)."""
     plan = None
-    if config.plan:
+    if config.parallel.plan:
         try:
-            plan = ShardingPlan.from_json(Path(config.plan).read_text())
+            plan = ShardingPlan.from_json(Path(config.parallel.plan).read_text())
         except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"--plan {config.plan}: cannot read a sharding plan ({e}); pass a "
+            raise ValueError(f"--plan {config.parallel.plan}: cannot read a sharding plan ({e}); "
+                             "pass a "
                              f"plan.json written by an earlier run") from None
     offload_dir = None
-    if config.offload:
-        offload_dir = Path(config.offload_dir) if config.offload_dir else Path(config.out) / "offload"
+    if config.parallel.offload:
+        offload_dir = (Path(config.parallel.offload_dir) if config.parallel.offload_dir
+                       else Path(config.out) / "offload")
     env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
            else ShardingEnv.from_local(1, 0))
     tables = {"fused_params": fused_optimizer(config), "table_init": table_initializer(config.seed),
@@ -200,16 +203,17 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device,
         # the disk free where the files would go (the directory is made only when needed)
         disk = None if offload_dir is None else _existing_ancestor(offload_dir)
         topology = topology_for_run(env.world_size, env.local_world_size, device,
-                                    config.memory_per_rank, disk)
+                                    config.parallel.memory_per_rank, disk)
         try:
             constraints = replicated_collections(
-                model, env, device, config.embedding_optimizer,
+                model, env, device, config.optimizer.embedding_optimizer,
                 topology.ddr_per_rank)
             plan = plan_for_env(model, env, sharders, device, topology=topology,
-                                batch_size=batch_size or config.batch_size or BATCH_SIZE,
+                                batch_size=batch_size or config.schedule.batch_size or BATCH_SIZE,
                                 constraints=constraints or None)
         except PlannerError as e:
-            raise planning_error_for_user(e, config.offload, config.memory_per_rank) from None
+            raise planning_error_for_user(e, config.parallel.offload,
+                                          config.parallel.memory_per_rank) from None
     if offload_dir is not None and any(
             ps.compute_kernel == "fused_uvm_caching"
             for module in plan.plan.values() for ps in module.values()):
@@ -254,15 +258,17 @@ def build_optimizer(config: TrainConfig, dmp: DistributedModelParallel) -> Combi
     # fused=True: one kernel over all parameters (CPU and CUDA); on a CPU Adagrad's step over
     # the reference MLPs' 2.7M parameters takes 0.8 ms instead of 2.4 ms (per-tensor loop) or
     # 10.5 ms (foreach), Adam's 1.2 ms instead of 6.7 ms, with the same values to fp32 rounding
-    if config.dense_optimizer is DenseOptimizer.SGD:
+    if config.optimizer.dense_optimizer is DenseOptimizer.SGD:
         def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.SGD(ps, lr=config.learning_rate, fused=True)
-    elif config.dense_optimizer is DenseOptimizer.ADAGRAD:
+            return torch.optim.SGD(ps, lr=config.optimizer.learning_rate, fused=True)
+    elif config.optimizer.dense_optimizer is DenseOptimizer.ADAGRAD:
         def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adagrad(ps, lr=config.learning_rate, eps=config.eps, fused=True)
+            return torch.optim.Adagrad(ps, lr=config.optimizer.learning_rate,
+                                       eps=config.optimizer.eps, fused=True)
     else:
         def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adam(ps, lr=config.learning_rate, eps=config.eps, fused=True)
+            return torch.optim.Adam(ps, lr=config.optimizer.learning_rate,
+                                    eps=config.optimizer.eps, fused=True)
     dense = KeyedOptimizerWrapper(dense_params, factory)
     dense.init_state()  # state exists before a checkpoint is loaded into it
     return CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense)])

@@ -7,6 +7,7 @@ every prediction: the numbers are the same for 1 and N ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
     the sizes of its start while its dataset's vocabulary grows (:mod:`.tables`); feed such a
     model its dataset's batches through :class:`~dlrm_app.training.tables.OutOfVocabulary`."""
     config, path = resolve_run(run, checkpoint)
-    device = init_distributed(config.timeout)
+    device = init_distributed(config.parallel.timeout)
     spec = DatasetSpec.load(data or config.data)
     trained = DatasetSpec.load(config.data) if data else spec
     if [(f.name, f.num_embeddings) for f in spec.sparse_features] != [
@@ -71,8 +72,8 @@ def load_trained_model(run: str | Path, checkpoint: str | Path | None = None,
                          f"`dlrm-app preprocess ... --like {config.data}`")
     # Planned afresh for this world and this machine: the run's --memory-per-rank budgeted its
     # training world (another number of ranks, another batch per rank), not this one.
-    config_for_eval = TrainConfig.from_json_dict(
-        {**config.to_json_dict(), "plan": None, "memory_per_rank": None})
+    config_for_eval = dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, plan=None, memory_per_rank=None))
     spec = run_model_spec(spec, Path(run))
     model = build_model(config_for_eval, spec, device, batch_size=batch_size)
     load_checkpoint(path, model=model, optimizer=None, extra={})
@@ -93,10 +94,10 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
     # in the precision the run trained and validated in (--amp), so that the best
     # checkpoint's validation AUC here is the one training recorded
     device = init_distributed()  # joined by load_trained_model: this only names the device
-    metrics = evaluate_model(model, batches, device, amp=config.amp, save_to=(run, name))
+    metrics = evaluate_model(model, batches, device, amp=config.parallel.amp, save_to=(run, name))
     if rank == 0:
         write_report(run)
     return {"split": split, "checkpoint": str(path), "world_size": world_size,
-            "amp": amp_enabled(device, config.amp), **metrics,
+            "amp": amp_enabled(device, config.parallel.amp), **metrics,
             "teacher_auc": spec.parameters.get("teacher_auc", {}).get(split)
             if isinstance(spec.parameters.get("teacher_auc"), dict) else None}

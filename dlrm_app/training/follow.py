@@ -111,17 +111,17 @@ class DayFollower:
         """Every day not done, in order; then stop, or (``--wait``) wait for the next one."""
         trainer = self.trainer
         with PreemptionGuard(trainer.world_size, trainer.device,
-                             grace_period_s=self.config.grace_period) as guard:
+                             grace_period_s=self.config.checkpoint.grace_period) as guard:
             available = self._agreed_days(read=True)
             while True:
                 days = read_days(self.config.data)[:available] if available else ()
-                per_step = (self.config.batch_size or 1) * trainer.world_size
+                per_step = (self.config.schedule.batch_size or 1) * trainer.world_size
                 trainer.metrics.bar.total = sum(d.rows // per_step for d in days)  # about
                 while self.state.days_done is not None and self.state.days_done < len(days):
                     self._day(days[self.state.days_done], guard)
                     if trainer.preempted:
                         return
-                if self.config.wait is None:
+                if self.config.days.wait is None:
                     self.state.stop_reason = "every day done"
                     return
                 available = self._wait(guard, len(days))
@@ -141,7 +141,7 @@ class DayFollower:
     def _wait(self, guard: PreemptionGuard, known: int) -> int:
         """Polls for more than ``known`` days every ``--wait`` seconds; returns the new count,
         or 0 when a signal ended the wait (every rank alike)."""
-        trainer, wait = self.trainer, float(self.config.wait or 0)
+        trainer, wait = self.trainer, float(self.config.days.wait or 0)
         trainer.metrics.write({"event": "waiting", "days": known, "poll_s": wait})
         next_read = time.monotonic() + wait
         while True:
@@ -170,13 +170,15 @@ class DayFollower:
         trainer, config, state = self.trainer, self.config, self.state
         if state.day_batches == 0:
             self._evaluate(day)
-        loader = ParquetLoader(config.data, days=day.index, batch_size=config.batch_size or 1,
+        loader = ParquetLoader(config.data, days=day.index,
+                               batch_size=config.schedule.batch_size or 1,
                                rank=trainer.rank, world_size=trainer.world_size,
-                               shuffle=config.shuffle, seed=config.seed, epoch=day.index,
+                               shuffle=config.schedule.shuffle, seed=config.seed, epoch=day.index,
                                drop_last=True)
         if len(loader) == 0:
             raise ValueError(f"--follow: day {day.index} ({day.name}) of {config.data} has "
-                             f"{day.rows} rows, fewer than --batch-size ({config.batch_size}) "
+                             f"{day.rows} rows, fewer than --batch-size "
+                             f"({config.schedule.batch_size}) "
                              f"per rank on {trainer.world_size} rank(s); resume with a smaller "
                              "--batch-size")
         if state.day_batches:
@@ -184,7 +186,7 @@ class DayFollower:
                                     "batches_yielded": min(state.day_batches, len(loader))})
         trainer.model.train()
         batches = device_batches(OutOfVocabulary(loader, self._rows), trainer.device,
-                                 trainer.model, config.pipelined)
+                                 trainer.model, config.parallel.pipelined)
         ready = time.perf_counter()
         for batch in batches:
             trainer.metrics.add_time(data=time.perf_counter() - ready)
@@ -212,7 +214,7 @@ class DayFollower:
         checkpoint = latest_checkpoint(trainer.out / "checkpoints")
         trainer.metrics.write({"event": "day_done", "day": day.index, "step": state.step,
                                "checkpoint": None if checkpoint is None else checkpoint.name})
-        if config.publish is not None and checkpoint is not None:
+        if config.days.publish is not None and checkpoint is not None:
             self._publish(checkpoint)
 
     def _evaluate(self, day: Day) -> None:
@@ -227,12 +229,12 @@ class DayFollower:
                           note="no model yet: the first day is trained on, not evaluated")
         else:
             loader = ParquetLoader(self.config.data, days=day.index,
-                                   batch_size=self.config.batch_size or 1,
+                                   batch_size=self.config.schedule.batch_size or 1,
                                    rank=trainer.rank, world_size=trainer.world_size,
                                    drop_last=False, pad_last=True)
             oov = OutOfVocabulary(loader, self._rows)
             metrics = evaluate_model(trainer.model, oov, trainer.device,
-                                     amp=self.config.amp)
+                                     amp=self.config.parallel.amp)
             counts = oov.counts.to(trainer.device)
             if trainer.world_size > 1 and dist.is_initialized():
                 dist.all_reduce(counts)
@@ -255,16 +257,16 @@ class DayFollower:
         if trainer.rank == 0:
             try:
                 if dist.is_initialized() and dist.get_world_size() > 1:
-                    _export_apart(trainer.out, str(self.config.publish), checkpoint)
+                    _export_apart(trainer.out, str(self.config.days.publish), checkpoint)
                 else:
-                    exporting.export_model(trainer.out, str(self.config.publish),
+                    exporting.export_model(trainer.out, str(self.config.days.publish),
                                            checkpoint=str(checkpoint))
             except ValueError as e:
                 raise ValueError(
-                    f"--publish {self.config.publish}: exporting {checkpoint} failed ({e}); "
+                    f"--publish {self.config.days.publish}: exporting {checkpoint} failed ({e}); "
                     f"its day is trained and checkpointed: fix the cause and --resume (it "
                     f"continues with the next day), or resume without --publish") from None
-            print(f"published {checkpoint.name} to {self.config.publish}", file=sys.stderr)
+            print(f"published {checkpoint.name} to {self.config.days.publish}", file=sys.stderr)
         if dist.is_initialized():
             dist.barrier()
 

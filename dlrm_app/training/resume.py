@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlrm_app.config import TrainConfig
+from dlrm_app.config import TrainConfig, flatten, nest
 
 if TYPE_CHECKING:
     from dlrm_app.data.schema import DatasetSpec
@@ -57,10 +57,10 @@ def trained(out: Path) -> bool:
 
 def resume_config(saved: TrainConfig, given: dict[str, Any], where: str) -> TrainConfig:
     """The config of a resumed run: ``saved`` with the flags the user ``given`` on top (same
-    form as ``from_json_dict``'s input). A flag that would change a ``FIXED_ON_RESUME`` value
-    is an error that names it."""
-    merged = saved.to_json_dict()
-    for key, value in given.items():
+    form as ``from_json_dict``'s input, nested or flat). A flag that would change a
+    ``FIXED_ON_RESUME`` value is an error that names it."""
+    merged = flatten(saved.to_json_dict())
+    for key, value in flatten(given).items():
         if key == "model":
             for name, v in value.items():
                 plain = list(v) if isinstance(v, tuple) else getattr(v, "value", v)
@@ -72,7 +72,7 @@ def resume_config(saved: TrainConfig, given: dict[str, Any], where: str) -> Trai
             raise ValueError(_conflict(key, plain, merged[key], where))
         merged[key] = plain
     merged["resume"], merged["overwrite"] = True, False
-    return TrainConfig.from_json_dict(merged, where=where)
+    return TrainConfig.from_json_dict(nest(merged), where=where)
 
 
 def _conflict(name: str, given: Any, saved: Any, where: str) -> str:

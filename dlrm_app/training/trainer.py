@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dlrm_app.config import TrainConfig, lr_scale
+from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.reporting.report import write_report
@@ -88,7 +88,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     trainer is made carries none (nothing was trained)."""
     trainer = Trainer(config, progress)
     try:
-        if trainer.config.follow:
+        if trainer.config.days.follow:
             from dlrm_app.training.follow import DayFollower
 
             follower = DayFollower(trainer)
@@ -115,8 +115,8 @@ class Trainer:
     by ``fit``, ended by ``finish`` (the best model loaded back, validated, summarized)."""
 
     def __init__(self, config: TrainConfig, progress: bool = True) -> None:
-        threads = configure_threads(config.threads)
-        self.device = device = init_distributed(config.timeout)
+        threads = configure_threads(config.parallel.threads)
+        self.device = device = init_distributed(config.parallel.timeout)
         self.rank, self.world_size = world()
         world_size = self.world_size
         config = resume.restarted(config, self.rank)
@@ -125,14 +125,14 @@ class Trainer:
         if self.rank == 0 and threads.warning:
             print(threads.warning, file=sys.stderr)
         self.spec = spec = DatasetSpec.load(config.data)
-        if not config.follow:  # refused before the run directory is made: a retry needs no
+        if not config.days.follow:  # refused before the run directory is made: a retry needs no
             check_validation_labels(spec, config.data)  # --overwrite
         previous_data = resume.previous_data(config, spec)
         self.config = config = prepare_run_dir(
             config.with_batch_size(spec.split("train").rows, world_size)
             .with_epochs(spec.kind is DatasetKind.CRITEO), self.rank)
         self.out = out = Path(config.out)
-        follow = config.follow
+        follow = config.days.follow
         if follow:  # no validation split: each day's progressive evaluation is the yardstick
             from dlrm_app.training.follow import model_tables, refuse_other_data
 
@@ -153,24 +153,26 @@ class Trainer:
                 print(f"{plan_summary(self.model.plan, world_size)}; per table: "
                       f"{out / 'plan.json'}", file=sys.stderr)
         self.train_loader = ParquetLoader(
-            config.data, "train", batch_size=config.batch_size, rank=self.rank,
-            world_size=world_size, shuffle=config.shuffle, seed=config.seed, drop_last=True)
+            config.data, "train", batch_size=config.schedule.batch_size, rank=self.rank,
+            world_size=world_size, shuffle=config.schedule.shuffle, seed=config.seed,
+            drop_last=True)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0 and not follow:
             raise ValueError(f"the train split of {config.data} has fewer than --batch-size "
-                             f"({config.batch_size}) rows per rank; use a smaller batch size")
-        self.total_steps = self.steps_per_epoch * config.epochs
-        if config.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.max_steps)
+                             f"({config.schedule.batch_size}) rows per rank; use a smaller "
+                             "batch size")
+        self.total_steps = self.steps_per_epoch * config.schedule.epochs
+        if config.schedule.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.schedule.max_steps)
 
         self.state = TrainState(days_done=0 if follow else None)
-        data = DataPosition(self.train_loader, self.state, world_size, config.batch_size,
+        data = DataPosition(self.train_loader, self.state, world_size, config.schedule.batch_size,
                             self.steps_per_epoch)
         self.checkpointer = Checkpointer(
             out / "checkpoints", self.model, self.optimizer,
             {"train_state": self.state, "data": data, "rng": RngState()},
-            keep=config.keep_checkpoints, save_every=config.save_every,
-            background=config.background_checkpoints)
+            keep=config.checkpoint.keep_checkpoints, save_every=config.checkpoint.save_every,
+            background=config.checkpoint.background_checkpoints)
         resumed = resume.restore(self.checkpointer, self.state, data, config, previous_data)
         new_data = resumed.previous_data is not None
         if new_data:
@@ -181,20 +183,20 @@ class Trainer:
                   + (f", continuing on {config.data}" if new_data else ""), file=sys.stderr)
         self.new_data_from = self.start_step + 1 if new_data else 0
         """The first step on new data (0: not continued on new data)."""
-        self.global_batch = config.batch_size * world_size
+        self.global_batch = config.schedule.batch_size * world_size
         self.metrics = MetricsLogger(
             out / "metrics.jsonl", writer=self.rank == 0, progress=progress, config=config,
             total_steps=self.total_steps, start_step=self.start_step,
             global_batch=self.global_batch, optimizer=self.optimizer, device=device)
         if not follow:
             val_loader = ParquetLoader(config.data, "validation", rank=self.rank,
-                                       batch_size=config.batch_size, world_size=world_size,
+                                       batch_size=config.schedule.batch_size, world_size=world_size,
                                        drop_last=False, pad_last=True)
             self.validator = Validator(self.model, val_loader, device, config,
                                        self.steps_per_epoch, self.metrics)
         self.metrics.write({
             "event": "start", "world_size": world_size, "device": str(device),
-            "amp": amp_enabled(device, config.amp),
+            "amp": amp_enabled(device, config.parallel.amp),
             "comm_precision": comm_precision(config, device, world_hosts()).value,
             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
             "validate_every": None if follow else self.validator.every,
@@ -203,9 +205,9 @@ class Trainer:
             "previous_data": resumed.previous_data,
             "start_step": self.start_step, "threads": threads.intra_op,
             "interop_threads": threads.inter_op, "threads_reason": threads.reason})
-        if self.rank == 0 and (message := amp_warning(device, config.amp)) is not None:
+        if self.rank == 0 and (message := amp_warning(device, config.parallel.amp)) is not None:
             print(message, file=sys.stderr)
-        self._autocast = autocast(device, config.amp)
+        self._autocast = autocast(device, config.parallel.amp)
         self._started = time.perf_counter()
         self.phase = "training"
         """What the run is doing: "training" (``fit``), "stopping" (saving the step a signal
@@ -246,19 +248,19 @@ class Trainer:
         """Step until the epochs or ``--max-steps`` are done, a component stops the run, or
         SIGTERM does (``preempted``: after the step in progress, on every rank alike)."""
         with PreemptionGuard(self.world_size, self.device,
-                             grace_period_s=self.config.grace_period) as guard:
+                             grace_period_s=self.config.checkpoint.grace_period) as guard:
             self._fit(guard)
 
     def _fit(self, guard: PreemptionGuard) -> None:
         state, config, metrics = self.state, self.config, self.metrics
         self.model.train()
-        while state.step < self.total_steps and state.epoch < config.epochs \
+        while state.step < self.total_steps and state.epoch < config.schedule.epochs \
                 and not state.stop_reason:
             if state.epoch_batches >= self.steps_per_epoch:  # resumed exactly at an epoch's end
                 self._next_epoch()
                 continue
             batches = device_batches(self.train_loader, self.device, self.model,
-                                     config.pipelined)
+                                     config.parallel.pipelined)
             ready = time.perf_counter()
             for batch in batches:
                 metrics.add_time(data=time.perf_counter() - ready)
@@ -297,10 +299,8 @@ class Trainer:
 
         The loss backpropagated is that sum over the *global* batch: see the module's docs."""
         t0 = time.perf_counter()
-        config = self.config
-        set_learning_rates(self.model, self.optimizer, self.base_lrs, lr_scale(
-            self.state.step, config.lr_warmup_steps, config.lr_decay_start,
-            config.lr_decay_steps))
+        set_learning_rates(self.model, self.optimizer, self.base_lrs,
+                           self.config.schedule.lr_scale(self.state.step))
         with self._autocast:
             logits = self.model(batch.dense, batch.sparse).squeeze(1)
         loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels,
@@ -326,8 +326,8 @@ class Trainer:
         self.metrics.bar.close()
         elapsed = time.perf_counter() - self._started
         if state.stop_reason is None:
-            state.stop_reason = ("max steps reached" if config.max_steps is not None
-                                 and state.step >= config.max_steps else "epochs done")
+            state.stop_reason = ("max steps reached" if config.schedule.max_steps is not None
+                                 and state.step >= config.schedule.max_steps else "epochs done")
         self.checkpointer.at_end(state, self.start_step)
         # continued on new data: a best chosen on the old data's validation is not kept
         kept = self.checkpointer.keep_best(chosen_from=self.new_data_from)
@@ -346,7 +346,7 @@ class Trainer:
             "trained_steps": trained,
             "epochs": state.epoch + state.epoch_batches / self.steps_per_epoch,
             "world_size": self.world_size,
-            "amp": amp_enabled(device, config.amp),
+            "amp": amp_enabled(device, config.parallel.amp),
             "comm_precision": comm_precision(config, device, world_hosts()).value,
             "global_batch": self.global_batch,
             "samples_per_s": trained * self.global_batch / elapsed if elapsed > 0 else 0.0,

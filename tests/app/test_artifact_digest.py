@@ -49,8 +49,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict
     root = tmp_path_factory.mktemp("digest")
     generate(root / "data", rows=1000, num_dense=2, cardinalities=[30, 20],
              pooling_factors=[1.0, 1.0], rows_per_shard=1000, row_group_size=256)
-    train(TrainConfig(data=str(root / "data"), out=str(root / "run"), model=TINY,
-                      batch_size=64, max_steps=2), progress=False)
+    train(TrainConfig.from_flags(data=str(root / "data"), out=str(root / "run"), model=TINY,
+                                 batch_size=64, max_steps=2), progress=False)
     meta = export_model(root / "run", root / "model.pt", "fp32", fmt="torchscript")
     return root / "run", root / "model.pt", meta
 

@@ -34,7 +34,7 @@ def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
     base = dict(data=str(data), out=str(out), model=SMALL_MODEL, batch_size=256, log_every=1,
                 validate_every=0, patience=0, max_steps=40, save_every=20)
     base.update(kw)
-    return TrainConfig(**base)  # type: ignore[arg-type]
+    return TrainConfig.from_flags(**base)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -184,9 +184,9 @@ def test_save_every_duration_checkpoints_during_training(tmp_path: Path) -> None
              seed=0, rows_per_shard=30_000, row_group_size=1_000)
     run = tmp_path / "run"
     start = time.monotonic()
-    summary = train(TrainConfig(data=str(data), out=str(run), model=SMALL_MODEL, batch_size=32,
-                                validate_every=0, patience=0, max_steps=400, save_every="0.3s",
-                                keep_checkpoints=100, log_every=1), progress=False)
+    summary = train(TrainConfig.from_flags(data=str(data), out=str(run), model=SMALL_MODEL, batch_size=32,
+                                           validate_every=0, patience=0, max_steps=400, save_every="0.3s",
+                                           keep_checkpoints=100, log_every=1), progress=False)
     wall = time.monotonic() - start
     steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
     assert steps[-1] == summary["steps"] == 400

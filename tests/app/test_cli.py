@@ -182,7 +182,7 @@ def test_the_parser_reads_each_config_module_once_and_no_version(monkeypatch) ->
     start) and does not look the version up (58 ms) unless --version asks."""
     import ast
 
-    from dlrm_app import cli, flags
+    from dlrm_app import cli, config, flags
 
     parsed: list[int] = []
     real_parse = ast.parse
@@ -196,5 +196,5 @@ def test_the_parser_reads_each_config_module_once_and_no_version(monkeypatch) ->
     finally:
         flags.field_docs.cache_clear()
         flags._module_docs.cache_clear()
-    assert flags.field_docs(cli.TrainConfig)["epochs"] == \
+    assert flags.field_docs(config.ScheduleConfig)["epochs"] == \
         "Passes over the train split; None: 1 on Criteo logs (time order), else 3."

@@ -108,7 +108,7 @@ def _checkpoint_warnings(rank: int, world_size: int, data: str, root: str) -> di
     from dlrm_app.training.build import build_model
     from recsys_core.distributed import checkpoint as dcp_checkpoint
 
-    config = TrainConfig(data=data, out=root, batch_size=64, model=ModelConfig(
+    config = TrainConfig.from_flags(data=data, out=root, batch_size=64, model=ModelConfig(
         embedding_dim=4, dense_arch_layer_sizes=(8, 4), over_arch_layer_sizes=(8, 1)))
     model = build_model(config, DatasetSpec.load(data), torch.device("cpu"))
     seen: dict[str, list[str]] = {}

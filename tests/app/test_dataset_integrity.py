@@ -119,8 +119,8 @@ def test_training_refuses_a_damaged_dataset(data: Path, tmp_path: Path) -> None:
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    config = TrainConfig(data=str(data), out=str(tmp_path / "run"), model=SMALL_MODEL,
-                         batch_size=256, max_steps=2)
+    config = TrainConfig.from_flags(data=str(data), out=str(tmp_path / "run"), model=SMALL_MODEL,
+                                    batch_size=256, max_steps=2)
     with pytest.raises(DatasetIntegrityError, match=f"{shard}: shard of split 'validation'"):
         train(config, progress=False)
 

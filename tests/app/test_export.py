@@ -109,8 +109,8 @@ def _reference(run: Path, split: str) -> tuple[dict, np.ndarray, np.ndarray]:
 def synthetic_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("export")
     four_feature_data(root / "data", rows=20_000, rows_per_shard=10_000, row_group_size=512)
-    train(TrainConfig(data=str(root / "data"), out=str(root / "run"), model=SMALL_MODEL,
-                      batch_size=256, embedding_learning_rate=0.1, learning_rate=0.05),
+    train(TrainConfig.from_flags(data=str(root / "data"), out=str(root / "run"), model=SMALL_MODEL,
+                                 batch_size=256, embedding_learning_rate=0.1, learning_rate=0.05),
           progress=False)
     return root / "run"
 
@@ -294,8 +294,8 @@ def test_raw_rows_encode_like_the_preprocessor(tmp_path: Path, encoding: str, fm
     kwargs = ({"num_embeddings_per_feature": [1000] * 26} if encoding == "hash"
               else {"frequency_threshold": 3})
     preprocess_criteo([source], tmp_path / "data", fmt="kaggle", row_group_size=512, **kwargs)
-    train(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=SMALL_MODEL,
-                      batch_size=256, max_steps=10), progress=False)
+    train(TrainConfig.from_flags(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=SMALL_MODEL,
+                                 batch_size=256, max_steps=10), progress=False)
     artifact = tmp_path / ("model.pt2" if fmt == "pt2" else "model.pt")
     export_model(tmp_path / "run", artifact, "fp32", fmt=fmt)
     inputs, expected, _ = _reference(tmp_path / "run", "test")

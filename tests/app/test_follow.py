@@ -46,7 +46,7 @@ def _config(data: Path, out: Path, **kw: Any) -> TrainConfig:
     base: dict[str, Any] = dict(data=str(data), out=str(out), model=SMALL, batch_size=64,
                                 follow=True, keep_checkpoints=5, log_every=2)
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.from_flags(**base)
 
 
 def _log(run: Path, event: str) -> list[dict]:
@@ -84,7 +84,7 @@ def test_each_day_is_evaluated_by_the_model_of_the_days_before(days: Path,
         model, config, _, _ = load_trained_model(run, f"step_{line['model_step']:08d}")
         loader = ParquetLoader(days, days=line["day"], batch_size=1000, drop_last=False,
                                pad_last=True)
-        expected = evaluate_model(model, loader, init_distributed(), amp=config.amp)
+        expected = evaluate_model(model, loader, init_distributed(), amp=config.parallel.amp)
         assert line["progressive_auc"] == pytest.approx(expected["auc"], abs=1e-9)
         assert line["ne"] == pytest.approx(expected["ne"], abs=1e-9)
         assert line["oov_ids"] == 0
@@ -255,15 +255,15 @@ def test_evaluate_reads_a_followed_run_after_its_vocabulary_grew(tmp_path: Path)
 ])
 def test_flags_that_do_not_go_together_are_refused(flags: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**{"data": "d", "out": "o", "follow": True, **flags})
+        TrainConfig.from_flags(**{"data": "d", "out": "o", "follow": True, **flags})
 
 
 def test_follow_is_fixed_on_resume_and_other_data_refused(tmp_path: Path) -> None:
-    saved = TrainConfig(data="d", out="o")
+    saved = TrainConfig.from_flags(data="d", out="o")
     with pytest.raises(ValueError, match="--follow True conflicts with the run's saved config"):
         resume.resume_config(saved, {"follow": True}, where="o/config.json")
     with pytest.raises(ValueError, match="follows the days of d; resume it without --data"):
-        follow.refuse_other_data(TrainConfig(data="e", out="o", follow=True), previous="d")
+        follow.refuse_other_data(TrainConfig.from_flags(data="e", out="o", follow=True), previous="d")
 
 
 def test_a_dataset_without_days_is_refused(tmp_path: Path) -> None:

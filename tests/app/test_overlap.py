@@ -25,8 +25,8 @@ def _train(rank: int, world_size: int, data: str, out: str, overlap: bool) -> li
     from dlrm_app.training.build import build_model, build_optimizer
 
     model_module.DLRM.overlap_exchange = overlap
-    config = TrainConfig(data=data, out=out, batch_size=32, amp=False,
-                         model=ModelConfig(**SMALL))
+    config = TrainConfig.from_flags(data=data, out=out, batch_size=32, amp=False,
+                                    model=ModelConfig(**SMALL))
     torch.manual_seed(0)
     dmp = build_model(config, DatasetSpec.load(data), torch.device("cpu"))
     optimizer = build_optimizer(config, dmp)

@@ -132,10 +132,10 @@ def test_ranks_agree_when_a_duration_has_passed_since_the_last_save() -> None:
 def test_save_every_takes_steps_or_a_duration(given, expected) -> None:
     from dlrm_app.config import TrainConfig, duration_seconds
 
-    config = TrainConfig(data="d", out="o", save_every=given)
-    assert config.save_every == expected
+    config = TrainConfig.from_flags(data="d", out="o", save_every=given)
+    assert config.checkpoint.save_every == expected
     again = TrainConfig.from_json_dict(config.to_json_dict())
-    assert again.save_every == expected
+    assert again.checkpoint.save_every == expected
     assert duration_seconds("10m") == 600 and duration_seconds("1.5h") == 5400
     assert duration_seconds("30s") == 30 and duration_seconds("0m") is None
 
@@ -145,7 +145,7 @@ def test_save_every_refuses_what_is_neither(bad) -> None:
     from dlrm_app.config import TrainConfig
 
     if bad == "10":  # digits alone are a step count
-        assert TrainConfig(data="d", out="o", save_every=bad).save_every == 10
+        assert TrainConfig.from_flags(data="d", out="o", save_every=bad).checkpoint.save_every == 10
         return
     with pytest.raises(ValueError, match="--save-every must be"):
-        TrainConfig(data="d", out="o", save_every=bad)
+        TrainConfig.from_flags(data="d", out="o", save_every=bad)

@@ -80,11 +80,11 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
              row_group_size=512)
     config = dict(data=str(root / "data"), out=str(root / "run"), model=TINY, batch_size=128,
                   embedding_learning_rate=0.5)
-    train(TrainConfig(**config, max_steps=3), progress=False)
+    train(TrainConfig.from_flags(**config, max_steps=3), progress=False)
     stages: list[str] = []
     first = export.export_model(root / "run", root / "m.pt2", checkpoint="latest",
                                 progress=stages.append)
-    train(TrainConfig(**config, max_steps=6, resume=True), progress=False)
+    train(TrainConfig.from_flags(**config, max_steps=6, resume=True), progress=False)
     return {"root": root, "run": root / "run", "program": root / "m.pt2", "first": first,
             "stages": stages}
 

@@ -152,8 +152,8 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run(tmp_path: Path, dataset: Path) -> Path:
     run = tmp_path / "run"
     run.mkdir()
-    TrainConfig(data=str(dataset), out=str(run), batch_size=64, validate_every=50,
-                model=ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8))).save(
+    TrainConfig.from_flags(data=str(dataset), out=str(run), batch_size=64, validate_every=50,
+                           model=ModelConfig(embedding_dim=8, dense_arch_layer_sizes=(16, 8))).save(
         run / "config.json")
     (run / "plan.json").write_text(json.dumps({"": {"t_cat_0": {
         "sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [1],

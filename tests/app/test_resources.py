@@ -80,7 +80,7 @@ def test_cuda_run_reads_the_device() -> None:
 def test_bad_memory_per_rank_names_the_flag(bad: float) -> None:
     # checked once, where the flag becomes the config (topology_for_run takes it as given)
     with pytest.raises(ValueError, match="--memory-per-rank .*: give a positive number of GiB"):
-        TrainConfig(data="d", out="o", memory_per_rank=bad)
+        TrainConfig.from_flags(data="d", out="o", memory_per_rank=bad)
 
 
 @pytest.mark.parametrize(("optimizer", "expected"), [

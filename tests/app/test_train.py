@@ -10,7 +10,7 @@ import pytest
 import torch
 from app_setup import SMALL_MODEL, four_feature_data
 
-from dlrm_app.config import MIN_LR_SCALE, EmbeddingOptimizer, TrainConfig, lr_scale
+from dlrm_app.config import MIN_LR_SCALE, EmbeddingOptimizer, TrainConfig, flatten, lr_scale
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.training import checkpoint as app_checkpoint
@@ -30,7 +30,7 @@ def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
     base = dict(data=str(data), out=str(out), model=SMALL_MODEL, batch_size=256, log_every=1,
                 embedding_learning_rate=0.1, learning_rate=0.05, validate_every=0, patience=0)
     base.update(kw)
-    return TrainConfig(**base)  # type: ignore[arg-type]
+    return TrainConfig.from_flags(**base)
 
 
 def _log(run: Path, event: str) -> list[dict]:
@@ -302,7 +302,7 @@ def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts
     cpu = torch.device("cpu")
 
     def resolved(hosts: int, **kwargs: object) -> CommPrecision:
-        config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), **kwargs)
+        config = TrainConfig.from_flags(data=str(tmp_path), out=str(tmp_path / "run"), **kwargs)
         return build.comm_precision(config, cpu, hosts)
 
     assert resolved(2) is CommPrecision.BF16  # amp auto (on: native bf16), dot, 2 hosts
@@ -319,11 +319,11 @@ def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts
     # row-wise partial sums are added in fp32: only finished values are rounded
     assert set(registry) == {"POOLED_EMBEDDINGS_ALL_TO_ALL"}
     # config.json round trip, and an older run's config (no key) reads as auto
-    config = TrainConfig(data="d", out="o", comm_precision=CommPrecision.BF16)
+    config = TrainConfig.from_flags(data="d", out="o", comm_precision=CommPrecision.BF16)
     assert TrainConfig.from_json_dict(config.to_json_dict()) == config
-    old = config.to_json_dict()
+    old = flatten(config.to_json_dict())  # the flat form of the releases before sections
     del old["comm_precision"]
-    assert TrainConfig.from_json_dict(old).comm_precision is CommPrecision.AUTO
+    assert TrainConfig.from_json_dict(old).parallel.comm_precision is CommPrecision.AUTO
 
 
 @pytest.mark.parametrize("flag, kernel", [("sgd", "EXACT_SGD"), ("adagrad", "EXACT_ADAGRAD"),
@@ -334,9 +334,9 @@ def test_embedding_optimizer_flag_reaches_the_kernel_typed(flag: str, kernel: st
     from dlrm_app.training.build import fused_optimizer
     from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 
-    config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"),
-                         embedding_optimizer=EmbeddingOptimizer(flag),
-                         embedding_learning_rate=0.07, embedding_eps=1e-4, eps=1e-6)
+    config = TrainConfig.from_flags(data=str(tmp_path), out=str(tmp_path / "run"),
+                                    embedding_optimizer=EmbeddingOptimizer(flag),
+                                    embedding_learning_rate=0.07, embedding_eps=1e-4, eps=1e-6)
     # the tables take --embedding-eps; --eps is the MLPs' optimizer's
     assert fused_optimizer(config) == FusedOptimizerConfig(
         optimizer=EmbOptimType[kernel], learning_rate=0.07, eps=1e-4)
@@ -349,23 +349,24 @@ def test_an_old_runs_eps_stays_its_tables_eps(tmp_path: Path) -> None:
 
     # a config.json saved before --embedding-eps (and before the wide part): its --eps was
     # the tables' too, and its model had no wide part
-    old = TrainConfig(data="d", out="o", eps=1e-6).to_json_dict()
+    old = flatten(TrainConfig.from_flags(data="d", out="o", eps=1e-6).to_json_dict())
     del old["embedding_eps"]
     del old["model"]["wide"]
     (tmp_path / "config.json").write_text(json.dumps(old))
     loaded = TrainConfig.load(tmp_path / "config.json")
-    assert loaded.embedding_eps == loaded.eps == 1e-6
+    assert loaded.optimizer.embedding_eps == loaded.optimizer.eps == 1e-6
     assert loaded.model.wide is False
-    assert TrainConfig(data="d", out="o").embedding_eps == 1e-2
-    assert TrainConfig(data="d", out="o").model.wide is True
+    assert TrainConfig.from_flags(data="d", out="o").optimizer.embedding_eps == 1e-2
+    assert TrainConfig.from_flags(data="d", out="o").model.wide is True
     # on the command line --eps alone leaves the tables' epsilon at its default
     args = build_parser().parse_args(["train", "--data", "d", "--out", "o", "--eps", "1e-7"])
     given = config_from_args(args)
-    assert (given.eps, given.embedding_eps, given.model.wide) == (1e-7, 1e-2, True)
+    assert (given.optimizer.eps, given.optimizer.embedding_eps, given.model.wide) == (
+        1e-7, 1e-2, True)
     args = build_parser().parse_args(["train", "--data", "d", "--out", "o", "--no-wide"])
     assert config_from_args(args).model.wide is False
     with pytest.raises(ValueError, match="--embedding-eps must be > 0"):
-        TrainConfig(data="d", out="o", embedding_eps=0.0)
+        TrainConfig.from_flags(data="d", out="o", embedding_eps=0.0)
 
 
 @pytest.mark.parametrize("eps", [1e-8, 1e-2])
@@ -379,7 +380,7 @@ def test_embedding_eps_damps_a_rarely_seen_rows_step(eps: float, tmp_path: Path)
     from recsys_core.modules.fused_embedding_modules import FusedEmbeddingBagCollection
     from recsys_core.sparse import KeyedJaggedTensor
 
-    config = TrainConfig(data=str(tmp_path), out=str(tmp_path / "r"), embedding_eps=eps)
+    config = TrainConfig.from_flags(data=str(tmp_path), out=str(tmp_path / "r"), embedding_eps=eps)
     kernel = fused_optimizer(config)
     ebc = FusedEmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=3,
@@ -394,7 +395,7 @@ def test_embedding_eps_damps_a_rarely_seen_rows_step(eps: float, tmp_path: Path)
     direction = torch.tensor([1.0, -2.0, 0.5, 3.0])
     (ebc(kjt).values() * scale * direction).sum().backward()
     after = ebc.state_dict()["embedding_bags.t.weight"]
-    lr = config.embedding_learning_rate
+    lr = config.optimizer.embedding_learning_rate
     for row, s in ((1, 1e-3), (2, 1.0)):
         g = s * direction
         expected = before[row] - lr * g / ((g ** 2).mean().sqrt() + eps)

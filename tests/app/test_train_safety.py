@@ -29,7 +29,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _config(data: Path, out: Path, **kw: object) -> TrainConfig:
     base = dict(data=str(data), out=str(out), model=SMALL_MODEL, batch_size=64, log_every=5)
     base.update(kw)
-    return TrainConfig(**base)  # type: ignore[arg-type]
+    return TrainConfig.from_flags(**base)
 
 
 def _events(run: Path, event: str) -> list[dict]:
@@ -43,24 +43,24 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_batch_size_follows_the_data() -> None:
     """The README's numbers: about 64 steps an epoch, a power of two in 32..1024 per rank."""
-    config = TrainConfig(data="d", out="o")
-    assert config.with_batch_size(8_571, 1).batch_size == 128  # the Kaggle 10k sample
-    assert config.with_batch_size(8_571, 2).batch_size == 64  # same global batch on 2 ranks
-    assert config.with_batch_size(98_114, 1).batch_size == 1024  # MovieLens 100K
-    assert config.with_batch_size(65_536, 1).batch_size == 1024
-    assert config.with_batch_size(131_072, 1).batch_size == 1024  # the cap
-    assert config.with_batch_size(10**9, 8).batch_size == 1024
-    assert config.with_batch_size(100, 4).batch_size == 32
-    given = TrainConfig(data="d", out="o", batch_size=300)
+    config = TrainConfig.from_flags(data="d", out="o")
+    assert config.with_batch_size(8_571, 1).schedule.batch_size == 128  # the Kaggle 10k sample
+    assert config.with_batch_size(8_571, 2).schedule.batch_size == 64  # same global batch, 2 ranks
+    assert config.with_batch_size(98_114, 1).schedule.batch_size == 1024  # MovieLens 100K
+    assert config.with_batch_size(65_536, 1).schedule.batch_size == 1024
+    assert config.with_batch_size(131_072, 1).schedule.batch_size == 1024  # the cap
+    assert config.with_batch_size(10**9, 8).schedule.batch_size == 1024
+    assert config.with_batch_size(100, 4).schedule.batch_size == 32
+    given = TrainConfig.from_flags(data="d", out="o", batch_size=300)
     assert given.with_batch_size(10**6, 1) is given
 
 
 def test_validation_schedule_follows_the_data() -> None:
-    config = TrainConfig(data="d", out="o")
-    assert config.validation_interval(75) == 19  # about 4 validations an epoch
-    assert config.validation_interval(2) == 1
-    assert config.validation_interval(10**8) == 10_000  # capped for huge epochs
-    assert TrainConfig(data="d", out="o", validate_every=0).validation_interval(75) == 0
+    config = TrainConfig.from_flags(data="d", out="o")
+    assert config.validation.interval(75) == 19  # about 4 validations an epoch
+    assert config.validation.interval(2) == 1
+    assert config.validation.interval(10**8) == 10_000  # capped for huge epochs
+    assert TrainConfig.from_flags(data="d", out="o", validate_every=0).validation.interval(75) == 0
 
 
 def test_patience_stops_and_the_best_checkpoint_is_kept_and_used(data: Path, tmp_path: Path
@@ -136,7 +136,7 @@ def test_resume_reads_the_saved_config(data: Path, tmp_path: Path) -> None:
     resumed = config_from_args(_parse("train", "--out", str(run), "--resume", "--max-steps",
                                       "20"))
     assert resumed.model == first.model and resumed.data == first.data
-    assert resumed.batch_size == 64 and resumed.max_steps == 20 and resumed.resume
+    assert resumed.schedule.batch_size == 64 and resumed.schedule.max_steps == 20 and resumed.resume
     summary = train(resumed, progress=False)
     assert summary["steps"] == 20 and summary["trained_steps"] == 10
     # a flag that changes the model is an error naming it
@@ -184,10 +184,11 @@ def test_a_start_that_failed_before_its_first_step_is_not_a_run(
     with pytest.raises(ValueError, match="fewer than --batch-size"):
         train(_config(data, run, batch_size=100_000), progress=False)
     assert (run / "config.json").is_file()  # what the failed start left
-    assert json.loads((run / "config.json").read_text())["batch_size"] == 100_000
+    assert json.loads((run / "config.json").read_text())["schedule"]["batch_size"] == 100_000
     # the same command with a fixed flag: no --overwrite needed
     summary = train(_config(data, run, max_steps=4), progress=False)
-    assert summary["steps"] == 4 and json.loads((run / "config.json").read_text())["batch_size"] == 64
+    saved = json.loads((run / "config.json").read_text())
+    assert summary["steps"] == 4 and saved["schedule"]["batch_size"] == 64
     assert len(_events(run, "start")) == 1  # the failed start's log went with it
     # --resume after a failed start: the given flags, not the failed config
     other = tmp_path / "other"
@@ -195,7 +196,7 @@ def test_a_start_that_failed_before_its_first_step_is_not_a_run(
         train(_config(data, other, batch_size=100_000), progress=False)
     resumed = config_from_args(_parse("train", "--data", str(data), "--out", str(other),
                                       "--resume", "--max-steps", "3"))
-    assert resumed.batch_size != 100_000
+    assert resumed.schedule.batch_size != 100_000
     # a run that trained a step is still refused without --resume / --overwrite (another config)
     with pytest.raises(ValueError, match="already holds a training run"):
         train(_config(data, run, max_steps=5), progress=False)
@@ -226,14 +227,14 @@ def test_epochs_default_to_one_pass_over_a_click_log_in_time_order() -> None:
     """docs/training.md "Quality forward in time": a second and third pass over a Criteo log
     memorize its rows and score its later rows worse, so Criteo data trains one pass by default;
     other data three; a given --epochs always wins."""
-    config = TrainConfig(data="d", out="o")
-    assert config.epochs is None
-    assert config.with_epochs(time_ordered=True).epochs == 1
-    assert config.with_epochs(time_ordered=False).epochs == 3
-    given = TrainConfig(data="d", out="o", epochs=2)
-    assert given.with_epochs(True) is given and given.with_epochs(False).epochs == 2
+    config = TrainConfig.from_flags(data="d", out="o")
+    assert config.schedule.epochs is None
+    assert config.with_epochs(time_ordered=True).schedule.epochs == 1
+    assert config.with_epochs(time_ordered=False).schedule.epochs == 3
+    given = TrainConfig.from_flags(data="d", out="o", epochs=2)
+    assert given.with_epochs(True) is given and given.with_epochs(False).schedule.epochs == 2
     with pytest.raises(ValueError, match="--epochs must be a positive int"):
-        TrainConfig(data="d", out="o", epochs=0)
+        TrainConfig.from_flags(data="d", out="o", epochs=0)
 
 
 @pytest.mark.parametrize("kind, epochs", [("synthetic", 3), ("criteo", 1)])
@@ -248,6 +249,6 @@ def test_a_run_records_the_epochs_its_data_decided(data: Path, tmp_path: Path, k
     summary = train(_config(copy, run, batch_size=512, max_steps=None, validate_every=0,
                             patience=0), progress=False)
     saved = json.loads((run / "config.json").read_text())
-    assert saved["epochs"] == epochs  # a resume reads the number decided at the start
+    assert saved["schedule"]["epochs"] == epochs  # a resume reads the number decided at the start
     steps_per_epoch = -(-DatasetSpec.load(copy).split("train").rows // 512)
     assert summary["steps"] in (epochs * steps_per_epoch, epochs * (steps_per_epoch - 1))

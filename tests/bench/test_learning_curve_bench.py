@@ -27,8 +27,8 @@ def test_point_compares_the_dlrm_with_the_teacher_and_its_fitted_form(tmp_path: 
         line["test_auc"] - line["teacher_form_auc"], abs=1e-12)
     # one pass asked for: the DLRM's run and the fitted form stop within one epoch
     config = json.loads((tmp_path / "run_3000" / "config.json").read_text())
-    assert line["epochs"] == config["epochs"] == 1
-    assert line["steps"] <= 2_400 // config["batch_size"]
+    assert line["epochs"] == config["schedule"]["epochs"] == 1
+    assert line["steps"] <= 2_400 // config["schedule"]["batch_size"]
     assert line["teacher_form_epochs"] == 1
     # they learn: 0.752 and 0.731 measured (the teacher 0.851); untrained, about 0.5 (300 test
     # rows: an AUC's noise is about 0.03)

@@ -131,8 +131,8 @@ def _train(rank: int, world_size: int, data: str) -> dict[tuple[str, bool, bool]
     out = {}
     for (impl, cls), amp, phased in itertools.product(bench.IMPLS.items(), (False, True),
                                                       (False, True)):
-        config = TrainConfig(data=data, out="/dev/null", model=bench.model_config(args),
-                             batch_size=args.batch_size, amp=amp)
+        config = TrainConfig.from_flags(data=data, out="/dev/null", model=bench.model_config(args),
+                                        batch_size=args.batch_size, amp=amp)
         model = cls(config, spec, torch.device("cpu"))
         loader = bench.ParquetLoader(data, "train", batch_size=args.batch_size, rank=rank,
                                      world_size=world_size, shuffle=True, prefetch=0)

@@ -21,7 +21,7 @@ PHASES = ("data", "forward", "backward", "optimizer")
 
 class MetricsLogger:
     """Schedule: a ``train`` line (mean loss over the ranks and the steps since the last line,
-    learning rate, samples/s) every ``config.log_every`` steps and at the last step. The loss
+    learning rate, samples/s) every ``config.log.log_every`` steps and at the last step. The loss
     stays a device tensor between those lines (no host sync per step); a non-finite one stops
     the run with ``TrainingDiverged``."""
 
@@ -50,7 +50,7 @@ class MetricsLogger:
         self._loss = self._loss + loss_sum.detach() / rows
         self._steps += 1
         self.bar.update(1)
-        if state.step % self._config.log_every and state.step != self._total:
+        if state.step % self._config.log.log_every and state.step != self._total:
             return
         (loss,) = global_mean([float(self._loss) / self._steps], self._device)
         if not math.isfinite(loss):

@@ -112,5 +112,5 @@ def diverged(what: str, state: TrainState, config: TrainConfig) -> TrainingDiver
             "no checkpoint was kept")
     return TrainingDiverged(
         f"{what} at step {state.step} (epoch {state.epoch}): training diverged; lower "
-        f"--learning-rate (now {config.learning_rate}) and --embedding-learning-rate (now "
-        f"{config.embedding_learning_rate}), or add --lr-warmup-steps; {kept}")
+        f"--learning-rate (now {config.optimizer.learning_rate}) and --embedding-learning-rate "
+        f"(now {config.optimizer.embedding_learning_rate}), or add --lr-warmup-steps; {kept}")

@@ -25,7 +25,7 @@ class Validation:
 
 
 class Validator:
-    """Schedule: every ``config.validation_interval(steps_per_epoch)`` steps (about 4 times an
+    """Schedule: every ``config.validation.interval(steps_per_epoch)`` steps (about 4 times an
     epoch by default; 0: never in an epoch) and at each epoch's end unless it just ran. Each
     validation returns a ``Validation``; ``--patience`` validations in a row without a better
     AUC, or reaching ``--target-auc``, set the state's stop reason. A non-finite model output
@@ -34,7 +34,7 @@ class Validator:
     def __init__(self, model: torch.nn.Module, loader: ParquetLoader, device: torch.device,
                  config: TrainConfig, steps_per_epoch: int, logger: MetricsLogger) -> None:
         self._model, self._loader, self._device, self._config = model, loader, device, config
-        self.every = config.validation_interval(steps_per_epoch)
+        self.every = config.validation.interval(steps_per_epoch)
         self._logger = logger
         self._last_step = -1
 
@@ -49,10 +49,10 @@ class Validator:
         return None
 
     def validate(self, state: TrainState) -> Validation:
-        config = self._config
+        config, validation = self._config, self._config.validation
         try:
-            metrics = evaluate_model(self._model, self._loader, self._device, config.val_batches,
-                                     config.amp)
+            metrics = evaluate_model(self._model, self._loader, self._device,
+                                     validation.val_batches, config.parallel.amp)
         except ValueError as e:
             if "non-finite" not in str(e):
                 raise
@@ -66,10 +66,10 @@ class Validator:
             state.best_auc, state.best_step, state.stale_validations = metrics["auc"], state.step, 0
         else:
             state.stale_validations += 1
-        if config.target_auc is not None and metrics["auc"] >= config.target_auc:
-            state.stop_reason = f"validation AUC reached --target-auc {config.target_auc}"
-        elif config.patience and state.stale_validations >= config.patience:
-            state.stop_reason = (f"no better validation AUC in {config.patience} validations "
+        if validation.target_auc is not None and metrics["auc"] >= validation.target_auc:
+            state.stop_reason = f"validation AUC reached --target-auc {validation.target_auc}"
+        elif validation.patience and state.stale_validations >= validation.patience:
+            state.stop_reason = (f"no better validation AUC in {validation.patience} validations "
                                  f"(--patience); best {state.best_auc:.4f} at step "
                                  f"{state.best_step}")
         return Validation(metrics=metrics, best=best)
@@ -77,5 +77,6 @@ class Validator:
     def final(self, out: Path) -> dict[str, Any]:
         """The kept model's metrics on the whole validation split (its scores saved in ``out``
         for the report's curves)."""
-        return evaluate_model(self._model, self._loader, self._device, self._config.val_batches,
-                              self._config.amp, save_to=(out, "validation"))
+        return evaluate_model(self._model, self._loader, self._device,
+                              self._config.validation.val_batches, self._config.parallel.amp,
+                              save_to=(out, "validation"))
