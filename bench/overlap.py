@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
                 model_module.DLRM.overlap_exchange = overlap
                 torch.manual_seed(0)
                 dmp = build_model(config, spec, device)
-                optimizer = build_optimizer(config, dmp)
+                optimizer = build_optimizer(config.optimizer, dmp)
                 loader = ParquetLoader(args.data, "train", batch_size=args.batch_size, rank=rank,
                                        world_size=world, shuffle=False, drop_last=True)
                 seen, start = [], 0.0

@@ -282,7 +282,7 @@ def train_case(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     dmp = build_model(config, spec, device)
     setup_s = time.perf_counter() - start
-    optimizer = build_optimizer(config, dmp)
+    optimizer = build_optimizer(config.optimizer, dmp)
     ebc = dmp.module.sparse_arch.embedding_bag_collection
     kernels = [k for lookup in ebc.lookups for k in lookup.cached_kernels()]
     made = [0.0]

@@ -311,7 +311,7 @@ class Ours:
 
     def __init__(self, config: TrainConfig, spec: DatasetSpec, device: torch.device) -> None:
         self.dmp: DistributedModelParallel = build_model(config, spec, device)
-        self.optimizer: CombinedOptimizer = build_optimizer(config, self.dmp)
+        self.optimizer: CombinedOptimizer = build_optimizer(config.optimizer, self.dmp)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.device = device
         self.global_batch = config.schedule.batch_size * dist.get_world_size()
@@ -578,7 +578,8 @@ def worker(args: argparse.Namespace) -> None:
         median = sorted(slowest[via])[len(slowest[via]) // 2]
         line = {
             "bench": "dlrm_train", "impl": args.impl, "precision": args.precision,
-            "comm_precision": (comm_precision(config, device, world_hosts()).value
+            "comm_precision": (comm_precision(config.parallel, config.model, device,
+                                              world_hosts()).value
                                if args.impl == OURS else None),
             "world_size": world,
             "device": device.type, "backend": dist.get_backend(),

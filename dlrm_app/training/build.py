@@ -15,7 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlrm_app.config import CommPrecision, DenseOptimizer, EmbeddingOptimizer, TrainConfig
+from dlrm_app.config import (
+    CommPrecision,
+    DenseOptimizer,
+    EmbeddingOptimizer,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.model import Interaction, WideBagCollection, build_dlrm, table_initializer
 from dlrm_app.training.resources import (
@@ -48,12 +56,12 @@ from recsys_core.planner import ParameterConstraints, PlannerError, plan_for_env
 from recsys_core.planner.constants import BATCH_SIZE
 
 
-def fused_optimizer(config: TrainConfig) -> FusedOptimizerConfig:
+def fused_optimizer(config: OptimizerConfig) -> FusedOptimizerConfig:
     """The tables' optimizer, typed from the flags to the kernel: ``--embedding-optimizer``,
     ``--embedding-learning-rate`` and ``--embedding-eps``."""
-    return FusedOptimizerConfig(optimizer=EmbOptimType[config.optimizer.embedding_optimizer.kernel],
-                                learning_rate=config.optimizer.embedding_learning_rate,
-                                eps=config.optimizer.embedding_eps)
+    return FusedOptimizerConfig(optimizer=EmbOptimType[config.embedding_optimizer.kernel],
+                                learning_rate=config.embedding_learning_rate,
+                                eps=config.embedding_eps)
 
 
 REPLICATE_COLLECTION_BYTES = 4 * 1024**2
@@ -134,17 +142,17 @@ def _existing_ancestor(path: Path) -> Path:
     return Path.cwd()
 
 
-def comm_precision(config: TrainConfig, device: torch.device, hosts: int) -> CommPrecision:
+def comm_precision(config: ParallelConfig, model: ModelConfig, device: torch.device,
+                   hosts: int) -> CommPrecision:
     """``--comm-precision`` resolved (see the field). auto is bf16 only where that changes no
     value (the dot interaction under autocast rounds the pooled embeddings to bf16 anyway, and
     their gradients come from its bf16 products) and where it pays: across hosts. On one host
     the exchange goes over loopback or shared memory, the fastest transport there is, and the
     four extra casts per step cost what the halved bytes save (measured: 2 ranks on one host,
     bf16 comms 0.95x of fp32's samples/s, within noise)."""
-    if config.parallel.comm_precision is not CommPrecision.AUTO:
-        return config.parallel.comm_precision
-    lossless = (amp_enabled(device, config.parallel.amp)
-                and config.model.interaction is Interaction.DOT)
+    if config.comm_precision is not CommPrecision.AUTO:
+        return config.comm_precision
+    lossless = amp_enabled(device, config.amp) and model.interaction is Interaction.DOT
     return CommPrecision.BF16 if lossless and hosts > 1 else CommPrecision.FP32
 
 
@@ -187,10 +195,11 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device,
                        else Path(config.out) / "offload")
     env = (ShardingEnv.from_process_group(dist.GroupMember.WORLD) if dist.is_initialized()
            else ShardingEnv.from_local(1, 0))
-    tables = {"fused_params": fused_optimizer(config), "table_init": table_initializer(config.seed),
+    tables = {"fused_params": fused_optimizer(config.optimizer),
+              "table_init": table_initializer(config.seed),
               "offload_dir": None if offload_dir is None else str(offload_dir)}
-    sharder = EmbeddingBagCollectionSharder(
-        qcomm_codecs_registry=comm_codecs(comm_precision(config, device, env.num_hosts)), **tables)
+    precision = comm_precision(config.parallel, config.model, device, env.num_hosts)
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=comm_codecs(precision), **tables)
     # the wide part's tables first (DMP takes the first sharder whose type matches): the
     # same layouts and optimizer, their pooled sums always exchanged in fp32
     sharders: list[Any] = [WideSharder(**tables), sharder]
@@ -252,23 +261,21 @@ def plan_summary(plan: ShardingPlan, world_size: int) -> str:
             f"rank{'s' * (world_size != 1)}: {parts}")
 
 
-def build_optimizer(config: TrainConfig, dmp: DistributedModelParallel) -> CombinedOptimizer:
+def build_optimizer(config: OptimizerConfig, dmp: DistributedModelParallel) -> CombinedOptimizer:
     """Fused table optimizer (already applied in backward) + the dense optimizer, combined."""
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     # fused=True: one kernel over all parameters (CPU and CUDA); on a CPU Adagrad's step over
     # the reference MLPs' 2.7M parameters takes 0.8 ms instead of 2.4 ms (per-tensor loop) or
     # 10.5 ms (foreach), Adam's 1.2 ms instead of 6.7 ms, with the same values to fp32 rounding
-    if config.optimizer.dense_optimizer is DenseOptimizer.SGD:
+    if config.dense_optimizer is DenseOptimizer.SGD:
         def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.SGD(ps, lr=config.optimizer.learning_rate, fused=True)
-    elif config.optimizer.dense_optimizer is DenseOptimizer.ADAGRAD:
+            return torch.optim.SGD(ps, lr=config.learning_rate, fused=True)
+    elif config.dense_optimizer is DenseOptimizer.ADAGRAD:
         def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adagrad(ps, lr=config.optimizer.learning_rate,
-                                       eps=config.optimizer.eps, fused=True)
+            return torch.optim.Adagrad(ps, lr=config.learning_rate, eps=config.eps, fused=True)
     else:
         def factory(ps: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adam(ps, lr=config.optimizer.learning_rate,
-                                    eps=config.optimizer.eps, fused=True)
+            return torch.optim.Adam(ps, lr=config.learning_rate, eps=config.eps, fused=True)
     dense = KeyedOptimizerWrapper(dense_params, factory)
     dense.init_state()  # state exists before a checkpoint is loaded into it
     return CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense)])

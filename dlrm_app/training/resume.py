@@ -193,12 +193,12 @@ class Resumed:
 
 
 def restore(checkpointer: Checkpointer, state: TrainState, data: DataPosition,
-            config: TrainConfig, previous: str | None) -> Resumed:
-    """``--resume``: the newest intact checkpoint into the model, the optimizer, ``state`` and
+            resume: bool, previous: str | None) -> Resumed:
+    """``--resume`` (``resume``): the newest intact checkpoint into the model, the optimizer, ``state`` and
     the data position. On other data (``previous``: the data before) its epochs start from
     the beginning, with the step (the learning-rate schedule) as it was; the best AUC and
     early stopping start over (its validation split is another yardstick)."""
-    path = checkpointer.restore() if config.resume else None
+    path = checkpointer.restore() if resume else None
     if path is None:
         return Resumed()
     if previous is not None:

@@ -145,7 +145,7 @@ class Trainer:
         torch.manual_seed(config.seed)
 
         self.model = build_model(config, self.model_spec, device)
-        self.optimizer = build_optimizer(config, self.model)
+        self.optimizer = build_optimizer(config.optimizer, self.model)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         if self.rank == 0:
             (out / "plan.json").write_text(self.model.plan.to_json() + "\n")
@@ -170,10 +170,9 @@ class Trainer:
                             self.steps_per_epoch)
         self.checkpointer = Checkpointer(
             out / "checkpoints", self.model, self.optimizer,
-            {"train_state": self.state, "data": data, "rng": RngState()},
-            keep=config.checkpoint.keep_checkpoints, save_every=config.checkpoint.save_every,
-            background=config.checkpoint.background_checkpoints)
-        resumed = resume.restore(self.checkpointer, self.state, data, config, previous_data)
+            {"train_state": self.state, "data": data, "rng": RngState()}, config.checkpoint)
+        resumed = resume.restore(self.checkpointer, self.state, data, config.resume,
+                                 previous_data)
         new_data = resumed.previous_data is not None
         if new_data:
             self.total_steps += self.state.step
@@ -185,19 +184,22 @@ class Trainer:
         """The first step on new data (0: not continued on new data)."""
         self.global_batch = config.schedule.batch_size * world_size
         self.metrics = MetricsLogger(
-            out / "metrics.jsonl", writer=self.rank == 0, progress=progress, config=config,
-            total_steps=self.total_steps, start_step=self.start_step,
+            out / "metrics.jsonl", writer=self.rank == 0, progress=progress, config=config.log,
+            rates=config.optimizer, total_steps=self.total_steps, start_step=self.start_step,
             global_batch=self.global_batch, optimizer=self.optimizer, device=device)
         if not follow:
             val_loader = ParquetLoader(config.data, "validation", rank=self.rank,
                                        batch_size=config.schedule.batch_size, world_size=world_size,
                                        drop_last=False, pad_last=True)
-            self.validator = Validator(self.model, val_loader, device, config,
-                                       self.steps_per_epoch, self.metrics)
+            self.validator = Validator(self.model, val_loader, device, config.validation,
+                                       amp=config.parallel.amp,
+                                       steps_per_epoch=self.steps_per_epoch, logger=self.metrics)
+        self.comm_precision = comm_precision(config.parallel, config.model, device, world_hosts())
+        """What the pooled embeddings travel in between ranks (``--comm-precision`` resolved)."""
         self.metrics.write({
             "event": "start", "world_size": world_size, "device": str(device),
             "amp": amp_enabled(device, config.parallel.amp),
-            "comm_precision": comm_precision(config, device, world_hosts()).value,
+            "comm_precision": self.comm_precision.value,
             "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
             "validate_every": None if follow else self.validator.every,
             "resumed_from": None if resumed.checkpoint is None else str(resumed.checkpoint),
@@ -347,7 +349,7 @@ class Trainer:
             "epochs": state.epoch + state.epoch_batches / self.steps_per_epoch,
             "world_size": self.world_size,
             "amp": amp_enabled(device, config.parallel.amp),
-            "comm_precision": comm_precision(config, device, world_hosts()).value,
+            "comm_precision": self.comm_precision.value,
             "global_batch": self.global_batch,
             "samples_per_s": trained * self.global_batch / elapsed if elapsed > 0 else 0.0,
             "seconds": elapsed,

@@ -29,7 +29,7 @@ def _train(rank: int, world_size: int, data: str, out: str, overlap: bool) -> li
                                     model=ModelConfig(**SMALL))
     torch.manual_seed(0)
     dmp = build_model(config, DatasetSpec.load(data), torch.device("cpu"))
-    optimizer = build_optimizer(config, dmp)
+    optimizer = build_optimizer(config.optimizer, dmp)
     loader = ParquetLoader(data, "train", batch_size=32, rank=rank, world_size=world_size,
                            shuffle=False, drop_last=True)
     losses = []

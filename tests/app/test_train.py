@@ -303,7 +303,7 @@ def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts
 
     def resolved(hosts: int, **kwargs: object) -> CommPrecision:
         config = TrainConfig.from_flags(data=str(tmp_path), out=str(tmp_path / "run"), **kwargs)
-        return build.comm_precision(config, cpu, hosts)
+        return build.comm_precision(config.parallel, config.model, cpu, hosts)
 
     assert resolved(2) is CommPrecision.BF16  # amp auto (on: native bf16), dot, 2 hosts
     assert resolved(1) is CommPrecision.FP32  # one host: loopback, the casts do not pay
@@ -338,7 +338,7 @@ def test_embedding_optimizer_flag_reaches_the_kernel_typed(flag: str, kernel: st
                                     embedding_optimizer=EmbeddingOptimizer(flag),
                                     embedding_learning_rate=0.07, embedding_eps=1e-4, eps=1e-6)
     # the tables take --embedding-eps; --eps is the MLPs' optimizer's
-    assert fused_optimizer(config) == FusedOptimizerConfig(
+    assert fused_optimizer(config.optimizer) == FusedOptimizerConfig(
         optimizer=EmbOptimType[kernel], learning_rate=0.07, eps=1e-4)
 
 
@@ -381,7 +381,7 @@ def test_embedding_eps_damps_a_rarely_seen_rows_step(eps: float, tmp_path: Path)
     from recsys_core.sparse import KeyedJaggedTensor
 
     config = TrainConfig.from_flags(data=str(tmp_path), out=str(tmp_path / "r"), embedding_eps=eps)
-    kernel = fused_optimizer(config)
+    kernel = fused_optimizer(config.optimizer)
     ebc = FusedEmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=3,
                                    feature_names=["f"])],
@@ -429,6 +429,7 @@ def test_each_model_is_planned_for_the_batch_it_runs(data: Path, tmp_path: Path,
 
 
 def test_the_checkpointer_saves_and_restores_the_parts_it_is_given(tmp_path: Path) -> None:
+    from dlrm_app.config import CheckpointConfig
     from dlrm_app.training.components import Checkpointer, TrainState
 
     model = torch.nn.Linear(2, 1)
@@ -446,15 +447,16 @@ def test_the_checkpointer_saves_and_restores_the_parts_it_is_given(tmp_path: Pat
     state, position = TrainState(step=7, epoch=1, epoch_batches=3, best_auc=0.7, best_step=5),\
         Position()
     position.rows = 42
-    checkpointer = Checkpointer(tmp_path, model, None, {"train_state": state, "data": position},
-                                keep=2)
+    parts = {"train_state": state, "data": position}
+    checkpointer = Checkpointer(tmp_path, model, None, parts, CheckpointConfig())
     checkpointer.save(state)
     restored, again = TrainState(), Position()
-    path = Checkpointer(tmp_path, model, None, {"train_state": restored, "data": again},
-                        keep=2).restore()
+    parts = {"train_state": restored, "data": again}
+    path = Checkpointer(tmp_path, model, None, parts, CheckpointConfig()).restore()
     assert path is not None and path.name == "step_00000007"
     assert (restored, again.rows) == (TrainState(step=7, epoch=1, epoch_batches=3, best_auc=0.7,
                                                  best_step=5), 42)
     # the parts make one flat record, as checkpoints always had: a key twice is an error
     with pytest.raises(ValueError, match="repeats the keys"):
-        Checkpointer(tmp_path, model, None, {"a": state, "b": TrainState()}, keep=2).save(state)
+        Checkpointer(tmp_path, model, None, {"a": state, "b": TrainState()},
+                     CheckpointConfig()).save(state)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dlrm_app.config import duration_seconds
+from dlrm_app.config import CheckpointConfig, duration_seconds
 from dlrm_app.training.checkpoint import (
     BackgroundSaver,
     best_checkpoint,
@@ -25,21 +25,21 @@ from dlrm_app.training.components.state import Stateful, TrainState
 class Checkpointer:
     """Schedule: the best checkpoint whenever the trainer is told of a better validation AUC
     (``save(..., best=True)``), one every ``--save-every`` steps, and the last state at the end
-    (``at_end``) for ``--resume``; never twice at one step. ``keep`` complete ones are kept
-    besides the best.
+    (``at_end``) for ``--resume``; never twice at one step. ``--keep-checkpoints`` complete ones
+    are kept besides the best; ``--background-checkpoints`` writes them on a thread.
 
     A checkpoint holds ``model``, ``optimizer`` and the ``parts``' ``state_dict()`` values
     (their keys are disjoint: one flat record, as checkpoints have always had); ``restore``
     loads them back in the parts' order."""
 
     def __init__(self, directory: Path, model: torch.nn.Module, optimizer: Any,
-                 parts: Mapping[str, Stateful], *, keep: int, save_every: int | str = 0,
-                 background: bool = False) -> None:
+                 parts: Mapping[str, Stateful], config: CheckpointConfig) -> None:
         self.directory, self._model, self._optimizer = directory, model, optimizer
-        self._parts, self._keep, self._every = dict(parts), keep, save_every
+        self._parts, self._keep = dict(parts), config.keep_checkpoints
+        self._every = config.save_every
         self._saved_at = -1
         # --background-checkpoints: collective (a process group of its own), every rank here
-        self._background = BackgroundSaver() if background else None
+        self._background = BackgroundSaver() if config.background_checkpoints else None
 
     def save(self, state: TrainState, best: bool = False) -> None:
         save = save_checkpoint if self._background is None else self._background.save

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dlrm_app.config import TrainConfig
-from dlrm_app.training.components.state import TrainState, diverged
+from dlrm_app.config import LogConfig, OptimizerConfig
+from dlrm_app.training.components.state import TrainingDiverged, TrainState, diverged
 from dlrm_app.training.runtime import global_mean
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -21,15 +21,17 @@ PHASES = ("data", "forward", "backward", "optimizer")
 
 class MetricsLogger:
     """Schedule: a ``train`` line (mean loss over the ranks and the steps since the last line,
-    learning rate, samples/s) every ``config.log.log_every`` steps and at the last step. The loss
+    learning rate, samples/s) every ``config.log_every`` steps and at the last step. The loss
     stays a device tensor between those lines (no host sync per step); a non-finite one stops
-    the run with ``TrainingDiverged``."""
+    the run with ``TrainingDiverged`` (``diverged``: its message names ``rates``' learning
+    rates, the flags that help)."""
 
-    def __init__(self, path: Path, *, writer: bool, progress: bool, config: TrainConfig,
-                 total_steps: int, start_step: int, global_batch: int,
+    def __init__(self, path: Path, *, writer: bool, progress: bool, config: LogConfig,
+                 rates: OptimizerConfig, total_steps: int, start_step: int, global_batch: int,
                  optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self._file = path.open("a") if writer else None
         self._config, self._total, self._global_batch = config, total_steps, global_batch
+        self._rates, self._run = rates, path.parent
         self._optimizer, self._device = optimizer, device
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and writer),
                         unit="step", dynamic_ncols=True)
@@ -50,16 +52,20 @@ class MetricsLogger:
         self._loss = self._loss + loss_sum.detach() / rows
         self._steps += 1
         self.bar.update(1)
-        if state.step % self._config.log.log_every and state.step != self._total:
+        if state.step % self._config.log_every and state.step != self._total:
             return
         (loss,) = global_mean([float(self._loss) / self._steps], self._device)
         if not math.isfinite(loss):
-            raise diverged(f"the train loss is {loss}", state, self._config)
+            raise self.diverged(f"the train loss is {loss}", state)
         rate = self._steps * self._global_batch / (time.perf_counter() - self._since)
         self.write({"event": "train", "step": state.step, "epoch": state.epoch, "loss": loss,
                     "lr": self._optimizer.param_groups[-1]["lr"], "samples_per_s": rate})
         self.bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:,.0f}")
         self._loss, self._since, self._steps = 0.0, time.perf_counter(), 0
+
+    def diverged(self, what: str, state: TrainState) -> TrainingDiverged:
+        """The error that stops this run: ``what`` is not finite at ``state``'s step."""
+        return diverged(what, state, self._rates, self._run)
 
     def phase_fraction(self) -> dict[str, float]:
         busy = sum(self.phase_s.values()) or 1.0

@@ -5,11 +5,12 @@ checkpointer only stores what the parts give it."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from dlrm_app.config import TrainConfig
+from dlrm_app.config import OptimizerConfig
 from dlrm_app.data.loader import ParquetLoader
 
 
@@ -104,13 +105,14 @@ class TrainingDiverged(ValueError):
     """The loss or the model's output stopped being finite."""
 
 
-def diverged(what: str, state: TrainState, config: TrainConfig) -> TrainingDiverged:
-    """The error that stops a run whose loss or output is no longer finite: where, the flags
-    that help, and what was kept."""
+def diverged(what: str, state: TrainState, config: OptimizerConfig,
+             out: str | Path) -> TrainingDiverged:
+    """The error that stops the run in ``out`` whose loss or output is no longer finite: where,
+    the flags that help (the learning rates of ``config``), and what was kept."""
     kept = (f"the best checkpoint (step {state.best_step}, validation AUC {state.best_auc:.4f}) "
-            f"is kept in {config.out}/checkpoints" if state.best_step >= 0 else
+            f"is kept in {out}/checkpoints" if state.best_step >= 0 else
             "no checkpoint was kept")
     return TrainingDiverged(
         f"{what} at step {state.step} (epoch {state.epoch}): training diverged; lower "
-        f"--learning-rate (now {config.optimizer.learning_rate}) and --embedding-learning-rate "
-        f"(now {config.optimizer.embedding_learning_rate}), or add --lr-warmup-steps; {kept}")
+        f"--learning-rate (now {config.learning_rate}) and --embedding-learning-rate (now "
+        f"{config.embedding_learning_rate}), or add --lr-warmup-steps; {kept}")

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from dlrm_app.config import TrainConfig
+from dlrm_app.config import ValidationConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.training.components.metrics_logger import MetricsLogger
-from dlrm_app.training.components.state import TrainState, diverged
+from dlrm_app.training.components.state import TrainState
 from dlrm_app.training.evaluate import evaluate_model
 
 
@@ -25,16 +25,19 @@ class Validation:
 
 
 class Validator:
-    """Schedule: every ``config.validation.interval(steps_per_epoch)`` steps (about 4 times an
+    """Schedule: every ``config.interval(steps_per_epoch)`` steps (about 4 times an
     epoch by default; 0: never in an epoch) and at each epoch's end unless it just ran. Each
     validation returns a ``Validation``; ``--patience`` validations in a row without a better
     AUC, or reaching ``--target-auc``, set the state's stop reason. A non-finite model output
-    stops the run with ``TrainingDiverged``."""
+    stops the run with ``TrainingDiverged``. ``amp``: evaluated in the precision the run trains
+    in (``--amp``)."""
 
     def __init__(self, model: torch.nn.Module, loader: ParquetLoader, device: torch.device,
-                 config: TrainConfig, steps_per_epoch: int, logger: MetricsLogger) -> None:
+                 config: ValidationConfig, *, amp: bool | None, steps_per_epoch: int,
+                 logger: MetricsLogger) -> None:
         self._model, self._loader, self._device, self._config = model, loader, device, config
-        self.every = config.validation.interval(steps_per_epoch)
+        self._amp = amp
+        self.every = config.interval(steps_per_epoch)
         self._logger = logger
         self._last_step = -1
 
@@ -49,15 +52,15 @@ class Validator:
         return None
 
     def validate(self, state: TrainState) -> Validation:
-        config, validation = self._config, self._config.validation
+        config = self._config
         try:
-            metrics = evaluate_model(self._model, self._loader, self._device,
-                                     validation.val_batches, config.parallel.amp)
+            metrics = evaluate_model(self._model, self._loader, self._device, config.val_batches,
+                                     self._amp)
         except ValueError as e:
             if "non-finite" not in str(e):
                 raise
-            raise diverged("the model's validation output is not finite", state,
-                           config) from None
+            raise self._logger.diverged("the model's validation output is not finite",
+                                        state) from None
         self._last_step = state.step
         self._logger.write({"event": "validation", "step": state.step, "epoch": state.epoch,
                             **metrics})
@@ -66,10 +69,10 @@ class Validator:
             state.best_auc, state.best_step, state.stale_validations = metrics["auc"], state.step, 0
         else:
             state.stale_validations += 1
-        if validation.target_auc is not None and metrics["auc"] >= validation.target_auc:
-            state.stop_reason = f"validation AUC reached --target-auc {validation.target_auc}"
-        elif validation.patience and state.stale_validations >= validation.patience:
-            state.stop_reason = (f"no better validation AUC in {validation.patience} validations "
+        if config.target_auc is not None and metrics["auc"] >= config.target_auc:
+            state.stop_reason = f"validation AUC reached --target-auc {config.target_auc}"
+        elif config.patience and state.stale_validations >= config.patience:
+            state.stop_reason = (f"no better validation AUC in {config.patience} validations "
                                  f"(--patience); best {state.best_auc:.4f} at step "
                                  f"{state.best_step}")
         return Validation(metrics=metrics, best=best)
@@ -77,6 +80,5 @@ class Validator:
     def final(self, out: Path) -> dict[str, Any]:
         """The kept model's metrics on the whole validation split (its scores saved in ``out``
         for the report's curves)."""
-        return evaluate_model(self._model, self._loader, self._device,
-                              self._config.validation.val_batches, self._config.parallel.amp,
-                              save_to=(out, "validation"))
+        return evaluate_model(self._model, self._loader, self._device, self._config.val_batches,
+                              self._amp, save_to=(out, "validation"))
