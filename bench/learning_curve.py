@@ -47,7 +47,7 @@ def point(rows: int, work: Path, epochs: int | None = None, form: bool = True) -
     summary = train(config, progress=False)
     test = evaluate_checkpoint(run, split="test")
     spec = DatasetSpec.load(data)
-    teacher = spec.parameters["teacher_auc"]["test"]
+    teacher = (spec.teacher_auc or {})["test"]
     line = {"rows": rows, "train_rows": spec.split("train").rows,
             "epochs": config.schedule.epochs, "test_auc": test["auc"], "teacher_auc": teacher,
             "gap": teacher - test["auc"], "steps": summary["steps"],

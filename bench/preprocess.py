@@ -151,7 +151,7 @@ def main() -> None:
                     if spec is not None:
                         line |= {"workers": key[1], "threads": task_threads([path], key[1]),
                                  "encoding": key[2],
-                                 "table_rows": spec.parameters["tables"]["total_rows"]}
+                                 "table_rows": (spec.tables or {})["total_rows"]}
                     print(json.dumps(line), flush=True)
             _print_medians(path, times, rows_of, mb, args)
 

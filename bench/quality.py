@@ -291,7 +291,7 @@ def teacher_form(data: Path, epochs: int = 3, batch: int = 256) -> dict:
     start = time.perf_counter()
     torch.manual_seed(0)
     model = _TeacherForm(num_ids, len(spec.sparse_features), splits["train"][0].shape[1],
-                         int(spec.parameters["teacher"]["dim"]))
+                         int((spec.teacher or {})["dim"]))
     opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
     dense, ids, labels = splits["train"]
     best: dict = {"validation_auc": -1.0}
@@ -343,7 +343,7 @@ def run_generated(name: str, work: Path, nproc: int, seeds: list[int], rows: int
     for system in ("logistic_regression", "base_rate"):
         lines.append({**common, "system": system, **baselines[system]})
     # the generator keeps the teacher's AUC per split, not its probabilities: no NE or logloss
-    lines.append({**common, "system": "teacher", "auc": spec.parameters["teacher_auc"]["test"],
+    lines.append({**common, "system": "teacher", "auc": (spec.teacher_auc or {})["test"],
                   "ne": None, "logloss": None, "seconds": None})
     lines.append({**common, "system": "teacher_form", **teacher_form(data)})
     return lines

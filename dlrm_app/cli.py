@@ -131,7 +131,7 @@ def _cmd_generate(args: GenerateConfig) -> int:
         "shards": sum(len(s.shards) for s in spec.splits),
         "seconds": round(seconds, 3),
         "rows_per_s": round(args.rows / seconds),
-        "teacher_auc": spec.parameters["teacher_auc"],
+        "teacher_auc": spec.teacher_auc,
     }))
     return 0
 
@@ -141,7 +141,7 @@ def _tables_report(spec: DatasetSpec) -> None:
     warning for each split whose rows all carry one label."""
     from dlrm_app.data.tables import format_table_summary
 
-    print(format_table_summary(spec.parameters["tables"]), file=sys.stderr)
+    print(format_table_summary(spec.tables or {}), file=sys.stderr)
     for split in spec.splits:
         if (note := split.one_label_note()) is not None:
             refused = " (`dlrm-app train` refuses it)" if split.name == "validation" else ""
@@ -186,7 +186,7 @@ def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
         workers=args.workers, id_mapping=args.id_mapping,
         max_bad_row_fraction=args.max_bad_row_fraction, days=args.days, add_day=args.add_day)
     _tables_report(spec)
-    if skipped := spec.parameters["skipped_rows"]:
+    if skipped := spec.skipped_rows:
         print(f"skipped {skipped} bad row{'s' if skipped > 1 else ''} (--on-bad-row skip); "
               f"{args.out}/dataset.json records the count", file=sys.stderr)
     seconds = time.perf_counter() - start
@@ -194,7 +194,7 @@ def _cmd_preprocess_criteo(args: CriteoConfig) -> int:
     print(jsonline.dumps({
         "out": str(args.out),
         "rows": rows,
-        "skipped": spec.parameters["skipped_rows"],
+        "skipped": spec.skipped_rows,
         "shards": sum(len(s.shards) for s in spec.splits),
         "seconds": round(seconds, 3),
         "rows_per_s": round(rows / seconds),
@@ -216,7 +216,7 @@ def _cmd_preprocess_movielens(args: MovieLensConfig) -> int:
     seconds = time.perf_counter() - start
     print(jsonline.dumps({
         "out": str(args.out),
-        "release": spec.parameters["release"],
+        "release": spec.release,
         "rows": {s.name: s.rows for s in spec.splits},
         "shards": sum(len(s.shards) for s in spec.splits),
         "num_embeddings": {f.name: f.num_embeddings for f in spec.sparse_features},

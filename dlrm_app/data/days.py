@@ -78,7 +78,7 @@ def read_days(dataset: str | os.PathLike[str] | DatasetSpec) -> tuple[Day, ...]:
     a preprocessor that does not know them) or its record is malformed."""
     spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec.load(dataset)
     where = "" if isinstance(dataset, DatasetSpec) else f"{Path(dataset) / DATASET_JSON}: "
-    records = spec.parameters.get(DAYS)
+    records = spec.day_records
     if not records:
         raise ValueError(f"{where}dataset '{spec.name}' records no days; preprocess it again "
                          f"with this version (preprocess criteo records each input as a day, "

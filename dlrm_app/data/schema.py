@@ -182,6 +182,10 @@ class SplitSpec:
                 "can be computed on it")
 
 
+PARAMETER_KINDS = {Mapping: "an object", list: "a list", int: "an int", str: "a string"}
+"""The JSON types of ``parameters``' known keys, as an error names them."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DatasetSpec:
     """Everything training needs to know about a preprocessed dataset directory."""
@@ -239,6 +243,60 @@ class DatasetSpec:
             raise ValueError(f"key 'format_version' is {self.format_version}, this reader "
                              f"understands {FORMAT_VERSION}; regenerate the dataset or "
                              f"upgrade dlrm_app")
+
+    # --- the known keys of ``parameters``, typed (dataset.json keeps them in that mapping) ---
+
+    @property
+    def teacher_auc(self) -> Mapping[str, float] | None:
+        """Generated data: the AUC of the teacher that drew the labels, per split (the best a
+        model can reach); None for real data."""
+        return self._parameter("teacher_auc", Mapping)
+
+    @property
+    def teacher(self) -> Mapping[str, Any] | None:
+        """Generated data: the teacher's shape (``dim``, ``temperature``, ...); None otherwise."""
+        return self._parameter("teacher", Mapping)
+
+    @property
+    def tables(self) -> Mapping[str, Any] | None:
+        """The table sizes and the memory they need (``dlrm_app.data.tables.table_summary``);
+        None where preprocessing did not record them."""
+        return self._parameter("tables", Mapping)
+
+    @property
+    def skipped_rows(self) -> int:
+        """Bad rows preprocessing dropped (``--on-bad-row skip``); 0 where none were recorded."""
+        return self._parameter("skipped_rows", int) or 0
+
+    @property
+    def encoding(self) -> Mapping[str, Any] | None:
+        """How raw Criteo ids became rows (hash or vocabulary, ``--like`` reuses it); None for
+        data with no such encoding."""
+        return self._parameter("encoding", Mapping)
+
+    @property
+    def id_map_sha256(self) -> str | None:
+        """Digest of the id maps the rows were encoded with; None where there are none."""
+        return self._parameter("id_map_sha256", str)
+
+    @property
+    def day_records(self) -> tuple[Mapping[str, Any], ...]:
+        """The days as recorded (``dlrm_app.data.days.read_days`` reads them into ``Day``s);
+        empty where the dataset records none."""
+        return tuple(self._parameter("days", list) or ())
+
+    @property
+    def release(self) -> str | None:
+        """MovieLens: the release the ratings came from (``ml-100k``, ...); None otherwise."""
+        return self._parameter("release", str)
+
+    def _parameter(self, key: str, kind: type) -> Any:
+        value = self.parameters.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise ValueError(f"dataset '{self.name}': key 'parameters.{key}' must be "
+                             f"{PARAMETER_KINDS[kind]}, got {value!r}; preprocess the dataset "
+                             "again")
+        return value
 
     def split(self, name: str) -> SplitSpec:
         """The split called ``name`` (train, validation or test)."""
@@ -375,7 +433,7 @@ def verify(directory: str | os.PathLike[str]) -> DatasetSpec:
     """
     spec = DatasetSpec.load(directory)
     owned = [(split.name, split.shards) for split in spec.splits]
-    for day in spec.parameters.get("days") or ():  # days added later own their shards
+    for day in spec.day_records:  # days added later own their shards
         owned.append((f"day {day['index']}", tuple(ShardFile(**s) for s in day.get("shards", ()))))
     for name, shards in owned:
         what = name if name.startswith("day ") else f"split '{name}'"

@@ -156,7 +156,7 @@ class Run:
 
     def teacher_auc(self, split: str) -> float | None:
         """The dataset's best achievable AUC on ``split`` (synthetic data records it)."""
-        teacher = self.dataset.parameters.get("teacher_auc") if self.dataset else None
+        teacher = self.dataset.teacher_auc if self.dataset else None
         if teacher is None:
             teacher = (self.last("summary") or {}).get("teacher_auc")
         value = teacher.get(split) if isinstance(teacher, Mapping) else None

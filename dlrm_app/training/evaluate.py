@@ -99,5 +99,4 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
         write_report(run)
     return {"split": split, "checkpoint": str(path), "world_size": world_size,
             "amp": amp_enabled(device, config.parallel.amp), **metrics,
-            "teacher_auc": spec.parameters.get("teacher_auc", {}).get(split)
-            if isinstance(spec.parameters.get("teacher_auc"), dict) else None}
+            "teacher_auc": (spec.teacher_auc or {}).get(split)}

@@ -177,7 +177,7 @@ def check_continuation(previous: str, spec: DatasetSpec, data: str) -> None:
                          f"run's data {previous}, so the model cannot continue on it; {fix}")
     encoded = [f.name for f in spec.sparse_features if not f.raw_ids]
     for key in ("encoding", "id_map_sha256"):
-        if encoded and before.parameters.get(key) != spec.parameters.get(key):
+        if encoded and getattr(before, key) != getattr(spec, key):
             raise ValueError(f"--data {data}: the ids of {encoded[:3]}... were encoded with "
                              f"another {key.replace('_', ' ')} than the run's data {previous}, "
                              f"so the same id would mean another row; {fix}")

@@ -359,7 +359,7 @@ class Trainer:
             "stopped_early": state.stop_reason not in ("epochs done", "max steps reached"),
             "best_step": state.best_step,
             "validation": final,
-            "teacher_auc": self.spec.parameters.get("teacher_auc"),
+            "teacher_auc": self.spec.teacher_auc,
             "checkpoint": str(kept) if self.rank == 0 else None,
         }
         self.metrics.write(summary)

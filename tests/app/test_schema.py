@@ -117,3 +117,51 @@ def test_empty_splits_round_trip(tmp_path: Path) -> None:
     assert [s.rows for s in loaded.splits] == [0, 0, 10]
     assert json.loads((tmp_path / "dataset.json").read_text())["splits"]["train"] == {
         "label_rate": 0.0, "shards": []}
+
+
+PARAMETERS = {
+    "teacher_auc": {"train": 0.77, "validation": 0.76, "test": 0.75},
+    "teacher": {"dim": 8, "temperature": 1.0},
+    "tables": {"total_rows": 10, "tables": []},
+    "skipped_rows": 2,
+    "encoding": {"mode": "hash", "num_embeddings": [7, 3]},
+    "id_map_sha256": "ab" * 32,
+    "days": [{"index": 0, "name": "day_0", "rows": 10, "pieces": []}],
+    "release": "ml-100k",
+    "seed": 3,
+}
+"""One of each known key of ``parameters``, as the preprocessors and the generator write them."""
+
+
+def test_known_parameters_are_typed_and_stay_where_dataset_json_keeps_them(
+        tmp_path: Path) -> None:
+    spec = dataclasses.replace(_spec(tmp_path), parameters=PARAMETERS)
+    spec.save(tmp_path)
+    on_disk = json.loads((tmp_path / "dataset.json").read_text())["parameters"]
+    assert on_disk == PARAMETERS  # the file's format is unchanged: one plain mapping
+    loaded = DatasetSpec.load(tmp_path)
+    assert loaded.teacher_auc == {"train": 0.77, "validation": 0.76, "test": 0.75}
+    assert loaded.teacher == {"dim": 8, "temperature": 1.0}
+    assert loaded.tables == {"total_rows": 10, "tables": []}
+    assert loaded.skipped_rows == 2
+    assert loaded.encoding == {"mode": "hash", "num_embeddings": [7, 3]}
+    assert loaded.id_map_sha256 == "ab" * 32
+    assert loaded.day_records == ({"index": 0, "name": "day_0", "rows": 10, "pieces": []},)
+    assert loaded.release == "ml-100k"
+    # a dataset that records none of them (an older one, or another kind)
+    bare = _spec(tmp_path)
+    assert (bare.teacher_auc, bare.teacher, bare.tables, bare.encoding, bare.id_map_sha256,
+            bare.release) == (None,) * 6
+    assert bare.skipped_rows == 0 and bare.day_records == ()
+
+
+@pytest.mark.parametrize("key, value", [("teacher_auc", 0.75), ("skipped_rows", "2"),
+                                        ("skipped_rows", True), ("days", {"index": 0}),
+                                        ("release", 100)])
+def test_a_known_parameter_of_the_wrong_type_is_a_clear_error(
+        tmp_path: Path, key: str, value: object) -> None:
+    spec = dataclasses.replace(_spec(tmp_path), parameters={**PARAMETERS, key: value})
+    attribute = {"days": "day_records"}.get(key, key)
+    with pytest.raises(ValueError, match=rf"dataset 'tiny': key 'parameters\.{key}' must be "
+                                         r".*; preprocess the dataset again"):
+        getattr(spec, attribute)

@@ -329,7 +329,11 @@ def choose_encoding(run: Runner, paths: list[Path], out: Path, rule: SplitRule,
     if request.mode == "like":
         like = request.like
         assert like is not None
-        encoding = dict(DatasetSpec.load(like).parameters["encoding"])
+        recorded = DatasetSpec.load(like).encoding
+        if recorded is None:
+            raise ValueError(f"--like {like}: that dataset records no id encoding (hash or "
+                             "vocabulary); pass a dataset made by `dlrm-app preprocess criteo`")
+        encoding = dict(recorded)
         if encoding["mode"] == "vocabulary":
             src = Path(like) / VOCABULARY_FILE
             if sha256_file(src) != encoding["vocabulary_sha256"]:
