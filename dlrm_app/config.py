@@ -9,7 +9,9 @@ This module imports nothing heavy (no torch, numpy or pyarrow): the command line
 parser from it, so ``--help`` and argument errors answer at once.
 
 A run directory holds ``config.json`` (this config), ``metrics.jsonl``, ``plan.json`` and
-``checkpoints/``. ``TrainConfig.from_json`` is strict: unknown keys are errors.
+``checkpoints/``. ``config.json`` holds ``TrainConfig``'s tree (one object per section);
+``TrainConfig.load`` also reads the flat form of earlier releases (``migrate``), and is strict:
+unknown keys are errors.
 """
 
 from __future__ import annotations
