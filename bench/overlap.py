@@ -40,11 +40,11 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = DatasetSpec.load(args.data)
     for amp in (False, True):
-        config = TrainConfig.from_flags(data=args.data, out=args.out, batch_size=args.batch_size, amp=amp,
-                                        model=ModelConfig(embedding_dim=128,
-                                               dense_arch_layer_sizes=(512, 256, 128),
-                                               over_arch_layer_sizes=(1024, 1024, 512, 256, 1),
-                                               wide=False))  # the reference DLRM
+        config = TrainConfig.from_flags(
+            data=args.data, out=args.out, batch_size=args.batch_size, amp=amp,
+            model=ModelConfig(embedding_dim=128, dense_arch_layer_sizes=(512, 256, 128),
+                              over_arch_layer_sizes=(1024, 1024, 512, 256, 1),
+                              wide=False))  # the reference DLRM
         rates: dict[bool, list[float]] = {False: [], True: []}
         losses: dict[bool, list[float]] = {}
         for _ in range(args.rounds):

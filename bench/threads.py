@@ -145,8 +145,8 @@ def run_once(data: Path, out: Path, threads: int | None, steps: int,
              log_every: int) -> tuple[float, int]:
     """One training run: (samples/s after the first window, threads the run used)."""
     config = TrainConfig.from_flags(data=str(data), out=str(out), max_steps=steps, epochs=1,
-                                    log_every=log_every, validate_every=0, patience=0, overwrite=True,
-                                    threads=threads)
+                                    log_every=log_every, validate_every=0, patience=0,
+                                    overwrite=True, threads=threads)
     train(config, progress=False)
     return rate_after_warmup(out / "metrics.jsonl")
 

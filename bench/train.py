@@ -600,8 +600,8 @@ def worker(args: argparse.Namespace) -> None:
             "cpu_ms_per_step": round(sorted(cpu[via])[len(cpu[via]) // 2] * 1e3, 2),
             **({"cpu_ms_per_step_rounds": [round(c * 1e3, 1) for c in cpu[via]]}
                if via is not None else {}),
-            "samples_per_cpu_s": round(config.schedule.batch_size / sorted(cpu[via])[len(cpu[via]) // 2],
-                                       1),
+            "samples_per_cpu_s": round(
+                config.schedule.batch_size / sorted(cpu[via])[len(cpu[via]) // 2], 1),
             "phase_ms": phase_ms,
             "phased_step_ms": round(sum(phase_ms.values()), 2),
             "phases_measured": PHASES_MEASURED,

@@ -194,8 +194,8 @@ class Resumed:
 
 def restore(checkpointer: Checkpointer, state: TrainState, data: DataPosition,
             resume: bool, previous: str | None) -> Resumed:
-    """``--resume`` (``resume``): the newest intact checkpoint into the model, the optimizer, ``state`` and
-    the data position. On other data (``previous``: the data before) its epochs start from
+    """``--resume`` (``resume``): the newest intact checkpoint into the model, the optimizer,
+    ``state`` and the data position. On other data (``previous``: the data before) its epochs start from
     the beginning, with the step (the learning-rate schedule) as it was; the best AUC and
     early stopping start over (its validation split is another yardstick)."""
     path = checkpointer.restore() if resume else None

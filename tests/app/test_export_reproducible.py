@@ -32,8 +32,8 @@ def test_one_checkpoint_exports_to_the_same_bytes_cold_or_warm_under_any_name(
     generate(tmp_path / "data", rows=1000, num_dense=2, cardinalities=[30, 20],
              pooling_factors=[1.0, 2.0], rows_per_shard=1000, row_group_size=256)
     run = tmp_path / "run"
-    train(TrainConfig.from_flags(data=str(tmp_path / "data"), out=str(run), model=TINY, batch_size=64,
-                                 max_steps=2), progress=False)
+    train(TrainConfig.from_flags(data=str(tmp_path / "data"), out=str(run), model=TINY,
+                                 batch_size=64, max_steps=2), progress=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: cold
     threads = torch.get_num_threads()
     try:

@@ -263,7 +263,8 @@ def test_follow_is_fixed_on_resume_and_other_data_refused(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="--follow True conflicts with the run's saved config"):
         resume.resume_config(saved, {"follow": True}, where="o/config.json")
     with pytest.raises(ValueError, match="follows the days of d; resume it without --data"):
-        follow.refuse_other_data(TrainConfig.from_flags(data="e", out="o", follow=True), previous="d")
+        follow.refuse_other_data(TrainConfig.from_flags(data="e", out="o", follow=True),
+                                 previous="d")
 
 
 def test_a_dataset_without_days_is_refused(tmp_path: Path) -> None:

@@ -499,8 +499,8 @@ def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
                       row_group_size=128)
     model_config = ModelConfig(embedding_dim=4, dense_arch_layer_sizes=(8, 4),
                                over_arch_layer_sizes=(8, 1))
-    train(TrainConfig.from_flags(data=str(tmp_path / "data"), out=str(tmp_path / "run"), model=model_config,
-                                 batch_size=128, max_steps=4), progress=False)
+    train(TrainConfig.from_flags(data=str(tmp_path / "data"), out=str(tmp_path / "run"),
+                                 model=model_config, batch_size=128, max_steps=4), progress=False)
     export.export_model(tmp_path / "run", tmp_path / "model.pt2", "int8")
     export.export_model(tmp_path / "run", tmp_path / "model.pt", "int8", fmt="torchscript")
     scripted, _ = load_artifact(tmp_path / "model.pt")

@@ -176,7 +176,7 @@ def _run(data: Path, out: Path, **kw: object) -> TrainConfig:
     base = dict(data=str(data), out=str(out), model=SMALL, batch_size=128, validate_every=0,
                 patience=0, epochs=1, embedding_learning_rate=0.1, learning_rate=0.05)
     base.update(kw)
-    return TrainConfig.from_flags(**base)  # type: ignore[arg-type]
+    return TrainConfig.from_flags(**base)
 
 
 def _rows_of(run: Path, data: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
