@@ -287,7 +287,11 @@ def train_summary(summary: dict, out: str) -> str:
     ]
     if summary.get("report"):
         lines.append(f"report: {summary['report']}")
-    lines.append(f"next: dlrm-app evaluate {out}   (the kept checkpoint on the test split)")
+    if summary.get("follow"):
+        lines.append("next: a new day (dlrm-app preprocess criteo NEW_DAY --add-day --out DATA), "
+                     "then this same command: the new day only")
+    else:
+        lines.append(f"next: dlrm-app evaluate {out}   (the kept checkpoint on the test split)")
     return "\n".join(lines)
 
 
@@ -332,6 +336,8 @@ def _cmd_evaluate(args: EvaluateConfig) -> int:
                                  data=args.data, batch_size=args.batch_size)
     if world()[0] == 0:
         print(evaluate_summary(result), file=sys.stderr)  # for a person; stdout keeps JSON
+        if result.get("note"):
+            print(f"note: {result['note']}", file=sys.stderr)
         print(jsonline.dumps(result))
     shutdown_distributed()
     return 0

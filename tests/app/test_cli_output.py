@@ -135,3 +135,17 @@ def test_two_rank_checkpoints_print_no_sharded_tensor_notice(tmp_path: Path) -> 
                     "dlrm_app.training.checkpoint's filter can go")
     for seen in ranks:
         assert not [m for m in seen["ours"] if "ShardedTensor" in m], seen["ours"]
+
+
+def test_a_follow_run_ends_with_its_days_and_points_to_the_next_day_not_evaluate() -> None:
+    """A --follow run trained on every split's rows: its summary shows the progressive AUCs and
+    tells what to do next (add a day), not `evaluate` on a split it trained on."""
+    from dlrm_app.cli import train_summary
+
+    days = [{"day": 0, "progressive_auc": None}, {"day": 1, "progressive_auc": 0.71399},
+            {"day": 2, "progressive_auc": 0.74069}]
+    text = train_summary({"follow": True, "days": days, "days_done": 3, "trained_steps": 93,
+                          "steps": 93, "mean_progressive_auc": 0.72734, "stopped": "every day done",
+                          "checkpoint": "runs/days/checkpoints/step_00000093"}, "runs/days")
+    assert "days done: 3; progressive AUC day 1 0.7140, day 2 0.7407; mean 0.7273" in text
+    assert "dlrm-app evaluate" not in text and "--add-day" in text.splitlines()[-1]
