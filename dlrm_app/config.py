@@ -231,7 +231,7 @@ class ScheduleConfig:
     rate's warm-up and decay."""
 
     epochs: int | None = None
-    """Passes over the train split; None: 1 on Criteo logs (time order), else 3."""
+    """Passes; None: 1 on Criteo, else 3."""
     max_steps: int | None = None
     """Cap on steps in all (None: no cap)."""
     batch_size: int | None = None
