@@ -89,7 +89,12 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
     rank, world_size = world()
     loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
                            world_size=world_size, drop_last=False, pad_last=True)
-    batches = OutOfVocabulary(loader, [f.num_embeddings for f in spec.sparse_features])
+    rows = [f.num_embeddings for f in spec.sparse_features]
+    grown = rows != [f.num_embeddings
+                     for f in DatasetSpec.load(data or config.data).sparse_features]
+    # only a model whose tables are smaller than its dataset's (a --follow run after an added
+    # day) needs ids past them read as row 0; other runs skip the per-batch check
+    batches = OutOfVocabulary(loader, rows) if grown else loader
     name = split if data is None else f"{split}_{Path(data).resolve().name}"
     # in the precision the run trained and validated in (--amp), so that the best
     # checkpoint's validation AUC here is the one training recorded

@@ -21,6 +21,7 @@ a checkpoint loads the optimizer state after the model.)
 
 from __future__ import annotations
 
+import abc
 import logging
 import math
 from collections.abc import Mapping
@@ -284,10 +285,10 @@ class BaseManagedCollisionEmbeddingCollectionSharder(BaseEmbeddingSharder[M]):
         return self._e_sharder.fused_params
 
     @property
+    @abc.abstractmethod
     def sharded_module_type(self) -> type[nn.Module]:
         """The sharded class this sharder builds (its constructor takes the module, its plan,
         the embedding and collision sharders, env and device)."""
-        raise NotImplementedError(f"{type(self).__name__} names no sharded_module_type")
 
     def sharded_module(
         self, module: M, params: Mapping[str, ParameterSharding], env: ShardingEnv,

@@ -40,6 +40,7 @@ every rank even when it sends nothing, so backward's reverse all-to-all stays in
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -155,7 +156,7 @@ def return_rows(
     return blocks
 
 
-class SequenceStrategyBase(StrategyBase):
+class SequenceStrategyBase(StrategyBase, abc.ABC):
     """What every sequence strategy does alike: its slots (:func:`sequence_slots`) and their
     kernels, the input features each rank's slots read (``_slot_features``), one row per id as
     the lookup, and the output dist: the rows go back (:func:`return_rows`) and
@@ -179,10 +180,10 @@ class SequenceStrategyBase(StrategyBase):
         blocks = return_rows(rows, batch, self._slots, self._env, self._codecs)
         return FunctionAwaitable(lambda: self._assemble(blocks(), batch))
 
+    @abc.abstractmethod
     def _assemble(self, blocks: list[list[torch.Tensor]], batch: SequenceBatch) -> list[torch.Tensor]:
         """Per output feature, its rows in input order, from ``blocks[o][j]`` (see
         :func:`return_rows`)."""
-        raise NotImplementedError
 
     @staticmethod
     def _batch(
