@@ -149,8 +149,8 @@ def new_process_export(run: Path, out: Path, cache: Path, threads: int, *, empty
 # ---- the models ------------------------------------------------------------------------------
 def train_main_job(root: Path, steps: int) -> Path:
     """The README's main job: preprocess the Kaggle sample and train with the default flags."""
-    from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
+    from dlrm_app.training.config import TrainConfig
     from dlrm_app.training.trainer import train
 
     if not KAGGLE.is_file():
@@ -165,8 +165,8 @@ def train_main_job(root: Path, steps: int) -> Path:
 
 def train_demo(root: Path, steps: int, rows: int) -> Path:
     """``dlrm-app demo``'s dataset and training flags (run_demo's), stopped after ``steps``."""
-    from dlrm_app.config import TrainConfig
     from dlrm_app.demo import demo_data
+    from dlrm_app.training.config import TrainConfig
     from dlrm_app.training.trainer import train
 
     demo_data(root / "data", rows, progress=False)

@@ -24,11 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.demo import DEMO_CARDINALITY
 from dlrm_app.reporting.report import LEARNING_CURVE, write_report
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import evaluate_checkpoint
 from dlrm_app.training.trainer import train
 

@@ -29,10 +29,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import dlrm_app.model as model_module
-    from dlrm_app.config import ModelConfig, TrainConfig
+    from dlrm_app.config import ModelConfig
     from dlrm_app.data.loader import ParquetLoader
     from dlrm_app.data.schema import DatasetSpec
     from dlrm_app.training.build import build_model, build_optimizer
+    from dlrm_app.training.config import TrainConfig
     from dlrm_app.training.pipeline import device_batches
     from dlrm_app.training.runtime import autocast, init_distributed
 

@@ -84,7 +84,7 @@ def http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
 
 
 def train_more(data: Path, run: Path, steps: int, first: bool) -> None:
-    from dlrm_app.config import TrainConfig
+    from dlrm_app.training.config import TrainConfig
     from dlrm_app.training.trainer import train
 
     train(TrainConfig.from_flags(data=str(data), out=str(run), max_steps=steps, resume=not first),

@@ -78,10 +78,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dlrm_app.config import DEMO_ROWS, flatten
+from dlrm_app.config import DEMO_ROWS
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.demo import demo_data
+from dlrm_app.training.config import flatten
 from recsys_core.metrics import BinaryClassificationMetrics
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

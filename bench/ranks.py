@@ -38,9 +38,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
+from dlrm_app.training.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from threads import DATASETS, cpu_name, interleaved_runs, prepare, rate_after_warmup  # noqa: E402

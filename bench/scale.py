@@ -254,11 +254,11 @@ def train_case(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from dlrm_app.config import TrainConfig
     from dlrm_app.data.loader import Batch
     from dlrm_app.data.schema import SPLIT_NAMES, DatasetKind, DatasetSpec, SparseFeature, SplitSpec
     from dlrm_app.model import ModelConfig
     from dlrm_app.training.build import build_model, build_optimizer, plan_summary
+    from dlrm_app.training.config import TrainConfig
     from dlrm_app.training.pipeline import device_batches
     from dlrm_app.training.runtime import amp_enabled, autocast
     from recsys_core import KeyedJaggedTensor

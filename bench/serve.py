@@ -141,10 +141,10 @@ def log(message: str) -> None:
 def export_dlrms(args: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], Any]:
     """Train a small DLRM on random Criteo rows and export it per format and dtype:
     {(format, dtype): file, or the eager programs for "eager"}."""
-    from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
     from dlrm_app.model import ModelConfig
     from dlrm_app.serving.export import export_model
+    from dlrm_app.training.config import TrainConfig
     from dlrm_app.training.trainer import train
 
     rng = np.random.default_rng(args.seed)

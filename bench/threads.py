@@ -42,10 +42,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.movielens import preprocess_movielens
 from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.trainer import train
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

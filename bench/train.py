@@ -98,7 +98,6 @@ from criteo_sizes import CRITEO_1TB_ROWS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrm_app.config import CommPrecision, TrainConfig
 from dlrm_app.data.loader import Batch, ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
@@ -117,6 +116,7 @@ from dlrm_app.training.build import (
     set_learning_rates,
     world_hosts,
 )
+from dlrm_app.training.config import CommPrecision, TrainConfig
 from dlrm_app.training.pipeline import device_batches
 from dlrm_app.training.runtime import autocast, init_distributed
 from recsys_core.distributed import DistributedModelParallel, shm_comm

@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dlrm_app.config import TrainConfig  # noqa: E402
 from dlrm_app.data.schema import DatasetSpec, sha256_file  # noqa: E402
+from dlrm_app.training.config import TrainConfig  # noqa: E402
 from dlrm_app.training.evaluate import evaluate_checkpoint  # noqa: E402
 from dlrm_app.training.trainer import train  # noqa: E402
 

@@ -34,8 +34,6 @@ from dlrm_app.config import (
     MovieLensConfig,
     ReportConfig,
     ServeCommand,
-    TrainCommand,
-    TrainConfig,
 )
 from dlrm_app.flags import (
     HelpFormatter,
@@ -45,6 +43,7 @@ from dlrm_app.flags import (
     short_usage,
 )
 from dlrm_app.training import resume
+from dlrm_app.training.config import TrainCommand, TrainConfig
 
 if TYPE_CHECKING:
     import torch

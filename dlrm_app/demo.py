@@ -20,11 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dlrm_app.config import DEMO_ROWS, TrainConfig
+from dlrm_app.config import DEMO_ROWS
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.reporting.report import human_summary
 from dlrm_app.serving.export import export_model, stage_printer
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import evaluate_checkpoint
 from dlrm_app.training.trainer import train
 

@@ -57,16 +57,24 @@ def _mlp(in_features: int, sizes: tuple[int, ...], device: torch.device | str | 
     return nn.Sequential(*layers)
 
 
-class DenseArch(nn.Module):
-    """Bottom MLP: ``[B, N] -> [B, D]``, ReLU after every layer."""
+class _MLPArch(nn.Module):
+    """An MLP held as ``self.model`` (the state-dict keys the checkpoints use)."""
+
+    last_activation: bool
 
     def __init__(self, in_features: int, layer_sizes: tuple[int, ...],
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.model = _mlp(in_features, layer_sizes, device, last_activation=True)
+        self.model = _mlp(in_features, layer_sizes, device, self.last_activation)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.model(features)
+
+
+class DenseArch(_MLPArch):
+    """Bottom MLP: ``[B, N] -> [B, D]``, ReLU after every layer."""
+
+    last_activation = True
 
 
 class SparseArch(nn.Module):
@@ -205,16 +213,10 @@ class InteractionDCNArch(nn.Module):
         return self.crossnet(combined)
 
 
-class OverArch(nn.Module):
+class OverArch(_MLPArch):
     """Top MLP: ReLU after every layer but the last, which gives one logit per row."""
 
-    def __init__(self, in_features: int, layer_sizes: tuple[int, ...],
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.model = _mlp(in_features, layer_sizes, device, last_activation=False)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.model(features)
+    last_activation = False
 
 
 WIDE_PREFIX = "w_"

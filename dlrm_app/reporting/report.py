@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrm_app.config import TrainConfig, flatten
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.inputs import check_run_to_report
 from dlrm_app.reporting.curves import calibration_curve, roc_curve
@@ -43,6 +42,7 @@ from dlrm_app.reporting.values import as_float as _float
 from dlrm_app.reporting.values import column as _column
 from dlrm_app.reporting.values import fmt as _fmt
 from dlrm_app.reporting.values import number as _number
+from dlrm_app.training.config import TrainConfig, flatten
 
 ROC_POINTS = 201
 """Most ROC points stored per evaluation (vertices of the exact curve, spread along it)."""

@@ -42,7 +42,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo.vocabulary import GROWN_VOCABULARY, vocabulary_for_tables
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.id_map import FrozenIdMap, freeze_raw_ids
@@ -79,6 +78,7 @@ from dlrm_app.training.checkpoint import (
     resolve_run,
     verify_checkpoint,
 )
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.tables import run_model_spec
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 from recsys_core.inference import QuantEmbeddingBagCollection, quantize_inference_model

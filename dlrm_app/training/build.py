@@ -15,17 +15,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlrm_app.config import (
+from dlrm_app.config import ModelConfig
+from dlrm_app.data.schema import DatasetSpec
+from dlrm_app.model import Interaction, WideBagCollection, build_dlrm, table_initializer
+from dlrm_app.training.config import (
     CommPrecision,
     DenseOptimizer,
     EmbeddingOptimizer,
-    ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     TrainConfig,
 )
-from dlrm_app.data.schema import DatasetSpec
-from dlrm_app.model import Interaction, WideBagCollection, build_dlrm, table_initializer
 from dlrm_app.training.resources import (
     planning_error_for_user,
     table_memory_bytes,

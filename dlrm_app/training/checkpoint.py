@@ -42,9 +42,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.schema import sha256_file
 from dlrm_app.inputs import check_run
+from dlrm_app.training.config import TrainConfig
 from recsys_core.distributed import checkpoint as dcp_checkpoint
 
 LATEST = "latest"

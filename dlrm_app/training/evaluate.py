@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.reporting.report import save_evaluation, write_report
 from dlrm_app.training.build import build_model
 from dlrm_app.training.checkpoint import load_checkpoint, resolve_run
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.runtime import amp_enabled, autocast, init_distributed, world
 from dlrm_app.training.tables import OutOfVocabulary, run_model_spec
 from recsys_core.metrics import BinaryClassificationMetrics

@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.days import Day, read_days
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.reporting.report import write_report
 from dlrm_app.training.checkpoint import latest_checkpoint
 from dlrm_app.training.components import PreemptionGuard
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import evaluate_model
 from dlrm_app.training.pipeline import device_batches
 from dlrm_app.training.tables import TABLES, OutOfVocabulary, recorded_tables, with_tables

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dlrm_app.config import EmbeddingOptimizer
+from dlrm_app.training.config import EmbeddingOptimizer
 
 if TYPE_CHECKING:
     import torch

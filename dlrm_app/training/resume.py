@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlrm_app.config import TrainConfig, flatten, nest
+from dlrm_app.training.config import TrainConfig, flatten, nest
 
 if TYPE_CHECKING:
     from dlrm_app.data.schema import DatasetSpec

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dlrm_app.config import TrainConfig
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.resume import CONFIG, continued, trained
 
 RUN_FILES = (CONFIG, "plan.json", "metrics.jsonl", "report.md", "tables.json")

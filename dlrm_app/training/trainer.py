@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetKind, DatasetSpec
 from dlrm_app.reporting.report import write_report
@@ -65,6 +64,7 @@ from dlrm_app.training.components import (
     Validator,
     checkpoint_step,
 )
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.pipeline import device_batches
 from dlrm_app.training.run_dir import prepare_run_dir
 from dlrm_app.training.runtime import (

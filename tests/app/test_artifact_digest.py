@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from dlrm_app.cli import main
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.model import ModelConfig
 from dlrm_app.serving.artifact import (
@@ -33,6 +32,7 @@ from dlrm_app.serving.artifact import (
 )
 from dlrm_app.serving.export import export_model
 from dlrm_app.serving.server import PredictionServer, ServeConfig
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.trainer import train
 
 pytestmark = [

@@ -15,7 +15,6 @@ import pytest
 import torch
 from app_setup import SMALL_MODEL
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.serving.export import load_unsharded
 from dlrm_app.training.checkpoint import (
@@ -25,6 +24,7 @@ from dlrm_app.training.checkpoint import (
     resolve_run,
     verify_checkpoint,
 )
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import evaluate_checkpoint
 from dlrm_app.training.trainer import train
 from recsys_core.distributed import checkpoint as dcp_checkpoint

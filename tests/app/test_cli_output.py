@@ -103,9 +103,10 @@ def test_export_prints_a_line_per_stage(dataset: Path, tmp_path: Path,
 def _checkpoint_warnings(rank: int, world_size: int, data: str, root: str) -> dict[str, list[str]]:
     """On each rank: the warnings our checkpoint save and load raise, and those the library's
     own DCP load raises on the same files (the control: it does warn)."""
-    from dlrm_app.config import ModelConfig, TrainConfig
+    from dlrm_app.config import ModelConfig
     from dlrm_app.data.schema import DatasetSpec
     from dlrm_app.training.build import build_model
+    from dlrm_app.training.config import TrainConfig
     from recsys_core.distributed import checkpoint as dcp_checkpoint
 
     config = TrainConfig.from_flags(data=data, out=root, batch_size=64, model=ModelConfig(

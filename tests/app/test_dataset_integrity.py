@@ -11,12 +11,12 @@ import pytest
 from app_setup import SMALL_MODEL
 from shared_data import KAGGLE_10K
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data import integrity
 from dlrm_app.data.integrity import STAMPS, DatasetIntegrityError
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.trainer import train
 
 

@@ -18,12 +18,12 @@ import torch
 from app_setup import SMALL_MODEL, four_feature_data
 from shared_data import CRITEO
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.synthetic import binary_auc
 from dlrm_app.serving.artifact import load_artifact
 from dlrm_app.serving.export import export_model
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import load_trained_model
 from dlrm_app.training.trainer import train
 

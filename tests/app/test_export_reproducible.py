@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.synthetic import generate
 from dlrm_app.model import ModelConfig
 from dlrm_app.serving.artifact import load_artifact
 from dlrm_app.serving.export import export_model
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import load_trained_model
 from dlrm_app.training.trainer import train
 

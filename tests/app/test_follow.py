@@ -18,7 +18,7 @@ import pytest
 import torch
 from app_setup import two_feature_data
 
-from dlrm_app.config import ModelConfig, TrainConfig
+from dlrm_app.config import ModelConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.schema import DatasetSpec
@@ -27,6 +27,7 @@ from dlrm_app.serving import export as exporting
 from dlrm_app.serving.artifact import MANIFEST_FILE, read_manifest
 from dlrm_app.training import follow, resume
 from dlrm_app.training.components import Preempted
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import evaluate_checkpoint, evaluate_model, load_trained_model
 from dlrm_app.training.runtime import init_distributed
 from dlrm_app.training.tables import OutOfVocabulary

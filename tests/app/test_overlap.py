@@ -19,10 +19,11 @@ def _train(rank: int, world_size: int, data: str, out: str, overlap: bool) -> li
     import torch.nn.functional as F
 
     import dlrm_app.model as model_module
-    from dlrm_app.config import ModelConfig, TrainConfig
+    from dlrm_app.config import ModelConfig
     from dlrm_app.data.loader import ParquetLoader
     from dlrm_app.data.schema import DatasetSpec
     from dlrm_app.training.build import build_model, build_optimizer
+    from dlrm_app.training.config import TrainConfig
 
     model_module.DLRM.overlap_exchange = overlap
     config = TrainConfig.from_flags(data=data, out=out, batch_size=32, amp=False,

@@ -133,7 +133,7 @@ def test_ranks_agree_when_a_duration_has_passed_since_the_last_save() -> None:
 @pytest.mark.parametrize(("given", "expected"), [
     (0, 0), (500, 500), ("500", 500), ("10m", "10m"), (" 30s ", "30s"), ("1.5h", "1.5h")])
 def test_save_every_takes_steps_or_a_duration(given, expected) -> None:
-    from dlrm_app.config import TrainConfig, duration_seconds
+    from dlrm_app.training.config import TrainConfig, duration_seconds
 
     config = TrainConfig.from_flags(data="d", out="o", save_every=given)
     assert config.checkpoint.save_every == expected
@@ -145,7 +145,7 @@ def test_save_every_takes_steps_or_a_duration(given, expected) -> None:
 
 @pytest.mark.parametrize("bad", [-1, "10", "10q", "m", "-5m", "0s", True, 1.5])
 def test_save_every_refuses_what_is_neither(bad) -> None:
-    from dlrm_app.config import TrainConfig
+    from dlrm_app.training.config import TrainConfig
 
     if bad == "10":  # digits alone are a step count
         assert TrainConfig.from_flags(data="d", out="o", save_every=bad).checkpoint.save_every == 10

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dlrm_app.config import EmbeddingOptimizer
+from dlrm_app.training.config import EmbeddingOptimizer
 from dlrm_app.training.resources import table_memory_bytes
 
 

@@ -24,13 +24,14 @@ import pytest
 import torch
 from test_serve import _health_when, _probing, _serve, _which, artifact, get, post  # noqa: F401 (fixture)
 
-from dlrm_app.config import ServeConfig, TrainConfig
+from dlrm_app.config import ServeConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.model import ModelConfig
 from dlrm_app.serving import export
 from dlrm_app.serving.artifact import digest_path, load_artifact, write_digest
 from dlrm_app.serving.server import PredictionServer
 from dlrm_app.serving.weights import read_weights, weights_path, write_weights
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.trainer import train
 
 pytestmark = [

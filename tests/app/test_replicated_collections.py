@@ -9,13 +9,13 @@ import dataclasses
 import torch
 from test_resources import SHARDERS, dlrm_spec
 
-from dlrm_app.config import EmbeddingOptimizer
 from dlrm_app.model import ModelConfig, build_dlrm
 from dlrm_app.training.build import (
     REPLICATE_COLLECTION_BYTES,
     collection_bytes,
     replicated_collections,
 )
+from dlrm_app.training.config import EmbeddingOptimizer
 from recsys_core.distributed import ShardingEnv
 from recsys_core.planner import plan_for_env
 

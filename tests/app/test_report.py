@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from dlrm_app.cli import build_parser, parsed_config
-from dlrm_app.config import TrainConfig
 from dlrm_app.data.synthetic import generate
 from dlrm_app.model import ModelConfig
 from dlrm_app.reporting.curves import calibration_curve, roc_curve
@@ -29,6 +28,7 @@ from dlrm_app.reporting.report import (
     write_report,
     write_tensorboard,
 )
+from dlrm_app.training.config import TrainConfig
 from recsys_core.metrics import BinaryClassificationMetrics
 from recsys_core.testing import run_gloo
 

@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from dlrm_app.config import EmbeddingOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetKind, DatasetSpec, SparseFeature, SplitSpec
 from dlrm_app.model import ModelConfig, build_dlrm
 from dlrm_app.training.build import WideSharder
+from dlrm_app.training.config import EmbeddingOptimizer, TrainConfig
 from dlrm_app.training.resources import (
     planning_error_for_user,
     table_memory_bytes,

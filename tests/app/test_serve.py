@@ -485,10 +485,10 @@ def test_health_and_metrics_count_what_was_sent(artifact: Path) -> None:
 # ---- a real exported DLRM ------------------------------------------------------------------
 @pytest.mark.slow
 def test_serves_an_exported_dlrm(tmp_path: Path) -> None:
-    from dlrm_app.config import TrainConfig
     from dlrm_app.data.criteo import preprocess_criteo
     from dlrm_app.model import ModelConfig
     from dlrm_app.serving import export
+    from dlrm_app.training.config import TrainConfig
     from dlrm_app.training.trainer import train
 
     rng = np.random.default_rng(0)

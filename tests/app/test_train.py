@@ -10,11 +10,17 @@ import pytest
 import torch
 from app_setup import SMALL_MODEL, four_feature_data
 
-from dlrm_app.config import MIN_LR_SCALE, EmbeddingOptimizer, TrainConfig, flatten, lr_scale
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.data.synthetic import generate
 from dlrm_app.training import checkpoint as app_checkpoint
 from dlrm_app.training.checkpoint import latest_checkpoint
+from dlrm_app.training.config import (
+    MIN_LR_SCALE,
+    EmbeddingOptimizer,
+    TrainConfig,
+    flatten,
+    lr_scale,
+)
 from dlrm_app.training.evaluate import evaluate_checkpoint
 from dlrm_app.training.trainer import train
 
@@ -294,9 +300,9 @@ def test_amp_default_is_on_where_the_device_has_bf16(monkeypatch: pytest.MonkeyP
 
 def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from dlrm_app.config import CommPrecision, TrainConfig
     from dlrm_app.model import Interaction, ModelConfig
     from dlrm_app.training import build, runtime
+    from dlrm_app.training.config import CommPrecision, TrainConfig
 
     monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
     cpu = torch.device("cpu")
@@ -330,8 +336,8 @@ def test_comm_precision_auto_is_bf16_only_where_it_changes_no_value_across_hosts
                                           ("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD")])
 def test_embedding_optimizer_flag_reaches_the_kernel_typed(flag: str, kernel: str,
                                                            tmp_path: Path) -> None:
-    from dlrm_app.config import EmbeddingOptimizer, TrainConfig
     from dlrm_app.training.build import fused_optimizer
+    from dlrm_app.training.config import EmbeddingOptimizer, TrainConfig
     from recsys_core.kernels.config import EmbOptimType, FusedOptimizerConfig
 
     config = TrainConfig.from_flags(data=str(tmp_path), out=str(tmp_path / "run"),
@@ -429,8 +435,8 @@ def test_each_model_is_planned_for_the_batch_it_runs(data: Path, tmp_path: Path,
 
 
 def test_the_checkpointer_saves_and_restores_the_parts_it_is_given(tmp_path: Path) -> None:
-    from dlrm_app.config import CheckpointConfig
     from dlrm_app.training.components import Checkpointer, TrainState
+    from dlrm_app.training.config import CheckpointConfig
 
     model = torch.nn.Linear(2, 1)
 

@@ -11,22 +11,21 @@ from pathlib import Path
 import pytest
 
 from dlrm_app.cli import build_parser, config_from_args
-from dlrm_app.config import (
+from dlrm_app.config import Interaction, ModelConfig
+from dlrm_app.data.synthetic import generate
+from dlrm_app.training.config import (
     CheckpointConfig,
     CommPrecision,
     DaysConfig,
     DenseOptimizer,
     EmbeddingOptimizer,
-    Interaction,
     LogConfig,
-    ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     ScheduleConfig,
     TrainConfig,
     ValidationConfig,
 )
-from dlrm_app.data.synthetic import generate
 from dlrm_app.training.trainer import train
 
 FLAT_CONFIG_JSON = """\

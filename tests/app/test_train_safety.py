@@ -13,9 +13,9 @@ import pytest
 from app_setup import SMALL_MODEL, four_feature_data
 
 from dlrm_app.cli import build_parser, config_from_args
-from dlrm_app.config import DenseOptimizer, TrainConfig
 from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.training.checkpoint import best_checkpoint, latest_checkpoint, resolve_run
+from dlrm_app.training.config import DenseOptimizer, TrainConfig
 from dlrm_app.training.evaluate import evaluate_checkpoint
 from dlrm_app.training.trainer import TrainingDiverged, train
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dlrm_app.config import ModelConfig, TrainConfig
+from dlrm_app.config import ModelConfig
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.data.movielens import preprocess_movielens
@@ -20,6 +20,7 @@ from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.id_map import freeze_raw_ids
 from dlrm_app.model import build_dlrm, raw_id_space, scramble_ids, zch_table_rows
 from dlrm_app.serving.export import export_model, load_unsharded
+from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.trainer import train
 from recsys_core.sparse import KeyedJaggedTensor
 from tests.shared_data import KAGGLE_10K, ML100K

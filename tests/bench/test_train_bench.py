@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import train as bench  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
-from dlrm_app.config import TrainConfig  # noqa: E402
 from dlrm_app.data.schema import DatasetSpec  # noqa: E402
 from dlrm_app.data.synthetic import generate  # noqa: E402
+from dlrm_app.training.config import TrainConfig  # noqa: E402
 from recsys_core.testing import run_gloo  # noqa: E402
 
 # every test here reads torchrun runs of the benchmark (minutes on a 2-core machine)

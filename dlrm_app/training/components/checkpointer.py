@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from dlrm_app.config import CheckpointConfig, duration_seconds
 from dlrm_app.training.checkpoint import (
     BackgroundSaver,
     best_checkpoint,
@@ -20,6 +19,7 @@ from dlrm_app.training.checkpoint import (
     save_checkpoint,
 )
 from dlrm_app.training.components.state import Stateful, TrainState
+from dlrm_app.training.config import CheckpointConfig, duration_seconds
 
 
 class Checkpointer:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dlrm_app.config import LogConfig, OptimizerConfig
 from dlrm_app.training.components.state import TrainingDiverged, TrainState, diverged
+from dlrm_app.training.config import LogConfig, OptimizerConfig
 from dlrm_app.training.runtime import global_mean
 
 PHASES = ("data", "forward", "backward", "optimizer")

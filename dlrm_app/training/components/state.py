@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dlrm_app.config import OptimizerConfig
 from dlrm_app.data.loader import ParquetLoader
+from dlrm_app.training.config import OptimizerConfig
 
 
 class Stateful(Protocol):

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from dlrm_app.config import ValidationConfig
 from dlrm_app.data.loader import ParquetLoader
 from dlrm_app.training.components.metrics_logger import MetricsLogger
 from dlrm_app.training.components.state import TrainState
+from dlrm_app.training.config import ValidationConfig
 from dlrm_app.training.evaluate import evaluate_model
 
 
