@@ -157,8 +157,8 @@ def serving_form(model: DLRM, spec: DatasetSpec) -> None:
 def load_unsharded(run: Path, checkpoint: str | Path | None = None) -> tuple[DLRM, TrainConfig,
                                                                         DatasetSpec, Path]:
     """The run's DLRM on CPU, unsharded, with the checkpoint's weights (single process), and
-    its dataset's spec with the model's table sizes (a ``--follow`` run's are those of its
-    start, ``dlrm_app.training.tables``)."""
+    its dataset's spec with the model's table sizes (those of the run's start,
+    ``dlrm_app.training.tables``)."""
     config, path = resolve_run(run, checkpoint)
     spec = run_model_spec(DatasetSpec.load(config.data), Path(run))
     model = build_dlrm(spec, config.model, device="cpu")
@@ -185,7 +185,7 @@ class Preprocessing:
 
 def dataset_preprocessing(spec: DatasetSpec, data_dir: Path) -> Preprocessing:
     """The preprocessing of ``spec``'s dataset (in ``data_dir``) for a model whose tables have
-    ``spec``'s sizes (a ``--follow`` run's may be smaller than its grown dataset's: ids whose
+    ``spec``'s sizes (a run's may be smaller than its grown dataset's: ids whose
     vocabulary row lies past them read row 0, as they did in training)."""
     sizes = [f.num_embeddings for f in spec.sparse_features]
     one_hot = not any(f.multi_hot for f in spec.sparse_features)

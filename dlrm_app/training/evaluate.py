@@ -21,7 +21,7 @@ from dlrm_app.training.build import build_model
 from dlrm_app.training.checkpoint import load_checkpoint, resolve_run
 from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.runtime import amp_enabled, autocast, init_distributed, world
-from dlrm_app.training.tables import OutOfVocabulary, run_model_spec
+from dlrm_app.training.tables import OutOfVocabulary, run_model_spec, smaller_tables
 from recsys_core.metrics import BinaryClassificationMetrics
 
 
@@ -89,12 +89,10 @@ def evaluate_checkpoint(run: str | Path, *, split: str = "test",
     rank, world_size = world()
     loader = ParquetLoader(data or config.data, split, batch_size=batch_size, rank=rank,
                            world_size=world_size, drop_last=False, pad_last=True)
-    rows = [f.num_embeddings for f in spec.sparse_features]
-    grown = rows != [f.num_embeddings
-                     for f in DatasetSpec.load(data or config.data).sparse_features]
-    # only a model whose tables are smaller than its dataset's (a --follow run after an added
-    # day) needs ids past them read as row 0; other runs skip the per-batch check
-    batches = OutOfVocabulary(loader, rows) if grown else loader
+    # only a model whose tables are smaller than its dataset's (a day added since the run
+    # started) needs ids past them read as row 0; other runs skip the per-batch check
+    rows = smaller_tables(spec, DatasetSpec.load(data or config.data))
+    batches = loader if rows is None else OutOfVocabulary(loader, rows)
     name = split if data is None else f"{split}_{Path(data).resolve().name}"
     # in the precision the run trained and validated in (--amp), so that the best
     # checkpoint's validation AUC here is the one training recorded

@@ -47,14 +47,13 @@ import torch.distributed as dist
 
 from dlrm_app.data.days import Day, read_days
 from dlrm_app.data.loader import ParquetLoader
-from dlrm_app.data.schema import DatasetSpec
 from dlrm_app.reporting.report import write_report
 from dlrm_app.training.checkpoint import latest_checkpoint
 from dlrm_app.training.components import PreemptionGuard
 from dlrm_app.training.config import TrainConfig
 from dlrm_app.training.evaluate import evaluate_model
 from dlrm_app.training.pipeline import device_batches
-from dlrm_app.training.tables import TABLES, OutOfVocabulary, recorded_tables, with_tables
+from dlrm_app.training.tables import OutOfVocabulary
 
 if TYPE_CHECKING:
     from dlrm_app.training.trainer import Trainer
@@ -62,25 +61,6 @@ if TYPE_CHECKING:
 DAY_EVENT = "day"
 TICK_S = 1.0
 """The longest a wait for a new day takes to notice SIGTERM or Ctrl-C."""
-
-
-def model_tables(spec: DatasetSpec, out: Path, rank: int) -> DatasetSpec:
-    """``spec`` with the table sizes of the model of the run in ``out``: those recorded when
-    it started (``tables.json``), or, at its start, the dataset's now (then recorded)."""
-    path = out / TABLES
-    sizes = recorded_tables(out)
-    if sizes is None:
-        sizes = {f.name: f.num_embeddings for f in spec.sparse_features}
-    if dist.is_initialized():  # every rank builds rank 0's shapes
-        shared = [sizes]
-        dist.broadcast_object_list(shared, src=0)
-        sizes = shared[0]
-    spec = with_tables(spec, sizes, path)
-    if rank == 0 and not path.is_file():
-        tmp = path.with_name(TABLES + ".tmp")
-        tmp.write_text(json.dumps({"num_embeddings": sizes}, indent=2) + "\n")
-        tmp.replace(path)
-    return spec
 
 
 def refuse_other_data(config: TrainConfig, previous: str | None) -> None:

@@ -76,6 +76,7 @@ from dlrm_app.training.runtime import (
     peak_memory_mb,
     world,
 )
+from dlrm_app.training.tables import OutOfVocabulary, model_tables, smaller_tables
 
 __all__ = ["Preempted", "Trainer", "TrainingDiverged", "train"]
 
@@ -134,14 +135,14 @@ class Trainer:
         self.out = out = Path(config.out)
         follow = config.days.follow
         if follow:  # no validation split: each day's progressive evaluation is the yardstick
-            from dlrm_app.training.follow import model_tables, refuse_other_data
+            from dlrm_app.training.follow import refuse_other_data
 
             refuse_other_data(config, previous_data)
-            self.model_spec = model_tables(spec, out, self.rank)
-        else:
-            self.model_spec = spec
-        """The dataset as the model reads it (``--follow``: its table sizes when the run
-        started; the dataset's own otherwise)."""
+        self.model_spec = model_tables(spec, out, self.rank)
+        """The dataset as the model reads it: its table sizes when the run started."""
+        self.rows_if_grown = smaller_tables(self.model_spec, spec)
+        """The model's rows per table where the dataset's vocabulary grew since the run
+        started (its ids past them read row 0), else None."""
         torch.manual_seed(config.seed)
 
         self.model = build_model(config, self.model_spec, device)
@@ -191,7 +192,8 @@ class Trainer:
             val_loader = ParquetLoader(config.data, "validation", rank=self.rank,
                                        batch_size=config.schedule.batch_size, world_size=world_size,
                                        drop_last=False, pad_last=True)
-            self.validator = Validator(self.model, val_loader, device, config.validation,
+            self.validator = Validator(self.model, self._read(val_loader), device,
+                                       config.validation,
                                        amp=config.parallel.amp,
                                        steps_per_epoch=self.steps_per_epoch, logger=self.metrics)
         self.comm_precision = comm_precision(config.parallel, config.model, device, world_hosts())
@@ -253,6 +255,11 @@ class Trainer:
                              grace_period_s=self.config.checkpoint.grace_period) as guard:
             self._fit(guard)
 
+    def _read(self, loader: ParquetLoader) -> ParquetLoader | OutOfVocabulary:
+        """``loader``, its ids past the model's rows read as row 0 where the dataset grew."""
+        return loader if self.rows_if_grown is None else OutOfVocabulary(loader,
+                                                                         self.rows_if_grown)
+
     def _fit(self, guard: PreemptionGuard) -> None:
         state, config, metrics = self.state, self.config, self.metrics
         self.model.train()
@@ -261,7 +268,7 @@ class Trainer:
             if state.epoch_batches >= self.steps_per_epoch:  # resumed exactly at an epoch's end
                 self._next_epoch()
                 continue
-            batches = device_batches(self.train_loader, self.device, self.model,
+            batches = device_batches(self._read(self.train_loader), self.device, self.model,
                                      config.parallel.pipelined)
             ready = time.perf_counter()
             for batch in batches:

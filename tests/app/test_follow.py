@@ -249,6 +249,30 @@ def test_evaluate_reads_a_followed_run_after_its_vocabulary_grew(tmp_path: Path)
     assert "not a held-out score" in after["note"] and "progressive AUC" in after["note"]
 
 
+@pytest.mark.slow  # 4-8 s: a plain run, three evaluations, a resume
+def test_a_plain_run_keeps_its_tables_after_its_dataset_grew(tmp_path: Path) -> None:
+    """A day added to a plain run's dataset grows its vocabulary; the run's model keeps the
+    tables of its start (``tables.json``, now written by every run): ``evaluate`` and
+    ``--resume`` load its checkpoint (they failed: "Size mismatch ... [4, 4] ... [6, 4]") and the
+    same rows score the same."""
+    rows = [{0: str(10 * (i % 3 + 1)), 1: str(i % 2 + 1)} for i in range(40)]
+    d0, d1 = _criteo_day(tmp_path / "day_0", rows), _criteo_day(tmp_path / "day_1", rows[:20])
+    d2 = _criteo_day(tmp_path / "day_2", [{0: "5", 1: "3"}, {0: "7", 1: "4"}] * 10)
+    data, run = tmp_path / "data", tmp_path / "run"
+    preprocess_criteo([d0, d1], data, fmt="terabyte", max_embeddings_per_feature=8)
+    train(_config(data, run, batch_size=4, follow=False, max_steps=6), progress=False)
+    assert json.loads((run / "tables.json").read_text())["num_embeddings"]["cat_0"] == 4
+    before = evaluate_checkpoint(run, split="test", checkpoint="latest")
+    preprocess_criteo([d2], data, add_day=True)
+    assert DatasetSpec.load(data).sparse_features[0].num_embeddings == 6  # grown from 4
+    after = evaluate_checkpoint(run, split="test", checkpoint="latest")
+    for key in ("auc", "logloss", "mean_prediction", "num_examples"):
+        assert after[key] == pytest.approx(before[key], abs=1e-12), key
+    train(_config(data, run, batch_size=4, follow=False, resume=True, max_steps=8),
+          progress=False)
+    assert [r["steps"] for r in _log(run, "summary")] == [6, 8]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     ({"follow": False, "wait": 5.0}, "--wait goes with --follow"),
     ({"follow": False, "publish": "m.pt2"}, "--publish goes with --follow"),

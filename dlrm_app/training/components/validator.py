@@ -13,6 +13,7 @@ from dlrm_app.training.components.metrics_logger import MetricsLogger
 from dlrm_app.training.components.state import TrainState
 from dlrm_app.training.config import ValidationConfig
 from dlrm_app.training.evaluate import evaluate_model
+from dlrm_app.training.tables import OutOfVocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,8 @@ class Validator:
     stops the run with ``TrainingDiverged``. ``amp``: evaluated in the precision the run trains
     in (``--amp``)."""
 
-    def __init__(self, model: torch.nn.Module, loader: ParquetLoader, device: torch.device,
+    def __init__(self, model: torch.nn.Module, loader: ParquetLoader | OutOfVocabulary,
+                 device: torch.device,
                  config: ValidationConfig, *, amp: bool | None, steps_per_epoch: int,
                  logger: MetricsLogger) -> None:
         self._model, self._loader, self._device, self._config = model, loader, device, config
