@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import add_flags  # a sibling module (this folder is on sys.path)
 from torchrec_program import cpu_name  # the sibling bench's (this folder is on sys.path)
 
 from dlrm_app.training import checkpoint
@@ -131,11 +132,7 @@ def _steps(sharded: torch.nn.Module, optimizer: object, saver: BackgroundSaver,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--tables", type=int, default=26)
-    p.add_argument("--rows", type=int, default=50_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
+    add_flags(p, {"--world": 2, "--tables": 26, "--rows": 50_000, "--dim": 64, "--rounds": 5})
     p.add_argument("--batch", type=int, default=2048, help="ids per table a step; 0: no steps")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--writer-nice", type=int, default=None,

@@ -60,6 +60,7 @@ from dlrm_app.training.evaluate import evaluate_model, load_trained_model
 from dlrm_app.training.runtime import init_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_flags  # noqa: E402
 from threads import cpu_name  # noqa: E402
 
 APPROACHES = ("follow", "frozen", "retrain")
@@ -229,12 +230,8 @@ def header(args: argparse.Namespace, days: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--days", type=int, default=6)
-    parser.add_argument("--rows-per-day", type=int, default=30000)
-    parser.add_argument("--drift", type=float, default=0.1)
-    parser.add_argument("--num-dense", type=int, default=13)
-    parser.add_argument("--num-sparse", type=int, default=26)
-    parser.add_argument("--cardinality", type=int, default=10000)
+    add_flags(parser, {"--days": 6, "--rows-per-day": 30000, "--drift": 0.1, "--num-dense": 13,
+                       "--num-sparse": 26, "--cardinality": 10000})
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the generated days")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="training seeds (init and data order), one of each run apiece")

@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import add_flags
 from torch import nn
 
 from dlrm_app.model import DenseArch, InteractionArch, OverArch
@@ -81,12 +82,8 @@ def measure(args: argparse.Namespace, precision: str, compiled: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch-size", type=int, default=2048)
-    p.add_argument("--features", type=int, default=26)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5)
+    add_flags(p, {"--batch-size": 2048, "--features": 26, "--dim": 128, "--threads": 1,
+                  "--steps": 3, "--repeats": 5})
     p.add_argument("--no-compile", action="store_true", help="eager only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from common import add_flags
 from torch import nn
 
 from recsys_core import (
@@ -129,10 +130,7 @@ def bench_fused(rows: list[int], dim: int, kjt: KeyedJaggedTensor, grad: torch.T
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=4096)
-    parser.add_argument("--max-rows", type=int, default=1_000_000)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--iters", type=int, default=5)
+    add_flags(parser, {"--batch-size": 4096, "--max-rows": 1_000_000, "--dim": 128, "--iters": 5})
     parser.add_argument("--pooling", default="1,20", help="mean pooling factors to run (1 = one-hot)")
     parser.add_argument(
         "--impls",

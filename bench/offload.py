@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 import torch
+from common import add_flags
 from torch import nn
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, KeyedJaggedTensor
@@ -199,13 +200,8 @@ def run_case(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=2_000_000)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4096)
-    parser.add_argument("--budget-gib", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    add_flags(parser, {"--tables": 8, "--rows": 2_000_000, "--dim": 64, "--batch": 4096,
+                       "--budget-gib": 1.0, "--steps": 20, "--warmup": 5})
     parser.add_argument("--max-warmup", type=int, default=150,
                         help="most steps the cached case warms up for (until its caches are full)")
     parser.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)

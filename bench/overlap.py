@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from common import add_flags
+
 
 def worker(args: argparse.Namespace) -> None:
     import torch
@@ -89,11 +91,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2048)
+    add_flags(parser, {"--nproc": 2, "--rounds": 2, "--steps": 20, "--warmup": 3,
+                       "--batch-size": 2048})
     parser.add_argument("--rows", type=int, default=100_000, help="rows per table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 # bench/ is sys.path[0] when this file runs as a script
+from common import add_flags
 from ebc import time_steps
 
 from recsys_core import (
@@ -54,15 +55,10 @@ def make_kjt(tables: int, rows: int, batch: int, pooling: int, seed: int) -> Key
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--dim", type=int, default=128)
+    add_flags(parser, {"--tables": 8, "--rows": 100_000, "--dim": 128})
     parser.add_argument("--pooling", type=int, default=20, help="mean ids per bag")
-    parser.add_argument("--batch-sizes", default="1,64,512")
-    parser.add_argument("--dtypes", default="int8,int4,fp16")
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    add_flags(parser, {"--batch-sizes": "1,64,512", "--dtypes": "int8,int4,fp16", "--iters": 50,
+                       "--warmup": 5, "--seed": 0})
     parser.add_argument("--torch-kernel", action="store_true", help="also time the torch kernel")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (FBGEMM's parallel CPU kernels slow down badly when "

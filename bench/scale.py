@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import add_flags
 from criteo_sizes import CRITEO_1TB_ROWS
 
 CHUNK_ROWS = 1_000_000
@@ -387,11 +388,7 @@ def main() -> None:
     p.add_argument("--criteo-1tb", action="store_true", help="also the uncapped 1TB tables")
     p.add_argument("--memory-gib", type=float, default=14.0,
                    help="the planner's memory budget (the full 1TB tables plan from 14 GiB)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--zipf", type=float, default=1.05)
+    add_flags(p, {"--steps": 200, "--warmup": 20, "--batch": 4096, "--dim": 64, "--zipf": 1.05})
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the training process (1: what dlrm-app train picks on "
                         "a 2-core host, its 2 CPUs less the loader's thread)")

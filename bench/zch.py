@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from common import add_flags
 from torch import nn
 
 from recsys_core import EmbeddingBagConfig, KeyedJaggedTensor
@@ -131,15 +132,9 @@ def timed_rounds(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--features", type=int, default=26)
-    p.add_argument("--batch-size", type=int, default=4096)
-    p.add_argument("--zch-size", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--vocab-factor", type=int, default=4)
-    p.add_argument("--eviction-intervals", default="1,100")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
+    add_flags(p, {"--features": 26, "--batch-size": 4096, "--zch-size": 1_000_000, "--dim": 64,
+                  "--vocab-factor": 4, "--eviction-intervals": "1,100", "--steps": 10,
+                  "--repeats": 3, "--warmup": 3})
     p.add_argument("--threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
     args = p.parse_args()
