@@ -1,12 +1,14 @@
 """What several benches share (bench/ is a folder of scripts: each imports this as a sibling).
 
 ``add_flags``: a bench's plain flags (a number or a string with a default, no help text) from one
-table, in place of an ``add_argument`` line apiece.
+table, in place of an ``add_argument`` line apiece. ``cpu_model``: the CPU's name that the benches'
+lines carry (``lscpu`` and ``lscpu_field`` for those that read more of lscpu's output).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 from collections.abc import Mapping
 
 
@@ -17,3 +19,23 @@ def add_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, int | floa
         if type(default) not in (int, float, str):
             raise TypeError(f"{flag}: default {default!r} is not an int, float or str")
         parser.add_argument(flag, type=type(default), default=default)
+
+
+def lscpu() -> str:
+    """lscpu's output ("" where it does not run)."""
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def lscpu_field(out: str, name: str) -> str | None:
+    """The value of the first ``name:`` line of lscpu's output ``out`` (None: there is none)."""
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                 if line.startswith(f"{name}:")), None)
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu prints it ("unknown" where it does not)."""
+    model = lscpu_field(lscpu(), "Model name")
+    return "unknown" if model is None else model

@@ -60,8 +60,7 @@ from dlrm_app.training.evaluate import evaluate_model, load_trained_model
 from dlrm_app.training.runtime import init_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_flags  # noqa: E402
-from threads import cpu_name  # noqa: E402
+from common import add_flags, cpu_model  # noqa: E402
 
 APPROACHES = ("follow", "frozen", "retrain")
 
@@ -213,7 +212,7 @@ def summarize(lines: list[dict]) -> dict:
 def header(args: argparse.Namespace, days: list[dict]) -> dict:
     """The first line: the machine, the versions, the command and the data (``days``: the
     dataset's ``parameters.days``, with each day's teacher AUC and renewed share)."""
-    return {"bench": "days_header", "cpu": cpu_name(),
+    return {"bench": "days_header", "cpu": cpu_model(),
             "cpus_usable": len(os.sched_getaffinity(0)),
             "loadavg_1m_at_start": round(os.getloadavg()[0], 2), **_versions(),
             "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),

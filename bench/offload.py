@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 import torch
-from common import add_flags
+from common import add_flags, cpu_model
 from torch import nn
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType, KeyedJaggedTensor
@@ -98,16 +98,6 @@ def load_factor(args: argparse.Namespace) -> float:
     row_bytes = 4 * (args.dim + 1)  # fp32 row + row-wise Adagrad state
     free = args.budget_gib * GIB - RUNTIME_BYTES - rows * BOOKKEEPING_BYTES_PER_ROW
     return max(0.001, min(1.0, free / (rows * (row_bytes + BOOKKEEPING_BYTES_PER_SLOT))))
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown"
-    names = [line.split(":", 1)[1].strip() for line in out.splitlines()
-             if line.startswith("Model name:")]
-    return names[0] if names else "unknown"
 
 
 def run_case(args: argparse.Namespace) -> dict:
@@ -194,7 +184,7 @@ def run_case(args: argparse.Namespace) -> dict:
         "tables_gib": round(args.tables * args.rows * 4 * (args.dim + 1) / GIB, 3),
         "setup_s": round(setup_s, 1),
         "flush_s": round(flush_s, 3) if cached else None,
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
     }
 
 

@@ -43,7 +43,8 @@ from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
 from dlrm_app.training.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from threads import DATASETS, cpu_name, interleaved_runs, prepare, rate_after_warmup  # noqa: E402
+from common import cpu_model  # noqa: E402
+from threads import DATASETS, interleaved_runs, prepare, rate_after_warmup  # noqa: E402
 
 RANKS = (1, 2)
 
@@ -105,7 +106,7 @@ def main() -> None:
             parser.error(f"{flag} {steps} leaves no metrics window after the first (warm-up) "
                          f"one; give at least 2 x --log-every ({2 * args.log_every})")
 
-    cpu = cpu_name()
+    cpu = cpu_model()
     header = {"bench": "ranks", "cpu": cpu, "cpus_usable": allowed_cpus(),
               "cgroup_quota": cgroup_cpu_quota(),
               # unset: torchrun sets 1 per rank (and train follows it), 1 rank uses the CPUs

@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from common import cpu_model
+
 from dlrm_app.data.criteo import preprocess_criteo
 from dlrm_app.data.movielens import preprocess_movielens
 from dlrm_app.threads import allowed_cpus, cgroup_cpu_quota
@@ -55,18 +57,6 @@ DATASETS = {
 }
 SPIN = "while True: pass"
 S = TypeVar("S")  # a setting compared: a thread count (None: the default), a rank count
-
-
-def cpu_name() -> str:
-    """The CPU's model name, as lscpu prints it."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 @contextlib.contextmanager
@@ -178,7 +168,7 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     args = parser.parse_args()
 
-    cpus, quota, cpu = allowed_cpus(), cgroup_cpu_quota(), cpu_name()
+    cpus, quota, cpu = allowed_cpus(), cgroup_cpu_quota(), cpu_model()
     settings: list[int | None] = [None, *(args.threads or range(1, cpus + 1))]
     print(json.dumps({"bench": "threads", "cpu": cpu, "cpus_usable": cpus, "cgroup_quota": quota,
                       "loadavg_1m_at_start": round(os.getloadavg()[0], 2),

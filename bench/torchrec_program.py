@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+from common import lscpu, lscpu_field
+
 LIBS = ("torchrec", "recsys_core")
 QUICK = {"rows_per_table": 1000, "batch_size": 64, "steps": 3, "warmup": 1, "dim": 16,
          "bottom": "32,16", "top": "32,1"}
@@ -42,17 +44,14 @@ FULL = {"rows_per_table": 100_000, "batch_size": 2048, "steps": 15, "warmup": 3,
 
 def cpu_name() -> str:
     """The CPU's model name (lscpu) and its widest vector extension."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
+    out = lscpu()
+    if not out:
         return "unknown"
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                  if line.startswith("Model name")), "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in out.splitlines()
-                  if line.startswith("Flags")), [])
+    model = lscpu_field(out, "Model name")
+    flags = (lscpu_field(out, "Flags") or "").split()
     vector = ("AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
               else "AVX2" if "avx2" in flags else "no AVX2")
-    return f"{model} ({vector})"
+    return f"{'unknown' if model is None else model} ({vector})"
 
 
 def worker(args: argparse.Namespace) -> None:

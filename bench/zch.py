@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
 import torch
-from common import add_flags
+from common import add_flags, cpu_model
 from torch import nn
 
 from recsys_core import EmbeddingBagConfig, KeyedJaggedTensor
@@ -51,14 +50,6 @@ _SPREAD = 0x9E3779B97F4A7C15 & ((1 << 62) - 1)  # odd: a bijection of ids mod 2*
 
 def cpu_info() -> dict[str, str]:
     """The CPU's model name (lscpu) and its widest vector extension."""
-    name = "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                name = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -66,7 +57,7 @@ def cpu_info() -> dict[str, str]:
     except OSError:
         pass
     simd = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags else "none"
-    return {"cpu": name, "simd": simd}
+    return {"cpu": cpu_model(), "simd": simd}
 
 
 def batches(args: argparse.Namespace, count: int) -> list[KeyedJaggedTensor]:

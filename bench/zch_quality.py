@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import math
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from common import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,15 +43,6 @@ from dlrm_app.training.evaluate import evaluate_checkpoint  # noqa: E402
 from dlrm_app.training.trainer import train  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def distinct_train_ids(data: Path) -> dict[str, int]:
@@ -136,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     fractions = [float(f) for f in args.fractions.split(",")]
-    cpu = cpu_name()
+    cpu = cpu_model()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         for name in args.datasets.split(","):
