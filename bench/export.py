@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import load_avg, log
 from torchrec_program import cpu_name  # the sibling bench's (lscpu model + vector extension)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,14 +81,6 @@ STAGE_MESSAGES = (
     (re.compile(r"packaging "), "package", None),
     (re.compile(r"wrote "), "package", None),  # the digest's renames: still packaging
 )
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def load_avg() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 @dataclass

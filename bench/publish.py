@@ -52,20 +52,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from common import load_avg, log
 from criteo_sizes import CRITEO_1TB_ROWS
 from torchrec_program import cpu_name  # the sibling bench's (lscpu model + vector extension)
 
 ROOT = Path(__file__).resolve().parents[1]
 KAGGLE = ROOT.parent / "shared" / "data" / "criteo" / "kaggle_head_10k.tsv"
 PROBE_ROWS = 8
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def load_avg() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 def cli(*args: str) -> list[str]:

@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from common import fill_unset, load_avg, log
 from torch import nn
 
 from dlrm_app.serving.artifact import ARTIFACT_FORMAT_VERSION, METADATA_FILE, load_artifact
@@ -107,9 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-wait-ms", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_unset(args, QUICK if args.quick else FULL)
     unknown = set(args.formats.split(",")) - set(FORMATS)
     if unknown or "torchscript" not in args.formats.split(","):
         p.error(f"--formats: of {FORMATS}, torchscript included (the reference for the others)")
@@ -130,11 +129,7 @@ def random_rows(rng: np.random.Generator, n: int) -> list[str]:
 
 def load() -> dict[str, float]:
     """The host's 1-minute load average: other jobs on the cores (noise in the timings)."""
-    return {"load_avg_1m": round(os.getloadavg()[0], 2)}
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    return {"load_avg_1m": load_avg()}
 
 
 # ---- the models -----------------------------------------------------------------------------

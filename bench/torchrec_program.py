@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from common import lscpu, lscpu_field
+from common import fill_unset, lscpu, lscpu_field
 
 LIBS = ("torchrec", "recsys_core")
 QUICK = {"rows_per_table": 1000, "batch_size": 64, "steps": 3, "warmup": 1, "dim": 16,
@@ -164,9 +164,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lib", choices=LIBS, default="recsys_core", help=argparse.SUPPRESS)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_unset(args, QUICK if args.quick else FULL)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     return args

@@ -94,6 +94,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import fill_unset
 from criteo_sizes import CRITEO_1TB_ROWS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -183,10 +184,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=[OURS, BASELINE], default=OURS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    defaults = QUICK if args.quick else FULL
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_unset(args, QUICK if args.quick else FULL)
     for name in ("batch_size", "rows_per_table", "dim", "steps", "phased_steps", "tables",
                  "num_dense", "threads_per_rank"):
         if getattr(args, name) < 1:
