@@ -12,7 +12,7 @@ For each day of ``--data`` not done yet, in order (:class:`DayFollower`):
 3. a checkpoint that records the day as done (``TrainState.days_done``);
 4. ``--publish PATH``: the day's checkpoint exported to PATH (``dlrm_app.serving.export``:
    written beside it, then renamed into place, which a serving process reloads on) by rank 0,
-   in a process of its own when there are more ranks (:func:`_export_apart`).
+   in a process of its own, polled by every rank, when there are more (:func:`_export_apart`).
 
 Then it stops, or with ``--wait SECONDS`` polls the dataset's days for a new one
 (``preprocess criteo --add-day``) until SIGTERM or Ctrl-C, which end the run cleanly (its
@@ -38,6 +38,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,7 +196,7 @@ class DayFollower:
         trainer.metrics.write({"event": "day_done", "day": day.index, "step": state.step,
                                "checkpoint": None if checkpoint is None else checkpoint.name})
         if config.days.publish is not None and checkpoint is not None:
-            self._publish(checkpoint)
+            self._publish(checkpoint, guard)
 
     def _evaluate(self, day: Day) -> None:
         """The day's progressive evaluation and its line (not written again when the log has
@@ -229,26 +230,30 @@ class DayFollower:
         if trainer.rank == 0 and day.index not in logged_days(trainer.out):
             trainer.metrics.write(record)
 
-    def _publish(self, checkpoint: Path) -> None:
-        """The day's checkpoint exported to ``--publish`` by rank 0 (the others wait)."""
+    def _publish(self, checkpoint: Path, guard: PreemptionGuard) -> None:
+        """The day's checkpoint exported to ``--publish`` by rank 0; with more ranks in a
+        process of its own, which every rank polls together (:func:`_export_apart`)."""
         from dlrm_app.serving import export as exporting
 
-        trainer = self.trainer
+        trainer, publish = self.trainer, str(self.config.days.publish)
+        try:
+            if trainer.world_size > 1 and dist.is_initialized():
+                signum = _export_apart(trainer.out, publish, checkpoint, trainer.rank,
+                                       trainer.device, guard)
+                if signum:
+                    trainer.preempted = signum
+                    self.state.stop_reason = (f"preempted ({signal.Signals(signum).name}) "
+                                              f"while publishing {checkpoint.name}")
+                    return
+            elif trainer.rank == 0:
+                exporting.export_model(trainer.out, publish, checkpoint=str(checkpoint))
+        except ValueError as e:
+            raise ValueError(
+                f"--publish {publish}: exporting {checkpoint} failed ({e}); its day is trained "
+                f"and checkpointed: fix the cause and --resume (it continues with the next "
+                f"day), or resume without --publish") from None
         if trainer.rank == 0:
-            try:
-                if dist.is_initialized() and dist.get_world_size() > 1:
-                    _export_apart(trainer.out, str(self.config.days.publish), checkpoint)
-                else:
-                    exporting.export_model(trainer.out, str(self.config.days.publish),
-                                           checkpoint=str(checkpoint))
-            except ValueError as e:
-                raise ValueError(
-                    f"--publish {self.config.days.publish}: exporting {checkpoint} failed ({e}); "
-                    f"its day is trained and checkpointed: fix the cause and --resume (it "
-                    f"continues with the next day), or resume without --publish") from None
-            print(f"published {checkpoint.name} to {self.config.days.publish}", file=sys.stderr)
-        if dist.is_initialized():
-            dist.barrier()
+            print(f"published {checkpoint.name} to {publish}", file=sys.stderr)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -308,16 +313,57 @@ def logged_days(out: Path) -> dict[int, dict[str, Any]]:
     return dict(sorted(days.items()))
 
 
-def _export_apart(run: Path, out: str, checkpoint: Path) -> None:
-    """``dlrm-app export`` in a process of its own: in a rank of a process group, loading the
-    checkpoint would run collectives that the other ranks (waiting at the barrier) never join,
-    and the run hung at its first publish under torchrun."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ROLE_RANK",
-                        "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")}
-    done = subprocess.run([sys.executable, "-m", "dlrm_app", "export", str(run), "--out", out,
-                           "--checkpoint", str(checkpoint)], env=env, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise ValueError((done.stderr.strip().splitlines() or ["no message"])[-1])
+EXPORT_ENV_DROPPED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ROLE_RANK",
+                     "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+"""torchrun's variables, which the export process must not see (it is not a rank)."""
+
+
+def export_command(run: Path, out: str, checkpoint: Path) -> list[str]:
+    """``dlrm-app export`` of ``checkpoint`` to ``out``, as a command line."""
+    return [sys.executable, "-m", "dlrm_app", "export", str(run), "--out", out,
+            "--checkpoint", str(checkpoint)]
+
+
+def _export_apart(run: Path, out: str, checkpoint: Path, rank: int, device: torch.device,
+                  guard: PreemptionGuard) -> int:
+    """``dlrm-app export`` in a process of its own, started by rank 0, while every rank polls
+    it together every ``TICK_S`` (one small all-reduce a tick): in a rank, loading the
+    checkpoint would run collectives that the other ranks never join (the run hung at its first
+    publish), and the other ranks waiting at a barrier would time out (``--timeout``) when a
+    first export's compile takes longer. A failed export raises ValueError on every rank (its
+    last stderr line on rank 0); SIGTERM or Ctrl-C on any rank stops the export (the served
+    file stays the previous one: the export renames its file into place only when complete)
+    and returns the signal, else 0."""
+    env = {k: v for k, v in os.environ.items() if k not in EXPORT_ENV_DROPPED}
+    child = subprocess.Popen(export_command(run, out, checkpoint), env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) \
+        if rank == 0 else None
+    err: list[str] = []
+    if child is not None:  # read as it comes: a full pipe would stall the export
+        reader = threading.Thread(target=lambda: err.extend(child.stderr or ()), daemon=True)
+        reader.start()
+    try:
+        while True:
+            code = child.poll() if child is not None else None
+            # [signal, export ended, export failed] as rank 0 (and any rank's signal) sees it
+            t = torch.tensor([float(guard.signalled or 0), float(code is not None),
+                              float(code not in (None, 0))], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            signalled, ended, failed = (int(v) for v in t.tolist())
+            if signalled:
+                return signalled
+            if ended:
+                break
+            time.sleep(TICK_S)
+    finally:
+        if child is not None and child.poll() is None:
+            child.terminate()
+            child.wait()
+    if failed:
+        if child is not None:
+            reader.join(timeout=5)
+            raise ValueError(([line.strip() for line in err if line.strip()]
+                              or ["no message"])[-1])
+        raise ValueError("rank 0's export process failed (its message is on rank 0)")
+    return 0
