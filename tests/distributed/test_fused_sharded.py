@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from gloo_setup import concat_ranks, gather_to_rank0
+from tables import one_feature_tables
 from torch import nn
 
 from recsys_core import (
@@ -16,7 +17,6 @@ from recsys_core import (
     EmbOptimType,
     FusedEmbeddingBagCollection,
     KeyedJaggedTensor,
-    PoolingType,
 )
 from recsys_core.distributed import (
     DistributedModelParallel,
@@ -33,10 +33,7 @@ from recsys_core.distributed.fused_embeddingbag import (
 )
 from recsys_core.testing import run_gloo
 
-TABLES = [
-    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=11, feature_names=["fa"]),
-    EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=5, feature_names=["fb"], pooling=PoolingType.MEAN),
-]
+TABLES = one_feature_tables(EmbeddingBagConfig, {"a": (11, 8), "b": (5, 4)}, mean={"b"})
 PLANS = {
     "table_wise": {"a": table_wise(rank=1, compute_kernel="fused"), "b": table_wise(rank=0, compute_kernel="fused")},
     "column_wise": {"a": column_wise(ranks=[1, 0], compute_kernel="fused"), "b": table_wise(rank=1, compute_kernel="fused")},

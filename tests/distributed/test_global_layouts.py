@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_setup import counting_gathers, two_table_plans, world_env
+from tables import one_feature_tables
 from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType
@@ -23,10 +24,7 @@ from recsys_core.distributed import (
 )
 from recsys_core.testing import run_gloo
 
-TABLES = [
-    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=11, feature_names=["fa"]),
-    EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=7, feature_names=["fb"]),
-]
+TABLES = one_feature_tables(EmbeddingBagConfig, {"a": (11, 8), "b": (7, 4)})
 
 
 def _plans(world: int) -> dict[str, dict]:

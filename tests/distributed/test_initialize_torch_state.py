@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_setup import counting_gathers, world_env
+from tables import one_feature_tables
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_core import (
@@ -27,15 +28,8 @@ from recsys_core.distributed import (
 from recsys_core.testing import run_gloo
 
 # distinct sizes: the failing constructor below picks table "b" by its global size
-BAGS = [
-    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=11, feature_names=["fa"]),
-    EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=7, feature_names=["fb"]),
-    EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=5, feature_names=["fc"]),
-]
-SEQUENCES = [
-    EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=11, feature_names=["fa"]),
-    EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=7, feature_names=["fb"]),
-]
+BAGS = one_feature_tables(EmbeddingBagConfig, {"a": (11, 8), "b": (7, 4), "c": (5, 4)})
+SEQUENCES = one_feature_tables(EmbeddingConfig, {"a": (11, 8), "b": (7, 8)})
 
 
 def _views(sharded: torch.nn.Module, table: str) -> list[int]:

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from gloo_setup import assert_sharded_tensor_blocks, world_env
+from tables import one_feature_tables
 from torch import nn
 
 from recsys_core import (
@@ -16,7 +17,6 @@ from recsys_core import (
     EmbOptimType,
     KeyedJaggedTensor,
     KeyedTensor,
-    PoolingType,
 )
 from recsys_core.distributed import (
     DistributedModelParallel,
@@ -98,10 +98,7 @@ def test_tutorial_sharding_examples(tutorial_tables: list[EmbeddingBagConfig],
     assert second < first - 1.0  # backward updated the sharded tables, no step() called
 
 
-DENSE_TABLES = [
-    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=20, feature_names=["fa"]),
-    EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=9, feature_names=["fb"], pooling=PoolingType.MEAN),
-]
+DENSE_TABLES = one_feature_tables(EmbeddingBagConfig, {"a": (20, 8), "b": (9, 8)}, mean={"b"})
 
 
 class TinyModel(nn.Module):
@@ -192,10 +189,7 @@ def test_dmp_on_meta_module_allocates_only_local_shards() -> None:
     torch.testing.assert_close(r0["weight"], r1["weight"])
 
 
-CKPT_TABLES = [
-    EmbeddingBagConfig(name="x", embedding_dim=8, num_embeddings=10, feature_names=["fx"]),
-    EmbeddingBagConfig(name="y", embedding_dim=4, num_embeddings=6, feature_names=["fy"], pooling=PoolingType.MEAN),
-]
+CKPT_TABLES = one_feature_tables(EmbeddingBagConfig, {"x": (10, 8), "y": (6, 4)}, mean={"y"})
 CKPT_FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.3, "eps": 1e-3}
 
 

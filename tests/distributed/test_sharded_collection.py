@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from gloo_setup import gather_to_rank0, shard_weights, world_env
+from tables import one_feature_tables
 
 from recsys_core import (
     EmbeddingBagCollection,
@@ -32,14 +33,8 @@ from recsys_core.distributed.train_pipeline import pipelined_batches
 from recsys_core.kernels.id_check import IdOutOfRangeError
 from recsys_core.testing import run_gloo
 
-BAG_TABLES = [
-    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=10, feature_names=["fa"]),
-    EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=6, feature_names=["fb"]),
-]
-SEQ_TABLES = [
-    EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=10, feature_names=["fa"]),
-    EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=6, feature_names=["fb"]),
-]
+BAG_TABLES = one_feature_tables(EmbeddingBagConfig, {"a": (10, 8), "b": (6, 4)})
+SEQ_TABLES = one_feature_tables(EmbeddingConfig, {"a": (10, 8), "b": (6, 8)})
 PLANS = {
     "row_wise": {"a": row_wise(compute_kernel="fused"), "b": row_wise(compute_kernel="fused")},
     "column_wise": {"a": column_wise(ranks=[1, 0], compute_kernel="fused"), "b": table_wise(rank=1, compute_kernel="fused")},
