@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from jagged_examples import SIX_BAGS_OFFSETS, SIX_BAGS_PADDED_TO_2_WITH_10, SIX_BAGS_VALUES
 
 from recsys_core.kernels import sparse_ops
 from recsys_core.kernels._fbgemm import fbgemm_available
@@ -14,6 +15,15 @@ from recsys_core.kernels._fbgemm import fbgemm_available
 INDEX_DTYPES = [torch.int32, torch.int64]
 NEEDS_FBGEMM = pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not importable")
 PATHS = [pytest.param(True, marks=NEEDS_FBGEMM), False]  # use_fbgemm
+
+
+def random_index_cases(test: Callable[..., None]) -> Callable[..., None]:
+    """The random cases of a paths-agree test: seeds 0 to 3 x both index dtypes, with FBGEMM
+    (the marks as ``@NEEDS_FBGEMM``, ``@parametrize("seed", ...)``, ``@parametrize("dtype",
+    ...)`` written above the test, in that order)."""
+    test = pytest.mark.parametrize("dtype", INDEX_DTYPES)(test)
+    test = pytest.mark.parametrize("seed", range(4))(test)
+    return NEEDS_FBGEMM(test)
 
 
 def random_jagged(
@@ -111,9 +121,7 @@ def test_permute_2d_without_weights_and_empty_permute(use_fbgemm: bool) -> None:
     assert empty[1].numel() == 0
 
 
-@NEEDS_FBGEMM
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("dtype", INDEX_DTYPES)
+@random_index_cases
 def test_permute_2d_paths_agree(seed: int, dtype: torch.dtype) -> None:
     rows, batch = 7, 33
     lengths, values, weights = random_jagged(rows * batch, 9, seed, dtype)
@@ -143,9 +151,7 @@ def test_keyed_index_select_hand_example(dtype: torch.dtype, use_fbgemm: bool) -
     assert out_weights.tolist() == pytest.approx([0.2, 0.3, 0.2, 0.3, 0.1, 0.4, 0.4])
 
 
-@NEEDS_FBGEMM
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("dtype", INDEX_DTYPES)
+@random_index_cases
 def test_keyed_index_select_paths_agree(seed: int, dtype: torch.dtype) -> None:
     keys, batch = 5, 17
     lengths, values, weights = random_jagged(keys * batch, 6, seed, dtype)
@@ -162,17 +168,10 @@ def test_keyed_index_select_paths_agree(seed: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("use_fbgemm", PATHS)
 def test_jagged_to_padded_dense_pads_and_truncates(dtype: torch.dtype, use_fbgemm: bool) -> None:
-    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
-    offsets = torch.tensor([0, 2, 2, 3, 4, 5, 8], dtype=dtype)
+    values = torch.tensor(SIX_BAGS_VALUES)
+    offsets = torch.tensor(SIX_BAGS_OFFSETS, dtype=dtype)
     dense = sparse_ops.jagged_to_padded_dense(values, offsets, 2, 10.0, use_fbgemm=use_fbgemm)
-    assert dense.tolist() == [
-        [1.0, 2.0],
-        [10.0, 10.0],
-        [3.0, 10.0],
-        [4.0, 10.0],
-        [5.0, 10.0],
-        [6.0, 7.0],
-    ]
+    assert dense.tolist() == SIX_BAGS_PADDED_TO_2_WITH_10
 
 
 @pytest.mark.parametrize("values_dtype", [torch.int32, torch.int64, torch.float32])

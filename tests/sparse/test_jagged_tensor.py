@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from jagged_examples import SIX_BAGS_OFFSETS, SIX_BAGS_PADDED_TO_2_WITH_10, SIX_BAGS_VALUES
 from torch.utils import _pytree as pytree
 
 from recsys_core.sparse import JaggedTensor
@@ -98,18 +99,12 @@ def test_to_dense_with_empty_bags_and_weights() -> None:
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
 def test_to_padded_dense(dtype: torch.dtype) -> None:
     jt = JaggedTensor(
-        values=torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]),
+        values=torch.tensor(SIX_BAGS_VALUES),
         weights=torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]),
-        offsets=torch.tensor([0, 2, 2, 3, 4, 5, 8], dtype=dtype),
+        offsets=torch.tensor(SIX_BAGS_OFFSETS, dtype=dtype),
     )
-    assert jt.to_padded_dense(desired_length=2, padding_value=10.0).tolist() == [
-        [1.0, 2.0],
-        [10.0, 10.0],
-        [3.0, 10.0],
-        [4.0, 10.0],
-        [5.0, 10.0],
-        [6.0, 7.0],
-    ]
+    assert (jt.to_padded_dense(desired_length=2, padding_value=10.0).tolist()
+            == SIX_BAGS_PADDED_TO_2_WITH_10)
     # Default length is the longest bag (3), default padding 0.
     assert jt.to_padded_dense().tolist() == [
         [1.0, 2.0, 0.0],
