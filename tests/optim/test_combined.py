@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from optim_steps import assert_resumes_exactly, power_loss_steps
 
 from recsys_core.optim.keyed import (
     CombinedOptimizer,
@@ -147,19 +148,12 @@ def test_combined_checkpoint_resume() -> None:
 
     a = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     opt = build(a)
-    for _ in range(2):
-        opt.zero_grad()
-        (a**2).sum().backward()
-        opt.step()
+    power_loss_steps(opt, a, 2, steps=2)
     a2 = torch.nn.Parameter(a.detach().clone())
     opt2 = build(a2)
     opt2.init_state()
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
-    for p, o in ((a, opt), (a2, opt2)):
-        o.zero_grad()
-        (p**2).sum().backward()
-        o.step()
-    torch.testing.assert_close(a2.detach(), a.detach(), rtol=0, atol=0)
+    assert_resumes_exactly((a, opt), (a2, opt2), 2)
 
 
 def test_pickle_round_trip() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from optim_steps import assert_resumes_exactly, power_loss_steps
 
 from recsys_core.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 
@@ -232,10 +233,7 @@ def test_init_state_then_load_checkpoint_resumes_exactly() -> None:
     torch.manual_seed(1)
     w = torch.nn.Parameter(torch.randn(4))
     opt = KeyedOptimizerWrapper({"w": w}, lambda ps: torch.optim.Adam(ps, lr=0.3))
-    for _ in range(2):
-        opt.zero_grad()
-        (w**3).sum().backward()
-        opt.step()
+    power_loss_steps(opt, w, 3, steps=2)
     sd = copy.deepcopy(opt.state_dict())
     w2 = torch.nn.Parameter(w.detach().clone())
     opt2 = KeyedOptimizerWrapper({"w": w2}, lambda ps: torch.optim.Adam(ps, lr=0.3))
@@ -243,11 +241,7 @@ def test_init_state_then_load_checkpoint_resumes_exactly() -> None:
         opt2.load_state_dict(sd)
     opt2.init_state()
     opt2.load_state_dict(sd)
-    for p, o in ((w, opt), (w2, opt2)):
-        o.zero_grad()
-        (p**3).sum().backward()
-        o.step()
-    torch.testing.assert_close(w2.detach(), w.detach(), rtol=0, atol=0)
+    assert_resumes_exactly((w, opt), (w2, opt2), 3)
 
 
 def test_pickle_round_trip() -> None:
