@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from table_configs import one_feature_tables
 from torch import nn
 
 from recsys_core import (
@@ -170,9 +171,8 @@ def equal_tables_dmp(
     """A DistributedModelParallel of tables ``names``, each ``rows`` x ``dim`` and table ``n``
     read by feature ``f<n>``, sharded by ``generators`` over the default process group with
     the fused optimizer ``fused_params`` (the tutorial's dict); initialized from torch's seed."""
-    ebc = EmbeddingBagCollection([
-        EmbeddingBagConfig(name=n, feature_names=[f"f{n}"], num_embeddings=rows, embedding_dim=dim)
-        for n in names])
+    ebc = EmbeddingBagCollection(
+        one_feature_tables(EmbeddingBagConfig, {n: (rows, dim) for n in names}))
     plan = construct_module_sharding_plan(ebc, dict(generators), world)
     sharder = EmbeddingBagCollectionSharder(fused_params=dict(fused_params))
     return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder])

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from gloo_setup import concat_ranks, gather_to_rank0
-from tables import one_feature_tables
+from table_configs import one_feature_tables
 from torch import nn
 
 from recsys_core import (

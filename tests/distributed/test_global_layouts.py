@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_setup import counting_gathers, two_table_plans, world_env
-from tables import one_feature_tables
+from table_configs import one_feature_tables
 from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
 
 from recsys_core import EmbeddingBagCollection, EmbeddingBagConfig, EmbOptimType

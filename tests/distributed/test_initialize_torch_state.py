@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_setup import counting_gathers, world_env
-from tables import one_feature_tables
+from table_configs import one_feature_tables
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_core import (

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from gloo_setup import assert_sharded_tensor_blocks, world_env
-from tables import one_feature_tables
+from table_configs import one_feature_tables
 from torch import nn
 
 from recsys_core import (

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from gloo_setup import gather_to_rank0, shard_weights, world_env
-from tables import one_feature_tables
+from table_configs import one_feature_tables
 
 from recsys_core import (
     EmbeddingBagCollection,
