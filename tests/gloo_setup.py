@@ -314,3 +314,29 @@ def one_table_per_type_module(kind: str, weighted: bool = False,
     return EmbeddingBagCollection([
         EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=rows, embedding_dim=8)
         for n, rows in ONE_PER_TYPE_ROWS.items()], is_weighted=weighted)
+
+
+def one_table_per_type_kind(kind: str) -> tuple[list[str], type, str]:
+    """(table names, sharder type, state dict prefix) of ``one_table_per_type_module(kind)``:
+    the ``SEQUENCE_TYPES``, EmbeddingCollectionSharder, "embeddings" for "ec"; every table,
+    EmbeddingBagCollectionSharder, "embedding_bags" for "ebc"."""
+    if kind == "ec":
+        return list(SEQUENCE_TYPES), EmbeddingCollectionSharder, "embeddings"
+    return list(ONE_PER_TYPE_ROWS), EmbeddingBagCollectionSharder, "embedding_bags"
+
+
+def one_table_per_type_batches(seed: int, world: int, names: Sequence[str], batch: int,
+                               **kwargs: Any) -> list[KeyedJaggedTensor]:
+    """``rank_batches`` of the features ``f_<n>`` of the tables ``names`` of
+    :func:`one_table_per_type_module`, ids below each table's rows."""
+    return rank_batches(seed, world, [f"f_{n}" for n in names],
+                        [ONE_PER_TYPE_ROWS[n] for n in names], batch, **kwargs)
+
+
+def half_squares_loss(out: Any) -> torch.Tensor:
+    """Half the sum of the squares of a collection's output (an EmbeddingCollection's dict of
+    JaggedTensors, or pooled values): a loss whose gradient depends on the weights, so steps
+    compound."""
+    if isinstance(out, dict):
+        return sum((jt.values() ** 2).sum() for jt in out.values()) * 0.5
+    return (out.values() ** 2).sum() * 0.5

@@ -19,23 +19,21 @@ shard equals the reference: the unsharded module's gradient of the MEAN of the r
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
 from gloo_setup import (
     ONE_PER_TYPE_ROWS,
-    SEQUENCE_TYPES,
     assert_sharded_tensor_blocks,
+    half_squares_loss,
     one_table_per_type,
+    one_table_per_type_batches,
+    one_table_per_type_kind,
     one_table_per_type_module,
-    rank_batches,
 )
 
 from recsys_core.distributed import (
     DistributedModelParallel,
-    EmbeddingBagCollectionSharder,
-    EmbeddingCollectionSharder,
     ShardingPlan,
 )
 from recsys_core.distributed.comm_ops import set_gradient_division
@@ -104,25 +102,13 @@ class _Reference:
         self.w[touched] = w
 
 
-def _loss(out: Any) -> torch.Tensor:
-    if isinstance(out, dict):  # an EmbeddingCollection's JaggedTensors
-        return sum((jt.values() ** 2).sum() for jt in out.values()) * 0.5
-    return (out.values() ** 2).sum() * 0.5
-
-
 def _worker(rank: int, world: int, opt_name: str, decay: float, kind: str = "ebc") -> None:
     set_gradient_division(True)
     opt = EmbOptimType[opt_name]
     torch.manual_seed(0)
     ebc = one_table_per_type_module(kind)
-    if kind == "ec":  # the sequence collection's sharding types: table-, column-, row-wise
-        names = list(SEQUENCE_TYPES)
-        sharder: Any = EmbeddingCollectionSharder
-        prefix = "embeddings"
-    else:
-        names = list(ROWS)
-        sharder = EmbeddingBagCollectionSharder
-        prefix = "embedding_bags"
+    # "ec": the sequence collection's sharding types (table-, column-, row-wise)
+    names, sharder, prefix = one_table_per_type_kind(kind)
     unsharded = copy.deepcopy(ebc)
     tables = getattr(unsharded, prefix)
     params = {"optimizer": opt, "learning_rate": LR, "eps": EPS, "beta1": B1, "beta2": B2,
@@ -136,15 +122,14 @@ def _worker(rank: int, world: int, opt_name: str, decay: float, kind: str = "ebc
     refs = {n: _Reference(opt, decay, tables[n].weight.detach(), _column_blocks(n, world))
             for n in names}
     for step in range(STEPS):
-        batches = rank_batches(300 + step, world, [f"f_{n}" for n in names],
-                               [ROWS[n] for n in names], BATCH)
-        _loss(dmp(batches[rank]).wait()).backward()
+        batches = one_table_per_type_batches(300 + step, world, names, BATCH)
+        half_squares_loss(dmp(batches[rank]).wait()).backward()
         # the reference's gradient: autograd through the unsharded module at the current weights
         with torch.no_grad():
             for n in names:
                 tables[n].weight.copy_(refs[n].w)
         unsharded.zero_grad()
-        (sum(_loss(unsharded(b)) for b in batches) / world).backward()
+        (sum(half_squares_loss(unsharded(b)) for b in batches) / world).backward()
         for n in names:
             touched = torch.zeros(ROWS[n], dtype=torch.bool)
             for b in batches:

@@ -24,20 +24,16 @@ import torch
 import torch.distributed as dist
 from gloo_setup import (
     ONE_PER_TYPE_ROWS,
-    SEQUENCE_TYPES,
     assert_sharded_tensor_blocks,
+    half_squares_loss,
     one_table_per_type,
+    one_table_per_type_batches,
+    one_table_per_type_kind,
     one_table_per_type_module,
-    rank_batches,
 )
 
-from recsys_core import (
-    KeyedJaggedTensor,
-)
 from recsys_core.distributed import (
     DistributedModelParallel,
-    EmbeddingBagCollectionSharder,
-    EmbeddingCollectionSharder,
     ShardingPlan,
 )
 from recsys_core.distributed.comm_ops import set_gradient_division
@@ -56,20 +52,8 @@ LR = 0.1
 
 def _generators(kind: str, world: int, kernel: str | None) -> dict[str, Any]:
     """One generator per table, TorchRec's defaults unless ``kernel`` is given."""
-    names = SEQUENCE_TYPES if kind == "ec" else tuple(ROWS)
+    names, _, _ = one_table_per_type_kind(kind)
     return one_table_per_type(world, names, **({} if kernel is None else {"compute_kernel": kernel}))
-
-
-def _loss(out: Any, kind: str) -> torch.Tensor:
-    """A loss whose gradient depends on the weights (squares), so steps compound."""
-    if kind == "ec":
-        return sum((jt.values() ** 2).sum() for jt in out.values()) * 0.5
-    return (out.values() ** 2).sum() * 0.5
-
-
-def _batches(step: int, world: int, names: list[str], weighted: bool) -> list[KeyedJaggedTensor]:
-    return rank_batches(1000 + step, world, [f"f_{n}" for n in names], [ROWS[n] for n in names],
-                        BATCH, weighted=weighted)
 
 
 def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool,
@@ -77,9 +61,8 @@ def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool
     set_gradient_division(division)
     torch.manual_seed(0)
     module = one_table_per_type_module(kind, weighted)
-    names = list(_generators(kind, world, None))
+    names, sharder_type, prefix = one_table_per_type_kind(kind)
     reference = copy.deepcopy(module)
-    sharder_type = EmbeddingCollectionSharder if kind == "ec" else EmbeddingBagCollectionSharder
     if recipe == "dense":  # TorchRec's defaults: DENSE kernel, the optimizer outside
         plan = construct_module_sharding_plan(module, _generators(kind, world, None), world)
         sharder = sharder_type()
@@ -99,7 +82,7 @@ def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool
         expected_kernel = EmbeddingComputeKernel.FUSED
         # the plan generators give a data-parallel table the DENSE kernel (as TorchRec's): its
         # replica is a plain parameter that the dense optimizer steps, here SGD
-        tables = getattr(reference, "embeddings" if kind == "ec" else "embedding_bags")
+        tables = getattr(reference, prefix)
         ref_opt = _Both(
             torch.optim.Adagrad([tables[n].weight for n in names if n != "dp"], lr=LR, eps=1e-8),
             torch.optim.SGD([tables[n].weight for n in names if n == "dp"] or [_unused()], lr=LR),
@@ -115,18 +98,17 @@ def _recipe_worker(rank: int, world: int, kind: str, recipe: str, weighted: bool
         dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
         assert sum(p.numel() for p in dense.values()) == ROWS["dp"] * DIM  # the replica only
         dense_opt = torch.optim.SGD(dense.values(), lr=LR)
-    prefix = "embeddings" if kind == "ec" else "embedding_bags"
     for step in range(STEPS):
-        batches = _batches(step, world, names, weighted)
+        batches = one_table_per_type_batches(1000 + step, world, names, BATCH, weighted=weighted)
         if dense_opt is not None:
             dense_opt.zero_grad()
         out = dmp(batches[rank])
         out = out.wait() if hasattr(out, "wait") else out
-        _loss(out, kind).backward()
+        half_squares_loss(out).backward()
         if dense_opt is not None:
             dense_opt.step()
         ref_opt.zero_grad()
-        ref_loss = sum(_loss(reference(b), kind) for b in batches) / (world if division else 1)
+        ref_loss = sum(half_squares_loss(reference(b)) for b in batches) / (world if division else 1)
         ref_loss.backward()
         ref_opt.step()
         state = dmp.state_dict()
