@@ -13,8 +13,16 @@ import torch
 from torch import nn
 
 
+class ValueStrEnum(Enum):
+    """An enum whose ``str()`` is its value, as TorchRec's enums print (a base for the enums
+    here and in ``recsys_core.plan.types``; with a ``str`` mixin it stays a str enum)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @unique
-class DataType(Enum):
+class DataType(ValueStrEnum):
     """Storage precision of an embedding table (TorchRec's members and order; INT64/INT32
     name id dtypes, NFP8 an 8-bit float storage of quantized inference)."""
 
@@ -28,9 +36,6 @@ class DataType(Enum):
     INT4 = "INT4"
     INT2 = "INT2"
     NFP8 = "NFP8"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class CacheMixin(abc.ABC):

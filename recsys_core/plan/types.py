@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import Enum, unique
+from enum import unique
 from typing import Any
 
 import torch
@@ -17,10 +17,11 @@ import torch
 from recsys_core.modules.embedding_configs import DataType
 from recsys_core.plan.params import BoundsCheckMode, CacheParams, KeyValueParams
 from recsys_core.plan.spec import EnumerableShardingSpec, ShardMetadata
+from recsys_core.types import ValueStrEnum
 
 
 @unique
-class ShardingType(str, Enum):
+class ShardingType(str, ValueStrEnum):
     """How one table is split across ranks (a str enum: ``ShardingType.ROW_WISE == "row_wise"``,
     as TorchRec's plans hold the string values)."""
 
@@ -32,12 +33,9 @@ class ShardingType(str, Enum):
     TABLE_COLUMN_WISE = "table_column_wise"  # column blocks on ranks of one host
     GRID_SHARD = "grid_shard"  # column blocks, each split by rows over the ranks of one host
 
-    def __str__(self) -> str:
-        return self.value
-
 
 @unique
-class EmbeddingComputeKernel(str, Enum):
+class EmbeddingComputeKernel(str, ValueStrEnum):
     """Which kernel holds a shard (TorchRec 1.8's members).
 
     Runnable here (see :mod:`recsys_core.plan.kernels`): DENSE (weights are parameters with
@@ -60,9 +58,6 @@ class EmbeddingComputeKernel(str, Enum):
     DRAM_VIRTUAL_TABLE = "dram_virtual_table"
     DRAM_SSD_VIRTUAL_TABLE = "dram_ssd_virtual_table"
     FUSED_TRITON = "fused_triton"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
