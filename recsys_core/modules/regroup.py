@@ -21,15 +21,8 @@ def _get_kts_values(kts: list[KeyedTensor]) -> list[torch.Tensor]:
     return [kt.values() for kt in kts]
 
 
-@torch.fx.wrap
-def _regroup_values(
-    values: list[torch.Tensor],
-    keys: list[list[str]],
-    lengths: list[list[int]],
-    groups: list[list[str]],
-    dim: int,
-) -> list[torch.Tensor]:
-    return _regroup(values, keys, lengths, groups, dim)
+# KeyedTensor's own regroup, a leaf of fx graphs (called here by this module's name for it)
+torch.fx.wrap("_regroup")
 
 
 @torch.fx.wrap
@@ -139,7 +132,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
                 if not self._is_inited:
                     module_init(self, keyed_tensors)
         values = self.embedding_cast(_get_kts_values(keyed_tensors))
-        out = _regroup_values(values, self._in_keys, self._in_lengths, self._groups, self._dim)
+        out = _regroup(values, self._in_keys, self._in_lengths, self._groups, self._dim)
         return _to_tensor_dict(self._keys, out)
 
     def clear_cache(self) -> None:
