@@ -28,6 +28,14 @@ class FeatureProcessor(nn.Module):
         pass
 
 
+def _positions(features: JaggedTensor | KeyedJaggedTensor, pre_processed: bool) -> torch.Tensor:
+    """Each value's position in its bag: from the weights where ``pre_process_input`` stored
+    it, else computed from the offsets."""
+    if pre_processed:
+        return features.weights().clone().to(torch.int64)
+    return offsets_to_range_traceble(features.offsets(), features.values())
+
+
 class PositionWeightedModule(FeatureProcessor):
     """Learnable weight per position ``[0, max_feature_length)`` of one feature (start 1.0)."""
 
@@ -48,10 +56,7 @@ class PositionWeightedModule(FeatureProcessor):
             self.position_weight.fill_(1.0)
 
     def forward(self, features: JaggedTensor) -> JaggedTensor:
-        if self._pre_processed:
-            seq = features.weights().clone().to(torch.int64)
-        else:
-            seq = offsets_to_range_traceble(features.offsets(), features.values())
+        seq = _positions(features, self._pre_processed)
         return JaggedTensor(
             values=features.values(),
             lengths=features.lengths(),
@@ -130,10 +135,7 @@ class PositionWeightedModuleCollection(FeatureProcessorsCollection, CopyMixIn):
         self._sync_dict()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        if self._pre_processed:
-            cat_seq = features.weights().clone().to(torch.int64)
-        else:
-            cat_seq = offsets_to_range_traceble(features.offsets(), features.values())
+        cat_seq = _positions(features, self._pre_processed)
         return KeyedJaggedTensor(
             keys=features.keys(),
             values=features.values(),
