@@ -115,8 +115,10 @@ def permute_keys(
         if weights is not None:
             weights = weights.narrow(0, 0, covered)
     if not torch.jit.is_scripting():
-        copied = _permute_native(
-            indices, lengths, values, weights, stride_per_key, length_per_key
+        # Eager host permute: one C call for every block copy (None: the helper is absent or
+        # the tensors are not plain contiguous host tensors; the torch path below gives the same).
+        copied = _native_lib.permute_blocks(
+            indices, lengths.reshape(-1), values, weights, stride_per_key, length_per_key
         )
         if copied is not None:
             return copied
@@ -136,22 +138,6 @@ def permute_keys(
     if weights is not None:
         new_weights = gather_segments(weights, length_per_key, indices)
     return new_lengths, new_values, new_weights
-
-
-@torch.jit.unused
-def _permute_native(
-    indices: list[int],
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    stride_per_key: list[int],
-    length_per_key: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """Eager host permute: one C call for every block copy (None: the helper is absent or the
-    tensors are not plain contiguous host tensors; the torch path below gives the same)."""
-    return _native_lib.permute_blocks(
-        indices, lengths.reshape(-1), values, weights, stride_per_key, length_per_key
-    )
 
 
 @torch.jit.unused
