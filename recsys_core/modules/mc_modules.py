@@ -26,34 +26,20 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from recsys_core.modules import mc_eviction
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
-from recsys_core.modules.mc_eviction import (
-    DistanceLFU_EvictionPolicy,
-    LFU_EvictionPolicy,
-    LRU_EvictionPolicy,
-    MCHEvictionPolicy,
-    MCHEvictionPolicyMetadataInfo,
-    average_threshold_filter,
-    dynamic_threshold_filter,
-    probabilistic_threshold_filter,
-)
+from recsys_core.modules.mc_eviction import *  # noqa: F403 (re-exported: see __all__)
+from recsys_core.modules.mc_eviction import MCHEvictionPolicy
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DistanceLFU_EvictionPolicy",
-    "LFU_EvictionPolicy",
-    "LRU_EvictionPolicy",
-    "MCHEvictionPolicy",
-    "MCHEvictionPolicyMetadataInfo",
+    *mc_eviction.__all__,  # the eviction policies and filters, importable from here as in TorchRec
     "MCHManagedCollisionModule",
     "ManagedCollisionCollection",
     "ManagedCollisionModule",
     "apply_mc_method_to_jt_dict",
-    "average_threshold_filter",
-    "dynamic_threshold_filter",
-    "probabilistic_threshold_filter",
 ]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
