@@ -247,8 +247,7 @@ class GreedyPerfPartitioner(Partitioner):
                 if start + needed > len(hosts) or all_used:
                     break
                 continue
-            for device, placed in zip(devices, trial, strict=False):
-                device.storage, device.perf = placed.storage, placed.perf
+            _keep_trial(devices, trial)
             return
         raise _partition_error(f"can't find hosts for sharding option group {sharding_option_group}")
 
@@ -282,8 +281,7 @@ class GreedyPerfPartitioner(Partitioner):
             except PlannerError:
                 continue
             trial.sort(key=lambda d: d.rank)
-            for device, placed in zip(devices, trial, strict=False):
-                device.storage, device.perf = placed.storage, placed.perf
+            _keep_trial(devices, trial)
             return
         raise _partition_error(f"can't find a host for sharding option group {sharding_option_group}")
 
@@ -314,6 +312,12 @@ class GreedyPerfPartitioner(Partitioner):
 
 def _sort_devices_by_perf(devices: list[list[DeviceHardware]]) -> list[list[DeviceHardware]]:
     return sorted(devices, key=lambda host: sum(d.perf.total for d in host))
+
+
+def _keep_trial(devices: list[DeviceHardware], trial: list[DeviceHardware]) -> None:
+    """Take a placement tried on copies of ``devices``: each device's storage and perf."""
+    for device, placed in zip(devices, trial, strict=False):
+        device.storage, device.perf = placed.storage, placed.perf
 
 
 class MemoryBalancedPartitioner(Partitioner):
