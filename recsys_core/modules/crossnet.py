@@ -20,6 +20,13 @@ def _zeros(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape))
 
 
+def _per_layer(
+    num_layers: int, init: Callable[..., nn.Parameter], *shape: int
+) -> nn.ParameterList:
+    """One ``init(*shape)`` parameter per layer, made in layer order."""
+    return nn.ParameterList(init(*shape) for _ in range(num_layers))
+
+
 class CrossNet(nn.Module):
     """Full-rank cross network: ``x_{l+1} = x_0 * (W_l x_l + b_l) + x_l`` with ``W_l`` N x N.
 
@@ -32,12 +39,8 @@ class CrossNet(nn.Module):
     def __init__(self, in_features: int, num_layers: int) -> None:
         super().__init__()
         self._num_layers = num_layers
-        self.kernels: nn.ParameterList = nn.ParameterList(
-            _xavier(in_features, in_features) for _ in range(num_layers)
-        )
-        self.bias: nn.ParameterList = nn.ParameterList(
-            _zeros(in_features, 1) for _ in range(num_layers)
-        )
+        self.kernels: nn.ParameterList = _per_layer(num_layers, _xavier, in_features, in_features)
+        self.bias: nn.ParameterList = _per_layer(num_layers, _zeros, in_features, 1)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x_0 = input.unsqueeze(2)  # (B, N, 1)
@@ -59,15 +62,9 @@ class LowRankCrossNet(nn.Module):
             raise ValueError(f"LowRankCrossNet: low_rank must be >= 1, got {low_rank}")
         self._num_layers = num_layers
         self._low_rank = low_rank
-        self.W_kernels: nn.ParameterList = nn.ParameterList(
-            _xavier(in_features, low_rank) for _ in range(num_layers)
-        )
-        self.V_kernels: nn.ParameterList = nn.ParameterList(
-            _xavier(low_rank, in_features) for _ in range(num_layers)
-        )
-        self.bias: nn.ParameterList = nn.ParameterList(
-            _zeros(in_features) for _ in range(num_layers)
-        )
+        self.W_kernels: nn.ParameterList = _per_layer(num_layers, _xavier, in_features, low_rank)
+        self.V_kernels: nn.ParameterList = _per_layer(num_layers, _xavier, low_rank, in_features)
+        self.bias: nn.ParameterList = _per_layer(num_layers, _zeros, in_features)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x_0 = input
@@ -86,12 +83,8 @@ class VectorCrossNet(nn.Module):
     def __init__(self, in_features: int, num_layers: int) -> None:
         super().__init__()
         self._num_layers = num_layers
-        self.kernels: nn.ParameterList = nn.ParameterList(
-            _xavier(in_features, 1) for _ in range(num_layers)
-        )
-        self.bias: nn.ParameterList = nn.ParameterList(
-            _zeros(in_features, 1) for _ in range(num_layers)
-        )
+        self.kernels: nn.ParameterList = _per_layer(num_layers, _xavier, in_features, 1)
+        self.bias: nn.ParameterList = _per_layer(num_layers, _zeros, in_features, 1)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x_0 = input.unsqueeze(2)  # (B, N, 1)
@@ -128,23 +121,21 @@ class LowRankMixtureCrossNet(nn.Module):
         self._num_experts = num_experts
         self._low_rank = low_rank
         self._in_features = in_features
-        self.U_kernels: nn.ParameterList = nn.ParameterList(
-            _xavier(num_experts, in_features, low_rank) for _ in range(num_layers)
+        self.U_kernels: nn.ParameterList = _per_layer(
+            num_layers, _xavier, num_experts, in_features, low_rank
         )
-        self.V_kernels: nn.ParameterList = nn.ParameterList(
-            _xavier(num_experts, low_rank, in_features) for _ in range(num_layers)
+        self.V_kernels: nn.ParameterList = _per_layer(
+            num_layers, _xavier, num_experts, low_rank, in_features
         )
-        self.bias: nn.ParameterList = nn.ParameterList(
-            _zeros(in_features, 1) for _ in range(num_layers)
-        )
+        self.bias: nn.ParameterList = _per_layer(num_layers, _zeros, in_features, 1)
         self.gates: nn.ModuleList | None = (
             nn.ModuleList(nn.Linear(in_features, 1, bias=False) for _ in range(num_experts))
             if num_experts > 1
             else None
         )
         self._activation = activation
-        self.C_kernels: nn.ParameterList = nn.ParameterList(
-            _xavier(num_experts, low_rank, low_rank) for _ in range(num_layers)
+        self.C_kernels: nn.ParameterList = _per_layer(
+            num_layers, _xavier, num_experts, low_rank, low_rank
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
