@@ -56,6 +56,17 @@ DEFAULT_SSD_MEM_BW = 0.16 * GB / MS
 # read-modify-writes every touched row, about twice the forward's memory traffic.
 DEFAULT_BWD_COMPUTE_MULTIPLIER = 2.0
 
+# TorchRec's constant for each bandwidth field (GiB-based, bytes/ms): what TorchRec's estimators
+# and its TopologyFactory use where a bandwidth is left out.
+TORCHREC_BANDWIDTHS: dict[str, float] = {
+    "hbm_mem_bw": HBM_MEM_BW,
+    "ddr_mem_bw": DDR_MEM_BW,
+    "ssd_mem_bw": SSD_MEM_BW,
+    "hbm_to_ddr_mem_bw": HBM_TO_DDR_MEM_BW,
+    "intra_host_bw": INTRA_NODE_BANDWIDTH,
+    "inter_host_bw": CROSS_NODE_BANDWIDTH,
+}
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -154,8 +165,8 @@ class Topology:
         # A value equal to this planner's default counts as left out (dataclasses.replace
         # passes the resolved defaults back in).
         torchrec_bw = {
-            "hbm_mem_bw": HBM_MEM_BW, "ddr_mem_bw": DDR_MEM_BW,
-            "intra_host_bw": INTRA_NODE_BANDWIDTH, "inter_host_bw": CROSS_NODE_BANDWIDTH,
+            name: TORCHREC_BANDWIDTHS[name]
+            for name in ("hbm_mem_bw", "ddr_mem_bw", "intra_host_bw", "inter_host_bw")
         }
         for name, ours in (("hbm_mem_bw", DEFAULT_HBM_MEM_BW), ("ddr_mem_bw", DEFAULT_DDR_MEM_BW),
                            ("inter_host_bw", DEFAULT_INTER_HOST_BW)):

@@ -18,15 +18,9 @@ from typing import Any
 from recsys_core.planner.comms import GeneralizedCommsBandwidth
 from recsys_core.planner.constants import (
     BWD_COMPUTE_MULTIPLIER,
-    CROSS_NODE_BANDWIDTH,
-    DDR_MEM_BW,
-    HBM_MEM_BW,
-    HBM_TO_DDR_MEM_BW,
-    INTRA_NODE_BANDWIDTH,
-    SSD_MEM_BW,
     WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER,
 )
-from recsys_core.planner.topology import Topology
+from recsys_core.planner.topology import TORCHREC_BANDWIDTHS, Topology
 
 
 def _torchrec_logger(destination: str) -> logging.Logger:
@@ -237,10 +231,9 @@ def _warn_if_cap_override(name: str, trainer_value: int | None, hardware_value: 
 def _memory_bandwidths(kwargs: dict[str, Any], hardware: HardwareConfig,
                        kernel: KernelConfig) -> None:
     use = kernel.use_hardware_based_bandwidth
-    for name, default in (("hbm_mem_bw", HBM_MEM_BW), ("ddr_mem_bw", DDR_MEM_BW),
-                          ("ssd_mem_bw", SSD_MEM_BW), ("hbm_to_ddr_mem_bw", HBM_TO_DDR_MEM_BW)):
+    for name in ("hbm_mem_bw", "ddr_mem_bw", "ssd_mem_bw", "hbm_to_ddr_mem_bw"):
         detected = getattr(hardware, name) if use else None
-        kwargs[name] = default if detected is None else detected
+        kwargs[name] = TORCHREC_BANDWIDTHS[name] if detected is None else detected
 
 
 def _comms_bandwidths(kwargs: dict[str, Any], hardware: HardwareConfig,
@@ -251,5 +244,5 @@ def _comms_bandwidths(kwargs: dict[str, Any], hardware: HardwareConfig,
     use = kernel.use_hardware_based_bandwidth
     intra = hardware.intra_host_bw if use else None
     inter = hardware.inter_host_bw if use else None
-    kwargs["intra_host_bw"] = INTRA_NODE_BANDWIDTH if intra is None else intra
-    kwargs["inter_host_bw"] = CROSS_NODE_BANDWIDTH if inter is None else inter
+    kwargs["intra_host_bw"] = TORCHREC_BANDWIDTHS["intra_host_bw"] if intra is None else intra
+    kwargs["inter_host_bw"] = TORCHREC_BANDWIDTHS["inter_host_bw"] if inter is None else inter
