@@ -10,7 +10,7 @@ Shapes (B samples, F sparse features, D embedding dim, H = deep_fm_dimension)::
 import torch
 from torch import nn
 
-from recsys_core.models.dlrm import _common_embedding_dim, _model_input_output
+from recsys_core.models.dlrm import _common_embedding_dim, _FourArches, _model_input_output
 from recsys_core.modules.deepfm import DeepFM, FactorizationMachine
 from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.sparse import KeyedJaggedTensor, KeyedTensor
@@ -82,7 +82,7 @@ class OverArch(nn.Module):
         return self.model(features)
 
 
-class SimpleDeepFMNN(nn.Module):
+class SimpleDeepFMNN(_FourArches):
     """DeepFM over a dense input and an embedding bag collection (one embedding dim).
 
     ``forward(dense_features [B, num_dense_features], sparse_features KJT) -> [B, 1]`` in
@@ -108,14 +108,6 @@ class SimpleDeepFMNN(nn.Module):
         self.dense_arch = DenseArch(num_dense_features, hidden_layer_size, embedding_dim)
         self.inter_arch = FMInteractionArch(fm_in_features, feature_names, deep_fm_dimension)
         self.over_arch = OverArch(embedding_dim + deep_fm_dimension + 1)
-
-    def forward(
-        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
-    ) -> torch.Tensor:
-        embedded_dense = self.dense_arch(dense_features)
-        embedded_sparse = self.sparse_arch(sparse_features)
-        interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
-        return self.over_arch(interacted)
 
 
 class SimpleDeepFMNNWrapper(SimpleDeepFMNN):

@@ -213,7 +213,20 @@ def _common_embedding_dim(ebc: EmbeddingBagCollection, model: str) -> int:
     return configs[0].embedding_dim
 
 
-class DLRM(nn.Module):
+class _FourArches(nn.Module):
+    """A model of four arches (set by the subclass): the dense arch over the dense features and
+    the sparse arch over the KJT, their interaction, then the over arch (DLRM, DeepFM)."""
+
+    def forward(
+        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
+    ) -> torch.Tensor:
+        embedded_dense = self.dense_arch(dense_features)
+        embedded_sparse = self.sparse_arch(sparse_features)
+        interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
+        return self.over_arch(interacted)
+
+
+class DLRM(_FourArches):
     """DLRM with dot interaction.
 
     Args:
@@ -257,14 +270,6 @@ class DLRM(nn.Module):
         self.inter_arch = torch.compile(self.inter_arch, mode=compile_mode)
         self.over_arch = torch.compile(self.over_arch, mode=compile_mode)
         self._cuda_graph_enabled = True
-
-    def forward(
-        self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
-    ) -> torch.Tensor:
-        embedded_dense = self.dense_arch(dense_features)
-        embedded_sparse = self.sparse_arch(sparse_features)
-        interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
-        return self.over_arch(interacted)
 
 
 class DLRM_Projection(DLRM):
