@@ -114,48 +114,30 @@ def adagrad(
             "RowWiseAdagrad: state_steps must be a list of singleton tensors (one per parameter)"
         )
     for param, grad, state_sum, step in zip(params, grads, state_sums, state_steps, strict=True):
-        _single_tensor_adagrad(
-            param, grad, state_sum, step,
-            lr=lr, weight_decay=weight_decay, lr_decay=lr_decay, eps=eps, maximize=maximize,
-        )
-
-
-def _single_tensor_adagrad(
-    p: torch.Tensor,
-    grad: torch.Tensor,
-    state_sum: torch.Tensor,
-    step: torch.Tensor,
-    *,
-    lr: float,
-    weight_decay: float,
-    lr_decay: float,
-    eps: float,
-    maximize: bool,
-) -> None:
-    if state_sum.numel() != p.shape[0]:
-        raise ValueError(
-            f"RowWiseAdagrad: the accumulator has {state_sum.numel()} entries for a table of "
-            f"{p.shape[0]} rows (shape {tuple(state_sum.shape)}); it needs one per row"
-        )
-    # A TorchRec state dict keeps [rows, 1]; read and write through a [rows] view so both work.
-    sums = state_sum.view(-1)
-    step += 1
-    clr = lr / (1 + (float(step) - 1) * lr_decay)
-    grad = -grad if maximize else grad
-    if grad.is_sparse:
-        grad = grad.coalesce()
-        rows, g = grad.indices()[0], grad.values()
-    else:
-        rows, g = None, grad
-    w = p if rows is None else p.index_select(0, rows)
-    if weight_decay:
-        g = g + weight_decay * w
-    total = sums if rows is None else sums.index_select(0, rows)
-    total = total + (g * g).mean(dim=1)
-    new_w = w - (clr / (total.sqrt() + eps)).unsqueeze(1) * g
-    if rows is None:
-        sums.copy_(total)
-        p.copy_(new_w)
-    else:
-        sums.index_copy_(0, rows, total)
-        p.index_copy_(0, rows, new_w)
+        if state_sum.numel() != param.shape[0]:
+            raise ValueError(
+                f"RowWiseAdagrad: the accumulator has {state_sum.numel()} entries for a table of "
+                f"{param.shape[0]} rows (shape {tuple(state_sum.shape)}); it needs one per row"
+            )
+        # A TorchRec state dict keeps [rows, 1]; read and write through a [rows] view so both work.
+        sums = state_sum.view(-1)
+        step += 1
+        clr = lr / (1 + (float(step) - 1) * lr_decay)
+        grad = -grad if maximize else grad
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            rows, g = grad.indices()[0], grad.values()
+        else:
+            rows, g = None, grad
+        w = param if rows is None else param.index_select(0, rows)
+        if weight_decay:
+            g = g + weight_decay * w
+        total = sums if rows is None else sums.index_select(0, rows)
+        total = total + (g * g).mean(dim=1)
+        new_w = w - (clr / (total.sqrt() + eps)).unsqueeze(1) * g
+        if rows is None:
+            sums.copy_(total)
+            param.copy_(new_w)
+        else:
+            sums.index_copy_(0, rows, total)
+            param.index_copy_(0, rows, new_w)
