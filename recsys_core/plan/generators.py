@@ -199,6 +199,21 @@ def _device_index_placements(devices: Sequence[str], rank_of_device: bool) -> li
     return out
 
 
+def _generator(
+    build: Callable[[_Table, int, int, str], ParameterSharding],
+) -> ParameterShardingGenerator:
+    """A :class:`ParameterShardingGenerator` (TorchRec's call) that reads ``param``'s table and
+    returns ``build(table, local_size, world_size, device_type)``."""
+
+    def generate(
+        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
+        device_type: str, sharder: Sharder | None = None,
+    ) -> ParameterSharding:
+        return build(_Table.of(param), local_size, world_size, device_type)
+
+    return generate
+
+
 def table_wise(
     rank: int,
     device: str | None = None,
@@ -214,11 +229,10 @@ def table_wise(
     if isinstance(device, EmbeddingComputeKernel):
         device, compute_kernel = None, device
 
+    @_generator
     def generate(
-        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
-        device_type: str, sharder: Sharder | None = None,
+        table: _Table, local_size: int, world_size: int, device_type: str
     ) -> ParameterSharding:
-        table = _Table.of(param)
         (size, offset), = _sizes(table, ShardingType.TABLE_WISE, local_size, world_size)
         places = [placement_helper(device, rank, rank)] if device else None
         return _sharding(table, ShardingType.TABLE_WISE, compute_kernel, [(size, offset, rank)],
@@ -252,11 +266,10 @@ def row_wise(
             )
         compute_kernel = EmbeddingComputeKernel.QUANT  # as TorchRec: uneven rows are inference
 
+    @_generator
     def generate(
-        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
-        device_type: str, sharder: Sharder | None = None,
+        table: _Table, local_size: int, world_size: int, device_type: str
     ) -> ParameterSharding:
-        table = _Table.of(param)
         if sizes_placement is None:
             blocks = _sizes(table, ShardingType.ROW_WISE, local_size, world_size,
                             num_buckets=num_buckets)
@@ -294,11 +307,10 @@ def column_wise(
     if size_per_rank is None and not ranks:
         raise ValueError("column_wise: ranks is empty; give at least one rank per column block")
 
+    @_generator
     def generate(
-        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
-        device_type: str, sharder: Sharder | None = None,
+        table: _Table, local_size: int, world_size: int, device_type: str
     ) -> ParameterSharding:
-        table = _Table.of(param)
         if size_per_rank is None:
             assert ranks is not None
             if table.cols % len(ranks):
@@ -336,11 +348,10 @@ def data_parallel(
     kernel is DENSE (TorchRec's): an optimizer outside the module steps the replicas, whose
     gradients ``DistributedModelParallel`` averages with the dense part's."""
 
+    @_generator
     def generate(
-        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
-        device_type: str, sharder: Sharder | None = None,
+        table: _Table, local_size: int, world_size: int, device_type: str
     ) -> ParameterSharding:
-        table = _Table.of(param)
         kind = ShardingType.DATA_PARALLEL
         return ParameterSharding(
             sharding_type=kind,
@@ -362,11 +373,10 @@ def table_row_wise(
     rows [5, 10) on rank 3.
     """
 
+    @_generator
     def generate(
-        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
-        device_type: str, sharder: Sharder | None = None,
+        table: _Table, local_size: int, world_size: int, device_type: str
     ) -> ParameterSharding:
-        table = _Table.of(param)
         ranks = _host_ranks(host_index, local_size, world_size, table.name)
         blocks = _sizes(table, ShardingType.TABLE_ROW_WISE, local_size, world_size)
         shards = [(size, offset, r) for (size, offset), r in zip(blocks, ranks, strict=True)]
@@ -387,11 +397,10 @@ def table_column_wise(
     World 4, 2 ranks per host, ``host_index=1``: dim 8 -> columns [0, 4) on rank 2, [4, 8) on 3.
     """
 
+    @_generator
     def generate(
-        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
-        device_type: str, sharder: Sharder | None = None,
+        table: _Table, local_size: int, world_size: int, device_type: str
     ) -> ParameterSharding:
-        table = _Table.of(param)
         ranks = _host_ranks(host_index, local_size, world_size, table.name)
         count = local_size if ranks_per_table is None else ranks_per_table
         if not 1 <= count <= local_size:
@@ -424,11 +433,10 @@ def grid_shard(
     [5, 10) on rank 3. (The plan is TorchRec's; this library's sharders do not execute it.)
     """
 
+    @_generator
     def generate(
-        param: torch.Tensor | BaseEmbeddingConfig, local_size: int, world_size: int,
-        device_type: str, sharder: Sharder | None = None,
+        table: _Table, local_size: int, world_size: int, device_type: str
     ) -> ParameterSharding:
-        table = _Table.of(param)
         blocks = _sizes(table, ShardingType.GRID_SHARD, local_size, world_size)
         if len(blocks) != len(host_indexes) * local_size:
             raise ValueError(
