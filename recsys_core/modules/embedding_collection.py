@@ -14,12 +14,13 @@ from recsys_core.modules.embedding_configs import (
     EmbeddingConfig,
     check_table_names,
     get_embedding_names_by_table,
+    init_table_weights,
     meta_weight,
     table_dtype,
 )
 from recsys_core.modules.lookup import (
     check_lengths,
-    diagnose_lookup_failure,
+    lookup_or_diagnose,
     meta_jagged,
     validate_features,
 )
@@ -95,10 +96,7 @@ class EmbeddingCollection(nn.Module, SequenceCollectionTables):
 
     def reset_parameters(self) -> None:
         """Initialize every table from its config (tables still on meta are skipped)."""
-        for config in self._embedding_configs:
-            weight = self.embeddings[config.name].weight
-            if not weight.is_meta:
-                config.init_weight_(weight)
+        init_table_weights(self._embedding_configs, self.embeddings)
 
     def use_gather_select(self) -> bool:
         return self._use_gather_select
@@ -137,15 +135,9 @@ class EmbeddingCollection(nn.Module, SequenceCollectionTables):
                 for name, feature in zip(names, feature_names, strict=True)
             }
         check_lengths(features)
-        try:
-            return self._lookup(features)
-        except (IndexError, RuntimeError) as exc:
-            error = diagnose_lookup_failure(
-                features, self._rows_per_feature, "EmbeddingCollection", exc
-            )
-            if error is exc:
-                raise
-            raise error from exc
+        return lookup_or_diagnose(
+            self._lookup, features, self._rows_per_feature, "EmbeddingCollection"
+        )
 
     def _lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         feature_dict = features.to_dict()

@@ -14,6 +14,7 @@ from enum import Enum, unique
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from recsys_core.types import DataType
 
@@ -434,6 +435,15 @@ class FeatureL2NormBasedEvictionPolicy(VirtualTableEvictionPolicy):
 @dataclass
 class NoEvictionPolicy(VirtualTableEvictionPolicy):
     """Never evict."""
+
+
+def init_table_weights(configs: Sequence[BaseEmbeddingConfig], tables: nn.ModuleDict) -> None:
+    """Initialize each config's table (``tables[config.name].weight``) from the config; tables
+    still on meta are skipped."""
+    for config in configs:
+        weight = tables[config.name].weight
+        if not weight.is_meta:
+            config.init_weight_(weight)
 
 
 def meta_weight(config: BaseEmbeddingConfig, device: torch.device | str | None) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ from recsys_core.modules.embedding_configs import (
     PoolingType,
     check_table_names,
     get_embedding_names_by_table,
+    init_table_weights,
     meta_weight,
     table_dtype,
 )
@@ -27,7 +28,7 @@ from recsys_core.modules.lookup import (
     bag_offsets,
     check_features,
     combine_pooled,
-    diagnose_lookup_failure,
+    lookup_or_diagnose,
     reorder_inverse_indices,
     validate_features,
 )
@@ -180,10 +181,7 @@ class EmbeddingBagCollection(nn.Module, PooledCollectionTables):
 
     def reset_parameters(self) -> None:
         """Initialize every table from its config (tables still on meta are skipped)."""
-        for config in self._embedding_bag_configs:
-            weight = self.embedding_bags[config.name].weight
-            if not weight.is_meta:
-                config.init_weight_(weight)
+        init_table_weights(self._embedding_bag_configs, self.embedding_bags)
 
     @property
     def device(self) -> torch.device:
@@ -202,15 +200,9 @@ class EmbeddingBagCollection(nn.Module, PooledCollectionTables):
         )
         if isinstance(features, KeyedJaggedTensor) and features.values().is_meta:
             return self._meta_forward(features)
-        try:
-            return self._pool(features)
-        except (IndexError, RuntimeError) as exc:
-            error = diagnose_lookup_failure(
-                features, self._rows_per_feature, "EmbeddingBagCollection", exc
-            )
-            if error is exc:
-                raise
-            raise error from exc
+        return lookup_or_diagnose(
+            self._pool, features, self._rows_per_feature, "EmbeddingBagCollection"
+        )
 
     def _pool(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if len(self._embedding_names) == 0:

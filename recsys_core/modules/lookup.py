@@ -8,13 +8,15 @@ one node each instead of tracing into data-dependent Python.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import Optional, TypeVar
 
 import torch
 
 from recsys_core.kernels.id_check import IdOutOfRangeError
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
+
+_Out = TypeVar("_Out")
 
 
 def check_features(
@@ -78,6 +80,23 @@ def diagnose_lookup_failure(
             "KeyedJaggedTensor with inverse_indices=(keys, indices [num_keys, batch])"
         )
     return exc
+
+
+def lookup_or_diagnose(
+    lookup: Callable[[KeyedJaggedTensor], _Out],
+    features: KeyedJaggedTensor,
+    rows_per_feature: Sequence[tuple[str, int]],
+    module: str,
+) -> _Out:
+    """``lookup(features)``; where it fails (IndexError, RuntimeError), the error
+    :func:`diagnose_lookup_failure` names is raised instead, from the original."""
+    try:
+        return lookup(features)
+    except (IndexError, RuntimeError) as exc:
+        error = diagnose_lookup_failure(features, rows_per_feature, module, exc)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def bag_offsets(jt: JaggedTensor) -> torch.Tensor:
