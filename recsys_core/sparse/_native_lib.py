@@ -18,9 +18,12 @@ import numpy as np
 import torch
 
 
-def _load() -> ctypes.CDLL | None:
+def load_c_helper(module: str) -> ctypes.CDLL | None:
+    """A compiled C helper of the package (``module``: its dotted name) opened with ctypes, or
+    None where the package was built without it (no C compiler at install time) or it does not
+    load. For every such helper: this one, ``kernels._rowio``, the app's parsers."""
     try:
-        spec = importlib.util.find_spec("recsys_core.sparse._native")
+        spec = importlib.util.find_spec(module)
         if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
             return None
         return ctypes.CDLL(spec.origin)
@@ -28,7 +31,7 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
-_LIB = _load()
+_LIB = load_c_helper("recsys_core.sparse._native")
 
 
 def _load_module() -> object | None:
