@@ -129,42 +129,27 @@ def permute_keys(
     needs_grad = values.requires_grad or (weights is not None and weights.requires_grad)
     if fixed_stride and len(stride_per_key) > 0 and float_weights and not needs_grad:
         if not torch.jit.is_scripting():
-            return _permute_2d(
-                indices, indices_tensor, lengths, values, weights, stride_per_key, length_per_key
+            # Eager fixed-batch permute: FBGEMM's kernel where it pays (``sparse_ops`` decides).
+            total = 0
+            for i in indices:
+                total += length_per_key[i]
+            if indices_tensor is None:
+                indices_tensor = torch.tensor(indices, dtype=torch.int32, device=values.device)
+            new_lengths, new_values, new_weights = sparse_ops.permute_2d_sparse_data(
+                indices_tensor,
+                lengths.reshape(len(stride_per_key), -1),
+                values,
+                weights,
+                total,
+                length_per_row=length_per_key,
             )
+            return new_lengths.reshape(-1), new_values, new_weights
     new_lengths = gather_segments(lengths.reshape(-1), stride_per_key, indices)
     new_values = gather_segments(values, length_per_key, indices)
     new_weights: torch.Tensor | None = None
     if weights is not None:
         new_weights = gather_segments(weights, length_per_key, indices)
     return new_lengths, new_values, new_weights
-
-
-@torch.jit.unused
-def _permute_2d(
-    indices: list[int],
-    indices_tensor: torch.Tensor | None,
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    stride_per_key: list[int],
-    length_per_key: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Eager fixed-batch permute: FBGEMM's kernel where it pays (``sparse_ops`` decides)."""
-    total = 0
-    for i in indices:
-        total += length_per_key[i]
-    if indices_tensor is None:
-        indices_tensor = torch.tensor(indices, dtype=torch.int32, device=values.device)
-    new_lengths, new_values, new_weights = sparse_ops.permute_2d_sparse_data(
-        indices_tensor,
-        lengths.reshape(len(stride_per_key), -1),
-        values,
-        weights,
-        total,
-        length_per_row=length_per_key,
-    )
-    return new_lengths.reshape(-1), new_values, new_weights
 
 
 def padded_dense(
