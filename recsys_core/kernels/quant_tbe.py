@@ -258,7 +258,7 @@ def feature_rows(
     return dequantize_rows(table.index_select(0, ids), dim, weight_type)
 
 
-def torch_quant_pooled(
+def torch_quant_lookup(
     weights: Tensor,
     weights_offsets: list[int],
     row_strides: list[int],
@@ -269,8 +269,13 @@ def torch_quant_pooled(
     indices: Tensor,
     offsets: Tensor,
     per_sample_weights: Tensor | None,
+    pooled: bool,
 ) -> Tensor:
-    """SUM-pooled ``[B, sum(dims)]``: gather each bag's rows, dequantize, add up (in float32).
+    """Each feature's rows gathered and dequantized (in float32), then
+
+    - ``pooled``: SUM-pooled per bag, ``[B, sum(dims)]`` (weighted by ``per_sample_weights``);
+    - not ``pooled``: unpooled ``[N, D]``, every id's row in ``indices`` order (every feature
+      has the same dim ``D``; ``per_sample_weights`` is not used).
 
     ``offsets`` is feature-major (``num_features * B + 1`` entries), as FBGEMM takes it.
     """
@@ -283,45 +288,19 @@ def torch_quant_pooled(
         vectors = feature_rows(weights, weights_offsets[f], row_strides[f], dims[f],
                                weights_tys[f], rows_per_feature[f], feature_names[f],
                                indices[lo:hi])
-        psw = None if per_sample_weights is None else per_sample_weights[lo:hi].float()
-        # embedding_bag over the gathered rows (index_add_ is ~1000x slower on CPU when many
-        # rows land in one bag, as at batch size 1).
-        outs.append(torch.nn.functional.embedding_bag(
-            torch.arange(hi - lo, device=weights.device), vectors,
-            offsets[f * batch : (f + 1) * batch + 1] - lo, mode="sum",
-            per_sample_weights=psw, include_last_offset=True,
-        ))
-    return torch.cat(outs, dim=1)
-
-
-def torch_quant_sequence(
-    weights: Tensor,
-    weights_offsets: list[int],
-    row_strides: list[int],
-    dims: list[int],
-    weights_tys: list[int],
-    rows_per_feature: list[int],
-    feature_names: list[str],
-    indices: Tensor,
-    offsets: Tensor,
-) -> Tensor:
-    """Unpooled ``[N, D]``: every id's row dequantized (in float32), in ``indices`` order.
-
-    Every feature has the same dim ``D``; ``offsets`` is feature-major as in
-    :func:`torch_quant_pooled`.
-    """
-    num_features = len(dims)
-    batch = (offsets.numel() - 1) // num_features
-    outs: list[Tensor] = []
-    for f in range(num_features):
-        lo = int(offsets[f * batch])
-        hi = int(offsets[(f + 1) * batch])
-        outs.append(feature_rows(weights, weights_offsets[f], row_strides[f], dims[f],
-                                 weights_tys[f], rows_per_feature[f], feature_names[f],
-                                 indices[lo:hi]))
-    if not outs:
+        if pooled:
+            psw = None if per_sample_weights is None else per_sample_weights[lo:hi].float()
+            # embedding_bag over the gathered rows (index_add_ is ~1000x slower on CPU when
+            # many rows land in one bag, as at batch size 1).
+            vectors = torch.nn.functional.embedding_bag(
+                torch.arange(hi - lo, device=weights.device), vectors,
+                offsets[f * batch : (f + 1) * batch + 1] - lo, mode="sum",
+                per_sample_weights=psw, include_last_offset=True,
+            )
+        outs.append(vectors)
+    if not pooled and not outs:
         return torch.zeros(0, 0, device=weights.device)
-    return torch.cat(outs, dim=0)
+    return torch.cat(outs, dim=1 if pooled else 0)
 
 
 def fbgemm_quant_pooled(

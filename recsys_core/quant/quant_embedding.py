@@ -38,11 +38,12 @@ from recsys_core.kernels.quant_tbe import (
     row_bytes,
     table_offsets,
     table_views,
-    torch_quant_pooled,
+    torch_quant_lookup,
 )
 from recsys_core.kernels.tbe import IdOutOfRangeError, describe_bad_ids
 from recsys_core.modules.collection_tables import PooledCollectionTables
 from recsys_core.modules.embedding_configs import (
+    BaseEmbeddingConfig,
     DataType,
     EmbeddingBagConfig,
     PoolingType,
@@ -189,9 +190,9 @@ class QuantTBEBag(nn.Module):
                 self.row_alignment, indices, offsets, per_sample_weights,
             )
         else:
-            pooled = torch_quant_pooled(
+            pooled = torch_quant_lookup(
                 self.weights, self.offsets_list, self.row_strides, self.dims, self.tys,
-                self.rows, self.feature_names, indices, offsets, per_sample_weights,
+                self.rows, self.feature_names, indices, offsets, per_sample_weights, True,
             )
         if self.has_mean:
             batch = (offsets.numel() - 1) // num_features
@@ -220,13 +221,13 @@ class QuantTableWeight(nn.Module):
         self.register_buffer("weight", weight)
 
 
-def stored_rows(config: EmbeddingBagConfig) -> int:
+def stored_rows(config: BaseEmbeddingConfig) -> int:
     """Rows a quantized table stores: ``num_embeddings_post_pruning`` when pruned."""
     pruned = config.num_embeddings_post_pruning
     return config.num_embeddings if pruned is None else pruned
 
 
-def quant_weight_type(config: EmbeddingBagConfig) -> WeightType:
+def quant_weight_type(config: BaseEmbeddingConfig) -> WeightType:
     """The FBGEMM storage type for the table's ``data_type`` (ValueError if it has none)."""
     weight_type = QUANT_DATA_TYPES.get(config.data_type)
     if weight_type is None:
@@ -294,44 +295,31 @@ class QuantEmbeddingBagCollection(nn.Module, PooledCollectionTables):
         output_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        check_unique_tables(tables, "QuantEmbeddingBagCollection")
+        module = "QuantEmbeddingBagCollection"
+        check_unique_tables(tables, module)
         if not tables:
-            raise ValueError("QuantEmbeddingBagCollection needs at least one table")
-        if output_dtype not in OUTPUT_DTYPES:
-            raise ValueError(
-                f"QuantEmbeddingBagCollection: output_dtype {output_dtype} is not supported; use "
-                f"one of {[str(d) for d in OUTPUT_DTYPES]}"
-            )
+            raise ValueError(f"{module} needs at least one table")
+        check_output_dtype(output_dtype, module)
         self._output_dtype = output_dtype
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._backend = backend
-        specs = [
-            QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
-            for c in self._embedding_bag_configs
-        ]
-        given = dict(table_name_to_quantized_weights or {})
-        unknown = sorted(set(given) - {c.name for c in self._embedding_bag_configs})
-        if unknown:
-            raise ValueError(f"QuantEmbeddingBagCollection: no tables named {unknown}")
+        specs = quant_table_specs(self._embedding_bag_configs)
+        given = given_quant_rows(table_name_to_quantized_weights, self._embedding_bag_configs, module)
         self._feature_names = [f for c in self._embedding_bag_configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._embedding_bag_configs for _ in c.feature_names]
         self._tbe = QuantTBEBag(
             specs,
-            [t for t, c in enumerate(self._embedding_bag_configs) for _ in c.feature_names],
+            table_of_features(self._embedding_bag_configs),
             self._feature_names,
             [c.pooling is PoolingType.MEAN for c in self._embedding_bag_configs for _ in c.feature_names],
             device=self._device,
             row_alignment=row_alignment,
-            use_fbgemm={KernelBackend.AUTO: None, KernelBackend.FBGEMM: True}.get(backend, False),
+            use_fbgemm=use_fbgemm_choice(backend),
         )
-        self.embedding_bags = nn.ModuleDict()
-        for config, view in zip(self._embedding_bag_configs, self._tbe.table_weights(), strict=True):
-            if config.name in given:
-                copy_quant_rows(config.name, view, given[config.name])
-            self.embedding_bags[config.name] = QuantTableWeight(view)
-        self._key_order = KeyOrder(self._feature_names, "QuantEmbeddingBagCollection")
+        self.embedding_bags = table_weight_modules(self._embedding_bag_configs, self._tbe, given)
+        self._key_order = KeyOrder(self._feature_names, module)
 
     @classmethod
     def from_float(
@@ -548,6 +536,60 @@ def qconfig_dtypes(
             f"module supports ({[str(d) for d in OUTPUT_DTYPES]})"
         )
     return chosen, output
+
+
+def check_output_dtype(output_dtype: torch.dtype, module: str) -> None:
+    """Refuse an output dtype a quantized lookup cannot return (``module`` names the caller)."""
+    if output_dtype not in OUTPUT_DTYPES:
+        raise ValueError(
+            f"{module}: output_dtype {output_dtype} is not supported; use one of "
+            f"{[str(d) for d in OUTPUT_DTYPES]}"
+        )
+
+
+def quant_table_specs(configs: Sequence[BaseEmbeddingConfig]) -> list[QuantTableSpec]:
+    """Each table's layout in the quantized kernel: its stored rows, dim and weight type."""
+    return [
+        QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
+        for c in configs
+    ]
+
+
+def table_of_features(configs: Sequence[BaseEmbeddingConfig]) -> list[int]:
+    """The kernel's ``feature_table_map``: each feature's table index, features in table order."""
+    return [t for t, c in enumerate(configs) for _ in c.feature_names]
+
+
+def use_fbgemm_choice(backend: KernelBackend) -> bool | None:
+    """The quantized kernels' ``use_fbgemm`` for a backend: AUTO decides by the device (None),
+    FBGEMM insists (True), TORCH refuses (False)."""
+    return {KernelBackend.AUTO: None, KernelBackend.FBGEMM: True}.get(backend, False)
+
+
+def given_quant_rows(
+    table_name_to_quantized_weights: Mapping[str, Tensor] | None,
+    configs: Sequence[BaseEmbeddingConfig],
+    module: str,
+) -> dict[str, Tensor]:
+    """The constructor's initial rows by table name; a name that is no table's is refused."""
+    given = dict(table_name_to_quantized_weights or {})
+    unknown = sorted(set(given) - {c.name for c in configs})
+    if unknown:
+        raise ValueError(f"{module}: no tables named {unknown}")
+    return given
+
+
+def table_weight_modules(
+    configs: Sequence[BaseEmbeddingConfig], tbe: QuantTBEBag, given: Mapping[str, Tensor]
+) -> nn.ModuleDict:
+    """Per table (by name), a :class:`QuantTableWeight` over its rows in ``tbe``'s buffer,
+    filled from ``given`` where it names the table."""
+    weights = nn.ModuleDict()
+    for config, view in zip(configs, tbe.table_weights(), strict=True):
+        if config.name in given:
+            copy_quant_rows(config.name, view, given[config.name])
+        weights[config.name] = QuantTableWeight(view)
+    return weights
 
 
 def copy_quant_rows(name: str, view: Tensor, rows: Tensor) -> None:

@@ -28,7 +28,7 @@ from recsys_core.kernels.quant_tbe import (
     QuantTableSpec,
     fbgemm_quant_pooled,
     quantize_rows,
-    torch_quant_sequence,
+    torch_quant_lookup,
 )
 from recsys_core.kernels.tbe import IdOutOfRangeError, describe_bad_ids
 from recsys_core.modules.collection_tables import SequenceCollectionTables
@@ -43,13 +43,16 @@ from recsys_core.modules.lookup import check_features
 from recsys_core.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
 from recsys_core.modules.mc_modules import ManagedCollisionCollection
 from recsys_core.quant.quant_embedding import (
-    OUTPUT_DTYPES,
-    QuantTableWeight,
     QuantTBEBag,
-    copy_quant_rows,
+    check_output_dtype,
+    given_quant_rows,
     qconfig_dtypes,
+    quant_table_specs,
     quant_weight_type,
     stored_rows,
+    table_of_features,
+    table_weight_modules,
+    use_fbgemm_choice,
 )
 from recsys_core.sparse import JaggedTensor, KeyedJaggedTensor
 from recsys_core.sparse.key_order import KeyOrder
@@ -98,9 +101,9 @@ class QuantTBESequence(QuantTBEBag):
                 self.D_offsets, self.rows_per_feature, self.bounds_check_warning, self.max_dims,
                 self.row_alignment, indices, offsets, None, _POOLING_NONE,
             )
-        return torch_quant_sequence(
+        return torch_quant_lookup(
             self.weights, self.offsets_list, self.row_strides, self.dims, self.tys,
-            self.rows, self.feature_names, indices, offsets,
+            self.rows, self.feature_names, indices, offsets, None, False,
         )
 
 
@@ -154,11 +157,7 @@ class QuantEmbeddingCollection(nn.Module, SequenceCollectionTables):
             raise ValueError(f"{module} needs at least one table")
         check_table_names(tables, module)
         self._embedding_dim = check_equal_dims(tables, module)
-        if output_dtype not in OUTPUT_DTYPES:
-            raise ValueError(
-                f"{module}: output_dtype {output_dtype} is not supported; use one of "
-                f"{[str(d) for d in OUTPUT_DTYPES]}"
-            )
+        check_output_dtype(output_dtype, module)
         if quant_state_dict_split_scale_bias:
             raise ValueError(
                 f"{module}: quant_state_dict_split_scale_bias=True (TorchRec's separate "
@@ -172,10 +171,7 @@ class QuantEmbeddingCollection(nn.Module, SequenceCollectionTables):
         self._backend = backend
         self.register_tbes = register_tbes
         self._cache_features_order = cache_features_order
-        given = dict(table_name_to_quantized_weights or {})
-        unknown = sorted(set(given) - {c.name for c in self._embedding_configs})
-        if unknown:
-            raise ValueError(f"{module}: no tables named {unknown}")
+        given = given_quant_rows(table_name_to_quantized_weights, self._embedding_configs, module)
         for name, rows in given.items():
             if isinstance(rows, tuple):
                 raise ValueError(
@@ -186,24 +182,16 @@ class QuantEmbeddingCollection(nn.Module, SequenceCollectionTables):
         self._embedding_names_by_table = get_embedding_names_by_table(self._embedding_configs)
         self._feature_names = [f for c in self._embedding_configs for f in c.feature_names]
         self._embedding_names = [n for names in self._embedding_names_by_table for n in names]
-        specs = [
-            QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
-            for c in self._embedding_configs
-        ]
         self._tbe = QuantTBESequence(
-            specs,
-            [t for t, c in enumerate(self._embedding_configs) for _ in c.feature_names],
+            quant_table_specs(self._embedding_configs),
+            table_of_features(self._embedding_configs),
             self._embedding_names,
             device=self._device,
             row_alignment=row_alignment,
-            use_fbgemm={KernelBackend.AUTO: None, KernelBackend.FBGEMM: True}.get(backend, False),
+            use_fbgemm=use_fbgemm_choice(backend),
         )
-        self.embeddings = nn.ModuleDict()
-        for config, view in zip(self._embedding_configs, self._tbe.table_weights(), strict=True):
-            if config.name in given:
-                copy_quant_rows(config.name, view, given[config.name])
-            self.embeddings[config.name] = QuantTableWeight(view)
-        self._key_order = KeyOrder(self._feature_names, "QuantEmbeddingCollection")
+        self.embeddings = table_weight_modules(self._embedding_configs, self._tbe, given)
+        self._key_order = KeyOrder(self._feature_names, module)
 
     @classmethod
     def from_float(

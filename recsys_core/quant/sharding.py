@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from recsys_core.kernels.config import KernelBackend
-from recsys_core.kernels.quant_tbe import QuantTableSpec, default_row_alignment, table_offsets
+from recsys_core.kernels.quant_tbe import default_row_alignment, table_offsets
 from recsys_core.modules.collection_tables import (
     PooledCollectionTables,
     SequenceCollectionTables,
@@ -49,8 +49,8 @@ from recsys_core.quant.quant_embedding import (
     QuantTableWeight,
     QuantTBEBag,
     pooled_lookup,
-    quant_weight_type,
-    stored_rows,
+    quant_table_specs,
+    table_of_features,
 )
 from recsys_core.quant.quant_sequence import (
     QuantEmbeddingCollection,
@@ -68,11 +68,9 @@ _NAME = "ShardedQuantEmbeddingBagCollection"
 def quant_table_bytes(configs: Sequence[EmbeddingBagConfig], device_type: str) -> dict[str, int]:
     """Bytes each quantized table takes in a kernel buffer on a ``device_type`` device."""
     alignment = default_row_alignment(torch.device(device_type))
-    out = {}
-    for c in configs:
-        spec = QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
-        out[c.name] = table_offsets([spec], alignment)[-1]
-    return out
+    return {
+        spec.name: table_offsets([spec], alignment)[-1] for spec in quant_table_specs(configs)
+    }
 
 
 def quant_table_wise_plan(
@@ -121,9 +119,8 @@ class _ShardedQuantTables(nn.Module):
             tables = by_rank[rank]
             kernel = make(
                 tables,
-                [QuantTableSpec(c.name, stored_rows(c), c.embedding_dim, quant_weight_type(c))
-                 for c in tables],
-                [t for t, c in enumerate(tables) for _ in c.feature_names],
+                quant_table_specs(tables),
+                table_of_features(tables),
                 devices[rank],
                 [rows[c.name].cpu() for c in tables],
                 use_fbgemm,
