@@ -111,8 +111,9 @@ for _name in (
 LazyAwaitable.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 
-class NoWait(Awaitable[W]):
-    """An Awaitable over a value that is already there (TorchRec's ``NoWait``)."""
+class _ReadyValue(Generic[W]):
+    """The waiting part of an awaitable over a value that is already there (listed before the
+    awaitable base, whose ``__init__`` it calls)."""
 
     def __init__(self, obj: W) -> None:
         super().__init__()
@@ -120,6 +121,10 @@ class NoWait(Awaitable[W]):
 
     def _wait_impl(self) -> W:
         return self._obj
+
+
+class NoWait(_ReadyValue[W], Awaitable[W]):
+    """An Awaitable over a value that is already there (TorchRec's ``NoWait``)."""
 
 
 KT = TypeVar("KT")
@@ -154,12 +159,5 @@ class GetItemLazyAwaitable(LazyAwaitable[W], Generic[W, ParentW, KT]):
         return self._parent.wait()[self._key]  # type: ignore[index]
 
 
-class LazyNoWait(LazyAwaitable[W]):
+class LazyNoWait(_ReadyValue[W], LazyAwaitable[W]):
     """A LazyAwaitable over a value that is already there."""
-
-    def __init__(self, obj: W) -> None:
-        super().__init__()
-        self._obj = obj
-
-    def _wait_impl(self) -> W:
-        return self._obj

@@ -17,7 +17,7 @@ import contextlib
 import copy
 import io
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -138,20 +138,29 @@ def save_state(checkpoint_id: str, state: dict[str, Any],
     ``KeyboardInterrupt``, any other failure as the failing rank's own exception (a full disk:
     its ``OSError``), the ``CheckpointException`` chained."""
     try:
-        with _quiet_single_process():
-            dcp.save(
-                state, checkpoint_id=checkpoint_id, process_group=process_group,
-                planner=DefaultSavePlanner(flatten_sharded_tensors=False),
-            )
+        _run_dcp(dcp.save, state, checkpoint_id, process_group,
+                 DefaultSavePlanner(flatten_sharded_tensors=False))
     except CheckpointException as exc:
-        _, error = _failure(exc, dist.get_rank(process_group) if dist.is_initialized() else 0)
+        _, error = _failure(exc, process_group)
         raise error from exc
 
 
-def _failure(exc: CheckpointException, rank: int) -> tuple[int, BaseException]:
+def _run_dcp(operation: Callable[..., Any], state: dict[str, Any], checkpoint_id: str,
+             process_group: dist.ProcessGroup | None, planner: Any) -> None:
+    """``operation`` (``dcp.save`` or ``dcp.load``) of ``state`` at ``checkpoint_id`` with
+    ``planner``, without DCP's one-process warnings."""
+    with _quiet_single_process():
+        operation(state, checkpoint_id=checkpoint_id, process_group=process_group, planner=planner)
+
+
+def _failure(
+    exc: CheckpointException, process_group: dist.ProcessGroup | None
+) -> tuple[int, BaseException]:
     """The failure DCP wrapped in ``exc``: a Ctrl-C on any rank is raised as
-    ``KeyboardInterrupt``; else ``(rank, error)`` of this rank's failure if it has one (another
-    rank's error comes back as a RuntimeError naming it), else the first rank's."""
+    ``KeyboardInterrupt``; else ``(rank, error)`` of this rank's (in ``process_group``) failure
+    if it has one (another rank's error comes back as a RuntimeError naming it), else the
+    first rank's."""
+    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
     errors = [error for error, _ in exc.failures.values()]
     if any(isinstance(e, KeyboardInterrupt) for e in errors):
         raise KeyboardInterrupt from exc
@@ -177,13 +186,10 @@ def load(
     """
     state = checkpoint_state(model, optimizer, extra)
     try:
-        with _quiet_single_process():
-            dcp.load(
-                state, checkpoint_id=checkpoint_id, process_group=process_group,
-                planner=_WeightsOnlyLoadPlanner(flatten_sharded_tensors=False),
-            )
+        _run_dcp(dcp.load, state, checkpoint_id, process_group,
+                 _WeightsOnlyLoadPlanner(flatten_sharded_tensors=False))
     except CheckpointException as exc:
-        rank, error = _failure(exc, dist.get_rank(process_group) if dist.is_initialized() else 0)
+        rank, error = _failure(exc, process_group)
         first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         raise CheckpointLoadError(
             f"cannot load checkpoint {checkpoint_id} (rank {rank}): {type(error).__name__}: "
