@@ -20,14 +20,13 @@ import torch
 from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
-from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
+from recsys_core.distributed.embedding_types import TrainingEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
-    ShardedCollectionCore,
     StrategyFactory,
 )
-from recsys_core.distributed.sharded_module import ShardedEmbeddingModule, dense_source
+from recsys_core.distributed.sharded_module import ShardedEmbeddingModule
 from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.row_wise import RwSequenceSharding
 from recsys_core.distributed.sharding.sequence import SequenceSharding
@@ -118,20 +117,15 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule[EmbeddingCollectionAwait
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
-        configs = module.embedding_configs()
-        ctx = KernelContext(
-            device=torch.device(device or "cpu"),  # TorchRec: optional
-            optimizer=optimizer or sharder_fused_config(module, None),  # in-backward, else SGD
-            backend=backend, is_weighted=False,
-            source=dense_source(module, "embeddings", configs), table_init=table_init,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
         spec = CollectionSpec(
-            name="ShardedEmbeddingCollection", state_prefix="embeddings", configs=tuple(configs),
+            name="ShardedEmbeddingCollection", state_prefix="embeddings",
+            configs=tuple(module.embedding_configs()),
             supported=SUPPORTED_SHARDING_TYPES, families=(_TW_FAMILY, (ShardingType.ROW_WISE,)),
         )
-        self._attach_core(
-            ShardedCollectionCore(spec, plan, env, ctx, sequence_strategy_factory(env))
+        self._attach_new_core(
+            module, spec, plan, env, sequence_strategy_factory(env), device=device,
+            optimizer=optimizer, backend=backend, is_weighted=False, table_init=table_init,
+            qcomm_codecs_registry=qcomm_codecs_registry,
         )
         self._need_indices = module.need_indices()
 
@@ -150,7 +144,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule[EmbeddingCollectionAwait
             self._need_indices,
         )
 
-class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
+class EmbeddingCollectionSharder(TrainingEmbeddingSharder[EmbeddingCollection]):
     """Shards EmbeddingCollections (TABLE_WISE, COLUMN_WISE and ROW_WISE tables).
 
     ``fused_params`` is TorchRec's dict (``{"optimizer": EmbOptimType..., "learning_rate":
@@ -166,10 +160,7 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
         backend: KernelBackend = KernelBackend.AUTO,
         table_init: TableInitializer | None = None,
     ) -> None:
-        super().__init__(fused_params, qcomm_codecs_registry)
-        FusedOptimizerConfig.from_fused_params(fused_params)  # unknown keys fail here, not later
-        self._backend = backend
-        self._table_init = table_init
+        super().__init__(fused_params, qcomm_codecs_registry, backend, table_init)
 
     @property
     def module_type(self) -> type[nn.Module]:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
     ModuleSharder,
     QuantizedCommCodecs,
@@ -24,7 +25,7 @@ from recsys_core.distributed.types import (
     StorageUsageType,
     compute_storage_usage,
 )
-from recsys_core.kernels.config import FusedOptimizerConfig
+from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_configs import EmbeddingTableConfig
 from recsys_core.plan.types import EmbeddingComputeKernel, ParameterSharding, ShardingType
 
@@ -123,6 +124,42 @@ class BaseEmbeddingSharder(EmbeddingSharderBase[M]):
     reads it from the class, as TorchRec decides by the sharder's class)."""
 
 
+class TrainingEmbeddingSharder(BaseEmbeddingSharder[M]):
+    """The training collections' sharders: TorchRec's arguments, then this library's: the
+    kernels' ``backend``, ``table_init`` (fills every shard independently of the plan) and
+    ``offload_dir`` (the backing files of cached tables on CPU). ``fused_params`` is checked
+    at construction by :meth:`_check_fused_params`."""
+
+    def __init__(
+        self,
+        fused_params: Mapping[str, Any] | None = None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
+        backend: KernelBackend = KernelBackend.AUTO,
+        table_init: TableInitializer | None = None,
+        offload_dir: str | None = None,
+    ) -> None:
+        self._check_fused_params(fused_params)
+        super().__init__(fused_params, qcomm_codecs_registry)
+        self._backend, self._table_init, self._offload_dir = backend, table_init, offload_dir
+
+    def _check_fused_params(self, fused_params: Mapping[str, Any] | None) -> None:
+        """Unknown keys fail here, not later."""
+        FusedOptimizerConfig.from_fused_params(fused_params)
+
+
+class ModuleOptimizerSharder(TrainingEmbeddingSharder[M]):
+    """Sharders of the fused collections, which carry their optimizer (``optimizer_type`` /
+    ``optimizer_kwargs`` on the module): ``fused_params`` may only be empty."""
+
+    def _check_fused_params(self, fused_params: Mapping[str, Any] | None) -> None:
+        if fused_params:
+            raise ValueError(
+                f"{type(self).__name__}: fused_params {dict(fused_params)} would be ignored: a "
+                f"{self.module_type.__name__} carries its optimizer (set it with "
+                "optimizer_type / optimizer_kwargs on the module)"
+            )
+
+
 class BaseQuantEmbeddingSharder(EmbeddingSharderBase[M]):
     """Common part of the quantized (inference) sharders: QUANT kernel; table-wise, row-wise
     and column-wise types; 4 bytes per row more than the weights (scale and bias).
@@ -170,7 +207,9 @@ __all__ = [
     "BaseQuantEmbeddingSharder",
     "EmbeddingComputeKernel",
     "EmbeddingTableConfig",
+    "ModuleOptimizerSharder",
     "ModuleSharder",
     "ShardingType",
+    "TrainingEmbeddingSharder",
     "table_weights",
 ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,14 +16,13 @@ from torch import nn
 
 from recsys_core.distributed.awaitable import Awaitable, LazyAwaitable
 from recsys_core.distributed.dist_data import batch_sizes
-from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
+from recsys_core.distributed.embedding_types import BaseEmbeddingSharder, TrainingEmbeddingSharder
 from recsys_core.distributed.sharded_collection import (
     CollectionSpec,
     DistInputs,
-    ShardedCollectionCore,
     StrategyFactory,
 )
-from recsys_core.distributed.sharded_module import ShardedEmbeddingModule, dense_source
+from recsys_core.distributed.sharded_module import ShardedEmbeddingModule
 from recsys_core.distributed.sharding.data_parallel import DpPooledSharding
 from recsys_core.distributed.sharding.dense_data_parallel import DpDenseSharding
 from recsys_core.distributed.sharding.kernel_plan import planned_caches, with_cache_load_factor
@@ -148,23 +146,18 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule[EmbeddingBagCollectio
     ) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
-        ctx = KernelContext(
-            device=torch.device(device or "cpu"),  # TorchRec: optional
-            optimizer=optimizer or sharder_fused_config(module, None),  # in-backward, else SGD
-            backend=backend, is_weighted=module.is_weighted(),
-            source=dense_source(module, "embedding_bags", configs), table_init=table_init,
-            caches=planned_caches(plan), offload_dir=offload_dir,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            sync_replica_gradients=not should_skip_data_parallel_grad_sync(module),
-        )
         spec = CollectionSpec(
             name="ShardedEmbeddingBagCollection", state_prefix="embedding_bags",
             configs=tuple(configs), supported=tuple(t for f in _FAMILIES for t in f),
             families=_FAMILIES,
             variable_batch=True,
         )
-        self._attach_core(
-            ShardedCollectionCore(spec, plan, env, ctx, pooled_strategy_factory(env))
+        self._attach_new_core(
+            module, spec, plan, env, pooled_strategy_factory(env), device=device,
+            optimizer=optimizer, backend=backend, is_weighted=module.is_weighted(),
+            table_init=table_init, qcomm_codecs_registry=qcomm_codecs_registry,
+            caches=planned_caches(plan), offload_dir=offload_dir,
+            sync_replica_gradients=not should_skip_data_parallel_grad_sync(module),
         )
         self._embedding_names = self._core.embedding_names
         self._dims = [t.config.embedding_dim for t in self._core.tables for _ in t.embedding_names]
@@ -205,7 +198,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule[EmbeddingBagCollectio
         ]
         return EmbeddingBagCollectionAwaitable(parts, self._embedding_names, self._dims, self._columns)
 
-class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
+class EmbeddingBagCollectionSharder(TrainingEmbeddingSharder[EmbeddingBagCollection]):
     """Shards EmbeddingBagCollections.
 
     ``fused_params`` is TorchRec's dict (``{"optimizer": EmbOptimType..., "learning_rate":
@@ -217,20 +210,6 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
     ``fbgemm_qcomm_codec.get_qcomm_codecs_registry``): the precision the output dist's pooled
     embeddings and their gradients travel in (None: float32).
     """
-
-    def __init__(
-        self,
-        fused_params: Mapping[str, Any] | None = None,
-        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
-        backend: KernelBackend = KernelBackend.AUTO,
-        table_init: TableInitializer | None = None,
-        offload_dir: str | None = None,
-    ) -> None:
-        super().__init__(fused_params, qcomm_codecs_registry)
-        self._offload_dir = offload_dir
-        FusedOptimizerConfig.from_fused_params(fused_params)  # unknown keys fail here, not later
-        self._backend = backend
-        self._table_init = table_init
 
     @property
     def module_type(self) -> type[nn.Module]:

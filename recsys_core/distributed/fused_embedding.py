@@ -15,7 +15,7 @@ from recsys_core.distributed.embedding import (
     SUPPORTED_SHARDING_TYPES,
     ShardedEmbeddingCollection,
 )
-from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
+from recsys_core.distributed.embedding_types import ModuleOptimizerSharder
 from recsys_core.distributed.types import (
     EmbeddingComputeKernel,
     ParameterSharding,
@@ -44,7 +44,7 @@ class ShardedFusedEmbeddingCollection(ShardedEmbeddingCollection):
         )
 
 
-class FusedEmbeddingCollectionSharder(BaseEmbeddingSharder[FusedEmbeddingCollection]):
+class FusedEmbeddingCollectionSharder(ModuleOptimizerSharder[FusedEmbeddingCollection]):
     """Shards FusedEmbeddingCollections (table-wise, column-wise, row-wise; FUSED kernel).
     The module carries its optimizer, so ``fused_params`` may only be empty."""
 
@@ -54,14 +54,7 @@ class FusedEmbeddingCollectionSharder(BaseEmbeddingSharder[FusedEmbeddingCollect
         qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
         backend: KernelBackend = KernelBackend.AUTO,
     ) -> None:
-        if fused_params:
-            raise ValueError(
-                f"FusedEmbeddingCollectionSharder: fused_params {dict(fused_params)} would be "
-                "ignored: a FusedEmbeddingCollection carries its optimizer (optimizer_type / "
-                "optimizer_kwargs on the module)"
-            )
-        super().__init__(fused_params, qcomm_codecs_registry)
-        self._backend = backend
+        super().__init__(fused_params, qcomm_codecs_registry, backend)
 
     @property
     def module_type(self) -> type[FusedEmbeddingCollection]:

@@ -14,12 +14,11 @@ module's::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
 
-from recsys_core.distributed.embedding_types import BaseEmbeddingSharder
+from recsys_core.distributed.embedding_types import ModuleOptimizerSharder
 from recsys_core.distributed.embeddingbag import ShardedEmbeddingBagCollection, cached_or_fused
 from recsys_core.distributed.table_init import TableInitializer
 from recsys_core.distributed.types import (
@@ -54,30 +53,13 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         )
 
 
-class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[FusedEmbeddingBagCollection]):
+class FusedEmbeddingBagCollectionSharder(ModuleOptimizerSharder[FusedEmbeddingBagCollection]):
     """Shards FusedEmbeddingBagCollections (TorchRec's sharding types: DATA_PARALLEL,
     TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE, and on CUDA also ROW_WISE, TABLE_ROW_WISE; a
     given plan may use any sharding type).
 
     TorchRec's arguments first (``fused_params``, ``qcomm_codecs_registry``; the module carries
     its own optimizer, so ``fused_params`` may only be empty), then this library's."""
-
-    def __init__(
-        self,
-        fused_params: Mapping[str, Any] | None = None,
-        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None = None,
-        backend: KernelBackend = KernelBackend.AUTO,
-        table_init: TableInitializer | None = None,
-        offload_dir: str | None = None,
-    ) -> None:
-        if fused_params:
-            raise ValueError(
-                f"FusedEmbeddingBagCollectionSharder: fused_params {dict(fused_params)} would be "
-                "ignored: a FusedEmbeddingBagCollection carries its optimizer (set it with "
-                "optimizer_type / optimizer_kwargs on the module)"
-            )
-        super().__init__(fused_params, qcomm_codecs_registry)
-        self._backend, self._table_init, self._offload_dir = backend, table_init, offload_dir
 
     @property
     def module_type(self) -> type[nn.Module]:

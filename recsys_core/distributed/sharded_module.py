@@ -13,7 +13,7 @@ delegations (``fused_optimizer``, ``env``, ``table_shards``, ``sharded_tables``,
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -22,13 +22,19 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_core.distributed.awaitable import LazyAwaitable
 from recsys_core.distributed.sharded_collection import (
+    CollectionSpec,
     DistInputs,
     ShardedCollectionCore,
+    StrategyFactory,
 )
 from recsys_core.distributed.sharded_state import LocalShard, ShardedFusedOptimizer
+from recsys_core.distributed.sharding.local_kernels import KernelContext
 from recsys_core.distributed.sharding.shards import ShardedTable
-from recsys_core.distributed.types import ShardingEnv
+from recsys_core.distributed.table_init import TableInitializer
+from recsys_core.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv
+from recsys_core.kernels.config import FusedOptimizerConfig, KernelBackend
 from recsys_core.modules.embedding_configs import BaseEmbeddingConfig
+from recsys_core.optim.optimizers import sharder_fused_config
 from recsys_core.sparse import KeyedJaggedTensor
 
 
@@ -60,6 +66,36 @@ class ShardedEmbeddingModule(nn.Module, abc.ABC, Generic[Out]):
         # Before the lookups, so that parameter names are TorchRec's (embedding_bags.<t>.weight).
         self._initialize_torch_state()
         self.lookups = self._core.lookups
+
+    def _attach_new_core(
+        self,
+        module: nn.Module,
+        spec: CollectionSpec,
+        plan: Mapping[str, ParameterSharding],
+        env: ShardingEnv,
+        strategy_factory: StrategyFactory,
+        *,
+        device: torch.device | None,
+        optimizer: FusedOptimizerConfig | None,
+        backend: KernelBackend,
+        is_weighted: bool,
+        table_init: TableInitializer | None,
+        qcomm_codecs_registry: Mapping[str, QuantizedCommCodecs] | None,
+        **kernel_options: Any,
+    ) -> None:
+        """Build the core of ``module``'s tables (``spec``) under ``plan`` and attach it. Its
+        kernels live on ``device`` (TorchRec: optional; the host), fused with ``optimizer``
+        (default: the one applied in backward to the tables, else SGD); shards are copied from
+        the module's weights unless it is on the meta device; ``kernel_options``: the rest of
+        the :class:`KernelContext`."""
+        ctx = KernelContext(
+            device=torch.device(device or "cpu"),
+            optimizer=optimizer or sharder_fused_config(module, None),
+            backend=backend, is_weighted=is_weighted,
+            source=dense_source(module, spec.state_prefix, spec.configs), table_init=table_init,
+            qcomm_codecs_registry=qcomm_codecs_registry, **kernel_options,
+        )
+        self._attach_core(ShardedCollectionCore(spec, plan, env, ctx, strategy_factory))
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         """Build the module's view of its tables, as TorchRec's method of this name does; the
