@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 from enum import Enum, unique
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +20,18 @@ class ValueStrEnum(Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def enum_member(enum: type[Enum], value: Any) -> Any:
+    """``value`` as a member of ``enum``: a member, another enum's member with the same value
+    (FBGEMM's and TorchRec's enums), or a raw value; None where it is none of them (the caller
+    raises, naming what it configures)."""
+    if isinstance(value, enum):
+        return value
+    try:
+        return enum(getattr(value, "value", value))
+    except ValueError:
+        return None
 
 
 @unique

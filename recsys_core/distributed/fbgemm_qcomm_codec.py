@@ -41,19 +41,20 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, field
-from enum import Enum, unique
+from enum import unique
 
 import torch
 
 from recsys_core.distributed.types import CommOp, QuantizedCommCodec, QuantizedCommCodecs
 from recsys_core.kernels import quant_comm
+from recsys_core.types import ValueStrEnum
 
 logger = logging.getLogger(__name__)
 
 
 @unique
-class CommType(Enum):
-    """The precision a collective's payload travels in."""
+class CommType(ValueStrEnum):
+    """The precision a collective's payload travels in (``str()``: its value, as in TorchRec)."""
 
     FP32 = "fp32"
     FP16 = "fp16"
@@ -61,9 +62,6 @@ class CommType(Enum):
     FP8 = "fp8"
     INT8 = "int8"
     MX4 = "mx4"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _DTYPES = {CommType.FP32: torch.float32, CommType.FP16: torch.float16, CommType.BF16: torch.bfloat16}

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 from enum import Enum, unique
 from typing import Any
 
+from recsys_core.types import enum_member
+
 
 @unique
 class EmbOptimType(Enum):
@@ -34,17 +36,14 @@ class EmbOptimType(Enum):
     @classmethod
     def coerce(cls, value: Any) -> EmbOptimType:
         """Accept our enum, FBGEMM's enum (same values) or its string value."""
-        if isinstance(value, cls):
-            return value
-        raw = getattr(value, "value", value)
-        try:
-            return cls(raw)
-        except ValueError:
+        member = enum_member(cls, value)
+        if member is None:
             valid = ", ".join(m.name for m in cls)
             raise ValueError(
                 f"optimizer {value!r} is not supported by the fused embedding kernels; "
                 f"use one of: {valid}"
-            ) from None
+            )
+        return member
 
     @property
     def canonical(self) -> EmbOptimType:

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import importlib.util
 import mmap
 import os
 import re
 import tempfile
 
 import torch
+
+from recsys_core.sparse._native_lib import load_c_helper
 
 # Rows per block when the whole store is sealed or verified (bounds the memory mapped at once).
 SCAN_BLOCK_ROWS = 65536
@@ -56,12 +57,8 @@ _ZERO_CHUNK = 1 << 20
 def _load_rowio() -> ctypes.CDLL | None:
     """The C helper's row functions, or None when the package was installed without it (no C
     compiler at install time)."""
-    try:
-        spec = importlib.util.find_spec("recsys_core.kernels._rowio")
-        if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
-            return None
-        lib = ctypes.CDLL(spec.origin)
-    except (ImportError, OSError):
+    lib = load_c_helper("recsys_core.kernels._rowio")
+    if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     if not hasattr(lib, "recsys_hash_rows"):

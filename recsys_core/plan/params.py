@@ -11,6 +11,7 @@ from enum import Enum, unique
 from typing import Any, NamedTuple
 
 from recsys_core.modules.embedding_configs import DataType
+from recsys_core.types import enum_member
 
 
 @unique
@@ -151,11 +152,8 @@ class CacheParams:
 
 
 def coerce_enum(enum: type[Enum], value: Any, what: str) -> Any:
-    if isinstance(value, enum):
-        return value
-    raw = getattr(value, "value", value)
-    try:
-        return enum(raw)
-    except ValueError:
+    member = enum_member(enum, value)
+    if member is None:
         valid = ", ".join(repr(m.value) for m in enum)
-        raise ValueError(f"{what}: {value!r} is not a {enum.__name__}; use one of {valid}") from None
+        raise ValueError(f"{what}: {value!r} is not a {enum.__name__}; use one of {valid}")
+    return member
