@@ -17,6 +17,7 @@ import errno
 import math
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -342,8 +343,15 @@ def _cmd_evaluate(args: EvaluateConfig) -> int:
     return 0
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C: the export's staging folder is removed
+
+
 def _cmd_export(args: ExportConfig) -> int:
     inputs.check_run(args.run)
+    # SIGTERM (a scheduler, torchrun stopping a --publish run's process group) ends the export
+    # as Ctrl-C does, its partial files removed, instead of leaving them behind
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     from dlrm_app.serving.export import export_model, stage_printer
 
     meta = export_model(args.run, args.out, args.dtype, checkpoint=args.checkpoint,

@@ -319,6 +319,10 @@ EXPORT_ENV_DROPPED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 """torchrun's variables, which the export process must not see (it is not a rank)."""
 
 
+EXPORT_STOP_S = 10.0
+"""How long a stopped export may take to remove its partial files before it is killed."""
+
+
 def export_command(run: Path, out: str, checkpoint: Path) -> list[str]:
     """``dlrm-app export`` of ``checkpoint`` to ``out``, as a command line."""
     return [sys.executable, "-m", "dlrm_app", "export", str(run), "--out", out,
@@ -358,8 +362,12 @@ def _export_apart(run: Path, out: str, checkpoint: Path, rank: int, device: torc
             time.sleep(TICK_S)
     finally:
         if child is not None and child.poll() is None:
-            child.terminate()
-            child.wait()
+            child.terminate()  # SIGTERM: the export removes its partial files and ends
+            try:
+                child.wait(timeout=EXPORT_STOP_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
     if failed:
         if child is not None:
             reader.join(timeout=5)

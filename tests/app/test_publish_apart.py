@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,3 +86,45 @@ def test_a_signal_on_any_rank_stops_the_export(tmp_path: Path) -> None:
     assert [outcome for outcome, _ in ranks] == [f"signal {signum}"] * 2
     assert all(seconds < 15 for _, seconds in ranks)  # the export was stopped, not waited for
     assert not done.exists()
+
+
+STAGING_STUB = """
+import shutil, sys, time
+from pathlib import Path
+import dlrm_app.serving.export as export
+from dlrm_app import cli
+
+def export_model(run, out, *args, **kwargs):  # stands in for the compile: staging, then waits
+    staging = Path(out).parent / f".{Path(out).name}.partial"
+    staging.mkdir()
+    try:
+        print("staged", flush=True)
+        time.sleep(60)
+    finally:
+        shutil.rmtree(staging)
+
+export.export_model = export_model
+sys.exit(cli.main(["export", sys.argv[1], "--out", sys.argv[2]]))
+"""
+
+
+def test_sigterm_ends_an_export_as_ctrl_c_does(tmp_path: Path) -> None:
+    """``dlrm-app export`` turns SIGTERM (a scheduler; torchrun stopping a --publish run's
+    process group; the run stopping its export) into Ctrl-C's unwinding: the export's partial
+    files are removed (SIGTERM's default killed it with them left behind) and it exits 130."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    out = tmp_path / "serve" / "model.pt2"
+    out.parent.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", STAGING_STUB, str(tmp_path / "run"),
+                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "staged"
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 130, err
+    assert "dlrm-app export: interrupted" in err
+    assert list(out.parent.iterdir()) == []  # no partial folder left
