@@ -190,7 +190,10 @@ def dataset_preprocessing(spec: DatasetSpec, data_dir: Path) -> Preprocessing:
     sizes = [f.num_embeddings for f in spec.sparse_features]
     one_hot = not any(f.multi_hot for f in spec.sparse_features)
     if spec.kind is DatasetKind.CRITEO:
-        encoding = spec.parameters["encoding"]
+        encoding = spec.encoding
+        if encoding is None:
+            raise ValueError(f"dataset '{spec.name}' ({data_dir}) records no id encoding "
+                             "(preprocessed by an old release): preprocess it again")
         if encoding["mode"] == "vocabulary":
             served = vocabulary_for_tables(data_dir, sizes, encoding)
             vocab = [torch.from_numpy(np.asarray(v).astype(np.int64)) for v in served.ids]
@@ -205,10 +208,10 @@ def dataset_preprocessing(spec: DatasetSpec, data_dir: Path) -> Preprocessing:
             return Preprocessing(torch.zeros(len(sizes), dtype=torch.int64), vocab, True, True,
                                  rows, program_encoding, source)
         return Preprocessing(torch.tensor(sizes, dtype=torch.int64), None, True, True,
-                             encoding=encoding)
+                             encoding=dict(encoding))
     # generated / MovieLens data: inputs are already encoded; negative moduli mean "check only"
     return Preprocessing(-torch.tensor(sizes, dtype=torch.int64), None, False, one_hot,
-                         encoding=spec.parameters.get("encoding"))
+                         encoding=None if spec.encoding is None else dict(spec.encoding))
 
 
 Progress = Callable[[str], None]

@@ -151,7 +151,7 @@ def add_criteo_days(
     if not paths:
         raise ValueError("--add-day: no input files; pass the new day's Criteo TSV")
     spec = DatasetSpec.load(out)  # a missing dataset says so, with the fix
-    if spec.parameters.get(DAYS) is None and spec.kind == DatasetKind.CRITEO:
+    if not spec.day_records and spec.kind == DatasetKind.CRITEO:
         raise ValueError(f"{out}: its dataset.json records no days (preprocessed before days "
                          f"were recorded); preprocess its inputs again, then add days")
     check_criteo_inputs(paths)
@@ -245,7 +245,7 @@ def _add_one(path: Path, out: Path, spec: DatasetSpec, *, on_bad_row: str, block
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    old = spec.parameters["encoding"].get(GROWN_VOCABULARY)
+    old = (spec.encoding or {}).get(GROWN_VOCABULARY)
     if old is not None:  # superseded (the shards hold rows, not raw ids)
         (out / old["file"]).unlink(missing_ok=True)
     return new
