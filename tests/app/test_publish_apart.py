@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -44,48 +45,67 @@ def _short_timeout_group(rank: int, world_size: int) -> None:
                             timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S))
 
 
-def _publish(rank: int, world_size: int, program: str, signum: int | None,
-             tmp: str) -> tuple[str, float]:
+def _publish(rank: int, program: str, signum: int | None, tmp: Path) -> tuple[str, float]:
     """``_export_apart`` with ``program`` standing in for ``dlrm-app export`` (rank 1 signalled
     after 1 s where ``signum``): ("ok" | "signal N" | "error: MESSAGE", seconds)."""
-    _short_timeout_group(rank, world_size)
     follow.export_command = lambda run, out, checkpoint: [sys.executable, "-c", program]
     guard = _Guard(signum if rank == 1 else None, 1.0)
     start = time.monotonic()
     try:
-        got = follow._export_apart(Path(tmp), str(Path(tmp) / "model.pt2"),
-                                   Path(tmp) / "step_1", rank, torch.device("cpu"), guard)
+        got = follow._export_apart(tmp, str(tmp / "model.pt2"), tmp / "step_1", rank,
+                                   torch.device("cpu"), guard)
         outcome = "ok" if got == 0 else f"signal {got}"
     except ValueError as e:
         outcome = f"error: {e}"
     return outcome, time.monotonic() - start
 
 
-def test_an_export_longer_than_the_collective_timeout_is_waited_for(tmp_path: Path) -> None:
-    done = tmp_path / "exported"
-    program = f"import time; time.sleep(3.5); open({str(done)!r}, 'w').write('1')"
-    ranks = run_gloo(2, _publish, program, None, str(tmp_path), timeout_s=60)
-    assert [outcome for outcome, _ in ranks] == ["ok", "ok"]
-    assert done.read_text() == "1"
-    assert all(seconds >= 3.5 for _, seconds in ranks)  # > SHORT_TIMEOUT_S: polled, not a barrier
+LONG = "import time; time.sleep(3.5); open('{done}', 'w').write('1')"
+"""An export longer than ``SHORT_TIMEOUT_S`` that succeeds."""
+FAILING = ("import sys, time; time.sleep(2.5); print('compiling', file=sys.stderr); "
+           "sys.exit('model.pt2: no space left on device')")
+STOPPED = "import time; time.sleep(20); open('{done}', 'w').write('1')"
+"""An export the signal stops (rank 1 signalled after 1 s)."""
 
 
-def test_a_failed_export_stops_every_rank_with_its_message(tmp_path: Path) -> None:
-    program = ("import sys, time; time.sleep(2.5); print('compiling', file=sys.stderr); "
-               "sys.exit('model.pt2: no space left on device')")
-    ranks = run_gloo(2, _publish, program, None, str(tmp_path), timeout_s=60)
-    assert ranks[0][0] == "error: model.pt2: no space left on device"
-    assert ranks[1][0] == "error: rank 0's export process failed (its message is on rank 0)"
+def _three_publishes(rank: int, world_size: int, tmp: str) -> dict[str, tuple[str, float]]:
+    """The three cases one after the other on one process group (one start of the ranks)."""
+    _short_timeout_group(rank, world_size)
+    cases = {"long": (LONG, None), "failing": (FAILING, None), "stopped": (STOPPED, 15)}
+    outcomes = {}
+    for name, (program, signum) in cases.items():
+        case = Path(tmp) / name
+        case.mkdir(exist_ok=True)
+        outcomes[name] = _publish(rank, program.format(done=case / "exported"), signum, case)
+    return outcomes
 
 
-def test_a_signal_on_any_rank_stops_the_export(tmp_path: Path) -> None:
-    signum = 15  # SIGTERM (SIGINT, Ctrl-C, takes the same path)
-    done = tmp_path / "exported"
-    program = f"import time; time.sleep(20); open({str(done)!r}, 'w').write('1')"
-    ranks = run_gloo(2, _publish, program, signum, str(tmp_path), timeout_s=60)
-    assert [outcome for outcome, _ in ranks] == [f"signal {signum}"] * 2
-    assert all(seconds < 15 for _, seconds in ranks)  # the export was stopped, not waited for
-    assert not done.exists()
+@pytest.fixture(scope="module")
+def publishes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    tmp = tmp_path_factory.mktemp("publish")
+    return tmp, run_gloo(2, _three_publishes, str(tmp), timeout_s=90)
+
+
+def test_an_export_longer_than_the_collective_timeout_is_waited_for(publishes) -> None:
+    tmp, ranks = publishes
+    assert [r["long"][0] for r in ranks] == ["ok", "ok"]
+    assert (tmp / "long" / "exported").read_text() == "1"
+    # longer than SHORT_TIMEOUT_S: polled together, where a barrier timed out
+    assert all(r["long"][1] >= 3.5 for r in ranks)
+
+
+def test_a_failed_export_stops_every_rank_with_its_message(publishes) -> None:
+    _, ranks = publishes
+    assert ranks[0]["failing"][0] == "error: model.pt2: no space left on device"
+    assert ranks[1]["failing"][0] == ("error: rank 0's export process failed (its message is "
+                                      "on rank 0)")
+
+
+def test_a_signal_on_any_rank_stops_the_export(publishes) -> None:
+    tmp, ranks = publishes  # SIGTERM on rank 1 (SIGINT, Ctrl-C, takes the same path)
+    assert [r["stopped"][0] for r in ranks] == ["signal 15"] * 2
+    assert all(r["stopped"][1] < 15 for r in ranks)  # the export was stopped, not waited for
+    assert not (tmp / "stopped" / "exported").exists()
 
 
 STAGING_STUB = """
