@@ -21,7 +21,8 @@ import torch
 def load_c_helper(module: str) -> ctypes.CDLL | None:
     """A compiled C helper of the package (``module``: its dotted name) opened with ctypes, or
     None where the package was built without it (no C compiler at install time) or it does not
-    load. For every such helper: this one, ``kernels._rowio``, the app's parsers."""
+    load. This one and ``kernels._rowio`` open theirs here (the app's Criteo parser keeps its
+    own loader: it imports no torch, and importing this package would)."""
     try:
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd", ".dylib")):
