@@ -35,6 +35,14 @@ def required(metavar: str | None = None) -> Any:
                                                              else {})})
 
 
+def check_kind(what: str, value: Any, kind: type) -> None:
+    """``value`` is a ``kind`` (a config field's enum, a section), else a ValueError naming
+    ``what`` (a config built in code with a plain value where the flag would have parsed one)."""
+    if not isinstance(value, kind):
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise ValueError(f"{what} must be {article} {kind.__name__}, got {value!r}")
+
+
 class Interaction(enum.Enum):
     DOT = "dot"
     DCN = "dcn"
@@ -99,9 +107,7 @@ class ModelConfig:
         if self.over_arch_layer_sizes[-1] != 1:
             raise ValueError(f"the top MLP's last layer must be 1 (one logit), got "
                              f"{self.over_arch_layer_sizes!r}")
-        if not isinstance(self.interaction, Interaction):
-            raise ValueError(f"ModelConfig.interaction must be an Interaction, got "
-                             f"{self.interaction!r}")
+        check_kind("ModelConfig.interaction", self.interaction, Interaction)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

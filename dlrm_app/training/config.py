@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dlrm_app.config import Interaction, ModelConfig, required
+from dlrm_app.config import Interaction, ModelConfig, check_kind, required
 
 
 class EmbeddingOptimizer(enum.Enum):
@@ -127,12 +127,8 @@ class OptimizerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got "
                                  f"{getattr(self, name)}")
-        if not isinstance(self.embedding_optimizer, EmbeddingOptimizer):
-            raise ValueError(f"embedding_optimizer must be an EmbeddingOptimizer, got "
-                             f"{self.embedding_optimizer!r}")
-        if not isinstance(self.dense_optimizer, DenseOptimizer):
-            raise ValueError(f"dense_optimizer must be a DenseOptimizer, got "
-                             f"{self.dense_optimizer!r}")
+        check_kind("embedding_optimizer", self.embedding_optimizer, EmbeddingOptimizer)
+        check_kind("dense_optimizer", self.dense_optimizer, DenseOptimizer)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,8 +201,7 @@ class ParallelConfig:
                     self.memory_per_rank) and self.memory_per_rank > 0):
             raise ValueError(f"--memory-per-rank {self.memory_per_rank}: give a positive number "
                              "of GiB per rank, e.g. --memory-per-rank 16")
-        if not isinstance(self.comm_precision, CommPrecision):
-            raise ValueError(f"comm_precision must be a CommPrecision, got {self.comm_precision!r}")
+        check_kind("comm_precision", self.comm_precision, CommPrecision)
         if self.threads is not None and (isinstance(self.threads, bool)
                                          or not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"--threads must be a positive int, got {self.threads!r}")
@@ -349,9 +344,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name, kind in SECTIONS.items():
-            if not isinstance(getattr(self, name), kind):
-                raise ValueError(f"TrainConfig.{name} must be a {kind.__name__}, got "
-                                 f"{getattr(self, name)!r}")
+            check_kind(f"TrainConfig.{name}", getattr(self, name), kind)
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: --resume continues "
                              "the run in --out, --overwrite deletes it; pass one")

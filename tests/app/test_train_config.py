@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -184,3 +185,24 @@ def test_a_run_saved_with_a_flat_config_json_resumes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--embedding-dim 8 conflicts with the run's saved "
                                          r"config \(.*config.json: 4\)"):
         config_from_args(_parse("train", "--out", str(run), "--resume", "--embedding-dim", "8"))
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: ModelConfig(interaction="dot"),
+     "ModelConfig.interaction must be an Interaction, got 'dot'"),
+    (lambda: OptimizerConfig(embedding_optimizer="sgd"),
+     "embedding_optimizer must be an EmbeddingOptimizer, got 'sgd'"),
+    (lambda: OptimizerConfig(dense_optimizer="adam"),
+     "dense_optimizer must be a DenseOptimizer, got 'adam'"),
+    (lambda: ParallelConfig(comm_precision="bf16"),
+     "comm_precision must be a CommPrecision, got 'bf16'"),
+    (lambda: TrainConfig(data="d", out="o", optimizer={"lr": 1.0}),
+     "TrainConfig.optimizer must be an OptimizerConfig, got {'lr': 1.0}"),
+])
+def test_a_config_built_in_code_with_plain_values_is_refused_naming_the_field(
+        build: Any, message: str) -> None:
+    """Flags parse into enums and sections; code that builds a config with a plain string or a
+    dict where one belongs is told which field and what it must be."""
+    with pytest.raises(ValueError) as refused:
+        build()
+    assert str(refused.value) == message
