@@ -27,6 +27,7 @@ Usage: python bench/torchrec_program.py [--torchrec-python PATH] [--world-sizes 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -103,16 +104,16 @@ def worker(args: argparse.Namespace) -> None:
     amp = args.precision == "bf16"
     losses: list[float] = []
 
-    def run(steps: int) -> None:
+    def run(steps: int, pipeline: object, batches: object) -> None:
         for _ in range(steps):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 out = pipeline.progress(batches)
             losses.append(float(out[0].detach()) if isinstance(out, tuple) else float("nan"))
 
-    run(args.warmup)
+    run(args.warmup, pipeline, batches)
     dist.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
-    run(args.steps)
+    run(args.steps, pipeline, batches)
     dist.barrier()
     wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     cpu = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
@@ -129,6 +130,11 @@ def worker(args: argparse.Namespace) -> None:
             "first_step_loss": round(losses[0], 6), "last_step_loss": round(losses[-1], 6),
             "load_avg_1m": round(os.getloadavg()[0], 2),
         }), flush=True)
+    # Let go of everything holding the group before destroying it, so that the group (and
+    # its gloo threads) dies here, not at interpreter exit (see tests/distributed/
+    # test_group_lifetime.py: a thread freeing a finished collective then aborts the process)
+    del pipeline, optimizer, dense, dmp, model, ebc, data, batches
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -36,6 +36,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -105,7 +106,6 @@ class ShmGroup:
     def __init__(self, group: dist.ProcessGroup, path: str, fd: int, world: int,
                  rank: int) -> None:
         self.world, self.rank = world, rank
-        self._group = group
         self._timeout_s = _timeout_s(group)
         header = _round_up(8 + world, 8)
         self._slot_words = _round_up(4 + 2 * world, 8)
@@ -501,7 +501,10 @@ def _alive(pid: int) -> bool:
 
 
 # ---- per-group setup -----------------------------------------------------------------------
-_GROUPS: dict[int, tuple[dist.ProcessGroup, ShmGroup | None]] = {}
+# Weak: a group must die with the program's last reference to it (destroy_process_group and
+# the program's own objects), never live on here. A gloo group alive at interpreter exit keeps
+# its worker threads, and one freeing a finished collective's tensors then aborts the process.
+_GROUPS: dict[int, tuple[weakref.ref[dist.ProcessGroup], ShmGroup | None]] = {}
 
 
 _PAUSED = False
@@ -528,12 +531,12 @@ def for_group(group: dist.ProcessGroup | None, device: torch.device) -> ShmGroup
         return None
     group = group if group is not None else dist.group.WORLD
     entry = _GROUPS.get(id(group))
-    if entry is not None and entry[0] is group:
+    if entry is not None and entry[0]() is group:
         return entry[1]
     shm = None
     if dist.get_backend(group) == "gloo" and 1 < dist.get_world_size(group) <= MAX_WORLD:
         shm = _setup(group)
-    _GROUPS[id(group)] = (group, shm)
+    _GROUPS[id(group)] = (weakref.ref(group), shm)
     return shm
 
 
@@ -602,7 +605,7 @@ class SegmentProbe:
 def release(group: dist.ProcessGroup | None = None) -> None:
     """Close the transport of ``group`` (None: every group), e.g. before destroying it."""
     for key, (pg, shm) in list(_GROUPS.items()):
-        if group is None or pg is group:
+        if group is None or pg() is group:
             if shm is not None:
                 shm.close()
             del _GROUPS[key]

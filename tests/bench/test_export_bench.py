@@ -41,7 +41,10 @@ def test_the_tiniest_run_reports_each_stage_within_the_total() -> None:
         assert len(s["runs_s"]) == len(s["load_avg_1m"]) == 1
         assert s["median_s"] == s["runs_s"][0] >= 0
     *parts, total = stages
-    assert sum(s["runs_s"][0] for s in parts) <= total["runs_s"][0] + 0.001  # rounding
+    # each figure is rounded to the millisecond: the sum may exceed the total by half a
+    # millisecond per rounded figure
+    slack = 0.0005 * (len(parts) + 1) + 1e-9
+    assert sum(s["runs_s"][0] for s in parts) <= total["runs_s"][0] + slack
     assert artifact["bench"] == "export_artifact" and artifact["model"] == "demo"
     assert artifact["bytes"] > 0 and artifact["exports"] == 1 and artifact["same_sha256"]
     assert len(artifact["sha256"]) == 1
