@@ -17,6 +17,7 @@ collectives. Example::
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import pickle
 import queue
@@ -150,6 +151,7 @@ def _worker(
     results.close()
     results.join_thread()
     if dist.is_initialized():
+        gc.collect()  # fn's objects in reference cycles: the group must die here, not at exit
         dist.destroy_process_group()
 
 
