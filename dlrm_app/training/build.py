@@ -2,12 +2,14 @@
 benchmarks.
 
 Initialization is independent of the plan: tables from (seed, table, row block), dense layers
-from ``torch.manual_seed(seed)`` after sharding. Dense gradients are summed over ranks by a DDP
+from ``torch.manual_seed(seed)`` after sharding, drawn on the CPU whatever the device
+(one seed, one initial model on a CPU and a GPU). Dense gradients are summed over ranks by a DDP
 comm hook (the default averages), as the embedding gradients are; see ``dlrm_app.training.trainer``.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -236,7 +238,7 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device,
     torch.manual_seed(config.seed)
     for module in dmp.module.modules():
         if not isinstance(module, ShardedEmbeddingBagCollection) and hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+            reset_on_cpu(module)
     # Each rank's loss is its rows' summed loss over the GLOBAL batch (train.py), so gradients
     # are summed over ranks, not averaged: the embedding collectives without TorchRec's gradient
     # division, the dense part through a summing DDP hook.
@@ -245,6 +247,24 @@ def build_model(config: TrainConfig, spec: DatasetSpec, device: torch.device,
     if ddp is not None:
         ddp.register_comm_hook(dmp.env.pg, _sum_allreduce_hook)
     return dmp
+
+
+def reset_on_cpu(module: nn.Module) -> None:
+    """``module.reset_parameters()`` drawn from the CPU's generator wherever the module lives,
+    so that one seed gives one initial model on a CPU and on a GPU (CUDA's generator draws
+    other numbers): a CPU twin of the layer is reset and its values copied into the module's
+    own tensors (the parameter objects stay the ones DDP and the optimizers hold). A module
+    with submodules is reset where it is (the dense layers are leaves)."""
+    own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+    if all(t.device.type == "cpu" for t in own.values()) or next(module.children(), None):
+        module.reset_parameters()  # type: ignore[operator]
+        return
+    twin = copy.deepcopy(module).to("cpu")
+    twin.reset_parameters()  # type: ignore[operator]
+    drawn = dict(twin.named_parameters(recurse=False)) | dict(twin.named_buffers(recurse=False))
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(drawn[name])
 
 
 def plan_summary(plan: ShardingPlan, world_size: int) -> str:

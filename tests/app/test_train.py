@@ -178,19 +178,34 @@ def test_same_seed_same_run(data: Path, tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [False, True])
-def test_cuda_training_matches_cpu(data: Path, tmp_path: Path, amp: bool) -> None:
-    """On CUDA (NCCL-free single process): same loss curve as CPU in fp32, close with bf16."""
+def test_cuda_training_matches_cpu(data: Path, tmp_path: Path, amp: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (one process, the device the trainer picks where CUDA is): one seed, one initial
+    model (the dense layers are drawn on the CPU whatever the device), so in fp32 every step's
+    loss and the validation AUC are the CPU run's to float rounding; close with bf16."""
     import dlrm_app.training.trainer as train_module
 
-    cpu = train(_config(data, tmp_path / "cpu", max_steps=20), progress=False)
+    picked: list[torch.device] = []
     original = train_module.init_distributed
-    try:
-        train_module.init_distributed = lambda: torch.device("cuda", 0)  # type: ignore[assignment]
-        gpu = train(_config(data, tmp_path / "gpu", max_steps=20, amp=amp), progress=False)
-    finally:
-        train_module.init_distributed = original  # type: ignore[assignment]
+
+    def spy(*args: object, **kwargs: object) -> torch.device:
+        picked.append(original(*args, **kwargs))
+        return picked[-1]
+
+    monkeypatch.setattr(train_module, "init_distributed", spy)
+    gpu = train(_config(data, tmp_path / "gpu", max_steps=20, amp=amp), progress=False)
+    assert picked == [torch.device("cuda", 0)]
+    monkeypatch.setattr(train_module, "init_distributed", lambda *_a, **_k: torch.device("cpu"))
+    cpu = train(_config(data, tmp_path / "cpu", max_steps=20, amp=False), progress=False)
     tolerance = 5e-3 if amp else 1e-4
     assert gpu["validation"]["auc"] == pytest.approx(cpu["validation"]["auc"], abs=tolerance)
+    gpu_losses = [r["loss"] for r in _log(tmp_path / "gpu", "train")]
+    cpu_losses = [r["loss"] for r in _log(tmp_path / "cpu", "train")]
+    assert len(gpu_losses) == len(cpu_losses) == 20
+    # the first step reads the initial model: the same on both devices, whatever the precision
+    assert gpu_losses[0] == pytest.approx(cpu_losses[0], abs=2e-3 if amp else 1e-5)
+    if not amp:
+        assert gpu_losses == pytest.approx(cpu_losses, abs=1e-5)
 
 
 def test_early_stop_at_target_auc_and_saved_plan(data: Path, tmp_path: Path) -> None:

@@ -84,8 +84,12 @@ def test_batch_to_moves_every_field() -> None:
 
 @pytest.mark.gpu  # pinned memory needs CUDA: conftest skips the test without it
 def test_batch_pin_memory_pins_every_field() -> None:
-    batch = next(iter(RandomRecDataset(keys=["a"], batch_size=2, num_batches=1, num_dense=3)))
+    # at least one id per bag: an empty tensor has no memory to pin (is_pinned() is False)
+    batch = next(iter(RandomRecDataset(keys=["a"], batch_size=2, num_batches=1, num_dense=3,
+                                       min_ids_per_feature=1)))
+    assert batch.sparse_features.values().numel() >= 2
     pinned = batch.pin_memory()
     assert pinned.dense_features.is_pinned() and pinned.labels.is_pinned()
     assert pinned.sparse_features.values().is_pinned()
+    assert pinned.sparse_features.lengths().is_pinned()
     assert torch.equal(pinned.dense_features, batch.dense_features)
