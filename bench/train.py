@@ -114,6 +114,7 @@ from dlrm_app.training.build import (
     build_model,
     build_optimizer,
     comm_precision,
+    reset_on_cpu,
     set_learning_rates,
     world_hosts,
 )
@@ -427,7 +428,7 @@ class Baseline:
     def __init__(self, config: TrainConfig, spec: DatasetSpec, device: torch.device) -> None:
         model = PlainDLRM(spec, config.model, device)
         # the same initial weights as ours: tables from (seed, table, row block), dense layers
-        # reset after torch.manual_seed(seed) in module order
+        # reset after torch.manual_seed(seed) in module order, drawn on the CPU on any device
         with torch.no_grad():
             for bag, f in zip(model.embedding_bags, spec.sparse_features, strict=True):
                 fill_table_region(bag.weight, table_name(f.name), f.num_embeddings,
@@ -435,7 +436,7 @@ class Baseline:
         torch.manual_seed(config.seed)
         for module in model.modules():
             if not isinstance(module, nn.EmbeddingBag) and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+                reset_on_cpu(module)
         self.model = model
         self.ddp: nn.Module = model
         if dist.get_world_size() > 1:

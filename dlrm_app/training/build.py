@@ -253,17 +253,18 @@ def reset_on_cpu(module: nn.Module) -> None:
     """``module.reset_parameters()`` drawn from the CPU's generator wherever the module lives,
     so that one seed gives one initial model on a CPU and on a GPU (CUDA's generator draws
     other numbers): a CPU twin of the layer is reset and its values copied into the module's
-    own tensors (the parameter objects stay the ones DDP and the optimizers hold). A module
-    with submodules is reset where it is (the dense layers are leaves)."""
-    own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-    if all(t.device.type == "cpu" for t in own.values()) or next(module.children(), None):
+    own tensors (the parameter objects stay the ones DDP and the optimizers hold; on a CPU the
+    same numbers as resetting in place). A module with submodules is reset where it is (the
+    dense layers are leaves)."""
+    if next(module.children(), None) is not None:
         module.reset_parameters()  # type: ignore[operator]
         return
     twin = copy.deepcopy(module).to("cpu")
     twin.reset_parameters()  # type: ignore[operator]
     drawn = dict(twin.named_parameters(recurse=False)) | dict(twin.named_buffers(recurse=False))
     with torch.no_grad():
-        for name, tensor in own.items():
+        for name, tensor in [*module.named_parameters(recurse=False),
+                             *module.named_buffers(recurse=False)]:
             tensor.copy_(drawn[name])
 
 

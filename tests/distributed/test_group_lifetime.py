@@ -17,6 +17,7 @@ import itertools
 import os
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -29,6 +30,7 @@ from recsys_core.modules.embedding_modules import EmbeddingBagCollection
 from recsys_core.testing import run_gloo
 
 KEYS = ["f0", "f1", "f2"]
+pytestmark = pytest.mark.slow  # two ranks training: about 4 s
 
 
 def _threads() -> int:
@@ -68,29 +70,3 @@ def test_the_group_and_its_threads_go_with_destroy_process_group() -> None:
         # gloo's worker and transport threads went with the group
         assert after < with_group, (with_group, after)
 
-
-def _app_train_then_shutdown(rank: int, world: int, data: str, out: str) -> tuple[bool, int]:
-    from dlrm_app.config import ModelConfig
-    from dlrm_app.training.config import TrainConfig
-    from dlrm_app.training.runtime import shutdown_distributed
-    from dlrm_app.training.trainer import train
-
-    group = weakref.ref(dist.group.WORLD)
-    config = TrainConfig.from_flags(data=data, out=out, batch_size=32, max_steps=6,
-                                    model=ModelConfig(embedding_dim=8,
-                                                      dense_arch_layer_sizes=(16, 8),
-                                                      over_arch_layer_sizes=(16, 1)))
-    summary = train(config, progress=False)
-    shutdown_distributed()  # what `dlrm-app train` does after its summary
-    return group() is None, int(summary["steps"])
-
-
-def test_the_apps_training_command_lets_go_of_its_group(tmp_path) -> None:
-    from dlrm_app.data.synthetic import generate
-
-    generate(tmp_path / "data", rows=2000, num_dense=3, cardinalities=[300, 50, 2000],
-             pooling_factors=[1.0, 2.0, 1.0], zipf_alpha=1.05, seed=0)
-    for freed, steps in run_gloo(2, _app_train_then_shutdown, str(tmp_path / "data"),
-                                 str(tmp_path / "run")):
-        assert steps == 6
-        assert freed, "the training command's objects still hold the destroyed process group"
